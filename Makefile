@@ -1,0 +1,32 @@
+# shardserve: the two commands a newcomer needs are `make serve` and `make test`.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+MODEL   ?= models/default
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: setup test bench model serve lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install shardserve with its test extras
+
+test: $(STAMP)   ## run the whole test suite
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, with the command)
+	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_throughput.py
+	$(BIN)/python benchmarks/bench_kv_memory.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

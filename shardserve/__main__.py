@@ -1,0 +1,3 @@
+from shardserve.cli import main
+
+main()
