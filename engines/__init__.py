@@ -1,0 +1,27 @@
+"""The torch model engine: model, checkpoints, paged KV cache, scheduler, sampling, executors.
+
+Imports torch, safetensors, tokenizers and numpy only, so it runs on a bare GPU host.
+"""
+
+from engines.config import ConfigError, EngineConfig, ModelConfig
+from engines.outputs import CompletionOutput, RequestOutput
+from engines.plan import TokenLogprob
+from engines.sampling_params import RequestError, SamplingParams
+
+__all__ = [
+    "LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
+    "CompletionOutput", "TokenLogprob", "RequestError", "ConfigError",
+]
+
+
+def __getattr__(name: str):
+    # the torch-heavy parts load on first use, so `import engines` for configs stays cheap
+    if name in ("LLM", "LLMEngine"):
+        from engines import llm_engine
+
+        return getattr(llm_engine, name)
+    if name == "AsyncLLMEngine":
+        from engines.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
+    raise AttributeError(name)

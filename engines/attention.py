@@ -1,0 +1,127 @@
+"""Paged attention in plain torch: keys and values live in fixed-size blocks of one flat cache.
+
+The step's tokens arrive as one flattened row: first the decode tokens (one per sequence), then
+the prefill chunks. Per layer, the backend writes the new keys/values into their slots, then
+  - decode: gathers every decode sequence's context (S, L, nkv, hd) with one index computed once
+    per step, masks the padding, and runs one batched attention; a lone sequence whose blocks are
+    contiguous reads its cache as a slice, with no copy;
+  - prefill: a fresh prompt attends to its own keys causally; a later chunk of a long prompt
+    gathers its cached context and uses an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engines.plan import SeqWork
+
+
+@dataclass
+class PrefillMeta:
+    q_start: int
+    q_len: int
+    start_pos: int
+    ctx_slots: torch.Tensor | None
+    """(start_pos + q_len,) cache slots of the whole context; None for a fresh prompt."""
+
+
+class KVCache:
+    """Keys and values of all layers: (n_layer, 2, num_blocks * block_size, nkv, hd)."""
+
+    def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_kv_head: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.data = torch.zeros(n_layer, 2, num_blocks * block_size, n_kv_head, head_dim, dtype=dtype,
+                                device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class PagedAttention:
+    """The attention backend the model calls for one engine step (see engines.model)."""
+
+    def __init__(self, cache: KVCache, decode: list[SeqWork], prefill: list[SeqWork], device: torch.device):
+        self.cache = cache
+        bs = cache.block_size
+        slots: list[torch.Tensor] = []
+        self.n_decode = len(decode)
+        self.dec_slice: tuple[int, int] | None = None
+        self.dec_index: torch.Tensor | None = None
+        self.dec_mask: torch.Tensor | None = None
+        if decode:
+            ctx = [w.start_pos + 1 for w in decode]
+            tables = [w.block_ids for w in decode]
+            b0 = tables[0][0]
+            if len(decode) == 1 and tables[0] == list(range(b0, b0 + len(tables[0]))):
+                self.dec_slice = (b0 * bs, ctx[0])
+                slots.append(torch.tensor([b0 * bs + ctx[0] - 1]))
+            else:
+                max_blocks = max(len(t) for t in tables)
+                table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # (S, max_blocks)
+                lmax = max(ctx)
+                index = (table[:, :, None] * bs + torch.arange(bs)).view(len(decode), -1)[:, :lmax]  # (S, L)
+                ctx_t = torch.tensor(ctx)
+                slots.append(index.gather(1, (ctx_t - 1)[:, None]).view(-1))
+                self.dec_index = index.to(device)
+                # (S, 1, 1, L): key j of sequence s is visible when j < ctx[s]
+                self.dec_mask = (torch.arange(lmax)[None, :] < ctx_t[:, None]).view(len(decode), 1, 1, lmax).to(
+                    device)
+        self.prefill: list[PrefillMeta] = []
+        q_start = self.n_decode
+        for w in prefill:
+            table = torch.tensor(w.block_ids)
+            end = w.start_pos + len(w.token_ids)
+            pos = torch.arange(end)
+            ctx_slots = table[pos // bs] * bs + pos % bs  # (end,)
+            slots.append(ctx_slots[w.start_pos:])
+            self.prefill.append(PrefillMeta(q_start, len(w.token_ids), w.start_pos,
+                                            ctx_slots.to(device) if w.start_pos > 0 else None))
+            q_start += len(w.token_ids)
+        self.slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (N, nh, hd), k/v (N, nkv, hd) for this step's N tokens -> (N, nh, hd)."""
+        k_cache, v_cache = self.cache.data[layer]  # (slots, nkv, hd) each
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        gqa = q.shape[1] != k.shape[1]
+        if not self.prefill:
+            return self._decode(q, k_cache, v_cache, gqa)
+        out = torch.empty_like(q)
+        if self.n_decode:
+            out[:self.n_decode] = self._decode(q[:self.n_decode], k_cache, v_cache, gqa)
+        for p in self.prefill:
+            qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]  # (1, nh, T, hd)
+            if p.ctx_slots is None:
+                ks = k[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]  # (1, nkv, T, hd)
+                vs = v[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
+                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            else:
+                ks = k_cache[p.ctx_slots].transpose(0, 1)[None]  # (1, nkv, L, hd)
+                vs = v_cache[p.ctx_slots].transpose(0, 1)[None]
+                L = p.start_pos + p.q_len
+                # query i sits at position start_pos + i and sees keys 0..start_pos + i
+                mask = torch.arange(L, device=q.device)[None, :] <= (
+                    p.start_pos + torch.arange(p.q_len, device=q.device))[:, None]  # (T, L)
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+            out[p.q_start:p.q_start + p.q_len] = y[0].transpose(0, 1)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gqa: bool) -> torch.Tensor:
+        S = q.shape[0]
+        qd = q[:, :, None, :]  # (S, nh, 1, hd)
+        if self.dec_slice is not None:
+            start, length = self.dec_slice
+            ks = k_cache[start:start + length].transpose(0, 1)[None]  # (1, nkv, L, hd), a view
+            vs = v_cache[start:start + length].transpose(0, 1)[None]
+            y = F.scaled_dot_product_attention(qd, ks, vs, enable_gqa=gqa)
+        else:
+            ks = k_cache[self.dec_index].transpose(1, 2)  # (S, nkv, L, hd)
+            vs = v_cache[self.dec_index].transpose(1, 2)
+            y = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=self.dec_mask, enable_gqa=gqa)
+        return y.view(S, q.shape[1], q.shape[2])

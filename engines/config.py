@@ -1,0 +1,193 @@
+"""Frozen configuration of the model and of the engine.
+
+One source of truth: the CLI, the deployment schema (deploy/) and the tuner all build these
+objects; nothing changes them after construction. Derived values are properties (pure
+functions of the fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+MODEL_TYPES = ("gpt2", "llama")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or out of range; the message names the field."""
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a GPT model of the GPT-2 or the Llama family."""
+
+    model_type: Literal["gpt2", "llama"]
+    """gpt2: learned positions, LayerNorm, GELU(tanh), biases. llama: RoPE, RMSNorm, SwiGLU, GQA."""
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_kv_head: int = 0
+    """Key/value heads for grouped-query attention; 0 means n_head (plain multi-head)."""
+    head_dim: int = 0
+    """Per-head width; 0 means n_embd // n_head."""
+    intermediate_size: int = 0
+    """MLP hidden width; 0 means 4 * n_embd."""
+    max_position_embeddings: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bias: bool = True
+    """Biases in the attention and MLP projections (GPT-2 has them, Llama has not)."""
+    activation: Literal["gelu_tanh", "gelu", "silu"] = "gelu_tanh"
+    dropout: float = 0.0
+    """Dropout on embeddings, attention and residual branches (training only)."""
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.model_type in MODEL_TYPES, "model_type",
+                 f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
+        _require(self.n_kv_head >= 0 and self.head_dim >= 0 and self.intermediate_size >= 0,
+                 "n_kv_head/head_dim/intermediate_size", "must be >= 0 (0 selects the default)")
+        if self.head_dim == 0:
+            _require(self.n_embd % self.n_head == 0, "n_embd",
+                     f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        _require(self.n_head % self.kv_heads == 0, "n_kv_head",
+                 f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
+        _require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        if self.model_type == "gpt2":
+            _require(self.kv_heads == self.n_head, "n_kv_head", "gpt2 has no grouped-query attention")
+
+    # derived values
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.model_type == "llama"
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count from the shapes alone (no model needs to be built)."""
+        c, hd = self.n_embd, self.hd
+        qkv = c * (self.n_head + 2 * self.kv_heads) * hd
+        proj = self.n_head * hd * c
+        mlp = c * self.ffn_dim * (3 if self.activation == "silu" else 2)
+        norms = (4 if self.model_type == "gpt2" else 2) * c
+        biases = ((self.n_head + 2 * self.kv_heads) * hd + c + self.ffn_dim + c) if self.bias else 0
+        per_layer = qkv + proj + mlp + norms + biases
+        emb = self.vocab_size * c + (self.max_position_embeddings * c if self.model_type == "gpt2" else 0)
+        head = 0 if self.tie_word_embeddings else self.vocab_size * c
+        total = self.n_layer * per_layer + (2 if self.model_type == "gpt2" else 1) * c + head
+        return total + (emb if include_embeddings else 0)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # HF config.json conversion
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a transformers `config.json` dictionary (model_type gpt2 or llama)."""
+        from engines.hf_config import model_config_from_hf
+
+        return model_config_from_hf(d)
+
+    def to_hf(self) -> dict[str, Any]:
+        from engines.hf_config import model_config_to_hf
+
+        return model_config_to_hf(self)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("config.json: must hold a JSON object")
+        return cls.from_hf(data)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of the inference engine; the names follow vLLM where one exists."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = 512 * 2**20
+    """Memory budget of the paged KV cache (all layers, keys and values)."""
+    num_kv_blocks: int = 0
+    """Explicit number of KV blocks; 0 derives it from kv_cache_bytes."""
+    max_num_seqs: int = 64
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step (decode tokens + prefill chunk tokens)."""
+    max_model_len: int = 0
+    """Longest prompt + output; 0 means the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the engine's default generator (requests without their own seed)."""
+    max_logprobs: int = 20
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
+        _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
+        _require(self.num_kv_blocks >= 0, "num_kv_blocks", "must be >= 0 (0 derives it from kv_cache_bytes)")
+        _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
+        _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "extra")
+
+
+def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
+    """Bytes of one block across all layers: keys and values, block_size tokens each."""
+    itemsize = 4 if engine.dtype == "float32" else 2
+    return 2 * model.n_layer * engine.block_size * model.kv_heads * model.hd * itemsize
+
+
+def num_kv_blocks(model: ModelConfig, engine: EngineConfig) -> int:
+    if engine.num_kv_blocks:
+        return engine.num_kv_blocks
+    return max(1, engine.kv_cache_bytes // kv_bytes_per_block(model, engine))
+
+
+def max_model_len(model: ModelConfig, engine: EngineConfig) -> int:
+    if engine.max_model_len:
+        return min(engine.max_model_len, model.max_position_embeddings)
+    return model.max_position_embeddings

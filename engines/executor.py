@@ -1,0 +1,48 @@
+"""Executors run a step plan on the model's shards and return the sampled tokens.
+
+The contract is `execute(plan) -> StepResult`. InProcessExecutor runs one ModelRunner in the
+driver's process; the multiprocess (torch.distributed) and Ray executors of model parallelism
+implement the same three methods, so the engine never knows which one it drives.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from engines.config import EngineConfig, ModelConfig
+from engines.plan import StepPlan, StepResult
+
+
+class ExecutorError(RuntimeError):
+    """A worker failed; the requests of the failed step cannot complete."""
+
+
+class Executor(abc.ABC):
+    num_blocks: int
+    """KV blocks available on every shard (the scheduler's pool size)."""
+    model_config: ModelConfig
+
+    @abc.abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def check_health(self) -> None:
+        """Raise ExecutorError when a worker is gone."""
+
+    def shutdown(self) -> None:
+        """Release workers and memory."""
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, model=None):
+        from engines.worker import ModelRunner
+
+        self.runner = ModelRunner(model_dir, engine_cfg, model=model)
+        self.num_blocks = self.runner.num_blocks
+        self.model_config = self.runner.model_config
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        self.runner = None  # type: ignore[assignment]

@@ -1,0 +1,146 @@
+"""Conversion between transformers' `config.json` and ModelConfig (gpt2 and llama only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.config import MODEL_TYPES, ConfigError, ModelConfig
+
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _get(d: dict[str, Any], key: str, *, default: Any = ..., kind: type | tuple = int) -> Any:
+    if key not in d or d[key] is None:
+        if default is ...:
+            raise ConfigError(f"config.json: missing required field {key!r}")
+        return default
+    value = d[key]
+    if isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"config.json: field {key!r} must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    if kind is float and isinstance(value, int):
+        value = float(value)
+    if not isinstance(value, kind):
+        raise ConfigError(f"config.json: field {key!r} must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _eos(d: dict[str, Any]) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
+    model_type = d.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"config.json: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    if model_type == "gpt2":
+        act = d.get("activation_function", "gelu_new")
+        if act not in _GPT2_ACT:
+            raise ConfigError(f"config.json: activation_function {act!r} unsupported; "
+                              f"supported: {', '.join(_GPT2_ACT)}")
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+            if d.get(flag):
+                raise ConfigError(f"config.json: {flag}=true is not supported")
+        if d.get("scale_attn_weights") is False:
+            raise ConfigError("config.json: scale_attn_weights=false is not supported")
+        n_embd = _get(d, "n_embd")
+        return ModelConfig(
+            model_type="gpt2",
+            vocab_size=_get(d, "vocab_size"),
+            n_layer=_get(d, "n_layer"),
+            n_head=_get(d, "n_head"),
+            n_embd=n_embd,
+            intermediate_size=_get(d, "n_inner", default=0) or 4 * n_embd,
+            max_position_embeddings=_get(d, "n_positions", default=1024),
+            norm_eps=_get(d, "layer_norm_epsilon", default=1e-5, kind=float),
+            tie_word_embeddings=_get(d, "tie_word_embeddings", default=True, kind=bool),
+            bias=True,
+            activation=_GPT2_ACT[act],
+            dropout=_get(d, "resid_pdrop", default=0.0, kind=float),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_eos(d),
+        )
+    # llama
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config.json: hidden_act {act!r} unsupported for llama; supported: silu")
+    if d.get("mlp_bias"):
+        raise ConfigError("config.json: mlp_bias=true is not supported")
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ConfigError(f"config.json: rope type {rope_type!r} unsupported; supported: default")
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    n_embd, n_head = _get(d, "hidden_size"), _get(d, "num_attention_heads")
+    head_dim = _get(d, "head_dim", default=0) or n_embd // n_head
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=_get(d, "vocab_size"),
+        n_layer=_get(d, "num_hidden_layers"),
+        n_head=n_head,
+        n_embd=n_embd,
+        n_kv_head=_get(d, "num_key_value_heads", default=n_head),
+        head_dim=head_dim if head_dim * n_head != n_embd else 0,
+        intermediate_size=_get(d, "intermediate_size"),
+        max_position_embeddings=_get(d, "max_position_embeddings", default=2048),
+        norm_eps=_get(d, "rms_norm_eps", default=1e-6, kind=float),
+        rope_theta=float(theta),
+        tie_word_embeddings=_get(d, "tie_word_embeddings", default=False, kind=bool),
+        bias=_get(d, "attention_bias", default=False, kind=bool),
+        activation="silu",
+        dropout=_get(d, "attention_dropout", default=0.0, kind=float),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=_eos(d),
+    )
+
+
+def model_config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    eos: Any = list(c.eos_token_id) if len(c.eos_token_id) > 1 else (c.eos_token_id[0] if c.eos_token_id else None)
+    if c.model_type == "gpt2":
+        if c.activation not in ("gelu_tanh", "gelu") or not c.bias:
+            raise ConfigError("gpt2 checkpoints need bias=true and a gelu activation")
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": c.vocab_size,
+            "n_positions": c.max_position_embeddings,
+            "n_embd": c.n_embd,
+            "n_layer": c.n_layer,
+            "n_head": c.n_head,
+            "n_inner": c.ffn_dim,
+            "activation_function": "gelu_new" if c.activation == "gelu_tanh" else "gelu",
+            "layer_norm_epsilon": c.norm_eps,
+            "resid_pdrop": c.dropout,
+            "embd_pdrop": c.dropout,
+            "attn_pdrop": c.dropout,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "bos_token_id": c.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": torch_dtype,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.hd,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "hidden_act": "silu",
+        "attention_bias": c.bias,
+        "mlp_bias": False,
+        "attention_dropout": c.dropout,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos,
+        "torch_dtype": torch_dtype,
+    }

@@ -1,0 +1,300 @@
+"""The engine: requests in, incremental outputs out, one schedule -> execute -> update step at a time.
+
+Not thread-safe: one thread drives it (the offline LLM, or the AsyncLLMEngine's loop thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence as Seq
+
+from engines.checkpoint import CheckpointError
+from engines.config import EngineConfig, ModelConfig, max_model_len
+from engines.executor import Executor, InProcessExecutor
+from engines.outputs import CompletionOutput, RequestOutput
+from engines.plan import TokenLogprob
+from engines.sampling_params import RequestError, SamplingParams
+from engines.scheduler import Scheduler, SchedulerConfig
+from engines.sequence import Sequence
+from engines.tokenizer import Detokenizer, Tokenizer
+
+Prompt = str | list[int]
+ExecutorFactory = Callable[[str, EngineConfig], Executor]
+
+
+@dataclass
+class _Completion:
+    seq: Sequence
+    detok: Detokenizer | None
+    text: str = ""
+    """All decoded text (including what is held back while it may start a stop string)."""
+    emitted: int = 0
+    """Characters of `text` already sent."""
+    logprobs: list[TokenLogprob] | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_lp_sent: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.finished for c in self.completions)
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None,
+                 executor_factory: ExecutorFactory | None = None):
+        self.model_dir = str(model_dir)
+        self.config = engine_config or EngineConfig()
+        d = Path(model_dir)
+        if not d.is_dir():
+            raise CheckpointError(f"model directory {str(d)!r} does not exist or is not a directory")
+        self.tokenizer = Tokenizer.from_dir(d)
+        self.executor = (executor_factory or InProcessExecutor)(self.model_dir, self.config)
+        self.model_config: ModelConfig = self.executor.model_config
+        eos = tuple(self.model_config.eos_token_id)
+        if not eos and self.tokenizer is not None and self.tokenizer.token_id(self.tokenizer.eos_token) is not None:
+            eos = (self.tokenizer.token_id(self.tokenizer.eos_token),)
+        self.eos_token_ids = eos
+        self.max_model_len = max_model_len(self.model_config, self.config)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            block_size=self.config.block_size, num_blocks=self.executor.num_blocks,
+            max_model_len=self.max_model_len, eos_token_ids=eos))
+        self.requests: dict[str, _Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+
+    # requests
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text or None, token ids)."""
+        vocab = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt: must not be empty", param="prompt")
+            if self.tokenizer is None:
+                raise RequestError("prompt: this model has no tokenizer.json; send token ids instead",
+                                   param="prompt")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise RequestError("prompt: encodes to zero tokens", param="prompt")
+            return prompt, ids
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in prompt):
+            raise RequestError("prompt: must be a string or a list of token ids (integers)", param="prompt")
+        if not prompt:
+            raise RequestError("prompt: must not be empty", param="prompt")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < vocab:
+                raise RequestError(f"prompt: token id {t} at position {i} is outside the vocabulary [0, {vocab})",
+                                   param="prompt", code="invalid_token_id")
+        return None, list(prompt)
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Every check a request must pass before it enters the queue; raises RequestError."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params: must be a SamplingParams", param="sampling_params")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise RequestError(f"{name}: at most {self.config.max_logprobs}, got {v}", param=name)
+        text, ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    validated: tuple[str | None, list[int]] | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request_id: {request_id!r} is already running", param="request_id")
+        text, ids = validated if validated is not None else self.validate(prompt, params)
+        comps = []
+        for i in range(params.n):
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
+                           prompt_len=len(ids), params=params)
+            self._seqs[seq.seq_id] = seq
+            detok = self.tokenizer.detokenizer(ids, params.skip_special_tokens) if self.tokenizer else None
+            comps.append(_Completion(seq, detok, logprobs=[] if params.logprobs is not None else None))
+            self.scheduler.add(seq)
+        req = _Request(request_id, text, ids, params, comps,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        req.metrics["arrival_time"] = time.monotonic()
+        self.requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its KV blocks return to the pool before this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for c in req.completions:
+            if not c.seq.finished:
+                self.scheduler.finish(c.seq, "abort")
+            self._seqs.pop(c.seq.seq_id, None)
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": self.scheduler.blocks.usage, "num_preemptions": self.scheduler.num_preemptions}
+
+    # the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty and not plan.released_seq_ids:
+            return []
+        result = self.executor.execute(plan)
+        now = time.monotonic()
+        touched = self.scheduler.update(plan, result, self._seqs)
+        changed: dict[str, _Request] = {}
+        for work in (*plan.decode, *plan.prefill):
+            seq = self._seqs.get(work.seq_id)
+            if seq is None:
+                continue
+            req = self.requests[seq.request_id]
+            req.metrics.setdefault("first_scheduled_time", now)
+            res = result.seqs.get(work.seq_id)
+            if res is not None and res.prompt_logprobs and req.prompt_logprobs is not None and seq.index == 0:
+                req.prompt_logprobs.extend(res.prompt_logprobs)
+            if res is not None and res.logprob is not None:
+                req.completions[seq.index].logprobs.append(res.logprob)
+            changed[req.request_id] = req
+        for seq in touched:
+            req = self.requests[seq.request_id]
+            req.metrics.setdefault("first_token_time", now)
+            self._on_token(req, req.completions[seq.index])
+        outputs = []
+        for req in changed.values():
+            if req.finished:
+                req.metrics["finished_time"] = now
+                del self.requests[req.request_id]
+                for c in req.completions:
+                    self._seqs.pop(c.seq.seq_id, None)
+            if any(c.seq.num_output > c.sent_tokens or c.seq.finished for c in req.completions):
+                outputs.append(self._output(req))
+        return outputs
+
+    def _on_token(self, req: _Request, comp: _Completion) -> None:
+        seq, p = comp.seq, req.params
+        if comp.detok is not None:
+            comp.text += comp.detok.step(seq.token_ids[-1])
+        if p.stop and not seq.finished and seq.num_output >= p.min_tokens:
+            longest = max(len(s) for s in p.stop)
+            # a stop string may straddle the previous piece: search the new tail only
+            window_start = max(0, comp.emitted - longest)
+            hits = [(comp.text.find(s, window_start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                comp.text = comp.text[:i + len(s)] if p.include_stop_str_in_output else comp.text[:i]
+                self.scheduler.finish(seq, "stop", s)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for c in req.completions:
+            seq, p = c.seq, req.params
+            # hold back a tail that may still grow into a stop string
+            hold = 0 if seq.finished or not p.stop else max(len(s) for s in p.stop) - 1
+            upto = max(c.emitted, len(c.text) - hold)
+            delta_text = c.text[c.emitted:upto]
+            c.emitted = upto
+            out_ids = seq.output_token_ids
+            delta_ids = out_ids[c.sent_tokens:]
+            c.sent_tokens = len(out_ids)
+            delta_lp: list[TokenLogprob] = []
+            if c.logprobs is not None:
+                delta_lp = c.logprobs[c.sent_logprobs:]
+                c.sent_logprobs = len(c.logprobs)
+            outs.append(CompletionOutput(
+                index=c.seq.index, text=c.text[:upto], token_ids=list(out_ids),
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                text_delta=delta_text, token_ids_delta=delta_ids, logprobs_delta=delta_lp))
+        prompt_lp = None
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_ids):
+            prompt_lp = req.prompt_logprobs
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+                             outputs=outs, prompt_logprobs=prompt_lp, finished=req.finished,
+                             metrics=dict(req.metrics))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (the executor failed)."""
+        outs = []
+        for rid in list(self.requests):
+            out = self.abort_request(rid)
+            if out is not None:
+                out.error = message
+                outs.append(out)
+        return outs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class LLM:
+    """Offline batch generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | Path, dtype: str = "float32", **engine_options):
+        unknown = set(engine_options) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(EngineConfig.field_names())}")
+        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or token ids
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else (
+            [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        validated = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
+        ids = []
+        for p, sp, v in zip(prompts, params, validated):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, p, sp, validated=v)
+            ids.append(rid)
+        bar = _progress(len(ids)) if use_tqdm else None
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # engines/ runs with torch alone; the bar is optional there
+        return None
+    return tqdm(total=total, desc="generate", unit="req")

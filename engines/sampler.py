@@ -1,0 +1,142 @@
+"""Per-request sampling over a batch of logits.
+
+Order: raw logprobs (reported as the model's, before any processing) -> min_tokens suppression
+-> repetition / presence / frequency penalties -> greedy rows take the argmax; the others are
+scaled by temperature, cut by top-k and top-p, and drawn by an exponential race
+(argmax p_i / E_i with E_i ~ Exp(1)), which equals sampling from p. A seeded sequence draws its
+E from its own generator, one full vocabulary row per token, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.plan import SeqInit, TokenLogprob
+
+
+@dataclass
+class SeqSamplerState:
+    init: SeqInit
+    generator: torch.Generator | None
+    num_output: int = 0
+    counts: torch.Tensor | None = None
+    """(vocab,) occurrences of each token among the outputs (for presence/frequency penalties)."""
+    prompt_mask: torch.Tensor | None = None
+    """(vocab,) bool, tokens of the prompt (for the repetition penalty)."""
+    output_ids: list[int] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, seed: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.states: dict[int, SeqSamplerState] = {}
+
+    def add(self, init: SeqInit) -> None:
+        gen = None
+        if init.params.seed is not None:
+            # one stream per completion of an n > 1 request
+            gen = torch.Generator(device=self.device).manual_seed(init.params.seed + init.index)
+        st = SeqSamplerState(init, gen)
+        if init.params.has_penalties:
+            st.counts = torch.zeros(self.vocab_size, device=self.device)
+            st.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            ids = torch.tensor([t for t in init.prompt_token_ids if t < self.vocab_size], dtype=torch.long)
+            st.prompt_mask[ids.to(self.device)] = True
+        self.states[init.seq_id] = st
+
+    def release(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+    @torch.no_grad()
+    def sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        """logits (S, V) fp32, one row per sequence in seq_ids -> (token, logprob entry) each."""
+        states = [self.states[s] for s in seq_ids]
+        params = [st.init.params for st in states]
+        want_lp = [p.logprobs is not None for p in params]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+        logits = self._suppress_and_penalise(states, logits)
+        greedy = [p.greedy for p in params]
+        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            g = torch.tensor(greedy, device=logits.device)
+            if any(greedy):
+                tokens[g] = logits[g].argmax(dim=-1)
+            rows = [i for i, x in enumerate(greedy) if not x]
+            tokens[rows] = self._draw([states[i] for i in rows], logits[rows])
+        tok_list = tokens.tolist()
+        out: list[tuple[int, TokenLogprob | None]] = []
+        for i, (st, tok) in enumerate(zip(states, tok_list)):
+            st.num_output += 1
+            if st.counts is not None:
+                st.counts[tok] += 1
+            entry = None
+            if want_lp[i]:
+                entry = self.logprob_entry(raw_lp[i], tok, params[i].logprobs)
+            out.append((tok, entry))
+        return out
+
+    @staticmethod
+    def logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+        top: tuple[tuple[int, float], ...] = ()
+        if top_n:
+            vals, ids = lp_row.topk(top_n)
+            top = tuple(zip(ids.tolist(), vals.tolist()))
+        return TokenLogprob(token, float(lp_row[token]), top)
+
+    def _suppress_and_penalise(self, states: list[SeqSamplerState], logits: torch.Tensor) -> torch.Tensor:
+        copied = False
+        for i, st in enumerate(states):
+            p = st.init.params
+            if p.min_tokens and st.num_output < p.min_tokens:
+                banned = [t for t in (*st.init.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
+                if banned:
+                    if not copied:
+                        logits, copied = logits.clone(), True
+                    logits[i, banned] = float("-inf")
+            if st.counts is not None:
+                if not copied:
+                    logits, copied = logits.clone(), True
+                row = logits[i]
+                if p.repetition_penalty != 1.0:
+                    seen = st.prompt_mask | (st.counts > 0)
+                    # as in transformers / vLLM: divide positive logits, multiply negative ones
+                    penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                    row = torch.where(seen, penalised, row)
+                row = row - p.frequency_penalty * st.counts - p.presence_penalty * (st.counts > 0).float()
+                logits[i] = row
+        return logits
+
+    def _draw(self, states: list[SeqSamplerState], logits: torch.Tensor) -> torch.Tensor:
+        params = [st.init.params for st in states]
+        temp = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+        logits = logits / temp
+        if any(p.uses_top_k for p in params):
+            k = torch.tensor([p.top_k if p.uses_top_k else logits.shape[1] for p in params],
+                             device=logits.device).clamp(max=logits.shape[1])
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)[:, None]
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, st in enumerate(states) if st.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, st in enumerate(states):
+            if st.generator is not None:
+                noise[i].exponential_(generator=st.generator)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,113 @@
+"""Per-request generation options; names and defaults follow the OpenAI API and vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A request is invalid. `param` names the offending field; `code` is a machine-readable reason."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def _check(cond: bool, param: str, message: str) -> None:
+    if not cond:
+        raise RequestError(f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated on construction; never changed afterwards."""
+
+    n: int = 1
+    """Completions per prompt."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None runs to the context limit."""
+    min_tokens: int = 0
+    """EOS and stop token ids are suppressed until this many tokens exist."""
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    seed: int | None = None
+    """A seeded request draws the same tokens whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    """Return the chosen token's logprob and this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return logprobs of the prompt tokens with this many alternatives (for echo)."""
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # accept a bare string / list for stop and stop_token_ids, as the OpenAI API does
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(_is_int(self.n) and 1 <= self.n <= 128, "n", f"must be an integer in [1, 128], got {self.n!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               f"must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a number >= 0, got {self.temperature!r}")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+               f"must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty",
+               f"must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
+                   f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,78 @@
+"""Tokenizer of a checkpoint directory (`tokenizer.json`, in the `tokenizers` format)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class Tokenizer:
+    def __init__(self, tk: HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None):
+        self.tk = tk
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
+        """The directory's tokenizer, or None when it has no tokenizer.json."""
+        d = Path(model_dir)
+        path = d / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            tk = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise ValueError(f"tokenizer.json: cannot be read ({exc})") from exc
+        template = bos = eos = None
+        cfg_path = d / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                tc = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"tokenizer_config.json: not valid JSON ({exc})") from exc
+            template = tc.get("chat_template")
+            bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+        return cls(tk, template, bos, eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tk.id_to_token(token_id)
+
+    def token_id(self, text: str | None) -> int | None:
+        return self.tk.token_to_id(text) if text else None
+
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> "Detokenizer":
+        return Detokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class Detokenizer:
+    """Text of generated tokens, emitted only as whole UTF-8 characters.
+
+    The decode stream is primed with the prompt's tail so that tokenizers whose decoding depends
+    on the left context (SentencePiece's leading space) produce the right text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(ids=prompt_ids[-4:], skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        piece = self.stream.step(self.tokenizer.tk, token_id)
+        return piece or ""
+
+
+def _token_text(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok

@@ -1,0 +1,83 @@
+"""The model runner: owns the weights, the KV cache and the sampler state, and runs one step.
+
+An executor drives one runner per shard; the in-process executor drives exactly one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engines.attention import KVCache, PagedAttention
+from engines.checkpoint import load_model
+from engines.config import EngineConfig, ModelConfig, num_kv_blocks
+from engines.plan import SeqResult, StepPlan, StepResult
+from engines.sampler import Sampler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, model: torch.nn.Module | None = None):
+        self.engine_cfg = engine_cfg
+        self.device = torch.device(engine_cfg.device)
+        self.dtype = DTYPES[engine_cfg.dtype]
+        if model is None:
+            model, cfg = load_model(model_dir, dtype=self.dtype, device=self.device)
+        else:
+            cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        self.num_blocks = num_kv_blocks(cfg, engine_cfg)
+        self.cache = KVCache(cfg.n_layer, self.num_blocks, engine_cfg.block_size, cfg.kv_heads, cfg.hd,
+                             self.dtype, self.device)
+        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.cfg
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.released_seq_ids:
+            self.sampler.release(seq_id)
+        for init in plan.new_seqs:
+            self.sampler.add(init)
+        result = StepResult(step=plan.step)
+        if plan.empty:
+            return result
+        works = [*plan.decode, *plan.prefill]
+        ids: list[int] = []
+        pos: list[int] = []
+        for w in works:
+            ids.extend(w.token_ids)
+            pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
+        input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
+        positions = torch.tensor(pos, device=self.device)[None]
+        backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device)
+        hidden = self.model(input_ids, positions, backend)[0]  # (N, C)
+
+        # rows to turn into logits: the last token of each sampling sequence, then prompt-logprob rows
+        sample_rows, sample_ids = [], []
+        lp_rows: list[tuple[int, int, int]] = []  # (seq_id, first row, count)
+        offset = 0
+        for w in works:
+            if w.sample:
+                sample_rows.append(offset + len(w.token_ids) - 1)
+                sample_ids.append(w.seq_id)
+            if w.prompt_lp_targets:
+                lp_rows.append((w.seq_id, offset + w.prompt_lp_from - w.start_pos, len(w.prompt_lp_targets)))
+            offset += len(w.token_ids)
+        if sample_rows:
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[rows])
+            for seq_id, (tok, lp) in zip(sample_ids, self.sampler.sample(sample_ids, logits)):
+                result.seqs[seq_id] = SeqResult(token_id=tok, logprob=lp)
+        by_id = {w.seq_id: w for w in works}
+        for seq_id, first, count in lp_rows:
+            w = by_id[seq_id]
+            lp = torch.log_softmax(self.model.logits(hidden[first:first + count]), dim=-1)
+            top_n = self.sampler.states[seq_id].init.params.prompt_logprobs or 0
+            entries = [Sampler.logprob_entry(lp[j], tok, top_n) for j, tok in enumerate(w.prompt_lp_targets)]
+            result.seqs.setdefault(seq_id, SeqResult()).prompt_logprobs = entries
+        return result
