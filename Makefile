@@ -25,6 +25,15 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_throughput.py
 	$(BIN)/python benchmarks/bench_kv_memory.py
 
+model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing
+
+$(MODEL)/config.json: | $(STAMP)
+	$(BIN)/shardserve data
+	$(BIN)/shardserve train --config recipes/default.yaml
+
+serve: $(STAMP) model  ## serve the default model on http://$(HOST):$(PORT) (Ctrl-C stops)
+	$(BIN)/shardserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random checkpoints written by transformers, with a real BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CORPUS = (
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles "
+    "and by opposing end them. Héllo wörld — naïve café, 東京 and emoji 🙂 too. "
+) * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> int:
+    """Byte-level BPE trained on CORPUS; returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator([CORPUS], trainer)
+    tk.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
+    return tk.get_vocab_size()
+
+
+def make_checkpoint(out_dir: Path, family: str, seed: int = 0, **overrides) -> Path:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                         bos_token_id=0, eos_token_id=0, **overrides)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          bos_token_id=0, eos_token_id=0, **overrides)
+        model = LlamaForCausalLM(cfg)
+    # wider-than-default weights so that logits are far from ties (robust greedy comparisons)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.eval().save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("gpt2"), "gpt2")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def model_dir(request, gpt2_dir, llama_dir) -> Path:
+    return gpt2_dir if request.param == "gpt2" else llama_dir
