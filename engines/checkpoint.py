@@ -132,17 +132,25 @@ class TensorReader:
             return short
         raise CheckpointError(f"checkpoint is missing tensor {name!r}")
 
-    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """The tensor `name`, or only `rows` of its first dimension (read from disk as a slice)."""
+    def get(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """The tensor `name`, or only `rows` of its first dimension and/or `cols` of its second
+        (read from disk as a slice: a sharded loader reads only its part)."""
         key = self._normalise(name)
         if self._bin is not None and key in self._bin:
             t = self._bin[key]
-            return t[rows] if rows is not None else t
-        path = self._where[key]
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(path, framework="pt")
-        return handle.get_slice(key)[rows] if rows is not None else handle.get_tensor(key)
+        else:
+            path = self._where[key]
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = self._handles[path] = safe_open(path, framework="pt")
+            if rows is None and cols is None:
+                return handle.get_tensor(key)
+            t = handle.get_slice(key)
+            if cols is None:
+                return t[rows]
+        if rows is None and cols is None:
+            return t
+        return t[rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
 
     def has(self, name: str) -> bool:
         try:

@@ -154,6 +154,18 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
+    pipeline_parallel_size: int = 1
+    """Stages of contiguous layers; activations go stage to stage."""
+    pipeline_microbatches: int = 0
+    """Micro-batches a step's sequences are split into so that pipeline stages overlap; 0 means
+    pipeline_parallel_size (and 1 turns micro-batching off)."""
+    worker_threads: int = 0
+    """torch threads per shard worker; 0 shares the host's cores evenly among the shards."""
+    dist_timeout_s: float = 120.0
+    """Deadline of one step (and of collectives) in a multi-process executor: a hung or dead shard
+    worker fails the step with ExecutorError instead of hanging it."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
 
@@ -166,6 +178,20 @@ class EngineConfig:
         _require(self.num_kv_blocks >= 0, "num_kv_blocks", "must be >= 0 (0 derives it from kv_cache_bytes)")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _require(isinstance(self.pipeline_microbatches, int) and self.pipeline_microbatches >= 0,
+                 "pipeline_microbatches", f"must be an integer >= 0 (0 means pipeline_parallel_size), "
+                 f"got {self.pipeline_microbatches!r}")
+        _require(isinstance(self.worker_threads, int) and self.worker_threads >= 0, "worker_threads",
+                 f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
+        _require(self.dist_timeout_s > 0, "dist_timeout_s", f"must be > 0 seconds, got {self.dist_timeout_s!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Shard workers of one model copy: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
