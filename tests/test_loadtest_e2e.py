@@ -1,0 +1,212 @@
+"""loadtest end to end against a fake streaming server with injected, known behaviour.
+
+The server runs in its own process (tests/loadtest_support), so its timers do not share the load
+generator's event loop. Tolerances are the issue's: injected TTFT and ITL within 5% at p50, the
+arrival rate within 2%, errors counted exactly. The server emits tokens on an absolute timeline
+(arrival + ttft + k * itl), so its own timer jitter does not accumulate into the measured gaps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "loadtest_support"))
+
+from launcher import FakeServer  # noqa: E402
+
+import loadtest  # noqa: E402
+from loadtest import SLO, LoadTestConfig, LoadTestError, SweepConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer() as s:
+        yield s
+
+
+def cfg(server, **kw) -> LoadTestConfig:
+    base = dict(url=server.url, model="fake", random_input_len=16, random_output_len=8, progress=False, seed=1)
+    return LoadTestConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat", "kserve-generate-stream"])
+def test_measures_injected_ttft_and_itl_within_5_percent(server, backend):
+    ttft, itl, tokens = 0.2, 0.03, 8
+    server.configure(ttft=ttft, itl=itl)
+    n = 40 if backend == "openai-completions" else 20
+    report = loadtest.run(cfg(server, backend=backend, arrival="constant", request_rate=20, num_prompts=n))
+    s = report.summary
+    assert s.completed == n and s.failed == 0
+    assert s.ttft_ms.p50 == pytest.approx(ttft * 1e3, rel=0.05)
+    assert s.itl_ms.p50 == pytest.approx(itl * 1e3, rel=0.05)
+    assert s.tpot_ms.p50 == pytest.approx(itl * 1e3, rel=0.05)
+    assert s.e2el_ms.p50 == pytest.approx((ttft + (tokens - 1) * itl) * 1e3, rel=0.05)
+    assert s.itl_ms.count == n * (tokens - 1)  # every gap between chunks, pooled
+    expected_source = "chunks" if backend == "kserve-generate-stream" else "usage"  # KServe sends no usage
+    assert s.output_tokens_source == {expected_source: n} and s.total_output_tokens == n * tokens
+
+
+def test_reproduces_a_constant_arrival_rate_within_2_percent(server):
+    server.configure()  # instant replies: only the sends matter
+    rate, n = 100.0, 300
+    report = loadtest.run(cfg(server, arrival="constant", request_rate=rate, num_prompts=n, random_output_len=2))
+    sent = sorted(r.sent_s for r in report.records)
+    achieved = (len(sent) - 1) / (sent[-1] - sent[0])  # from the actual send times
+    assert achieved == pytest.approx(rate, rel=0.02)
+    assert report.summary.achieved_rate == pytest.approx(achieved)
+    assert report.summary.scheduled_rate == pytest.approx(rate)
+    assert report.summary.completed == n and server.stats()["arrivals"] == n + 1  # + the preflight
+
+
+def test_poisson_sends_follow_their_schedule(server):
+    server.configure(ttft=0.05)
+    report = loadtest.run(cfg(server, request_rate=80, num_prompts=200, random_output_len=2))
+    s = report.summary
+    assert s.achieved_rate == pytest.approx(s.scheduled_rate, rel=0.02)
+    assert s.scheduled_rate == pytest.approx(80, rel=0.25)  # a Poisson sample of 200 arrivals
+    assert s.send_lag_ms.p50 < 5.0  # a sleeping dispatcher wakes on time; a slow server never holds it
+
+
+def test_counts_injected_errors_exactly(server):
+    server.configure(itl=0.002, error_every=7, abort_every=5)
+    n = 60
+    report = loadtest.run(cfg(server, num_prompts=n, preflight=False))
+    # The server numbers arrivals 1..n: HTTP 500 on multiples of 7; a dropped stream on multiples of
+    # 5 that are not multiples of 7.
+    http_500 = sum(1 for k in range(1, n + 1) if k % 7 == 0)
+    dropped = sum(1 for k in range(1, n + 1) if k % 5 == 0 and k % 7 != 0)
+    s = report.summary
+    assert s.errors == {"http_500": http_500, "disconnected": dropped}
+    assert s.failed == http_500 + dropped and s.completed == n - s.failed
+    bad = [r for r in report.records if r.error_kind == "http_500"]
+    assert all("500" in r.error for r in bad)
+
+
+def test_goodput_end_to_end(server):
+    server.configure(ttft=0.02, slow_every=4, slow_ttft=0.3)
+    n = 40
+    slos = (SLO("ttft", 150.0), SLO("e2el", 1000.0))
+    report = loadtest.run(cfg(server, arrival="constant", request_rate=40, num_prompts=n, preflight=False, slos=slos))
+    s = report.summary
+    assert s.good_requests == n - n // 4  # every 4th arrival is slow: exactly those miss the TTFT bound
+    assert s.goodput == pytest.approx(s.good_requests / s.duration_s)
+    assert s.meets_slo is False  # 25% of requests over the bound: the p99 fails
+    assert [r.ok for r in s.slo_results] == [False, True]
+    assert s.ttft_ms.p50 == pytest.approx(20, abs=5)
+
+
+def test_multi_token_chunks_follow_vllm_itl_convention(server):
+    server.configure(itl=0.01, tokens_per_chunk=4)
+    report = loadtest.run(cfg(server, num_prompts=10, random_output_len=16))
+    s = report.summary
+    assert s.itl_ms.count == 10 * 3  # 4 chunks of 4 tokens: 3 gaps each, one per chunk
+    assert s.itl_ms.p50 == pytest.approx(40, rel=0.05)  # a gap spans the chunk's 4 tokens
+    assert s.tpot_ms.p50 == pytest.approx(120 / 15, rel=0.05)  # TPOT is per token: 120 ms / 15
+    assert s.total_output_tokens == 160  # from usage
+    no_usage = loadtest.run(cfg(server, num_prompts=4, random_output_len=16, include_usage=False))
+    assert no_usage.summary.output_tokens_source == {"chunks": 4}  # no tokenizer: one per chunk
+
+
+def test_closed_loop_holds_its_concurrency(server):
+    server.configure(ttft=0.05)
+    report = loadtest.run(cfg(server, closed_loop_concurrency=3, num_prompts=24, preflight=False))
+    assert report.summary.completed == 24
+    assert server.stats()["max_active"] == 3 and report.summary.max_in_flight == 3
+    assert report.summary.scheduled_rate is None  # a closed loop has no schedule
+    assert report.summary.request_throughput == pytest.approx(3 / 0.05, rel=0.3)
+
+
+def test_max_concurrency_caps_requests_in_flight(server):
+    server.configure(ttft=0.05)
+    report = loadtest.run(cfg(server, max_concurrency=4, num_prompts=20, preflight=False))
+    assert server.stats()["max_active"] == 4 and report.summary.max_in_flight == 4
+    # all 20 were due at t=0; the cap held 16 back, which shows as send lag
+    assert report.summary.send_lag_ms.max >= 4 * 50 * 0.9
+
+
+def test_warmup_duration_and_payload(server):
+    server.configure()
+    report = loadtest.run(
+        cfg(server, arrival="constant", request_rate=40, duration=0.5, warmup=4, ignore_eos=True, random_output_len=5)
+    )
+    assert len(report.records) == 20  # due times 0, 25 ms, ... < 0.5 s
+    assert report.summary.requests == 16 and report.summary.warmup_requests == 4
+    body = server.stats()["last_body"]
+    assert body["stream"] is True and body["max_tokens"] == 5
+    assert body["ignore_eos"] is True and body["min_tokens"] == 5
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_trace_replay_and_dataset(server, tmp_path):
+    server.configure()
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": t, "input_length": 4, "output_length": 2}) for t in (10.0, 10.1, 10.3, 10.35)))
+    report = loadtest.run(cfg(server, trace=trace, time_scale=2.0))
+    assert [r.scheduled_s for r in report.records] == pytest.approx([0.0, 0.2, 0.6, 0.7])
+    assert all(abs(r.sent_s - r.scheduled_s) < 0.05 for r in report.records)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "from the file"}], "output_len": 3}) + "\n")
+    report = loadtest.run(cfg(server, backend="openai-chat", dataset=data, num_prompts=2))
+    assert report.summary.completed == 2
+    body = server.stats()["last_body"]
+    assert body["messages"] == [{"role": "user", "content": "from the file"}] and body["max_tokens"] == 3
+
+
+def test_exact_prompt_lengths_and_output_counts_with_a_tokenizer(server, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "tok": 1, **{f"w{i}": i + 2 for i in range(50)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    server.configure()
+    report = loadtest.run(cfg(server, tokenizer=path, num_prompts=5, random_output_len=6, include_usage=False))
+    s = report.summary
+    assert s.prompt_lengths == "exact" and s.total_input_tokens == 5 * 16
+    assert s.output_tokens_source == {"tokenizer": 5} and s.total_output_tokens == 30  # " tok" x 6
+    prompt = server.stats()["last_body"]["prompt"]
+    assert len(tok.encode(prompt, add_special_tokens=False).ids) == 16
+
+
+def test_non_streaming_server_gives_a_clear_error(server):
+    server.configure(non_streaming=True)
+    with pytest.raises(LoadTestError, match="not a text/event-stream"):
+        loadtest.run(cfg(server, num_prompts=2))
+    # without the preflight the run completes and every request carries the reason
+    report = loadtest.run(cfg(server, num_prompts=3, preflight=False))
+    assert report.summary.errors == {"not_streaming": 3}
+
+
+def test_unreachable_url_and_wrong_path_give_clear_errors(server):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(LoadTestError, match=r"cannot connect to http://127.0.0.1:\d+/v1/completions.*running"):
+        loadtest.run(LoadTestConfig(url=f"http://127.0.0.1:{port}", model="m", num_prompts=1, progress=False))
+    server.configure()
+    with pytest.raises(LoadTestError, match="404 Not Found: check --url"):
+        loadtest.run(cfg(server, url=server.url + "/nope", num_prompts=1))
+
+
+def test_sweep_converges_on_a_server_of_known_capacity(server):
+    # At most 8 requests at once, 100 ms each: capacity 80 req/s. Below it a request takes ~100 ms;
+    # above it a queue grows for as long as the step lasts and latency explodes.
+    slots, service = 8, 0.1
+    capacity = slots / service
+    server.configure(max_concurrent=slots, service_time=service)
+    base = cfg(server, arrival="constant", duration=1.5, random_output_len=2, slos=(SLO("e2el", 200.0, "p90"),))
+    result = loadtest.sweep(base, SweepConfig(start_rate=20.0, tolerance=0.05))
+    assert result.best_rate is not None
+    assert 0.85 * capacity <= result.best_rate <= 1.1 * capacity
+    rates = [st.rate for st in result.steps]
+    assert rates[:3] == [20.0, 40.0, 80.0] or rates[:2] == [20.0, 40.0]  # doubling first
+    failed = [st for st in result.steps if not st.meets_slo]
+    assert failed and min(st.rate for st in failed) > result.best_rate
+    assert any(st.stop_reason for st in failed)  # over-saturated steps end early
