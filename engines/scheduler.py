@@ -54,7 +54,7 @@ class Scheduler:
         need = blocks_for(total, self.cfg.block_size)
         if need > self.cfg.num_blocks:
             raise RequestError(
-                f"prompt + max_tokens: needs {need} KV blocks ({total} tokens) but the KV cache has only "
+                f"max_tokens: prompt + max_tokens need {need} KV blocks ({total} tokens) but the KV cache has only "
                 f"{self.cfg.num_blocks} blocks of {self.cfg.block_size} tokens; lower max_tokens or raise "
                 "the KV-cache budget", param="max_tokens", code="kv_cache_too_small")
 

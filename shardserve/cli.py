@@ -19,6 +19,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """shardserve: train, shard, serve, tune and load-test GPT models."""
+
+
 def _register() -> None:
     # Each module keeps heavy imports (torch, ray) inside its functions, so `--help` stays fast.
     from shardserve import generate_cmd
