@@ -58,6 +58,11 @@ class Comm:
     def flush(self) -> None:
         """Wait until every started send has completed."""
 
+    # the whole world
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank (the step plan: pickled once, sent once to each rank)."""
+        return obj
+
 
 class LocalComm(Comm):
     """A world of one: every collective is the identity."""
@@ -73,8 +78,10 @@ class DistComm(Comm):
     """torch.distributed: an all-reduce/gather group per stage, point-to-point between stages."""
 
     def __init__(self, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, tp_group, tp_ranks: list[int],
-                 prev_rank: int | None, next_rank: int | None, device: torch.device):
+                 prev_rank: int | None, next_rank: int | None, device: torch.device, rank: int = 0,
+                 world_size: int = 1):
         super().__init__()
+        self.rank, self.world_size = rank, world_size
         self.tp_size, self.tp_rank, self.pp_size, self.pp_rank = tp_size, tp_rank, pp_size, pp_rank
         self.group, self.tp_ranks = tp_group, tp_ranks
         self.prev_rank, self.next_rank = prev_rank, next_rank
@@ -124,6 +131,29 @@ class DistComm(Comm):
             work.wait()
         self._pending.clear()
 
+    def broadcast_object(self, obj: object) -> object:
+        import pickle
+
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return obj
+        # pickled by rank 0 only: a length, then the bytes (a pinned CPU tensor with gloo; NCCL
+        # needs device tensors)
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                    dtype=torch.uint8).to(dev)
+            length = torch.tensor([data.numel()], dtype=torch.long, device=dev)
+            self.count("plan", data)
+        else:
+            length = torch.zeros(1, dtype=torch.long, device=dev)
+        dist.broadcast(length, src=0)
+        if self.rank != 0:
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
+        dist.broadcast(data, src=0)
+        return obj if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
+
 
 def init_distributed(rank: int, world_size: int, store_host: str, store_port: int, backend: str,
                      timeout_s: float, layout, device: torch.device) -> DistComm:
@@ -146,4 +176,4 @@ def init_distributed(rank: int, world_size: int, store_host: str, store_port: in
     prev_rank = layout.rank(tp_rank, pp_rank - 1) if pp_rank > 0 else None
     next_rank = layout.rank(tp_rank, pp_rank + 1) if pp_rank < layout.pp - 1 else None
     return DistComm(layout.tp, tp_rank, layout.pp, pp_rank, my_group, layout.tp_group_ranks(pp_rank),
-                    prev_rank, next_rank, device)
+                    prev_rank, next_rank, device, rank=rank, world_size=world_size)

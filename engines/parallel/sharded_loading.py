@@ -1,0 +1,163 @@
+"""Build one shard of a model, reading only its slices from the checkpoint.
+
+The model is built on the meta device, cut to the stage's layers (pp.py) and sharded (tp.py), so
+no full-size tensor is ever allocated; then every parameter of the shard is read from the
+safetensors files as exactly the slice `tp.shard_spec` names: rows of an HF tensor, or columns
+of GPT-2's transposed Conv1D weights (a column of ours is a row of theirs and vice versa).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engines.checkpoint import CheckpointError, Source, TensorReader, weight_plan
+from engines.config import ConfigError, ModelConfig
+from engines.parallel.comm import Comm
+from engines.parallel.pp import StageModel, split_stage
+from engines.parallel.tp import ShardSpec, apply_tp, shard_spec
+
+
+def _source_rows(name: str, cfg: ModelConfig, n_sources: int, full_rows: int) -> list[int]:
+    """Rows (in our orientation) contributed by each source of a parameter concatenated on dim 0."""
+    if n_sources == 1:
+        return [full_rows]
+    if ".attn.qkv." in name:
+        return [cfg.n_head * cfg.hd, cfg.kv_heads * cfg.hd, cfg.kv_heads * cfg.hd]
+    return [cfg.ffn_dim, cfg.ffn_dim]  # llama's fused [gate; up]
+
+
+def _read(reader: TensorReader, src: Source, dim: int, a: int, b: int) -> torch.Tensor:
+    """Our-orientation slice [a, b) along `dim` of one source tensor."""
+    theirs_dim = (1 - dim) if src.transpose else dim
+    sl = slice(a, b)
+    t = reader.get(src.name, rows=sl) if theirs_dim == 0 else reader.get(src.name, cols=sl)
+    return t.t() if src.transpose else t
+
+
+def read_sharded(reader: TensorReader, name: str, sources: tuple[Source, ...], cfg: ModelConfig,
+                 spec: ShardSpec | None, full_shape: tuple[int, ...]) -> torch.Tensor:
+    if spec is None:
+        parts = [(reader.get(s.name).t() if s.transpose else reader.get(s.name)) for s in sources]
+        return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+    pieces = []
+    if spec.dim == 0:
+        offsets, off = [], 0
+        for n in _source_rows(name, cfg, len(sources), full_shape[0]):
+            offsets.append((off, off + n))
+            off += n
+        for a, b in spec.ranges:
+            for src, (lo, hi) in zip(sources, offsets):
+                s, e = max(a, lo), min(b, hi)
+                if s < e:
+                    pieces.append(_read(reader, src, 0, s - lo, e - lo))
+    else:
+        if len(sources) != 1:
+            raise CheckpointError(f"{name}: a column-sharded parameter must come from one tensor")
+        for a, b in spec.ranges:
+            pieces.append(_read(reader, sources[0], 1, a, b))
+    out = torch.cat(pieces, spec.dim) if len(pieces) > 1 else pieces[0]
+    if spec.pad_to and out.shape[0] < spec.pad_to:
+        out = torch.cat([out, out.new_zeros((spec.pad_to - out.shape[0], *out.shape[1:]))], 0)
+    return out
+
+
+@contextmanager
+def meta_device():
+    """Build modules on the meta device, skipping nn.Embedding's normal_ init there: on meta it
+    has no values to fill, yet its first call costs ~2 s of one-time imports in every worker."""
+    orig = nn.init.normal_
+
+    def normal_(t, *args, **kwargs):
+        return t if t.is_meta else orig(t, *args, **kwargs)
+
+    nn.init.normal_ = normal_
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        nn.init.normal_ = orig
+
+
+def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, comm: Comm,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StageModel:
+    """The shard of layers [start, end) for TP rank comm.tp_rank, its weights read as slices."""
+    from engines.model import GPT
+
+    with meta_device():
+        stage = apply_tp(split_stage(GPT(cfg), start, end), cfg, comm)
+    plan = weight_plan(cfg)
+    if cfg.tie_word_embeddings and stage.lm_head is not None:
+        plan["lm_head.weight"] = plan["wte.weight"]  # a last stage without the embedding reads it too
+    reader = TensorReader(model_dir)
+    if "lm_head.weight" in plan and not reader.has(plan["lm_head.weight"][0].name):
+        raise CheckpointError("checkpoint has tie_word_embeddings=false but no lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for name, param in stage.named_parameters():  # a tied head is listed once, as wte.weight
+        sources = plan.get(name)
+        if sources is None:
+            raise CheckpointError(f"no checkpoint source for parameter {name!r}")
+        full_shape = _full_shape(name, cfg)
+        spec = shard_spec(name, cfg, comm.tp_size, comm.tp_rank)
+        t = read_sharded(reader, name, sources, cfg, spec, full_shape)
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {name!r}: read shape {tuple(t.shape)}, the shard expects "
+                                  f"{tuple(param.shape)}")
+        state[name] = t.to(dtype).contiguous()
+    stage.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings and stage.wte is not None and stage.lm_head is not None:
+        stage.lm_head.weight = stage.wte.weight
+    missing = [n for n, p in stage.named_parameters() if p.is_meta]
+    if missing:
+        raise CheckpointError(f"shard lacks parameters: {', '.join(missing[:5])}")
+    return stage.to(device).eval()
+
+
+def _full_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Unsharded shape of a parameter, from the config (dim 0 is all the loader needs)."""
+    c = cfg.n_embd
+    if name in ("wte.weight", "lm_head.weight"):
+        return (cfg.vocab_size, c)
+    if ".attn.qkv." in name:
+        return ((cfg.n_head + 2 * cfg.kv_heads) * cfg.hd, c)
+    if ".mlp.up." in name:
+        return (cfg.ffn_dim * (2 if cfg.activation == "silu" else 1), c)
+    if ".attn.proj.weight" in name or ".mlp.down.weight" in name:
+        return (c, 0)
+    return (0,)
+
+
+def shard_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters a shard holds (shared tensors counted once)."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def expected_shard_bytes(cfg: ModelConfig, tp: int, start: int, end: int, itemsize: int = 4) -> int:
+    """What a shard should hold: its layers' 1/tp share of the big matrices plus the replicated
+    parts (norms, row-parallel biases, positions), and its vocabulary slice of the embedding/head."""
+    from engines.model import GPT
+    from engines.parallel.comm import LocalComm
+
+    fake = LocalComm()  # only shapes are built: the collectives are never called
+    fake.tp_size, fake.tp_rank = tp, 0
+    with meta_device():
+        stage = apply_tp(split_stage(GPT(cfg), start, end), cfg, fake)
+    seen, total = set(), 0
+    for p in stage.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * itemsize
+    return total
+
+
+__all__ = ["load_shard", "read_sharded", "shard_bytes", "expected_shard_bytes", "ConfigError"]

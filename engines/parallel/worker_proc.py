@@ -1,0 +1,123 @@
+"""The shard worker's loop, shared by the multiprocess executor (a spawned process per rank) and the
+Ray executor (an actor per rank).
+
+Rank 0 takes each command from the driver over its channel and broadcasts it to every rank
+(the plan is pickled once and crosses the process group once); the sampling rank (last stage,
+TP rank 0) sends the step result back over its own channel. Any rank reports its own failure
+over its channel, so the driver learns of it without waiting for a collective to time out.
+
+Commands: ("step", plan) -> StepResult; ("logits", plan) -> (StepResult, {seq_id: logits});
+("stats", reset) -> every rank's counters; ("stop", None).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Protocol
+
+import torch
+
+from engines.config import EngineConfig
+from engines.parallel.comm import Comm
+from engines.parallel.layout import ParallelLayout
+from engines.parallel.shard_runner import ShardRunner
+
+
+class Channel(Protocol):
+    def recv(self) -> tuple: ...
+
+    def send(self, msg: tuple) -> None: ...
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def shard_info(runner: ShardRunner) -> dict:
+    from engines.parallel.sharded_loading import expected_shard_bytes, shard_bytes
+
+    start, end = runner.layout.stages[runner.pp_rank]
+    return {"rank": runner.rank, "tp_rank": runner.tp_rank, "pp_rank": runner.pp_rank, "layers": (start, end),
+            "num_blocks": runner.num_blocks, "weight_bytes": shard_bytes(runner.stage),
+            "expected_weight_bytes": expected_shard_bytes(runner.cfg, runner.layout.tp, start, end,
+                                                          torch.empty(0, dtype=runner.dtype).element_size()),
+            "kv_bytes": runner.cache.nbytes, "rss_bytes": rss_bytes(), "pid": os.getpid()}
+
+
+def stats(runner: ShardRunner, comm: Comm, reset: bool) -> dict:
+    out = {"rank": runner.rank, "tp_rank": runner.tp_rank, "pp_rank": runner.pp_rank, "bytes": dict(comm.bytes),
+           "calls": dict(comm.calls), "spans": list(runner.spans), "rss_bytes": rss_bytes()}
+    if reset:
+        comm.reset_counters()
+        runner.spans.clear()
+    return out
+
+
+def serve(runner: ShardRunner, comm: Comm, channel: Channel) -> None:
+    """Run commands until "stop". Raises on any failure (the caller reports it)."""
+    while True:
+        msg = channel.recv() if runner.rank == 0 else None
+        kind, payload = comm.broadcast_object(msg)
+        if kind in ("step", "logits"):
+            result, logits = runner.execute(payload, want_logits=kind == "logits")
+            if runner.samples:
+                channel.send(("ok", runner.rank, result if kind == "step" else (result, logits)))
+        elif kind == "stats":
+            channel.send(("ok", runner.rank, stats(runner, comm, bool(payload))))
+        elif kind == "stop":
+            channel.send(("ok", runner.rank, None))
+            return
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
+def device_for(engine_cfg: EngineConfig, rank: int) -> torch.device:
+    """cuda:<local index> for a GPU engine (one GPU per rank), else the configured device."""
+    if engine_cfg.device.startswith("cuda") and torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(engine_cfg.device)
+
+
+def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: int, model_dir: str,
+               engine_cfg: EngineConfig, threads: int, channel: Channel) -> None:
+    """Join the group, load the shard, report ready, serve; report any failure on the channel."""
+    from engines.parallel.comm import init_distributed
+
+    try:
+        torch.set_num_threads(threads)
+        device = device_for(engine_cfg, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        cfg = engine_cfg.replace(device=str(device))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        t0 = time.perf_counter()
+        comm = init_distributed(rank, layout.world_size, store_host, store_port, backend, engine_cfg.dist_timeout_s,
+                                layout, device)
+        runner = ShardRunner(model_dir, cfg, layout, rank, comm)
+        info = shard_info(runner)
+        info["load_s"] = time.perf_counter() - t0
+        channel.send(("ready", rank, info))
+        serve(runner, comm, channel)
+    except BaseException as exc:  # noqa: BLE001 - the driver turns it into ExecutorError
+        try:
+            channel.send(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001 - the driver is gone or the pipe is broken
+            pass
+        raise
+
+
+def worker_main(rank: int, layout: ParallelLayout, store_host: str, store_port: int, model_dir: str,
+                engine_cfg: EngineConfig, threads: int, conn) -> None:
+    """Entry point of a spawned shard process; `conn` is its end of a duplex Pipe to the driver."""
+    try:
+        run_worker(rank, layout, store_host, store_port, model_dir, engine_cfg, threads, conn)
+    except BaseException:  # noqa: BLE001 - already reported; exit non-zero without a second traceback
+        os._exit(1)
+    os._exit(0)
