@@ -137,3 +137,30 @@ def reference_logits(model_dir, token_ids: list[int], prompt_len: int) -> torch.
     with torch.no_grad():
         h = model(torch.tensor(token_ids)[None])[0]  # (T, C)
         return model.logits(h[prompt_len - 1:len(token_ids) - 1])  # (generated, V)
+
+
+def make_own_checkpoint(out_dir, **cfg_fields):
+    """A random checkpoint of any shape, written by our own saver (no tokenizer: prompts are ids)."""
+    from engines.checkpoint import save_checkpoint
+    from engines.config import ModelConfig
+    from engines.model import GPT
+
+    cfg = ModelConfig(**cfg_fields)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.normal_(0, 0.02)
+    save_checkpoint(model, cfg, out_dir)
+    return out_dir
+
+
+def max_logit_error(model_dir, prompts, outs, recorded: dict[int, list[torch.Tensor]]) -> float:
+    """Largest |logit - reference| over every generated token (request i is seq i)."""
+    err = 0.0
+    for i, p in enumerate(prompts):
+        ref = reference_logits(model_dir, p + outs[i][0], len(p))
+        got = torch.stack(recorded[i])
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        err = max(err, (ref - got).abs().max().item())
+    return err
