@@ -1,0 +1,94 @@
+"""A dead or hung shard worker fails the engine promptly and clearly; nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from engines.async_engine import AsyncLLMEngine, EngineDeadError
+from engines.config import EngineConfig
+from engines.executor import ExecutorError
+from engines.llm_engine import LLMEngine
+from engines.parallel.mp_executor import MultiprocExecutor
+from engines.sampling_params import SamplingParams
+from parallel_fixtures import PROMPTS
+
+CFG = EngineConfig(num_kv_blocks=64, worker_threads=1, tensor_parallel_size=2, dist_timeout_s=30)
+
+
+def test_killed_worker_fails_in_flight_requests_promptly(gpt2_dir):
+    engine = LLMEngine(gpt2_dir, CFG, executor_factory=MultiprocExecutor)
+    executor = engine.executor
+    victim = executor.shard_info[1]["pid"]
+    aengine = AsyncLLMEngine(engine)
+
+    async def consume(i: int, first: asyncio.Event):
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        n = 0
+        try:
+            async for _ in aengine.generate(f"r{i}", PROMPTS[i], params):
+                n += 1
+                if n == 3:
+                    first.set()
+        except EngineDeadError as exc:
+            return n, exc, time.monotonic()
+        return n, None, time.monotonic()
+
+    async def main():
+        first = asyncio.Event()
+        tasks = [asyncio.create_task(consume(i, first)) for i in range(len(PROMPTS))]
+        await asyncio.wait_for(first.wait(), 60)
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 20)  # no hang
+        return killed_at, results
+
+    try:
+        killed_at, results = asyncio.run(main())
+        for n, exc, t in results:
+            assert exc is not None, "a request finished although its shard died"
+            assert "shard worker 1" in str(exc) and "died" in str(exc)
+            assert n < 200
+            assert t - killed_at < 10.0, f"failure took {t - killed_at:.1f} s to surface"
+        with pytest.raises(ExecutorError, match="shard worker 1"):
+            executor.check_health()
+        with pytest.raises(EngineDeadError):
+            aengine.check_health()
+    finally:
+        aengine.shutdown()
+    assert all(not p.is_alive() for p in executor.procs)  # the survivors were reaped
+
+
+def test_hung_worker_fails_the_step_at_the_deadline(llama_dir):
+    executor = MultiprocExecutor(llama_dir, CFG.replace(pipeline_parallel_size=2, tensor_parallel_size=1,
+                                                         dist_timeout_s=3))
+    engine = LLMEngine(llama_dir, CFG, executor_factory=lambda d, c: executor)
+    pid = executor.shard_info[1]["pid"]
+    try:
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)  # alive but stuck: only the deadline can tell
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"no reply from shard worker\(s\) \[1\] within 3 s"):
+            while True:
+                engine.step()
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(ExecutorError):
+            executor.check_health()
+    finally:
+        executor.shutdown()
+
+
+def test_worker_error_at_start_is_reported(gpt2_dir, tmp_path):
+    bad = tmp_path / "noweights"
+    bad.mkdir()
+    shutil.copy(gpt2_dir / "config.json", bad / "config.json")
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorError, match="shard worker [01] failed: CheckpointError: .* has no weights"):
+        MultiprocExecutor(bad, CFG)
+    assert time.monotonic() - t0 < 60
