@@ -154,6 +154,9 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
+    cpu_linear_autotune: bool = True
+    """On CPU, time both weight layouts of each Linear shape at load and keep the faster
+    (engines/fast_linear.py); off keeps the model's plain nn.Linear layers."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1

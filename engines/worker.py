@@ -27,6 +27,10 @@ class ModelRunner:
             model, cfg = load_model(model_dir, dtype=self.dtype, device=self.device)
         else:
             cfg = model.cfg
+        if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
+            from engines.fast_linear import apply_fast_linear
+
+            apply_fast_linear(model)
         self.model, self.cfg = model, cfg
         self.num_blocks = num_kv_blocks(cfg, engine_cfg)
         self.cache = KVCache(cfg.n_layer, self.num_blocks, engine_cfg.block_size, cfg.kv_heads, cfg.hd,

@@ -1,0 +1,103 @@
+"""B1: batch-1 decode speed against transformers `generate` and against the memory roofline.
+
+    .venv/bin/python benchmarks/bench_decode.py [--tokens 64] [--rounds 4] [--device cpu|cuda]
+
+GPT-2-124M shape, random weights, 2 threads on CPU. Each round times transformers and our
+engine back to back (interleaved, so a noisy neighbour hurts both), and the best round of each
+is kept. The roofline is the weight bytes one decode step must read (every matrix, the LM head
+included; embedding lookups read one row) over the read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import gpt2_124m_dir, read_bandwidth  # noqa: E402
+
+TARGET_VS_HF, TARGET_ROOFLINE_BF16 = 1.5, 0.60
+
+
+def weight_bytes_per_token(cfg, itemsize: int) -> int:
+    params = cfg.num_params(include_embeddings=False)  # blocks + final norm
+    return (params + cfg.vocab_size * cfg.n_embd) * itemsize  # + the LM head matrix
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    from engines import LLM, SamplingParams
+    from engines.config import ModelConfig
+
+    d = gpt2_124m_dir()
+    cfg = ModelConfig.from_dir(d)
+    prompt = list(range(100, 108))
+    n = args.tokens
+    print(f"B1 batch-1 decode, GPT-2-124M shape, {n} tokens, device={args.device}, threads={args.threads}")
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(args.device).eval()
+        llm = LLM(d, dtype=dtype_name, device=args.device)
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        ids = torch.tensor([prompt], device=args.device)
+
+        def run_hf():
+            with torch.inference_mode():
+                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        def run_ours():
+            llm.generate([prompt], params)
+
+        def sync():
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+
+        run_hf(), run_ours()  # warm-up
+        best_hf = best_ours = float("inf")
+        bw = 0.0
+        for _ in range(args.rounds):
+            for fn, which in ((run_hf, "hf"), (run_ours, "ours")):
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                dt = time.perf_counter() - t
+                if which == "hf":
+                    best_hf = min(best_hf, dt)
+                else:
+                    best_ours = min(best_ours, dt)
+            bw = max(bw, read_bandwidth(device=args.device))
+        # time per token excludes the prompt's prefill only approximately; both pay it alike
+        hf_tps, ours_tps = n / best_hf, n / best_ours
+        wbytes = weight_bytes_per_token(cfg, dtype.itemsize)
+        roof_tps = bw / wbytes
+        rows.append((dtype_name, hf_tps, ours_tps, ours_tps / hf_tps, roof_tps, ours_tps / roof_tps))
+        print(f"  {dtype_name:9s} transformers {hf_tps:7.1f} tok/s | ours {ours_tps:7.1f} tok/s | "
+              f"ratio {ours_tps / hf_tps:5.2f}x (target >= {TARGET_VS_HF}x) | read bw {bw / 1e9:5.1f} GB/s, "
+              f"{wbytes / 1e6:.0f} MB/token -> roofline {roof_tps:6.1f} tok/s, ours at "
+              f"{100 * ours_tps / roof_tps:4.1f}%")
+        del hf, llm
+    for name, _, _, ratio, _, frac in rows:
+        ok_ratio = "MET" if ratio >= TARGET_VS_HF else "MISSED"
+        line = f"  {name}: vs transformers {ratio:.2f}x [{ok_ratio}]"
+        if name == "bfloat16":
+            line += f"; roofline {100 * frac:.1f}% [{'MET' if frac >= TARGET_ROOFLINE_BF16 else 'MISSED'}]"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

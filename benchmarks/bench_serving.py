@@ -1,0 +1,163 @@
+"""Serving overhead: concurrent streaming requests through gateway + Ray Serve vs the same requests
+through the AsyncLLMEngine in this process, in the same run (rounds alternate, so both see the
+same machine load).
+
+Targets (issue 4): serving keeps >= 85% of the in-process output tokens/s and adds <= 20 ms to the
+median time to first token.
+
+    .venv/bin/python benchmarks/bench_serving.py [--model DIR] [--concurrency 64] [--max-tokens 128]
+
+Without --model it uses models/default, or builds the tiny test checkpoint (needs transformers).
+Both paths use the same torch thread count (the replica's num_cpus) and the same prompts, and
+every request generates exactly max_tokens tokens (ignore_eos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer",
+           "the slings and arrows of outrageous fortune,", "or to take arms against a sea of troubles"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_dir(arg: str | None) -> str:
+    if arg:
+        return arg
+    default = ROOT / "models" / "default"
+    if (default / "config.json").is_file():
+        return str(default)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import make_checkpoint
+
+    out = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "gpt2"
+    print(f"models/default is missing: using the tiny test checkpoint at {out}")
+    return str(make_checkpoint(out, "gpt2"))
+
+
+def summarize(name: str, tokens: int, seconds: float, ttfts: list[float]) -> dict:
+    return {"path": name, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "ttft_median_ms": 1000 * statistics.median(ttfts), "ttft_p90_ms": 1000 * sorted(ttfts)[int(0.9 * len(ttfts))]}
+
+
+async def run_inprocess(engine, conc: int, max_tokens: int, tag: str) -> dict:
+    from engines import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=None)
+
+    async def one(i: int):
+        t0 = time.perf_counter()
+        ttft, n = None, 0
+        async for out in engine.generate(f"{tag}-{i}", PROMPTS[i % len(PROMPTS)], params):
+            d = out.outputs[0].token_ids_delta
+            if d and ttft is None:
+                ttft = time.perf_counter() - t0
+            n += len(d)
+        return ttft, n
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[one(i) for i in range(conc)])
+    dt = time.perf_counter() - t0
+    return summarize("in-process", sum(n for _, n in res), dt, [t for t, _ in res])
+
+
+async def run_serving(url: str, model: str, conc: int, max_tokens: int) -> dict:
+    import httpx
+
+    body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        async def one(i: int):
+            t0 = time.perf_counter()
+            ttft, usage, last = None, 0, b""
+            async with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[i % len(PROMPTS)]}) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                async for part in r.aiter_bytes():
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    last = (last + part)[-2048:]
+            # the usage event is the last before [DONE]: parse only that one
+            for line in reversed(last.split(b"\n")):
+                if line.startswith(b"data: {") and b'"usage": {' in line:
+                    usage = json.loads(line[6:])["usage"]["completion_tokens"]
+                    break
+            return ttft, usage
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*[one(i) for i in range(conc)])
+        dt = time.perf_counter() - t0
+    return summarize("serving", sum(n for _, n in res), dt, [t for t, _ in res])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (default: models/default or a tiny test model)")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-cpus", type=float, default=1.0, help="the replica's Ray CPUs = torch threads of both paths")
+    ap.add_argument("--stream-interval-ms", type=float, default=0.0, help="0 adapts it to load")
+    args = ap.parse_args()
+
+    import torch
+
+    from deploy import validate_config
+    from engines import AsyncLLMEngine, EngineConfig
+    from serving import launcher
+
+    path = model_dir(args.model)
+    threads = max(1, int(args.num_cpus))
+    torch.set_num_threads(threads)
+    cfg = validate_config({
+        "models": [{"name": "bench", "path": path, "replicas": 1, "num_cpus": args.num_cpus,
+                    "stream_interval_ms": args.stream_interval_ms, "max_waiting": max(64, args.concurrency)}],
+        "server": {"port": free_port(), "log_requests": False}})
+    engine = AsyncLLMEngine.from_model_dir(path, EngineConfig(**cfg.models[0].engine.engine_kwargs()))
+    running = launcher.start(cfg, [])
+    print(f"model {path}; serving at {running.url} (ready in {running.started_in_s:.1f} s); "
+          f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, torch threads {threads}")
+    results: list[tuple[dict, dict]] = []
+    try:
+        asyncio.run(run_inprocess(engine, 8, 8, "warm"))
+        asyncio.run(run_serving(running.url, "bench", 8, 8))
+        for r in range(args.rounds):
+            a = asyncio.run(run_inprocess(engine, args.concurrency, args.max_tokens, f"r{r}"))
+            b = asyncio.run(run_serving(running.url, "bench", args.concurrency, args.max_tokens))
+            results.append((a, b))
+            print(f"round {r}: in-process {a['tok_s']:8.0f} tok/s TTFT p50 {a['ttft_median_ms']:6.1f} ms | "
+                  f"serving {b['tok_s']:8.0f} tok/s TTFT p50 {b['ttft_median_ms']:6.1f} ms")
+    finally:
+        launcher.stop(running)
+        engine.shutdown()
+    a_tok = statistics.median(a["tok_s"] for a, _ in results)
+    b_tok = statistics.median(b["tok_s"] for _, b in results)
+    a_ttft = statistics.median(a["ttft_median_ms"] for a, _ in results)
+    b_ttft = statistics.median(b["ttft_median_ms"] for _, b in results)
+    ratio, added = b_tok / a_tok, b_ttft - a_ttft
+    print(f"\nmedian of {len(results)} rounds:")
+    print(f"  output tokens/s: in-process {a_tok:.0f}, serving {b_tok:.0f} -> ratio {ratio:.3f} "
+          f"(target >= 0.85: {'PASS' if ratio >= 0.85 else 'MISS'})")
+    print(f"  median TTFT: in-process {a_ttft:.1f} ms, serving {b_ttft:.1f} ms -> added {added:+.1f} ms "
+          f"(target <= 20 ms: {'PASS' if added <= 20 else 'MISS'})")
+
+
+if __name__ == "__main__":
+    main()

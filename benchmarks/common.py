@@ -1,0 +1,63 @@
+"""Shared pieces of the benchmarks: a GPT-2-124M-shaped checkpoint and in-run ceilings."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CACHE = Path(os.environ.get("SHARDSERVE_BENCH_CACHE", Path.home() / ".cache" / "shardserve" / "bench"))
+
+
+def gpt2_124m_dir() -> Path:
+    """A random-weight GPT-2-124M-shaped checkpoint (written once, reused)."""
+    from engines.checkpoint import save_checkpoint
+    from engines.config import ModelConfig
+    from engines.model import GPT
+
+    d = CACHE / "gpt2-124m-random"
+    if (d / "config.json").is_file():
+        return d
+    cfg = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
+                      max_position_embeddings=1024, bos_token_id=50256, eos_token_id=(50256,))
+    model = GPT(cfg).init_weights(seed=0)
+    save_checkpoint(model, cfg, d)
+    return d
+
+
+def read_bandwidth(nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 5) -> float:
+    """Bytes/s of a streaming read: an fp32 sum over a buffer larger than the caches, best of N.
+
+    fp32 is used because its reduction kernel is the fastest reader torch has here (the bf16 sum
+    is compute-bound on this CPU and would understate the ceiling)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def matmul_peak(dtype=torch.bfloat16, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul in this process (best of N)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def median(xs):
+    return statistics.median(xs)
