@@ -1,0 +1,254 @@
+"""The deployment config: which models to serve, how, and with what limits (one source of truth).
+
+`shardserve serve --config FILE`, the tuner's emitted configs and the YAML examples in
+deploy/examples/ all produce a `DeploymentConfig`. Every model carries engine options by value
+(the fields of engines.EngineConfig, mirrored here because deploy/ imports neither engines nor
+serving; a test keeps the two field sets equal). An unset engine option means "the engine's own
+default", so each default is defined once, in engines.EngineConfig.
+
+Invalid configs fail at load with messages that name the field, e.g.
+`models.0.engine.block_size: Input should be greater than 0`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+"""No "/": the name is one path segment of /v2/models/{name}/..."""
+
+
+class ConfigFileError(ValueError):
+    """A deployment config cannot be read or is invalid; the message names file and field."""
+
+
+class _Strict(BaseModel):
+    # unknown keys are typos: fail instead of silently ignoring them
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineOptions(_Strict):
+    """engines.EngineConfig fields; None (unset) keeps the engine's default."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    device: str | None = None
+    """torch device string: cpu, cuda, cuda:1."""
+    block_size: int | None = Field(None, gt=0)
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int | None = Field(None, gt=0)
+    """Memory budget of the paged KV cache, all layers (bytes)."""
+    num_kv_blocks: int | None = Field(None, ge=0)
+    """Explicit KV block count; 0 derives it from kv_cache_bytes."""
+    max_num_seqs: int | None = Field(None, gt=0)
+    """Most sequences in one engine step."""
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    """Token budget of one step."""
+    max_model_len: int | None = Field(None, ge=0)
+    """Longest prompt + output; 0 uses the model's limit."""
+    seed: int | None = None
+    max_logprobs: int | None = Field(None, ge=0, le=100)
+    cpu_linear_autotune: bool | None = None
+    """On CPU, time both weight layouts of each Linear at load and keep the faster."""
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    """Tensor-parallel shards of one model copy (TP)."""
+    pipeline_parallel_size: int | None = Field(None, ge=1)
+    """Pipeline stages of one model copy (PP)."""
+    pipeline_microbatches: int | None = Field(None, ge=0)
+    """Micro-batches per step across pipeline stages; 0 means pipeline_parallel_size."""
+    worker_threads: int | None = Field(None, ge=0)
+    """torch threads per shard worker; 0 shares the cores among the shards."""
+    dist_timeout_s: float | None = Field(None, gt=0)
+    """Deadline of one step in a multi-process executor (seconds)."""
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The options that were set, as keyword arguments of engines.EngineConfig."""
+        return self.model_dump(exclude_none=True)
+
+
+class AutoscalingSpec(_Strict):
+    """Ray Serve autoscaling of a model's replicas (instead of a fixed `replicas`)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(32.0, gt=0)
+    """Requests per replica the autoscaler aims for."""
+
+    @model_validator(mode="after")
+    def _order(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        return self
+
+
+class ModelSpec(_Strict):
+    """One served model: its checkpoint, copies, engine options and parallel layout."""
+
+    name: str
+    """The name clients send as `model` (OpenAI) or in the /v2/models/{name} path."""
+    path: str
+    """Checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
+    replicas: int = Field(1, ge=1)
+    """Fixed number of ModelServer replicas (ignored when autoscaling is set)."""
+    autoscaling: AutoscalingSpec | None = None
+    engine: EngineOptions = EngineOptions()
+    # admission and streaming
+    max_waiting: int = Field(64, ge=0)
+    """Sequences a replica queues beyond engine.max_num_seqs running ones; past it, 429."""
+    retry_after_s: int = Field(1, ge=1)
+    """Retry-After sent with a 429."""
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000)
+    """Least time between two streamed chunks of one request; tokens in between are sent together.
+    0 adapts it to load (see docs/serving.md)."""
+    # weights and decode graphs (used from later issues on; tp and pp are engine options)
+    weight_format: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
+    cuda_graphs: bool = False
+    num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved by each replica (the driver of its engine)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs reserved by each replica."""
+    shard_num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs per shard worker when engine.tensor_parallel_size x pipeline_parallel_size > 1."""
+    shard_num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs per shard worker (1 on GPU nodes) when the model is split."""
+
+    @property
+    def world_size(self) -> int:
+        """Shard workers of one replica (1: the engine runs in the replica itself)."""
+        return (self.engine.tensor_parallel_size or 1) * (self.engine.pipeline_parallel_size or 1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not MODEL_NAME.match(v):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : -, starting with a "
+                             f"letter or digit; got {v!r}")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a checkpoint directory")
+        return v
+
+
+class ServerSpec(_Strict):
+    """The HTTP gateway and its limits."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; the default is reachable from this machine only."""
+    port: int = Field(8000, ge=0, le=65535)
+    gateway_replicas: int = Field(1, ge=1)
+    max_body_bytes: int = Field(1 << 20, gt=0)
+    """Largest request body accepted (413 beyond)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A request still running after this long is aborted (408)."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+    """On shutdown, in-flight requests get this long to finish before they are aborted."""
+    api_keys_file: str | None = None
+    """File of accepted API keys, one per line (# comments). When keys are set, every route but the
+    health checks needs `Authorization: Bearer <key>`."""
+    api_keys_env: str | None = "SHARDSERVE_API_KEYS"
+    """Environment variable with comma-separated API keys (added to the file's); None ignores it."""
+    log_requests: bool = True
+    """One structured (JSON) log line per request."""
+    metrics_push_interval_s: float = Field(0.5, gt=0, le=60)
+    """How often Ray Serve replicas publish their metrics for /metrics (the staleness bound)."""
+
+
+class RaySpec(_Strict):
+    address: str | None = None
+    """Ray cluster to join (ray://host:10001 or host:6379); None starts a local one."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the embedded local Ray; None sums what the replicas reserve (at least 2)."""
+
+
+class DeploymentConfig(_Strict):
+    models: list[ModelSpec] = Field(min_length=1)
+    server: ServerSpec = ServerSpec()
+    ray: RaySpec = RaySpec()
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> DeploymentConfig:
+        seen: set[str] = set()
+        for i, m in enumerate(self.models):
+            if m.name in seen:
+                raise ValueError(f"models.{i}.name: {m.name!r} is used by two models")
+            seen.add(m.name)
+        return self
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def replace(self, **changes: Any) -> DeploymentConfig:
+        """A validated copy with some top-level sections replaced (configs are never mutated)."""
+        return validate_config({**self.model_dump(), **changes})
+
+    @classmethod
+    def for_model_dir(cls, model_dir: str, name: str | None = None, **server: Any) -> DeploymentConfig:
+        """One model from a checkpoint directory, named after the directory."""
+        name = name or Path(model_dir).resolve().name
+        return validate_config({"models": [{"name": name, "path": str(model_dir)}], "server": server})
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, each starting with the dotted path of the field."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see deploy/schema.py)"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "\n".join(lines)
+
+
+def validate_config(data: Any, source: str = "config") -> DeploymentConfig:
+    try:
+        return DeploymentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigFileError(f"{source}: invalid deployment config\n{format_validation_error(exc)}") from None
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    """Read and validate a YAML (or JSON) deployment config. Relative model paths are relative to
+    the working directory of `shardserve serve`, like --model."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigFileError(f"{p}: no such config file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{p}: must hold a mapping with a `models` list")
+    return validate_config(data, source=str(p))
+
+
+def read_api_keys(server: ServerSpec, environ: dict[str, str] | None = None) -> list[str]:
+    """Keys from server.api_keys_file and server.api_keys_env; an empty list disables auth."""
+    environ = os.environ if environ is None else environ
+    keys: list[str] = []
+    if server.api_keys_file:
+        p = Path(server.api_keys_file)
+        if not p.is_file():
+            raise ConfigFileError(f"server.api_keys_file: {p} does not exist")
+        for line in p.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+        if not keys:
+            raise ConfigFileError(f"server.api_keys_file: {p} holds no keys")
+    if server.api_keys_env and environ.get(server.api_keys_env):
+        keys.extend(k.strip() for k in environ[server.api_keys_env].split(",") if k.strip())
+    return keys

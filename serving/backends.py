@@ -1,0 +1,84 @@
+"""How the gateway reaches a model: in-process, or through a Ray Serve DeploymentHandle.
+
+Both implement the same three calls (`info`, `generate`, `ready`) over the wire types of
+serving/wire.py, so the gateway app is identical in tests (in-process, no Ray) and in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from serving import errors
+from serving.wire import GenerateChunk, GenerateRequest, ModelInfo
+
+if TYPE_CHECKING:
+    from serving.model_core import ModelCore
+
+log = logging.getLogger("shardserve.gateway")
+
+
+class ModelBackend(Protocol):
+    async def info(self) -> ModelInfo: ...
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Chunks of the request; the first may be an error, the last has finished=True."""
+        ...
+
+    async def ready(self) -> bool: ...
+
+
+class LocalBackend:
+    """The model's engine runs in this process (tests, single-process tools)."""
+
+    def __init__(self, core: ModelCore):
+        self.core = core
+
+    async def info(self) -> ModelInfo:
+        return self.core.info
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        return self.core.generate(req)
+
+    async def ready(self) -> bool:
+        return self.core.ready()
+
+
+class RayBackend:
+    """The model runs in ModelServer replicas of a Ray Serve deployment."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self._stream = handle.options(stream=True, method_name="generate")
+        self._info: ModelInfo | None = None
+
+    async def info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self.handle.info.remote()
+        return self._info
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from ray.serve.exceptions import BackPressureError
+
+        stream = self._stream.remote(req)
+        try:
+            async for raw in stream:
+                yield pickle.loads(raw)  # from our own ModelServer (serving/deployments.py), never a client
+        except BackPressureError:
+            info = await self.info()
+            yield GenerateChunk(error=errors.overloaded(info.name, 1), finished=True)
+        except Exception as exc:  # noqa: BLE001 - the replica died mid-request, or Ray failed
+            log.warning("request %s: model server failed: %r", req.request_id, exc)
+            yield GenerateChunk(error=errors.engine_unavailable(
+                f"the model server failed while serving the request ({type(exc).__name__}); retry"),
+                finished=True)
+        finally:
+            stream.cancel()  # no-op when finished; otherwise the replica aborts the engine request
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.handle.ready.remote())
+        except Exception:  # noqa: BLE001 - no healthy replica answers
+            return False

@@ -1,0 +1,212 @@
+"""The Ray Serve application: a Gateway (FastAPI ingress), one ModelServer deployment per model,
+and a MetricsHub.
+
+    HTTP proxy -> Gateway replica (validate, tokenize, format) -> DeploymentHandle, streaming
+               -> ModelServer replica (ModelCore: admission, engine, coalesced chunks)
+
+A ModelServer replica owns its AsyncLLMEngine. From the model-parallel issue on it also owns
+TP x PP shard-worker actors: `placement(spec)` will reserve them as a placement group with the
+replica (Ray Serve `placement_group_bundles`, the replica in bundle 0), and `executor_factory(spec)`
+will return the Ray executor that drives them inside that group; the engine already takes an
+executor factory, so neither ModelCore nor the gateway changes.
+
+Nothing here imports torch at module level: the gateway replica unpickles these classes too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from typing import Any
+
+from ray import serve
+
+from deploy.schema import DeploymentConfig, ModelSpec, ServerSpec
+from serving.metrics import MetricsHub
+
+log = logging.getLogger("shardserve.deploy")
+APP_NAME = "shardserve"
+
+
+class UnsupportedConfig(ValueError):
+    """The config asks for something a later issue brings; the message names the field."""
+
+
+def placement(spec: ModelSpec) -> dict[str, Any]:
+    """Ray Serve deployment options that place one replica of `spec`: one actor, or, for a split
+    model (tensor x pipeline parallel), a placement group with the replica in bundle 0 and one
+    bundle per shard worker, so Ray reserves and co-schedules the whole model copy."""
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}}
+    if spec.world_size > 1:
+        from serving.ray_executor import placement_bundles
+
+        options["placement_group_bundles"] = placement_bundles(
+            spec.engine.tensor_parallel_size or 1, spec.engine.pipeline_parallel_size or 1,
+            replica_cpus=spec.num_cpus, replica_gpus=spec.num_gpus, cpus_per_worker=spec.shard_num_cpus,
+            gpus_per_worker=spec.shard_num_gpus)
+        options["placement_group_strategy"] = "PACK"
+    return options
+
+
+def executor_factory(spec: ModelSpec):
+    """The engine's executor factory for `spec` (None: the in-process executor)."""
+    if spec.weight_format not in ("auto",):
+        raise UnsupportedConfig(f"models[{spec.name}].weight_format: {spec.weight_format!r} is not available yet; "
+                                "use auto")
+    if spec.cuda_graphs:
+        raise UnsupportedConfig(f"models[{spec.name}].cuda_graphs: not available yet; use false")
+
+
+def _configure_logging(server: ServerSpec) -> None:
+    logger = logging.getLogger("shardserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False  # Ray Serve's replica logger would prefix and duplicate the JSON lines
+    logger.setLevel(logging.INFO if server.log_requests else logging.WARNING)
+
+
+class _Publisher:
+    """Publishes a registry's metric families to the hub every interval, from inside a replica."""
+
+    def __init__(self, hub: Any, source: str, families, interval_s: float):
+        self.hub, self.source, self.families, self.interval_s = hub, source, families, interval_s
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.hub.publish.remote(self.source, self.families())
+            except Exception as exc:  # noqa: BLE001 - the hub restarts; metrics resume with it
+                log.debug("metrics publish failed: %r", exc)
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        try:
+            await self.hub.remove.remote(self.source)
+        except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+            log.debug("metrics source removal failed: %r", exc)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+class MetricsHubDeployment:
+    """Exactly one replica: every other replica publishes here, every gateway reads from here."""
+
+    def __init__(self, ttl_s: float = 30.0):
+        self.hub = MetricsHub(ttl_s)
+
+    def publish(self, source: str, families: list) -> None:
+        self.hub.publish(source, families)
+
+    def remove(self, source: str) -> None:
+        self.hub.remove(source)
+
+    def snapshot(self, exclude: str | None = None) -> list:
+        return self.hub.snapshot(exclude)
+
+
+@serve.deployment
+class ModelServer:
+    async def __init__(self, spec: dict, server: dict, hub: Any):
+        from serving.model_core import ModelCore
+
+        self.spec = ModelSpec.model_validate(spec)
+        self.server = ServerSpec.model_validate(server)
+        _configure_logging(self.server)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.core = await asyncio.to_thread(ModelCore.load, self.spec, replica, self.server.request_timeout_s,
+                                            executor_factory(self.spec))
+        self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
+                                    self.server.metrics_push_interval_s)
+        log.info('{"event": "model_ready", "model": "%s", "replica": "%s"}', self.spec.name, replica)
+
+    async def generate(self, req):
+        # chunks travel pre-pickled: Ray ships bytes on its fast path, where a dataclass would go
+        # through cloudpickle's per-object reducer lookups (measurable per streamed item)
+        async for chunk in self.core.generate(req):
+            yield pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def info(self):
+        return self.core.info
+
+    def ready(self) -> bool:
+        return self.core.ready()
+
+    def check_health(self) -> None:
+        # Ray Serve calls this every health_check_period_s; raising marks the replica unhealthy and
+        # Ray Serve replaces it (its in-flight requests already failed with 503)
+        self.core.check_health()
+
+    async def __del__(self):
+        # Ray Serve has already waited up to graceful_shutdown_timeout_s (= drain_timeout_s) for
+        # in-flight requests; whatever is left is aborted here
+        if hasattr(self, "publisher"):
+            await self.publisher.stop()
+        if hasattr(self, "core"):
+            await self.core.shutdown(0.0)
+
+
+@serve.deployment
+@serve.ingress()
+class GatewayDeployment:
+    async def __init__(self, models: dict[str, Any], server: dict, api_key_hashes: list[str], hub: Any):
+        from serving.app import build_app
+        from serving.backends import RayBackend
+        from serving.gateway import Gateway, GatewayOptions
+
+        server_spec = ServerSpec.model_validate(server)
+        _configure_logging(server_spec)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.source = f"gateway:{replica}"
+        self.hub = hub
+        options = GatewayOptions(max_body_bytes=server_spec.max_body_bytes,
+                                 api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
+                                 replica=replica, behind_ray_proxy=True)
+        self.gateway = Gateway({name: RayBackend(h) for name, h in models.items()}, options, self._remote_metrics)
+        self.fastapi_app = build_app(self.gateway)  # not `self.app`: the ingress wrapper owns that name
+        self.publisher = _Publisher(hub, self.source, self.gateway.metrics.families,
+                                    server_spec.metrics_push_interval_s)
+
+    def __serve_build_asgi_app__(self):
+        return self.fastapi_app
+
+    async def _remote_metrics(self) -> list:
+        return await self.hub.snapshot.remote(self.source)
+
+    async def __del__(self):
+        if hasattr(self, "publisher"):
+            await self.publisher.stop()
+
+
+def build_application(cfg: DeploymentConfig, api_key_hashes: list[str]):
+    """The bound Ray Serve application of a deployment config (run it with serve.run)."""
+    from engines.config import EngineConfig
+
+    server = cfg.server.model_dump()
+    hub = MetricsHubDeployment.options(name="MetricsHub", num_replicas=1).bind(
+        max(30.0, 10 * cfg.server.metrics_push_interval_s))
+    models = {}
+    for spec in cfg.models:
+        max_num_seqs = EngineConfig(**spec.engine.engine_kwargs()).max_num_seqs
+        # Ray admits a little more than the replica's own bound, so the replica (not Ray's queue)
+        # answers 429; max_queued_requests bounds the router's queue when every replica is full
+        options: dict[str, Any] = dict(
+            name=f"ModelServer:{spec.name}", max_ongoing_requests=max_num_seqs + spec.max_waiting + 8,
+            max_queued_requests=max(1, spec.max_waiting), health_check_period_s=2.0, health_check_timeout_s=30.0,
+            graceful_shutdown_timeout_s=cfg.server.drain_timeout_s, graceful_shutdown_wait_loop_s=0.25,
+            **placement(spec))
+        executor_factory(spec)  # fail at start, not in a replica, on a field a later issue brings
+        if spec.autoscaling is not None:
+            a = spec.autoscaling
+            options["autoscaling_config"] = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                                             "target_ongoing_requests": a.target_ongoing_requests}
+        else:
+            options["num_replicas"] = spec.replicas
+        models[spec.name] = ModelServer.options(**options).bind(spec.model_dump(), server, hub)
+    return GatewayDeployment.options(
+        name="Gateway", num_replicas=cfg.server.gateway_replicas, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
+    ).bind(models, server, sorted(api_key_hashes), hub)

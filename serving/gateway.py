@@ -1,0 +1,224 @@
+"""The gateway's state: served models, their tokenizers, request plumbing shared by the APIs.
+
+The gateway tokenizes prompts and renders chat templates itself (with the checkpoint's
+tokenizer.json, fetched from a ModelServer replica once), so replicas receive token ids and the
+engine loop never spends time on text it does not need. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from engines.sampling_params import RequestError, SamplingParams
+from engines.tokenizer import Tokenizer
+from serving import errors
+from serving.backends import ModelBackend
+from serving.errors import APIError
+from serving.metrics import GatewayMetrics, Metric, merge, render
+from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
+
+JSON_TYPES = ("application/json",)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    max_body_bytes: int = 1 << 20
+    api_key_hashes: frozenset[str] = frozenset()
+    """sha256 of each accepted API key; empty disables auth (the gateway never holds the keys)."""
+    log_requests: bool = True
+    replica: str = "gateway"
+    behind_ray_proxy: bool = False
+    """Ray Serve's proxy already assigns X-Request-Id (keeping a client's) and echoes it in the
+    response; the gateway then adopts it instead of adding a second header."""
+
+    @classmethod
+    def from_server(cls, server: Any, api_keys: list[str], replica: str = "gateway") -> GatewayOptions:
+        return cls(max_body_bytes=server.max_body_bytes, api_key_hashes=frozenset(hash_key(k) for k in api_keys),
+                   log_requests=server.log_requests, replica=replica)
+
+
+@dataclass
+class ServedModel:
+    name: str
+    backend: ModelBackend
+    info: ModelInfo
+    tokenizer: Tokenizer | None
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise errors.invalid(f"{param}: model {self.name!r} has no tokenizer; send token ids", param)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise errors.invalid(f"{param}: encodes to zero tokens", param)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text, for logprobs (cached: the same ids recur)."""
+        t = self._token_text.get(token_id)
+        if t is None:
+            if self.tokenizer is None:
+                t = f"token_id:{token_id}"
+            else:
+                t = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = t
+        return t
+
+
+class Gateway:
+    def __init__(self, backends: dict[str, ModelBackend], options: GatewayOptions | None = None,
+                 remote_metrics: Callable[[], Awaitable[list[list[Metric]]]] | None = None):
+        self.backends = backends
+        self.options = options or GatewayOptions()
+        self.remote_metrics = remote_metrics
+        self.metrics = GatewayMetrics(self.options.replica)
+        self._models: dict[str, ServedModel] = {}
+        self._locks = {name: asyncio.Lock() for name in backends}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.backends)
+
+    def created(self, name: str) -> int:
+        """Load time of a model whose replicas have answered already (0 before)."""
+        m = self._models.get(name)
+        return m.info.created if m is not None else 0
+
+    async def model(self, name: Any, param: str = "model") -> ServedModel:
+        """The served model called `name`: 404 if unknown, 503 if no replica can describe it."""
+        if not isinstance(name, str):
+            raise errors.invalid(f"{param}: must be a string", param, "invalid_type")
+        m = self._models.get(name)
+        if m is not None:
+            return m
+        if name not in self.backends:
+            raise errors.model_not_found(name, self.names)
+        async with self._locks[name]:
+            if name not in self._models:
+                backend = self.backends[name]
+                try:
+                    info = await backend.info()
+                except Exception as exc:  # noqa: BLE001 - replicas still starting, or all dead
+                    raise APIError(errors.engine_unavailable(f"model {name!r} is not available: {exc}")) from None
+                tk = None
+                if info.tokenizer_json is not None:
+                    from tokenizers import Tokenizer as HFTokenizer
+
+                    tk = Tokenizer(HFTokenizer.from_str(info.tokenizer_json), info.chat_template, info.bos_token,
+                                   info.eos_token)
+                self._models[name] = ServedModel(name, backend, info, tk)
+        return self._models[name]
+
+    async def open(self, model: ServedModel, req: GenerateRequest
+                   ) -> tuple[GenerateChunk, AsyncIterator[GenerateChunk]]:
+        """Send the request; return its first chunk and the stream of the rest (aclose it when done).
+
+        The first chunk tells success from failure (admission, validation), so errors become
+        proper HTTP statuses before any streamed byte is sent.
+        """
+        stream = model.backend.generate(req)
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            await stream.aclose()
+            raise
+        if first.error is not None:
+            await stream.aclose()
+            raise APIError(first.error)
+        return first, stream
+
+    async def metrics_text(self) -> bytes:
+        sources = [self.metrics.families()]
+        if self.remote_metrics is not None:
+            sources.extend(await self.remote_metrics())
+        return render(merge(sources))
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except RequestError as exc:
+        raise APIError(ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value"))
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refusing more than max_bytes (413) whether or not Content-Length is honest."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise errors.invalid("Content-Length: not an integer", None, "invalid_header") from None
+        if size > max_bytes:
+            raise too_large(max_bytes)
+    chunks, total = [], 0
+    try:
+        async for part in request.stream():
+            total += len(part)
+            if total > max_bytes:
+                raise too_large(max_bytes)
+            chunks.append(part)
+    except ClientDisconnect:
+        raise errors.invalid("the client closed the connection while sending the body", None,
+                             "client_disconnected") from None
+    return b"".join(chunks)
+
+
+def too_large(max_bytes: int) -> APIError:
+    return errors.invalid(f"request body is larger than the limit of {max_bytes} bytes", None,
+                          "request_too_large", status=413)
+
+
+def check_json_content_type(request: Request) -> None:
+    ctype = request.headers.get("content-type")
+    if ctype is None:
+        return  # curl without -H and some SDKs send none: accept the body as JSON
+    media = ctype.split(";")[0].strip().lower()
+    if media not in JSON_TYPES and not media.endswith("+json"):
+        raise errors.invalid(f"Content-Type must be application/json, got {ctype!r}", None,
+                             "unsupported_media_type", status=415)
+
+
+def decode_json(raw: bytes) -> dict:
+    if not raw.strip():
+        raise errors.invalid("request body is empty; send a JSON object", None, "invalid_json")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise errors.invalid(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise errors.invalid("request body must be a JSON object", None, "invalid_json")
+    return data
+
+
+async def read_json(request: Request, gw: Gateway) -> dict:
+    check_json_content_type(request)
+    return decode_json(await read_body(request, gw.options.max_body_bytes))
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway

@@ -1,0 +1,117 @@
+"""Start and stop the Ray Serve application of a deployment config (the CLI, tests and benchmarks).
+
+`start` starts an embedded local Ray instance (or joins `cfg.ray.address`), runs the application,
+and returns once every replica is ready. `stop` drains it (Ray Serve waits up to
+server.drain_timeout_s for in-flight requests) and stops Ray if we started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.schema import ConfigFileError, DeploymentConfig
+from serving.gateway import hash_key
+
+
+@dataclass
+class Running:
+    url: str
+    embedded_ray: bool
+    started_in_s: float
+
+
+def check_config(cfg: DeploymentConfig) -> None:
+    """Everything that can be checked before Ray starts; raises ConfigFileError naming the field."""
+    from engines.config import ConfigError, EngineConfig
+    from serving.deployments import UnsupportedConfig, executor_factory, placement
+
+    for i, m in enumerate(cfg.models):
+        where = f"models.{i}"
+        try:
+            EngineConfig(**m.engine.engine_kwargs())
+        except ConfigError as exc:
+            raise ConfigFileError(f"{where}.engine.{exc}") from None
+        p = Path(m.path)
+        if not (p / "config.json").is_file():
+            raise ConfigFileError(f"{where}.path: {m.path!r} is not a checkpoint directory (no config.json)")
+        try:
+            placement(m)
+            executor_factory(m)
+        except UnsupportedConfig as exc:
+            raise ConfigFileError(str(exc)) from None
+
+
+def ray_num_cpus(cfg: DeploymentConfig) -> int:
+    """CPUs of the embedded Ray: what the replicas reserve (their largest count), at least 2."""
+    if cfg.ray.num_cpus:
+        return cfg.ray.num_cpus
+    need = 0.0
+    for m in cfg.models:
+        replicas = m.autoscaling.max_replicas if m.autoscaling else m.replicas
+        shards = m.world_size if m.world_size > 1 else 0
+        need += replicas * (m.num_cpus + shards * m.shard_num_cpus)
+    return max(2, int(-(-need // 1)))
+
+
+def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Running:
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import LoggingConfig
+
+    from serving.deployments import APP_NAME, build_application
+
+    check_config(cfg)
+    t0 = time.monotonic()
+    embedded = cfg.ray.address is None
+    level = logging.WARNING if quiet else logging.INFO
+    if not ray.is_initialized():
+        if embedded:
+            ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
+        else:
+            ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
+    logs = LoggingConfig(log_level="WARNING" if quiet else "INFO", enable_access_log=not quiet)
+    _check_resources(cfg)
+    serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
+                                         request_timeout_s=None, keep_alive_timeout_s=30),
+                logging_config=logs)
+    app = build_application(cfg, [hash_key(k) for k in api_keys])
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
+    host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return Running(f"http://{host}:{cfg.server.port}", embedded, time.monotonic() - t0)
+
+
+def _check_resources(cfg: DeploymentConfig) -> None:
+    from engines.config import ConfigError
+
+    for m in cfg.models:
+        if m.world_size > 1:
+            from serving.ray_executor import check_cluster_resources
+
+            try:
+                check_cluster_resources(
+                    m.engine.tensor_parallel_size or 1, m.engine.pipeline_parallel_size or 1,
+                    m.autoscaling.max_replicas if m.autoscaling else m.replicas, cpus_per_worker=m.shard_num_cpus,
+                    gpus_per_worker=m.shard_num_gpus, replica_cpus=m.num_cpus, replica_gpus=m.num_gpus, model=m.name)
+            except ConfigError as exc:
+                raise ConfigFileError(str(exc)) from None
+
+
+def stop(running: Running | None = None) -> None:
+    import ray
+    from ray import serve
+
+    from serving.deployments import APP_NAME
+
+    try:
+        if running is not None and not running.embedded_ray:
+            serve.delete(APP_NAME)  # leave the cluster's other applications (and Serve) running
+        else:
+            serve.shutdown()
+    finally:
+        if running is None or running.embedded_ray:
+            ray.shutdown()
+

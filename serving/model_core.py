@@ -1,0 +1,329 @@
+"""The model side of serving: one AsyncLLMEngine and the policies around it.
+
+A ModelCore admits requests up to a bound (429 beyond), enforces the per-request timeout, turns
+engine outputs into coalesced `GenerateChunk`s, records metrics, and drains on shutdown. The Ray
+Serve ModelServer replica and the in-process backend both run this class, so the two paths share
+every behaviour. Leaving a `generate` iteration early (client gone, Ray cancellation) aborts the
+engine requests, whose KV blocks are free within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from engines.sampling_params import RequestError
+from serving import errors
+from serving.metrics import ReplicaMetrics
+from serving.wire import Delta, ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
+
+if TYPE_CHECKING:
+    from deploy.schema import ModelSpec
+    from engines.async_engine import AsyncLLMEngine
+    from engines.outputs import RequestOutput
+
+log = logging.getLogger("shardserve.model")
+
+ADAPTIVE_CHUNK_RATE = 400.0
+"""With stream_interval_ms = 0, a replica aims at no more than this many streamed chunks per second
+in total: the least interval between two chunks of one request is (active requests / this), so a
+lone request streams every token and 64 requests stream every ~160 ms. Each chunk costs a Ray
+object on two hops and an HTTP write (about a millisecond of CPU each on a small machine); tokens
+are never dropped, only sent together. The first chunk of a request is never held."""
+MAX_ADAPTIVE_INTERVAL_S = 0.25
+
+
+class ModelCore:
+    def __init__(self, spec: ModelSpec, engine: AsyncLLMEngine, replica: str = "local",
+                 request_timeout_s: float = 600.0):
+        self.spec = spec
+        self.engine = engine
+        self.request_timeout_s = request_timeout_s
+        cfg = engine.engine.config
+        self.capacity = cfg.max_num_seqs + spec.max_waiting
+        """Sequences admitted at once (running + waiting)."""
+        self.admitted = 0
+        self.active_requests = 0
+        self.draining = False
+        self.metrics = ReplicaMetrics(spec.name, replica, self.stats)
+        tk = engine.tokenizer
+        self.info = ModelInfo(
+            name=spec.name, max_model_len=engine.engine.max_model_len,
+            vocab_size=engine.engine.model_config.vocab_size, max_logprobs=cfg.max_logprobs,
+            max_seqs_per_request=self.capacity, tokenizer_json=tk.tk.to_str() if tk is not None else None,
+            chat_template=tk.chat_template if tk is not None else None,
+            bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
+            created=int(time.time()))
+
+    @classmethod
+    def load(cls, spec: ModelSpec, replica: str = "local", request_timeout_s: float = 600.0,
+             executor_factory: Callable | None = None) -> ModelCore:
+        """Build the engine of `spec` (loads the checkpoint; seconds)."""
+        from engines import AsyncLLMEngine, ConfigError, EngineConfig
+
+        try:
+            cfg = EngineConfig(**spec.engine.engine_kwargs())
+        except ConfigError as exc:
+            raise ConfigError(f"models[{spec.name}].engine.{exc}") from None
+        engine = AsyncLLMEngine.from_model_dir(spec.path, cfg, executor_factory=executor_factory)
+        return cls(spec, engine, replica, request_timeout_s)
+
+    # health and state
+    def stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), "num_admitted": self.admitted}
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError once the engine loop has failed (Ray Serve then replaces us)."""
+        self.engine.check_health()
+
+    def ready(self) -> bool:
+        try:
+            self.check_health()
+        except Exception:  # noqa: BLE001 - any failure means not ready
+            return False
+        return not self.draining
+
+    async def shutdown(self, drain_timeout_s: float) -> None:
+        """Refuse new requests, let admitted ones finish for up to drain_timeout_s, abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self.active_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.engine.shutdown, 0.0)
+
+    # requests
+    def _admit(self, num_seqs: int) -> ErrorInfo | None:
+        if self.draining:
+            return errors.engine_unavailable(f"model {self.spec.name!r}: this replica is shutting down")
+        try:
+            self.check_health()
+        except Exception as exc:  # noqa: BLE001
+            return errors.engine_unavailable(f"model {self.spec.name!r}: {exc}")
+        if num_seqs > self.capacity:
+            return ErrorInfo(400, "invalid_request_error",
+                             f"n: the request asks for {num_seqs} sequences (prompts x n) but a replica admits "
+                             f"at most {self.capacity}", "n", "invalid_value")
+        if self.admitted + num_seqs > self.capacity:
+            return errors.overloaded(self.spec.name, self.spec.retry_after_s)
+        return None
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Chunks of one request; the last has finished=True (and an error, or usage)."""
+        t0 = time.monotonic()
+        n = req.params.n
+        num_seqs = len(req.prompts) * n
+        err = self._admit(num_seqs)
+        if err is not None:
+            self.metrics.rejected("overloaded" if err.status == 429 else
+                                  "invalid" if err.status < 500 else "unavailable")
+            yield GenerateChunk(error=err, finished=True)
+            return
+        self.admitted += num_seqs
+        self.active_requests += 1
+        try:
+            err = self._validate(req)
+            if err is not None:
+                self.metrics.rejected("invalid")
+                yield GenerateChunk(error=err, finished=True)
+                return
+            self.metrics.prompt_tokens.inc(sum(len(p) for p in req.prompts))
+            async for chunk in self._stream(req, t0):
+                yield chunk
+        finally:
+            self.admitted -= num_seqs
+            self.active_requests -= 1
+
+    def _validate(self, req: GenerateRequest) -> ErrorInfo | None:
+        # all prompts before any starts: a request is admitted whole or not at all
+        try:
+            for p in req.prompts:
+                self.engine.engine.validate(p, req.params)
+        except RequestError as exc:
+            return ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value")
+        return None
+
+    def _interval(self) -> float:
+        if self.spec.stream_interval_ms > 0:
+            return self.spec.stream_interval_ms / 1000.0
+        return min(MAX_ADAPTIVE_INTERVAL_S, self.active_requests / ADAPTIVE_CHUNK_RATE)
+
+    async def _stream(self, req: GenerateRequest, t0: float) -> AsyncIterator[GenerateChunk]:
+        n, m = req.params.n, self.metrics
+        ids = [f"{req.request_id}-{j}" for j in range(len(req.prompts))]
+        state = _Progress(len(req.prompts), n)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.request_timeout_s, self._on_timeout, ids, state)
+        pending: GenerateChunk | None = None
+        last_sent = 0.0
+        try:
+            async with contextlib.aclosing(self._outputs(req, ids)) as outputs:
+                async for j, out in outputs:
+                    now = time.monotonic()
+                    chunk = state.chunk(j, out, now, m)
+                    if state.first_token_time is None and state.generated:
+                        state.first_token_time = now
+                        m.ttft.observe(now - t0)
+                    if pending is None:
+                        pending = chunk
+                    else:
+                        _merge(pending, chunk)
+                    if state.done or now - last_sent >= self._interval():
+                        m.generation_tokens.inc(state.generated - state.counted)
+                        state.counted = state.generated
+                        if state.done:
+                            break
+                        yield pending
+                        pending, last_sent = None, now
+        except RequestError as exc:  # raced with a change the pre-validation could not see
+            yield GenerateChunk(error=ErrorInfo(400, "invalid_request_error", str(exc), exc.param,
+                                                exc.code or "invalid_value"), finished=True)
+            return
+        except Exception as exc:
+            from engines.async_engine import EngineDeadError
+
+            if isinstance(exc, EngineDeadError):
+                info = errors.engine_unavailable(f"model {self.spec.name!r}: {exc}")
+            else:
+                log.exception("request %s failed", req.request_id)
+                info = errors.internal(f"model {self.spec.name!r}: {type(exc).__name__}: {exc}")
+            m.finished("error", state.open_count())
+            yield GenerateChunk(error=info, finished=True)
+            return
+        finally:
+            timer.cancel()
+        final = pending or GenerateChunk()
+        final.finished = True
+        final.usage = (sum(len(p) for p in req.prompts), state.generated)
+        m.e2e.observe(time.monotonic() - t0)
+        if state.timed_out:
+            final.error = errors.timed_out(self.request_timeout_s)
+            m.finished("timeout", state.aborted)
+        elif state.aborted and self.draining:
+            final.error = errors.engine_unavailable(
+                f"model {self.spec.name!r}: the server shut down before the request finished")
+            m.finished("abort", state.aborted)
+        elif state.aborted:
+            m.finished("abort", state.aborted)
+        for reason, count in state.reasons.items():
+            m.finished(reason, count)
+        yield final
+
+    async def _outputs(self, req: GenerateRequest, ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of every engine request of `req`, in arrival order."""
+        if len(ids) == 1:  # the common case: no extra task
+            async with contextlib.aclosing(self.engine.generate(ids[0], req.prompts[0], req.params)) as gen:
+                async for out in gen:
+                    yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j: int) -> None:
+            try:
+                async with contextlib.aclosing(self.engine.generate(ids[j], req.prompts[j], req.params)) as gen:
+                    async for out in gen:
+                        queue.put_nowait((j, out))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((j, exc))
+            queue.put_nowait((j, None))
+
+        tasks = [asyncio.ensure_future(pump(j)) for j in range(len(ids))]
+        try:
+            remaining = len(ids)
+            while remaining:
+                j, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield j, item
+        finally:
+            for t in tasks:
+                t.cancel()  # aborts the engine requests still running
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _on_timeout(self, ids: list[str], state: _Progress) -> None:
+        state.timed_out = True
+        for rid in ids:
+            asyncio.ensure_future(self.engine.abort(rid))
+
+
+class _Progress:
+    """Bookkeeping of one request's completions while it streams."""
+
+    def __init__(self, num_prompts: int, n: int):
+        self.n = n
+        self.open = num_prompts * n
+        self.finished_idx: set[int] = set()
+        self.plp_sent: set[int] = set()
+        self.last_token: dict[int, float] = {}
+        self.generated = 0
+        self.counted = 0
+        self.aborted = 0
+        self.reasons: dict[str, int] = {}
+        self.first_token_time: float | None = None
+        self.timed_out = False
+
+    @property
+    def done(self) -> bool:
+        return self.open == 0
+
+    def open_count(self) -> int:
+        return self.open
+
+    def chunk(self, j: int, out: RequestOutput, now: float, m: ReplicaMetrics) -> GenerateChunk:
+        deltas = []
+        new_tokens = False
+        for c in out.outputs:
+            idx = j * self.n + c.index
+            if idx in self.finished_idx:
+                continue
+            if c.token_ids_delta:
+                new_tokens = True
+                self.generated += len(c.token_ids_delta)
+            if c.finish_reason is not None:
+                self.finished_idx.add(idx)
+                self.open -= 1
+                if c.finish_reason == "abort":
+                    self.aborted += 1
+                else:
+                    self.reasons[c.finish_reason] = self.reasons.get(c.finish_reason, 0) + 1
+            if c.token_ids_delta or c.text_delta or c.finish_reason is not None:
+                deltas.append(Delta(idx, c.text_delta, c.token_ids_delta, c.logprobs_delta, c.finish_reason,
+                                    c.stop_reason))
+        if new_tokens:
+            prev = self.last_token.get(j)
+            if prev is not None:
+                m.itl.observe(now - prev)
+            self.last_token[j] = now
+        chunk = GenerateChunk(deltas=deltas)
+        if out.prompt_logprobs is not None and j not in self.plp_sent:
+            self.plp_sent.add(j)
+            chunk.prompt_logprobs = {j: out.prompt_logprobs}
+        if out.finished:
+            t = out.metrics
+            if "first_scheduled_time" in t and "arrival_time" in t:
+                m.queue.observe(max(0.0, t["first_scheduled_time"] - t["arrival_time"]))
+        return chunk
+
+
+def _merge(into: GenerateChunk, new: GenerateChunk) -> None:
+    """Append `new`'s deltas to `into` (both of the same request, `new` later)."""
+    by_idx = {d.index: d for d in into.deltas}
+    for d in new.deltas:
+        old = by_idx.get(d.index)
+        if old is None:
+            into.deltas.append(d)
+            by_idx[d.index] = d
+            continue
+        old.text += d.text
+        old.token_ids = old.token_ids + d.token_ids
+        old.logprobs = old.logprobs + d.logprobs
+        if d.finish_reason is not None:
+            old.finish_reason, old.stop_reason = d.finish_reason, d.stop_reason
+    if new.prompt_logprobs:
+        into.prompt_logprobs = {**(into.prompt_logprobs or {}), **new.prompt_logprobs}

@@ -1,0 +1,349 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Streaming responses are server-sent events, one event per chunk from the model server (a chunk
+may carry several tokens under load; see docs/serving.md), ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engines.plan import TokenLogprob
+from serving.chat import render_chat
+from serving.errors import APIError
+from serving.gateway import ServedModel, gateway_of, new_request_id, now_s, read_json, sampling_params
+from serving.protocol import ChatCompletionRequest, CompletionRequest, parse
+from serving.wire import GenerateChunk, GenerateRequest
+
+router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    gw = gateway_of(request)
+    data = [{"id": name, "object": "model", "created": gw.created(name), "owned_by": "shardserve"}
+            for name in gw.names]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(name: str, request: Request) -> JSONResponse:
+    m = await gateway_of(request).model(name)
+    return JSONResponse({"id": m.name, "object": "model", "created": m.info.created, "owned_by": "shardserve"})
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _note(request: Request, model: ServedModel, stream: bool) -> None:
+    request.state.model = model.name
+    request.state.stream = stream
+
+
+async def _chunks(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    yield first
+    async for c in rest:
+        yield c
+
+
+# /v1/completions
+@router.post("/v1/completions")
+async def completions(request: Request):
+    gw = gateway_of(request)
+    body = parse(CompletionRequest, await read_json(request, gw))
+    model = await gw.model(body.model)
+    _note(request, model, bool(body.stream))
+    prompts = body.prompts()
+    texts: list[str | None] = []
+    ids: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            texts.append(p)
+            ids.append(model.encode(p, param))
+        else:
+            texts.append(None)
+            ids.append(list(p))
+    echo_lp = body.echo and body.logprobs is not None
+    params = sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
+                             prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs())
+    rid = request.state.request_id
+    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params))
+    view = _CompletionView(model, body, ids, texts, rid)
+    if body.stream:
+        return StreamingResponse(_stream_completion(request, view, first, rest), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        async for chunk in _chunks(first, rest):
+            view.add(chunk)
+    finally:
+        await rest.aclose()
+    _record(request, view.usage)
+    return JSONResponse(view.response())
+
+
+def _engine_id(request: Request) -> str:
+    # the client may reuse X-Request-Id; engine ids must be unique, so they are always fresh
+    return new_request_id()
+
+
+def _record(request: Request, usage: tuple[int, int] | None) -> None:
+    if usage is not None:
+        request.state.prompt_tokens, request.state.completion_tokens = usage
+
+
+class _CompletionView:
+    """Accumulates a completion request's chunks into OpenAI response objects."""
+
+    def __init__(self, model: ServedModel, body: CompletionRequest, ids: list[list[int]], texts: list[str | None],
+                 rid: str):
+        self.model, self.body, self.ids, self.texts = model, body, ids, texts
+        self.n = body.n or 1
+        self.id = f"cmpl-{rid}"
+        self.created = now_s()
+        count = len(ids) * self.n
+        self.text = [""] * count
+        self.lp: list[dict | None] = [self._empty_lp() for _ in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.prompt_lp: dict[int, list[TokenLogprob | None]] = {}
+        self.started: set[int] = set()
+        self.usage: tuple[int, int] | None = None
+
+    def _empty_lp(self) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _echo(self, idx: int) -> tuple[str, dict | None]:
+        """The prompt part of choice idx when echo is on (text, logprobs of the prompt tokens)."""
+        j = idx // self.n
+        text = self.texts[j] if self.texts[j] is not None else self.model.decode(self.ids[j])
+        lp = None
+        if self.body.logprobs is not None:
+            entries = self.prompt_lp.get(j) or [None] * len(self.ids[j])
+            lp = self._lp(self.ids[j], entries, 0)
+        return text, lp
+
+    def _lp(self, token_ids: list[int], entries: list[TokenLogprob | None], offset: int) -> dict:
+        k = self.body.logprobs or 0
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, e in zip(token_ids, entries):
+            tok = self.model.token_text(tid)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(None if e is None else e.logprob)
+            out["top_logprobs"].append(None if e is None else {self.model.token_text(t): lp for t, lp in e.top[:k]})
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+    def delta_choices(self, chunk: GenerateChunk) -> list[dict]:
+        """Choices of one streamed event (the deltas of the chunk)."""
+        if chunk.prompt_logprobs:
+            self.prompt_lp.update(chunk.prompt_logprobs)
+        choices = []
+        for d in chunk.deltas:
+            text, lp = d.text, None
+            if self.body.logprobs is not None:
+                lp = self._lp(d.token_ids, d.logprobs, len(self.text[d.index]))
+            if self.body.echo and d.index not in self.started:
+                etext, elp = self._echo(d.index)
+                text = etext + text
+                if lp is not None and elp is not None:
+                    shift = len(etext)
+                    lp = {k: elp[k] + (lp[k] if k != "text_offset" else [o + shift for o in lp[k]]) for k in lp}
+            self.started.add(d.index)
+            self.text[d.index] += text
+            choices.append({"index": d.index, "text": text, "logprobs": lp,
+                            "finish_reason": _finish(d.finish_reason)})
+        return choices
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if chunk.error is not None:
+            raise APIError(chunk.error)
+        for c in self.delta_choices(chunk):
+            i = c["index"]
+            if c["logprobs"] is not None:
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    self.lp[i][k].extend(c["logprobs"][k])
+            if c["finish_reason"] is not None:
+                self.finish[i] = c["finish_reason"]
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def usage_block(self) -> dict | None:
+        if self.usage is None:
+            return None
+        p, c = self.usage
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def response(self) -> dict:
+        for i in range(len(self.text)):
+            if self.body.echo and i not in self.started:
+                text, lp = self._echo(i)
+                self.text[i] = text + self.text[i]
+                if lp is not None:
+                    self.lp[i] = lp
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model.name,
+                "choices": [{"index": i, "text": self.text[i], "logprobs": self.lp[i], "finish_reason": self.finish[i]}
+                            for i in range(len(self.text))],
+                "usage": self.usage_block(), "system_fingerprint": None}
+
+    def event(self, choices: list[dict]) -> dict:
+        ev = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model.name,
+              "choices": choices}
+        if self.body.include_usage:
+            ev["usage"] = None
+        return ev
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason == "abort" else reason
+
+
+async def _stream_completion(request: Request, view: _CompletionView, first: GenerateChunk,
+                             rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+    try:
+        async for chunk in _chunks(first, rest):
+            if chunk.error is not None:
+                yield _sse(chunk.error.body())
+                request.state.stream_error = chunk.error.code
+                break
+            choices = view.delta_choices(chunk)
+            if choices:
+                yield _sse(view.event(choices))
+            if chunk.usage is not None:
+                view.usage = chunk.usage
+        if view.body.include_usage and view.usage is not None:
+            ev = view.event([])
+            ev["usage"] = view.usage_block()
+            yield _sse(ev)
+        _record(request, view.usage)
+        yield "data: [DONE]\n\n"
+    finally:
+        await rest.aclose()
+
+
+# /v1/chat/completions
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    gw = gateway_of(request)
+    body = parse(ChatCompletionRequest, await read_json(request, gw))
+    model = await gw.model(body.model)
+    _note(request, model, bool(body.stream))
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    info = model.info
+    text = render_chat(messages, info.chat_template, body.add_generation_prompt, info.bos_token, info.eos_token,
+                       **(body.chat_template_kwargs or {}))
+    ids = model.encode(text, "messages", add_special_tokens=False)
+    params = sampling_params(max_tokens=body.output_limit,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
+    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params))
+    view = _ChatView(model, body, request.state.request_id)
+    if body.stream:
+        return StreamingResponse(_stream_chat(request, view, first, rest), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        async for chunk in _chunks(first, rest):
+            view.add(chunk)
+    finally:
+        await rest.aclose()
+    _record(request, view.usage)
+    return JSONResponse(view.response())
+
+
+class _ChatView:
+    def __init__(self, model: ServedModel, body: ChatCompletionRequest, rid: str):
+        self.model, self.body = model, body
+        self.n = body.n or 1
+        self.id = f"chatcmpl-{rid}"
+        self.created = now_s()
+        self.text = [""] * self.n
+        self.lp: list[list[dict]] = [[] for _ in range(self.n)]
+        self.finish: list[str | None] = [None] * self.n
+        self.started: set[int] = set()
+        self.usage: tuple[int, int] | None = None
+
+    def _lp(self, token_ids: list[int], entries: list[TokenLogprob]) -> list[dict]:
+        k = self.body.top_logprobs or 0
+        out = []
+        for tid, e in zip(token_ids, entries):
+            tok = self.model.token_text(tid)
+            tops = [{"token": (t := self.model.token_text(a)), "logprob": lp, "bytes": list(t.encode())}
+                    for a, lp in e.top[:k]]
+            out.append({"token": tok, "logprob": e.logprob, "bytes": list(tok.encode()), "top_logprobs": tops})
+        return out
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if chunk.error is not None:
+            raise APIError(chunk.error)
+        for d in chunk.deltas:
+            self.text[d.index] += d.text
+            if self.body.logprobs:
+                self.lp[d.index].extend(self._lp(d.token_ids, d.logprobs))
+            if d.finish_reason is not None:
+                self.finish[d.index] = _finish(d.finish_reason)
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def response(self) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                    "logprobs": {"content": self.lp[i]} if self.body.logprobs else None,
+                    "finish_reason": self.finish[i]} for i in range(self.n)]
+        p, c = self.usage or (0, 0)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model.name,
+                "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+                "system_fingerprint": None}
+
+    def event(self, choices: list[dict]) -> dict:
+        ev = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model.name,
+              "choices": choices}
+        if self.body.include_usage:
+            ev["usage"] = None
+        return ev
+
+    def delta_choices(self, chunk: GenerateChunk) -> list[dict]:
+        choices = []
+        for d in chunk.deltas:
+            delta: dict[str, Any] = {}
+            if d.index not in self.started:
+                self.started.add(d.index)
+                delta["role"] = "assistant"
+            if d.text or "role" in delta:
+                delta["content"] = d.text
+            lp = {"content": self._lp(d.token_ids, d.logprobs)} if self.body.logprobs else None
+            choices.append({"index": d.index, "delta": delta, "logprobs": lp,
+                            "finish_reason": _finish(d.finish_reason)})
+        return choices
+
+
+async def _stream_chat(request: Request, view: _ChatView, first: GenerateChunk,
+                       rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+    try:
+        async for chunk in _chunks(first, rest):
+            if chunk.error is not None:
+                yield _sse(chunk.error.body())
+                request.state.stream_error = chunk.error.code
+                break
+            choices = view.delta_choices(chunk)
+            if choices:
+                yield _sse(view.event(choices))
+            if chunk.usage is not None:
+                view.usage = chunk.usage
+        if view.body.include_usage and view.usage is not None:
+            ev = view.event([])
+            p, c = view.usage
+            ev["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            yield _sse(ev)
+        _record(request, view.usage)
+        yield "data: [DONE]\n\n"
+    finally:
+        await rest.aclose()
+

@@ -1,0 +1,259 @@
+"""OpenAI request bodies (completions, chat completions) as strict pydantic models.
+
+Strict: a string is not a number and a number is not a string; unknown fields are rejected with
+the field's name (as OpenAI's own API does: "Unrecognized request argument supplied"). Fields
+that OpenAI defines but this server cannot honour are accepted only at their neutral value, so a
+client sending `logit_bias: {}` or `suffix: null` still works.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from serving.errors import APIError, invalid
+
+MAX_N = 128
+MAX_STOP = 16
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+Prob = Annotated[float, Field(ge=0, le=2)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share (names and ranges as in the OpenAI API; extras as in vLLM)."""
+
+    model: str
+    temperature: Prob | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    stop: Any = None
+    """A string or a list of strings."""
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return v
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise ValueError("must be a string or a list of strings")
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(items)}")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server (send {} or leave it out)")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The set fields, named as engines.SamplingParams names them."""
+        out: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "n", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                     "include_stop_str_in_output"):
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = v
+        if self.stop is not None:
+            out["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop_token_ids is not None:
+            out["stop_token_ids"] = tuple(self.stop_token_ids)
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("must not be empty")
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a non-empty string, list of strings, list of token ids, or list of "
+                             "token-id lists")
+        if all(isinstance(x, str) for x in v):
+            if not all(v):
+                raise ValueError("the prompts of a list must not be empty")
+            return v
+        if all(_is_int(x) for x in v):
+            return v
+        if all(isinstance(x, list) for x in v):
+            if not all(x and all(_is_int(t) for t in x) for x in v):
+                raise ValueError("each token-id prompt must be a non-empty list of integers")
+            return v
+        raise ValueError("a list prompt must hold only strings, only token ids (integers), or only lists of "
+                         "token ids")
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+    """A string, or a list of {"type": "text", "text": ...} parts."""
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of content parts")  # noqa: TRY004 - pydantic wants ValueError
+        parts = []
+        for i, p in enumerate(v):
+            if not isinstance(p, dict) or p.get("type") != "text":
+                raise ValueError(f"part {i}: only {{\"type\": \"text\", \"text\": ...}} parts are supported")
+            if not isinstance(p.get("text"), str) or set(p) - {"type", "text"}:
+                raise ValueError(f"part {i}: a text part has a string `text` and nothing else")
+            parts.append(TextPart(type="text", text=p["text"]))
+        return parts
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tool calling is not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_tokens: give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _param(loc: tuple) -> str | None:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else ("." if out else "") + str(p)
+    return out or None
+
+
+_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        typ = err["type"]
+        if typ == "extra_forbidden":
+            msg = f"Unrecognized request argument supplied: {param}"
+        elif typ == "missing":
+            msg = f"Missing required parameter: '{param}'"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if param:
+                msg = f"Invalid value for '{param}': {msg}"
+            elif m := re.match(r"^([a-z_]+): ", msg):  # a cross-field check names its field first
+                param = m.group(1)
+        code = _CODES.get(typ, "invalid_type" if typ.endswith(("_type", "_parsing")) else "invalid_value")
+        raise APIError(invalid(msg, param, code).info) from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

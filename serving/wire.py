@@ -1,0 +1,82 @@
+"""The narrow, picklable boundary between the gateway and a ModelServer replica.
+
+The gateway sends a `GenerateRequest` (validated, already tokenized) and receives a stream of
+`GenerateChunk`s (token ids, text and logprob deltas). Errors travel as data (`ErrorInfo` in a
+chunk) rather than as exceptions, so the Ray hop never has to re-create exception types, and the
+in-process and Ray paths behave identically. No tensors cross this boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engines.plan import TokenLogprob
+from engines.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An OpenAI-style error: HTTP status, type, message, offending parameter, machine code."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway needs to validate, tokenize and render requests for a model."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    max_seqs_per_request: int
+    """A request asking for more sequences (prompts x n) could never be admitted."""
+    tokenizer_json: str | None
+    """tokenizers' JSON; None when the checkpoint has no tokenizer (token-id prompts only)."""
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    created: int = 0
+    """Unix time the model was loaded."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    """Unique within the server; the engine request of prompt j is `{request_id}-{j}`."""
+    prompts: list[list[int]]
+    """Token ids of each prompt; each produces params.n completions."""
+    params: SamplingParams
+
+
+@dataclass
+class Delta:
+    """What one completion gained since the previous chunk."""
+
+    index: int
+    """Completion index within the request: prompt_index * n + completion_index."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerateChunk:
+    deltas: list[Delta] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] | None = None
+    """Per prompt index, when the request asked for them (echo with logprobs); sent once."""
+    finished: bool = False
+    """The last chunk of the request."""
+    error: ErrorInfo | None = None
+    usage: tuple[int, int] | None = None
+    """(prompt tokens, generated tokens), on the last chunk."""
