@@ -1,0 +1,172 @@
+"""The training loop on tiny models: loss falls, bitwise resume after SIGTERM, refused resumes,
+time budgets, data parallel on gloo (and a Ray Train smoke test), and export parity with the
+engine and with transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from training.data import prepare_data
+from training.metrics import read_metrics
+from training.recipe import recipe_from_dict
+from training.state import ResumeError
+from training.trainer import train
+
+TEXT = """KING. Now, my good lords, what say you to this war?
+QUEEN. I say the winter comes, and we are cold;
+Let the fire burn, and let the horses rest.
+KING. Then rest they shall, until the spring be green.
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    for i in range(6):
+        (root / f"part{i}.txt").write_text(f"SCENE {i}.\n" + TEXT * (8 + i))
+    return prepare_data([str(root)], root / "data", vocab_size=320, val_fraction=0.1, log=lambda *a: None).out_dir
+
+
+def make_recipe(data_dir: Path, run_dir: Path, model: dict | None = None, **sections):
+    d = {
+        "model": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "max_position_embeddings": 64,
+                  **(model or {})},
+        "data": {"dir": str(data_dir), "seq_len": 32},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
+        "train": {"max_steps": 8, "batch_size": 8, "micro_batch_size": 4, "eval_every": 4, "eval_windows": 8,
+                  "precision": "fp32", "num_threads": 1},
+        "out": {"dir": str(run_dir)},
+    }
+    for section, values in sections.items():
+        d[section].update(values)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    return recipe_from_dict(d, meta)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def test_loss_falls_on_a_tiny_corpus(data_dir, tmp_path):
+    recipe = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 40, "eval_every": 20})
+    result = train(recipe, progress=False, log=lambda *a: None)
+    curve = losses(tmp_path / "run")
+    assert len(curve) == 40 and curve[40] < curve[1] - 2.0, curve
+    assert result.val_loss is not None and result.val_loss < curve[1] - 2.0
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
+    assert all({"lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= set(r) for r in records if "loss" in r)
+    assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "checkpoint.safetensors").is_file()
+
+
+def _interrupt_at(step: int):
+    def on_step(state, record):
+        if state.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler path: finish the step, save, return
+    return on_step
+
+
+@pytest.mark.parametrize("precision, model", [
+    ("fp32", {"dropout": 0.1}),
+    ("bf16", {"model_type": "llama", "n_kv_head": 2, "bias": False, "activation": "silu", "dropout": 0.1}),
+])
+def test_resume_after_interruption_is_bitwise(data_dir, tmp_path, precision, model):
+    """Interrupted (by SIGTERM) after step 3 and resumed == uninterrupted: losses and weights, bit for bit."""
+    common = dict(model=model, train={"precision": precision, "ckpt_every": 2, "max_steps": 8})
+    full = train(make_recipe(data_dir, tmp_path / "full", **common), progress=False, log=lambda *a: None)
+    part = train(make_recipe(data_dir, tmp_path / "part", **common), progress=False, log=lambda *a: None,
+                 on_step=_interrupt_at(3))
+    # the signal lands after step 3; the step then in flight (4) finishes before the save
+    assert part.interrupted and part.state.step == 4 and part.val_loss is None
+    resumed = train(make_recipe(data_dir, tmp_path / "part", **common), resume=True, progress=False,
+                    log=lambda *a: None)
+    assert resumed.state.step == 8 and not resumed.interrupted
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")  # one curve, each step once
+    assert resumed.val_loss == full.val_loss
+    a = load_file(tmp_path / "full" / "checkpoint.safetensors")
+    b = load_file(tmp_path / "part" / "checkpoint.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        if k.startswith(("model.", "optim.")):
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_another_recipe(data_dir, tmp_path):
+    train(make_recipe(data_dir, tmp_path / "run", train={"max_steps": 2}), progress=False, log=lambda *a: None)
+    other = make_recipe(data_dir, tmp_path / "run", model={"n_layer": 3}, train={"max_steps": 2})
+    with pytest.raises(ResumeError, match=r"different recipe \(model.n_layer: checkpoint 2, recipe 3\)"):
+        train(other, resume=True, progress=False, log=lambda *a: None)
+    other = make_recipe(data_dir, tmp_path / "run", optim={"lr": 1e-3}, train={"max_steps": 2})
+    with pytest.raises(ResumeError, match=r"optim.lr: checkpoint 0.003, recipe 0.001"):
+        train(other, resume=True, progress=False, log=lambda *a: None)
+    with pytest.raises(ResumeError, match="no checkpoint at"):
+        train(make_recipe(data_dir, tmp_path / "empty"), resume=True, progress=False, log=lambda *a: None)
+    # cadence and paths may change on resume
+    same = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 2, "eval_every": 1, "log_every": 2})
+    assert train(same, resume=True, progress=False, log=lambda *a: None).state.step == 2
+
+
+def test_time_budget_ends_the_run_annealed(data_dir, tmp_path):
+    recipe = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 100000, "time_budget_s": 1.0})
+    result = train(recipe, progress=False, log=lambda *a: None)
+    assert 1 < result.state.step < 100000 and result.state.elapsed_s < 5
+    last = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r][-1]
+    assert last["lr"] < 0.1 * recipe.optim.lr + recipe.optim.min_lr  # the cosine has run its course
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    """The training model's own greedy decode: full forward each step, argmax of the last logits."""
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model.logits(model(idx))[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+            idx = torch.cat([idx, nxt], dim=1)
+    return idx[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("model", [
+    {},
+    {"model_type": "llama", "n_kv_head": 2, "bias": False, "activation": "silu", "tie_word_embeddings": False},
+])
+def test_export_matches_engine_and_transformers(data_dir, tmp_path, model):
+    from engines import LLM, SamplingParams
+    from training.export import export_checkpoint
+    from training.model_setup import build_model
+
+    recipe = make_recipe(data_dir, tmp_path / "run", model=model,
+                         train={"max_steps": 20}, out={"export_dir": str(tmp_path / "model")})
+    train(recipe, progress=False, log=lambda *a: None)
+    trained = build_model(recipe.model, 0, torch.device("cpu")).eval()
+    state = load_file(tmp_path / "run" / "checkpoint.safetensors")
+    trained.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")}, strict=False)
+
+    exported = tmp_path / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in exported.iterdir()}
+    llm = LLM(exported)
+    prompt = llm.tokenizer.encode("KING. Now, my good")
+    assert prompt[0] == 0  # BOS, as every training document starts
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == _greedy(trained, prompt, 12)
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + out.outputs[0].token_ids])
+    with torch.no_grad():
+        ours = trained.logits(trained(ids))
+        theirs = hf(ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+    # `shardserve export` of the run writes the same weights
+    again = export_checkpoint(tmp_path / "run", tmp_path / "again")
+    a, b = load_file(exported / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

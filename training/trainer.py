@@ -1,0 +1,247 @@
+"""The training loop: the same function on every data-parallel rank.
+
+    setup     data, model (build_model), optimizer (build_optimizer), state (fresh or resumed)
+    step      micro-batches (each rank its slice of the global batch) -> backward -> clip -> AdamW
+    report    one all-reduce per step carries the mean loss, the stop flag and rank 0's clock
+    periodic  validation loss, checkpoint
+    end       final validation, checkpoint, loss curve, export (rank 0 writes files)
+
+SIGTERM and Ctrl-C set a flag; the step in flight finishes, every rank learns of it through the
+step's all-reduce, and the run saves a checkpoint and returns, resumable with `resume=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engines.config import ConfigError
+from training.data import TokenData, TrainOrder, val_starts
+from training.distributed import DistContext, init_context, shutdown
+from training.metrics import MetricsLog, Progress, plot_loss_curve
+from training.model_setup import NextTokenLoss, build_model, wrap_data_parallel
+from training.optim import build_optimizer, lr_at, set_lr
+from training.recipe import Recipe, grad_accum_steps
+from training.state import CHECKPOINT, TrainState, load_state, rng_state, save_state
+
+StepCallback = Callable[[TrainState, dict], None]
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    val_loss: float | None
+    """Validation loss at the end (None if interrupted before an evaluation)."""
+    interrupted: bool
+    checkpoint: Path | None
+    export_dir: Path | None
+    run_dir: Path
+
+
+class _StopFlag:
+    """Set by SIGTERM / SIGINT; the handlers are installed only from the main thread."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.set = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def autocast(recipe: Recipe, device: torch.device):
+    enabled = recipe.train.precision == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: TokenData, starts: np.ndarray, recipe: Recipe, ctx: DistContext) -> float:
+    """Mean next-token loss over the given validation windows, split across ranks."""
+    seq_len, mb = recipe.data.seq_len, recipe.train.micro_batch_size
+    mine = starts[ctx.rank::ctx.world_size]
+    totals = torch.zeros(2, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for i in range(0, len(mine), mb):
+        x, y = data.batch("val", mine[i:i + mb], seq_len)
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        with autocast(recipe, ctx.device):
+            logits = model.logits(model(x))  # (B, T, V) fp32
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+        totals += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
+    model.train(was_training)
+    ctx.all_reduce_sum(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def _save(path: Path, model, optimizer, state: TrainState, recipe: Recipe, data: TokenData,
+          ctx: DistContext) -> Path:
+    """Every rank contributes its RNG state; rank 0 writes (data-parallel replicas are identical)."""
+    mine = rng_state(ctx.device)
+    gathered = {k: ctx.all_gather(v.to(ctx.device) if ctx.device.type == "cuda" else v) for k, v in mine.items()}
+    states = [{k: gathered[k][r].cpu() for k in gathered} for r in range(ctx.world_size)]
+    if ctx.is_main:
+        save_state(path, model, optimizer, state, recipe, data.fingerprint(), states)
+    ctx.barrier()
+    return path
+
+
+def train(recipe: Recipe, resume: bool = False, progress: bool = True, on_step: StepCallback | None = None,
+          log=print) -> TrainResult:
+    """Train (or resume) `recipe` on this rank; a launcher runs it on every rank."""
+    ctx = init_context(recipe.train.device)
+    try:
+        return _train(recipe, ctx, resume, progress, on_step, log if ctx.is_main else (lambda *a, **k: None))
+    finally:
+        shutdown(ctx)
+
+
+def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, on_step: StepCallback | None,
+           log) -> TrainResult:
+    t = recipe.train
+    if t.num_threads:
+        torch.set_num_threads(t.num_threads)
+    data = TokenData(recipe.data.dir)
+    if recipe.model.vocab_size < data.vocab_size:
+        raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary ({data.vocab_size}) of "
+                          f"{recipe.data.dir}, got {recipe.model.vocab_size}")
+    accum = grad_accum_steps(t, ctx.world_size)
+    seq_len, mb = recipe.data.seq_len, t.micro_batch_size
+    order = TrainOrder(data.meta["train_tokens"], seq_len, t.seed)
+    eval_starts = val_starts(data.meta["val_tokens"], seq_len, t.eval_windows)
+
+    model = build_model(recipe.model, t.seed, ctx.device)
+    optimizer = build_optimizer(model, recipe.optim)
+    run_dir = Path(recipe.out.dir)
+    ckpt_path = run_dir / CHECKPOINT
+    if resume:
+        state, exact = load_state(ckpt_path, model, optimizer, recipe, data.fingerprint(), ctx.rank, ctx.world_size)
+        log(f"resuming {ckpt_path} at step {state.step}" + ("" if exact else
+            " (saved with another world size: dropout streams reseeded, not bitwise)"))
+    else:
+        state = TrainState()
+        torch.manual_seed(t.seed * 1_000_003 + ctx.rank)  # dropout: a different stream per rank
+    lm = wrap_data_parallel(NextTokenLoss(model), ctx)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {recipe.model.model_type} {recipe.model.n_layer}L x {recipe.model.n_embd}, {n_params / 1e6:.2f}M "
+        f"parameters; {ctx.world_size} rank(s) on {ctx.device}, {accum} micro-step(s) of {mb} x {seq_len} tokens "
+        f"per rank per step; {recipe.tokens_per_step():,} tokens per step, {t.precision}")
+    metrics = MetricsLog(run_dir / "metrics.jsonl", state.step if resume else None) if ctx.is_main else None
+    bar = Progress(t.max_steps, state.step, show_progress and ctx.is_main)
+    per_rank = t.batch_size // ctx.world_size
+    val_loss: float | None = None
+    interrupted = False
+    clock = time.perf_counter()
+    elapsed0 = state.elapsed_s
+
+    def elapsed_now() -> float:
+        return elapsed0 + time.perf_counter() - clock
+
+    with _StopFlag() as stop:
+        while state.step < t.max_steps:
+            frac = state.step / t.max_steps
+            if t.time_budget_s:
+                frac = max(frac, state.elapsed_s / t.time_budget_s)
+                if frac >= 1.0:
+                    break
+            lr = lr_at(recipe.optim, state.step, t.max_steps, frac if t.time_budget_s else None)
+            set_lr(optimizer, lr)
+            step_start = time.perf_counter()
+            loss_sum = torch.zeros((), device=ctx.device)
+            for m in range(accum):
+                first = state.samples + ctx.rank * per_rank + m * mb
+                x, y = data.batch("train", order.starts(first, mb), seq_len)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+                # gradients are all-reduced only on the last micro-step of a step
+                sync = lm.no_sync() if ctx.world_size > 1 and m < accum - 1 else contextlib.nullcontext()
+                with sync:
+                    with autocast(recipe, ctx.device):
+                        loss = lm(x, y)
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+            if recipe.optim.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.samples += t.batch_size
+            state.tokens += t.batch_size * seq_len
+            # one all-reduce: the global mean loss, whether any rank was signalled, rank 0's clock
+            shared = torch.tensor([loss_sum.item() / accum, float(stop.set),
+                                   elapsed_now() if ctx.is_main else 0.0], dtype=torch.float64)
+            ctx.all_reduce_sum(shared)
+            loss_val, stopping, state.elapsed_s = shared[0].item() / ctx.world_size, shared[1].item() > 0, shared[2].item()
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(f"loss is {loss_val} at step {state.step}; lower optim.lr or check the data")
+            step_s = time.perf_counter() - step_start
+            record = {"step": state.step, "loss": round(loss_val, 6), "lr": lr, "grad_norm": round(grad_norm.item(), 5),
+                      "tokens": state.tokens, "tokens_per_s": round(recipe.tokens_per_step() / step_s, 1),
+                      "elapsed_s": round(state.elapsed_s, 3)}
+            if metrics and (state.step % t.log_every == 0 or state.step == t.max_steps):
+                metrics.write(record)
+            expected = t.max_steps
+            if t.time_budget_s and state.elapsed_s > 0:
+                # the budget may end the run first: expected last step at the current pace
+                expected = min(t.max_steps, max(state.step, round(state.step * t.time_budget_s / state.elapsed_s)))
+            bar.update(1, total=expected, loss=loss_val, tok_s=record["tokens_per_s"])
+            if on_step is not None:
+                on_step(state, record)
+            if stopping:
+                interrupted = True
+                break
+            if t.eval_every and state.step % t.eval_every == 0 and state.step < t.max_steps:
+                val_loss = evaluate(model, data, eval_starts, recipe, ctx)
+                state.best_val_loss = min(val_loss, state.best_val_loss or math.inf)
+                if metrics:
+                    metrics.write({"step": state.step, "val_loss": round(val_loss, 6), "elapsed_s": round(elapsed_now(), 3)})
+                bar.update(0, val=val_loss)
+            if t.ckpt_every and state.step % t.ckpt_every == 0 and state.step < t.max_steps:
+                _save(ckpt_path, model, optimizer, state, recipe, data, ctx)
+        bar.close()
+        if interrupted:
+            log(f"stopped by signal at step {state.step}; saving {ckpt_path} (continue with --resume)")
+        else:
+            val_loss = evaluate(model, data, eval_starts, recipe, ctx)
+            state.best_val_loss = min(val_loss, state.best_val_loss or math.inf)
+            if metrics:
+                metrics.write({"step": state.step, "val_loss": round(val_loss, 6), "elapsed_s": round(elapsed_now(), 3)})
+        state.elapsed_s = elapsed_now() if ctx.is_main else state.elapsed_s
+        _save(ckpt_path, model, optimizer, state, recipe, data, ctx)
+    export_dir = None
+    if metrics:
+        metrics.close()
+        plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png",
+                        title=f"{recipe.model.model_type} {recipe.model.n_layer}L x {recipe.model.n_embd}, "
+                              f"{n_params / 1e6:.1f}M params")
+    if not interrupted and recipe.out.export_dir and ctx.is_main:
+        from training.export import export_model
+
+        export_dir = export_model(model, recipe.model, recipe.out.export_dir, data.tokenizer_dir)
+    if not interrupted:
+        log(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s; "
+            f"val loss {val_loss:.4f}" + (f"; model exported to {export_dir}" if export_dir else ""))
+    ctx.barrier()
+    return TrainResult(state, val_loss, interrupted, ckpt_path, export_dir, run_dir)
