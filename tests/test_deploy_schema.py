@@ -1,0 +1,134 @@
+"""The deployment-config schema: one source of truth, strict, and errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.schema import (
+    ConfigFileError, DeploymentConfig, EngineOptions, load_config, read_api_keys, validate_config,
+)
+from engines.config import ConfigError, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
+
+
+def test_engine_options_mirror_engine_config():
+    # deploy/ may not import engines, so it mirrors EngineConfig: keep the field sets equal
+    assert set(EngineOptions.model_fields) == set(EngineConfig.field_names())
+
+
+def test_unset_engine_options_keep_engine_defaults():
+    assert EngineOptions().engine_kwargs() == {}
+    assert EngineConfig(**EngineOptions().engine_kwargs()) == EngineConfig()
+    opts = EngineOptions(max_num_seqs=8, dtype="bfloat16")
+    assert EngineConfig(**opts.engine_kwargs()) == EngineConfig(max_num_seqs=8, dtype="bfloat16")
+
+
+def test_engine_options_ranges_match_engine_checks():
+    # every value the schema accepts, the engine accepts too (spot checks at the boundaries)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in ("extra",):
+            continue
+        default = getattr(EngineConfig(), field.name)
+        EngineOptions(**{field.name: default})
+    for bad in ({"block_size": 0}, {"max_num_seqs": -1}, {"kv_cache_bytes": 0}, {"max_logprobs": 101},
+                {"tensor_parallel_size": 0}, {"dtype": "int8"}, {"dist_timeout_s": 0}):
+        with pytest.raises(ValueError):
+            EngineOptions(**bad)
+        with pytest.raises((ConfigError, TypeError)):
+            EngineConfig(**bad)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(path):
+    cfg = load_config(path)
+    assert cfg.models and cfg.server.host == "127.0.0.1"
+    for m in cfg.models:
+        EngineConfig(**m.engine.engine_kwargs())
+
+
+def test_defaults_bind_localhost():
+    cfg = DeploymentConfig.for_model_dir("/some/where/default")
+    assert cfg.models[0].name == "default"
+    assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8000
+    assert cfg.ray.address is None
+
+
+BAD = [
+    ({"models": []}, "models: List should have at least 1 item"),
+    ({}, "models: Field required"),
+    ({"models": [{"name": "m"}]}, "models.0.path: Field required"),
+    ({"models": [{"name": "m", "path": "p", "replica": 2}]}, "models.0.replica: unknown field"),
+    ({"models": [{"name": "m", "path": "p", "engine": {"block_size": 0}}]},
+     "models.0.engine.block_size: Input should be greater than 0"),
+    ({"models": [{"name": "m", "path": "p", "engine": {"dtype": "int4"}}]}, "models.0.engine.dtype"),
+    ({"models": [{"name": "m", "path": "p", "replicas": 0}]}, "models.0.replicas: Input should be greater"),
+    ({"models": [{"name": "bad name", "path": "p"}]}, "models.0.name: must be 1-128 characters"),
+    ({"models": [{"name": "a/b", "path": "p"}]}, "models.0.name"),
+    ({"models": [{"name": "m", "path": "p"}, {"name": "m", "path": "q"}]}, "models.1.name: 'm' is used by two"),
+    ({"models": [{"name": "m", "path": "p", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}]},
+     "models.0.autoscaling: min_replicas (3) must be <= max_replicas (2)"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"port": 70000}}, "server.port: Input should be less"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"request_timeout_s": 0}}, "server.request_timeout_s"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"hots": "x"}}, "server.hots: unknown field"),
+    ({"models": [{"name": "m", "path": "p", "weight_format": "int3"}]}, "models.0.weight_format"),
+]
+
+
+@pytest.mark.parametrize("data, message", BAD, ids=[m for _, m in BAD])
+def test_invalid_configs_name_the_field(data, message):
+    with pytest.raises(ConfigFileError) as exc:
+        validate_config(data)
+    assert message in str(exc.value)
+
+
+def test_load_config_reports_file_and_yaml_errors(tmp_path):
+    with pytest.raises(ConfigFileError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ConfigFileError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just a list\n")
+    with pytest.raises(ConfigFileError, match="must hold a mapping"):
+        load_config(bad)
+    bad.write_text("models:\n  - name: m\n    path: p\n    engine:\n      max_num_seqs: lots\n")
+    with pytest.raises(ConfigFileError, match=r"bad.yaml: invalid deployment config\nmodels.0.engine.max_num_seqs"):
+        load_config(bad)
+
+
+def test_api_keys_from_file_and_env(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nsk-one\n\n  sk-two  \n")
+    cfg = validate_config({"models": [{"name": "m", "path": "p"}], "server": {"api_keys_file": str(keys)}})
+    assert read_api_keys(cfg.server, environ={}) == ["sk-one", "sk-two"]
+    assert read_api_keys(cfg.server, environ={"SHARDSERVE_API_KEYS": "sk-3, sk-4"}) == [
+        "sk-one", "sk-two", "sk-3", "sk-4"]
+    cfg = validate_config({"models": [{"name": "m", "path": "p"}]})
+    assert read_api_keys(cfg.server, environ={}) == []
+    missing = validate_config({"models": [{"name": "m", "path": "p"}], "server": {"api_keys_file": "/nope/k"}})
+    with pytest.raises(ConfigFileError, match="server.api_keys_file: /nope/k does not exist"):
+        read_api_keys(missing.server, environ={})
+    keys.write_text("# nothing\n")
+    with pytest.raises(ConfigFileError, match="holds no keys"):
+        read_api_keys(cfg.replace(server={"api_keys_file": str(keys)}).server, environ={})
+
+
+def test_replace_validates():
+    cfg = DeploymentConfig.for_model_dir("/m")
+    assert cfg.replace(server={"port": 9000}).server.port == 9000
+    with pytest.raises(ConfigFileError, match="server.port"):
+        cfg.replace(server={"port": -1})
+
+
+def test_deploy_imports_neither_engines_nor_serving():
+    code = "import sys, deploy, deploy.schema; bad = [m for m in ('engines', 'serving', 'torch', 'ray') " \
+           "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
