@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "loadtest_support"))
 
-from launcher import FakeServer  # noqa: E402
+from launcher import FakeServer
 
-from loadtest.config import LoadTestConfig  # noqa: E402
-from loadtest.runner import run_async, run_in_new_loop  # noqa: E402
+from loadtest.config import LoadTestConfig
+from loadtest.runner import run_async, run_in_new_loop
 
 TARGET_RATE = 300.0  # streamed requests/s
 TARGET_LAG_P99_MS = 10.0
@@ -45,7 +45,9 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(url: str, rate: float, duration: float, tokens: int, use_uvloop: bool, server_pid: int, first: bool) -> dict:
+def measure(
+    url: str, rate: float, duration: float, tokens: int, use_uvloop: bool, server_pid: int, first: bool
+) -> dict:
     config = LoadTestConfig(
         url=url,
         model="fake",
@@ -85,13 +87,22 @@ def measure(url: str, rate: float, duration: float, tokens: int, use_uvloop: boo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="100,200,300,400,500,600,800,1000,1200,1500",
-                        help="comma-separated requests/s to ramp through")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rates",
+        default="100,200,300,400,500,600,800,1000,1200,1500",
+        help="comma-separated requests/s to ramp through",
+    )
     parser.add_argument("--duration", type=float, default=6.0, help="seconds of schedule per rate")
     parser.add_argument("--tokens", type=int, default=16, help="tokens (SSE events) per reply")
-    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
-                        help="generator event loop (uvloop is used only if installed)")
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="generator event loop (uvloop is used only if installed)",
+    )
     parser.add_argument("--keep-going", action="store_true", help="do not stop at the second failing rate")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -102,19 +113,26 @@ def main() -> None:
         loop_name = args.loop
     except ImportError:
         loop_name = "asyncio (uvloop not installed)"
-    print(f"loadtest generator capacity: {args.tokens} tokens/reply, {args.duration:g} s per rate, "
-          f"loop {loop_name}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
-    header = (f"{'rate':>7} {'reqs':>6} {'achieved':>9} {'thru':>8} {'lag p50':>8} {'lag p99':>8} "
-              f"{'lag max':>8} {'gen CPU':>8} {'srv CPU':>8} {'fail':>5}  ok")
+    print(
+        f"loadtest generator capacity: {args.tokens} tokens/reply, {args.duration:g} s per rate, "
+        f"loop {loop_name}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
+    header = (
+        f"{'rate':>7} {'reqs':>6} {'achieved':>9} {'thru':>8} {'lag p50':>8} {'lag p99':>8} "
+        f"{'lag max':>8} {'gen CPU':>8} {'srv CPU':>8} {'fail':>5}  ok"
+    )
     print(header)
     rows, fails = [], 0
     with FakeServer(uvloop=True) as server:
         for i, rate in enumerate(rates):
             row = measure(server.url, rate, args.duration, args.tokens, use_uvloop, server.proc.pid, i == 0)
             rows.append(row)
-            print(f"{row['rate']:7.0f} {row['requests']:6d} {row['achieved']:9.1f} {row['thru']:8.1f} "
-                  f"{row['lag_p50']:8.2f} {row['lag_p99']:8.2f} {row['lag_max']:8.2f} {row['gen_cpu']:8.2f} "
-                  f"{row['srv_cpu']:8.2f} {row['failed']:5d}  {'yes' if row['ok'] else 'NO'}", flush=True)
+            print(
+                f"{row['rate']:7.0f} {row['requests']:6d} {row['achieved']:9.1f} {row['thru']:8.1f} "
+                f"{row['lag_p50']:8.2f} {row['lag_p99']:8.2f} {row['lag_max']:8.2f} {row['gen_cpu']:8.2f} "
+                f"{row['srv_cpu']:8.2f} {row['failed']:5d}  {'yes' if row['ok'] else 'NO'}",
+                flush=True,
+            )
             fails += not row["ok"]
             if fails >= 2 and not args.keep_going:
                 break
@@ -122,16 +140,22 @@ def main() -> None:
     best = max((r["rate"] for r in passing), default=0.0)
     broke = next((r for r in rows if not r["ok"] and r["rate"] > best), None)
     print()
-    print(f"highest passing rate: {best:.0f} req/s = {best / TARGET_RATE:.2f} x the {TARGET_RATE:.0f} req/s target")
+    print(
+        f"highest passing rate: {best:.0f} req/s = {best / TARGET_RATE:.2f} x the {TARGET_RATE:.0f} req/s target"
+    )
     at_target = next((r for r in rows if r["rate"] == TARGET_RATE), None)
     if at_target is not None:
-        print(f"at {TARGET_RATE:.0f} req/s: p99 send lag {at_target['lag_p99']:.2f} ms "
-              f"({at_target['lag_p99'] / TARGET_LAG_P99_MS:.2f} x the {TARGET_LAG_P99_MS:.0f} ms limit), "
-              f"achieved {at_target['achieved']:.1f} req/s, {at_target['failed']} failed")
+        print(
+            f"at {TARGET_RATE:.0f} req/s: p99 send lag {at_target['lag_p99']:.2f} ms "
+            f"({at_target['lag_p99'] / TARGET_LAG_P99_MS:.2f} x the {TARGET_LAG_P99_MS:.0f} ms limit), "
+            f"achieved {at_target['achieved']:.1f} req/s, {at_target['failed']} failed"
+        )
     if broke is not None:
-        print(f"breaks at {broke['rate']:.0f} req/s: p99 send lag {broke['lag_p99']:.2f} ms, achieved "
-              f"{broke['achieved']:.1f}, completed {broke['thru']:.1f} req/s, generator CPU {broke['gen_cpu']:.2f}, "
-              f"server CPU {broke['srv_cpu']:.2f}")
+        print(
+            f"breaks at {broke['rate']:.0f} req/s: p99 send lag {broke['lag_p99']:.2f} ms, achieved "
+            f"{broke['achieved']:.1f}, completed {broke['thru']:.1f} req/s, generator CPU {broke['gen_cpu']:.2f}, "
+            f"server CPU {broke['srv_cpu']:.2f}"
+        )
     else:
         print("did not break within the ramp; extend --rates")
 

@@ -20,7 +20,7 @@ from loadtest.errors import ConfigError, LoadTestError
 
 if TYPE_CHECKING:
     from loadtest.runner import Report
-    from loadtest.sweep import SweepReport
+    from loadtest.slo_sweep import SweepReport
 
 
 def run(config: LoadTestConfig) -> Report:
@@ -32,7 +32,7 @@ def run(config: LoadTestConfig) -> Report:
 
 def sweep(config: LoadTestConfig, sweep_config: SweepConfig | None = None) -> SweepReport:
     """Find the highest request rate whose run meets every SLO in config.slos (blocking)."""
-    from loadtest.sweep import sweep as _sweep
+    from loadtest.slo_sweep import sweep as _sweep
 
     return _sweep(config, sweep_config or SweepConfig())
 

@@ -1,3 +1,4 @@
+# ruff: noqa: B008  (typer declares options as call defaults, the idiom shardserve.cli uses)
 """`shardserve loadtest`: the command-line face of loadtest.
 
 A plain typed function; shardserve.cli registers it with typer. Flag names follow vLLM's
@@ -6,7 +7,6 @@ defines each); heavy modules load inside the function so `shardserve --help` sta
 """
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -27,44 +27,83 @@ def _s(name: str):
 def loadtest(
     url: str = typer.Option(..., help="Server base URL (http://host:port) or full endpoint URL."),
     model: str = typer.Option(..., help="Model name sent with each request (KServe: in the URL path)."),
-    backend: str = typer.Option(_d("backend"), help="openai-completions | openai-chat | kserve-generate-stream."),
-    request_rate: float = typer.Option(_d("request_rate"), help="Mean requests/s of the open-loop schedule; inf sends all at t=0."),
-    burstiness: float = typer.Option(_d("burstiness"), help="Gamma shape of inter-arrival times: 1 = Poisson, <1 burstier."),
-    arrival: str = typer.Option(_d("arrival"), help="constant | poisson | gamma (gamma with --burstiness 1 is Poisson)."),
-    max_concurrency: Optional[int] = typer.Option(_d("max_concurrency"), help="Cap on requests in flight (later sends wait)."),
-    closed_loop_concurrency: Optional[int] = typer.Option(
-        _d("closed_loop_concurrency"), help="Closed loop: this many workers, each sends when its last reply ends."
+    backend: str = typer.Option(
+        _d("backend"), help="openai-completions | openai-chat | kserve-generate-stream."
     ),
-    num_prompts: Optional[int] = typer.Option(_d("num_prompts"), help="Measured requests (default 1000 unless --duration)."),
-    duration: Optional[float] = typer.Option(_d("duration"), help="Stop scheduling requests after this many seconds."),
+    request_rate: float = typer.Option(
+        _d("request_rate"), help="Mean requests/s of the open-loop schedule; inf sends all at t=0."
+    ),
+    burstiness: float = typer.Option(
+        _d("burstiness"), help="Gamma shape of inter-arrival times: 1 = Poisson, <1 burstier."
+    ),
+    arrival: str = typer.Option(
+        _d("arrival"), help="constant | poisson | gamma (gamma with --burstiness 1 is Poisson)."
+    ),
+    max_concurrency: int | None = typer.Option(
+        _d("max_concurrency"), help="Cap on requests in flight (later sends wait)."
+    ),
+    closed_loop_concurrency: int | None = typer.Option(
+        _d("closed_loop_concurrency"),
+        help="Closed loop: this many workers, each sends when its last reply ends.",
+    ),
+    num_prompts: int | None = typer.Option(
+        _d("num_prompts"), help="Measured requests (default 1000 unless --duration)."
+    ),
+    duration: float | None = typer.Option(
+        _d("duration"), help="Stop scheduling requests after this many seconds."
+    ),
     warmup: int = typer.Option(_d("warmup"), help="Requests sent first and excluded from statistics."),
-    random_input_len: int = typer.Option(_d("random_input_len"), help="Prompt tokens for --input-dist fixed."),
-    random_output_len: int = typer.Option(_d("random_output_len"), help="max_tokens for --output-dist fixed."),
-    input_dist: Optional[str] = typer.Option(
+    random_input_len: int = typer.Option(
+        _d("random_input_len"), help="Prompt tokens for --input-dist fixed."
+    ),
+    random_output_len: int = typer.Option(
+        _d("random_output_len"), help="max_tokens for --output-dist fixed."
+    ),
+    input_dist: str | None = typer.Option(
         None, help="fixed | fixed:N | uniform:LOW:HIGH | normal:MEAN:STD[:LOW:HIGH] (prompt tokens)."
     ),
-    output_dist: Optional[str] = typer.Option(None, help="Same forms as --input-dist, for max_tokens."),
-    length_mix: Optional[str] = typer.Option(None, help="Weighted (input, output) pairs: IN:OUT:WEIGHT,IN:OUT:WEIGHT."),
-    dataset: Optional[Path] = typer.Option(_d("dataset"), help="JSONL prompts: prompt | messages, optional output_len."),
-    trace: Optional[Path] = typer.Option(_d("trace"), help="JSONL trace: timestamp (s) or timestamp_ms, input_length, output_length."),
-    time_scale: float = typer.Option(_d("time_scale"), help="Multiply trace inter-arrival times (0.5 = twice as fast)."),
-    tokenizer: Optional[Path] = typer.Option(_d("tokenizer"), help="tokenizer.json for exact prompt lengths; else approximate."),
-    ignore_eos: bool = typer.Option(_d("ignore_eos"), help="Send ignore_eos and min_tokens to hold outputs at max_tokens."),
-    include_usage: bool = typer.Option(_d("include_usage"), help="Ask for stream usage (exact output-token counts)."),
-    slo: Optional[list[str]] = typer.Option(
+    output_dist: str | None = typer.Option(None, help="Same forms as --input-dist, for max_tokens."),
+    length_mix: str | None = typer.Option(
+        None, help="Weighted (input, output) pairs: IN:OUT:WEIGHT,IN:OUT:WEIGHT."
+    ),
+    dataset: Path | None = typer.Option(
+        _d("dataset"), help="JSONL prompts: prompt | messages, optional output_len."
+    ),
+    trace: Path | None = typer.Option(
+        _d("trace"), help="JSONL trace: timestamp (s) or timestamp_ms, input_length, output_length."
+    ),
+    time_scale: float = typer.Option(
+        _d("time_scale"), help="Multiply trace inter-arrival times (0.5 = twice as fast)."
+    ),
+    tokenizer: Path | None = typer.Option(
+        _d("tokenizer"), help="tokenizer.json for exact prompt lengths; else approximate."
+    ),
+    ignore_eos: bool = typer.Option(
+        _d("ignore_eos"), help="Send ignore_eos and min_tokens to hold outputs at max_tokens."
+    ),
+    include_usage: bool = typer.Option(
+        _d("include_usage"), help="Ask for stream usage (exact output-token counts)."
+    ),
+    slo: list[str] | None = typer.Option(
         None, help="SLO, repeatable: METRIC_ms=V or METRIC_STAT_ms=V (ttft|tpot|e2el; mean|p50|p90|p95|p99)."
     ),
-    goodput: Optional[list[str]] = typer.Option(None, help="vLLM spelling of an SLO, repeatable: ttft:500, tpot:50, e2el:2000."),
+    goodput: list[str] | None = typer.Option(
+        None, help="vLLM spelling of an SLO, repeatable: ttft:500, tpot:50, e2el:2000."
+    ),
     sweep: bool = typer.Option(False, help="Find the highest request rate that meets every SLO."),
     sweep_start_rate: float = typer.Option(_s("start_rate"), help="First rate of the sweep (req/s)."),
     sweep_max_rate: float = typer.Option(_s("max_rate"), help="Highest rate the sweep tries (req/s)."),
     sweep_tolerance: float = typer.Option(_s("tolerance"), help="Stop bisecting when hi/lo - 1 <= this."),
-    result_dir: Optional[Path] = typer.Option(_d("result_dir"), help="Write requests.jsonl, summary.json/.csv and plots here."),
+    result_dir: Path | None = typer.Option(
+        _d("result_dir"), help="Write requests.jsonl, summary.json/.csv and plots here."
+    ),
     plots: bool = typer.Option(True, help="Write PNG plots into --result-dir."),
     seed: int = typer.Option(_d("seed"), help="Seed for prompts, lengths and arrival times."),
-    api_key: Optional[str] = typer.Option(_d("api_key"), help="Sent as Authorization: Bearer KEY."),
+    api_key: str | None = typer.Option(_d("api_key"), help="Sent as Authorization: Bearer KEY."),
     timeout: float = typer.Option(_d("timeout"), help="Per-request limit in seconds."),
-    preflight: bool = typer.Option(_d("preflight"), help="Send one short request first to check URL and streaming."),
+    preflight: bool = typer.Option(
+        _d("preflight"), help="Send one short request first to check URL and streaming."
+    ),
     progress: bool = typer.Option(_d("progress"), help="Show a live progress bar."),
 ) -> None:
     """Load-test an OpenAI-compatible or KServe v2 server: open-loop arrivals, TTFT / TPOT / ITL /
@@ -89,7 +128,9 @@ def loadtest(
             random_input_len=random_input_len,
             random_output_len=random_output_len,
             input_dist=parse_length_dist(input_dist, random_input_len, "input_dist") if input_dist else None,
-            output_dist=parse_length_dist(output_dist, random_output_len, "output_dist") if output_dist else None,
+            output_dist=parse_length_dist(output_dist, random_output_len, "output_dist")
+            if output_dist
+            else None,
             length_mix=parse_length_mix(length_mix) if length_mix else (),
             dataset=dataset,
             trace=trace,
@@ -131,11 +172,13 @@ def _run_once(config: LoadTestConfig, plots: bool) -> None:
 
 def _run_sweep(config: LoadTestConfig, sc: SweepConfig, plots: bool) -> None:
     from loadtest.report import SWEEP_HEADER, format_sweep_row, format_sweep_table, write_sweep
-    from loadtest.sweep import sweep as run_sweep
+    from loadtest.slo_sweep import sweep as run_sweep
 
     typer.echo(SWEEP_HEADER)
     result = run_sweep(config, sc, on_step=lambda step: typer.echo(format_sweep_row(step)))
     typer.echo("\nSorted by rate:\n" + format_sweep_table(result))
     if config.result_dir is not None:
         write_sweep(result, config.result_dir, plots=plots)
-        typer.echo(f"Wrote sweep.json, sweep.csv{', sweep.png' if plots else ''} and per-step files to {config.result_dir}")
+        typer.echo(
+            f"Wrote sweep.json, sweep.csv{', sweep.png' if plots else ''} and per-step files to {config.result_dir}"
+        )

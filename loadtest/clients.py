@@ -45,7 +45,9 @@ class StreamingClient:
 
     requires_done = False  # the stream must end with `data: [DONE]`
 
-    def __init__(self, config: LoadTestConfig, session: aiohttp.ClientSession, counter: PromptBuilder) -> None:
+    def __init__(
+        self, config: LoadTestConfig, session: aiohttp.ClientSession, counter: PromptBuilder
+    ) -> None:
         self.config = config
         self.session = session
         self.counter = counter
@@ -232,7 +234,12 @@ class KServeGenerateStream(StreamingClient):
     `text_output`; the stream ends when the connection closes."""
 
     def payload(self, spec: RequestSpec) -> dict:
-        body = {"text_input": spec.prompt, "max_tokens": spec.output_tokens, "temperature": 0.0, "stream": True}
+        body = {
+            "text_input": spec.prompt,
+            "max_tokens": spec.output_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
         if self.config.ignore_eos:
             body["min_length"] = spec.output_tokens  # as vLLM's TensorRT-LLM client
         return body
@@ -251,7 +258,9 @@ CLIENTS: dict[str, type[StreamingClient]] = {
 }
 
 
-def make_client(config: LoadTestConfig, session: aiohttp.ClientSession, counter: PromptBuilder) -> StreamingClient:
+def make_client(
+    config: LoadTestConfig, session: aiohttp.ClientSession, counter: PromptBuilder
+) -> StreamingClient:
     return CLIENTS[config.backend](config, session, counter)
 
 

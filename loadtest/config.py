@@ -181,7 +181,9 @@ def _validate(c: LoadTestConfig) -> None:
     if c.arrival not in ARRIVALS:
         raise _fail("arrival", f"must be one of {', '.join(ARRIVALS)}; got {c.arrival!r}")
     if math.isnan(c.request_rate) or c.request_rate <= 0:
-        raise _fail("request_rate", f"must be > 0 requests/s, or inf to send all at once; got {c.request_rate}")
+        raise _fail(
+            "request_rate", f"must be > 0 requests/s, or inf to send all at once; got {c.request_rate}"
+        )
     if not (c.burstiness > 0 and math.isfinite(c.burstiness)):
         raise _fail("burstiness", f"must be a finite number > 0 (1 = Poisson); got {c.burstiness}")
     if c.arrival != "gamma" and c.burstiness != 1.0:
@@ -341,13 +343,13 @@ __all__ = [
     "ARRIVALS",
     "BACKENDS",
     "DIST_KINDS",
+    "SLO",
     "LengthDist",
     "LengthPair",
     "LoadTestConfig",
-    "SLO",
     "SweepConfig",
-    "is_closed_loop",
     "check_runnable",
+    "is_closed_loop",
     "measured_count",
     "parse_length_dist",
     "parse_length_mix",

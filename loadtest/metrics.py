@@ -186,7 +186,8 @@ def percentile_with_inf(sorted_values: list[float], q: float) -> float:
     if n == 0:
         return math.nan
     pos = q / 100.0 * (n - 1)
-    lo, frac = int(math.floor(pos)), pos - math.floor(pos)
+    lo = math.floor(pos)
+    frac = pos - lo
     if frac == 0.0:
         return sorted_values[lo]
     a, b = sorted_values[lo], sorted_values[lo + 1]

@@ -18,7 +18,7 @@ import numpy as np
 from loadtest.errors import LoadTestError
 
 # Short, frequent words: each is a single token (with its leading space) in common BPE vocabularies.
-_WORDS = (
+_WORDS = (  # noqa: SIM905 (a word list reads best as text)
     "the of and to in is was for on that with as by at from his it an were are which be this had not "
     "or but her one all she there been they have has their who its first new after would more two "
     "time also when into only some other year can out may over such most made many used these then "
@@ -59,7 +59,9 @@ class PromptBuilder:
             if text.strip() and text.isprintable() and tok.encode(text, add_special_tokens=False).ids == [i]:
                 keep.append(i)
         if len(keep) < 16:
-            raise LoadTestError(f"tokenizer {self.tokenizer_path} has too few plain-text tokens to build prompts")
+            raise LoadTestError(
+                f"tokenizer {self.tokenizer_path} has too few plain-text tokens to build prompts"
+            )
         return np.array(keep, dtype=np.int64)
 
     def count(self, text: str) -> int:
@@ -76,7 +78,9 @@ class PromptBuilder:
             text = self._exact(n_tokens, rng)
             if text is not None:
                 return text
-        raise LoadTestError(f"could not build a prompt of exactly {n_tokens} tokens with {self.tokenizer_path}")
+        raise LoadTestError(
+            f"could not build a prompt of exactly {n_tokens} tokens with {self.tokenizer_path}"
+        )
 
     def _exact(self, n: int, rng: np.random.Generator) -> str | None:
         tok = self._tok

@@ -22,7 +22,7 @@ import numpy as np
 from loadtest.config import LoadTestConfig
 from loadtest.metrics import Summary, json_safe
 from loadtest.runner import Report
-from loadtest.sweep import SweepReport, SweepStep
+from loadtest.slo_sweep import SweepReport, SweepStep
 
 
 def config_to_json(config: LoadTestConfig) -> dict:
@@ -54,8 +54,7 @@ def write_run(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "requests.jsonl", out_dir / "summary.json", out_dir / "summary.csv"]
     with open(paths[0], "w") as f:
-        for rec in report.records:
-            f.write(json.dumps(rec.to_json()) + "\n")
+        f.writelines(json.dumps(rec.to_json()) + "\n" for rec in report.records)
     doc = {
         "started_at": report.started_at,
         "stop_reason": report.stop_reason,
@@ -73,15 +72,31 @@ def write_sweep(result: SweepReport, out_dir: Path, plots: bool = True) -> list[
     """Write a sweep's table, plot and each step's run files; returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"rate": s.rate, "phase": s.phase, "meets_slo": s.meets_slo, "stop_reason": s.stop_reason,
-             **s.summary.flat()} for s in result.steps]
+    rows = [
+        {
+            "rate": s.rate,
+            "phase": s.phase,
+            "meets_slo": s.meets_slo,
+            "stop_reason": s.stop_reason,
+            **s.summary.flat(),
+        }
+        for s in result.steps
+    ]
     paths = [out_dir / "sweep.json", out_dir / "sweep.csv"]
     doc = {
         "best_rate": result.best_rate,
         "config": config_to_json(result.config),
         "sweep_config": asdict(result.sweep_config),
-        "steps": [{"rate": s.rate, "phase": s.phase, "meets_slo": s.meets_slo, "stop_reason": s.stop_reason,
-                   "summary": s.summary.to_json()} for s in result.steps],
+        "steps": [
+            {
+                "rate": s.rate,
+                "phase": s.phase,
+                "meets_slo": s.meets_slo,
+                "stop_reason": s.stop_reason,
+                "summary": s.summary.to_json(),
+            }
+            for s in result.steps
+        ],
     }
     paths[0].write_text(json.dumps(json_safe(doc), indent=2) + "\n")
     _write_csv(paths[1], rows)
@@ -149,14 +164,22 @@ def plot_sweep(result: SweepReport, path: Path) -> Path:
                 right.plot([x], [y], "x", color="red", markersize=9)
     for slo in result.config.slos:
         right.axhline(slo.threshold_ms, linestyle=":", color="gray")
-        right.annotate(f"SLO {slo.key} {slo.threshold_ms:g}", (0.01, slo.threshold_ms), xycoords=("axes fraction", "data"),
-                       fontsize=8)
+        right.annotate(
+            f"SLO {slo.key} {slo.threshold_ms:g}",
+            (0.01, slo.threshold_ms),
+            xycoords=("axes fraction", "data"),
+            fontsize=8,
+        )
     right.set_yscale("log")
     right.set_xlabel("throughput (completed req/s); x = step failed its SLO")
     right.set_ylabel("latency (ms)")
     right.grid(alpha=0.3)
     right.legend()
-    title = f"best rate meeting the SLO: {result.best_rate:.3g} req/s" if result.best_rate else "no rate met the SLO"
+    title = (
+        f"best rate meeting the SLO: {result.best_rate:.3g} req/s"
+        if result.best_rate
+        else "no rate met the SLO"
+    )
     fig.suptitle(title)
     fig.savefig(path)
     return path
@@ -189,13 +212,18 @@ def format_summary(s: Summary) -> str:
     lines += ["------------- Latency (ms) ---------------", header]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         st = getattr(s, name)
-        lines.append(f"{name[:-3].upper():6}" + "".join(f"{_f(v):>10}" for v in (st.mean, st.p50, st.p90, st.p95, st.p99)))
+        lines.append(
+            f"{name[:-3].upper():6}"
+            + "".join(f"{_f(v):>10}" for v in (st.mean, st.p50, st.p90, st.p95, st.p99))
+        )
     if s.errors:
         lines.append("Errors: " + ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())))
     if s.slo_results:
         lines.append("------------------ SLO -------------------")
         for r in s.slo_results:
-            lines.append(f"{r.key:16} {_f(r.observed_ms):>10} <= {r.threshold_ms:g}  {'ok' if r.ok else 'FAIL'}")
+            lines.append(
+                f"{r.key:16} {_f(r.observed_ms):>10} <= {r.threshold_ms:g}  {'ok' if r.ok else 'FAIL'}"
+            )
         lines.append(f"Goodput (req/s):                {_f(s.goodput)} ({s.good_requests} good requests)")
     lines += [f"WARNING: {w}" for w in s.warnings]
     lines.append("==========================================")

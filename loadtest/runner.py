@@ -14,7 +14,7 @@ import gc
 import itertools
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from time import perf_counter
 from typing import Protocol
 
@@ -54,7 +54,7 @@ class Report:
 
 
 class RunMonitor(Protocol):
-    """Watches a run and returns a reason to stop it early, or None (see sweep.SloMonitor)."""
+    """Watches a run and returns a reason to stop it early, or None (see slo_sweep.SloMonitor)."""
 
     def on_start(self, planned: int | None) -> None: ...
 
@@ -77,7 +77,9 @@ def build_plan(config: LoadTestConfig, builder: PromptBuilder) -> Plan:
     if config.trace is not None:
         times, specs = from_trace(config, builder, total)
     else:
-        times = schedule(config.arrival, config.request_rate, config.burstiness, total, config.duration, config.seed)
+        times = schedule(
+            config.arrival, config.request_rate, config.burstiness, total, config.duration, config.seed
+        )
         specs = make(len(times))
     return Plan(times, specs, len(times), config.warmup)
 
@@ -197,16 +199,22 @@ class _Runner:
         config = self.config
         cap = config.max_concurrency or config.closed_loop_concurrency or 0
         _raise_fd_limit(cap or (self.plan.total or 1024))
-        connector = aiohttp.TCPConnector(limit=cap, limit_per_host=cap, keepalive_timeout=60, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(
+            limit=cap, limit_per_host=cap, keepalive_timeout=60, ttl_dns_cache=300
+        )
         timeout = aiohttp.ClientTimeout(total=config.timeout, sock_connect=min(config.timeout, 30.0))
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             self.client = make_client(config, session, self.builder)
             if config.preflight:
                 await self.client.probe()
             self.pbar = tqdm(
-                total=self.plan.total, unit="req", desc="loadtest", disable=not config.progress, dynamic_ncols=True
+                total=self.plan.total,
+                unit="req",
+                desc="loadtest",
+                disable=not config.progress,
+                dynamic_ncols=True,
             )
-            started_at = datetime.now(timezone.utc).isoformat()
+            started_at = datetime.now(UTC).isoformat()
             if self.monitor is not None:
                 total = self.plan.total
                 self.monitor.on_start(None if total is None else total - self.plan.warmup)
@@ -254,15 +262,17 @@ async def run_async(config: LoadTestConfig, monitor: RunMonitor | None = None) -
     return await _Runner(config, plan, builder, monitor).run()
 
 
-def run_in_new_loop(coro):
-    """Run a coroutine in a fresh event loop, uvloop's when it is installed (it is faster, and
-    loadtest needs it nowhere else)."""
-    try:
-        import uvloop
+def run_in_new_loop(coro, use_uvloop: bool = True):
+    """Run a coroutine in a fresh event loop: uvloop's when it is installed and `use_uvloop`
+    (it is faster; loadtest does not depend on it), else asyncio's."""
+    factory = None
+    if use_uvloop:
+        try:
+            import uvloop
 
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
+            factory = uvloop.new_event_loop
+        except ImportError:
+            pass
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
 

@@ -60,7 +60,8 @@ class SloMonitor:
             bound = s.threshold_ms / 1000.0
             if s.metric == "ttft":
                 late = sum(
-                    (r.ttft_s > bound) if not math.isnan(r.ttft_s) else (now_s - r.sent_s > bound) for r in in_flight
+                    (r.ttft_s > bound) if not math.isnan(r.ttft_s) else (now_s - r.sent_s > bound)
+                    for r in in_flight
                 )
             else:
                 late = sum(now_s - r.sent_s > bound for r in in_flight)
@@ -137,7 +138,9 @@ def _check(config: LoadTestConfig) -> None:
     if not config.slos:
         raise ConfigError("slos (--slo): a sweep needs at least one SLO, e.g. --slo ttft_p99_ms=500")
     if is_closed_loop(config):
-        raise ConfigError("closed_loop_concurrency (--closed-loop-concurrency): a sweep varies the open-loop rate")
+        raise ConfigError(
+            "closed_loop_concurrency (--closed-loop-concurrency): a sweep varies the open-loop rate"
+        )
     if config.trace is not None:
         raise ConfigError("trace (--trace): a sweep sets its own rates; use --time-scale to replay faster")
 
@@ -155,7 +158,9 @@ async def sweep_async(
     reports: list[Report] = []
 
     async def evaluate(rate: float, phase: str) -> bool:
-        step_config = replace(config, request_rate=rate, preflight=config.preflight and not steps, progress=False)
+        step_config = replace(
+            config, request_rate=rate, preflight=config.preflight and not steps, progress=False
+        )
         monitor = SloMonitor(config.slos) if sc.early_stop else None
         report = await run_async(step_config, monitor)
         passed = bool(report.summary.meets_slo) and report.stop_reason is None

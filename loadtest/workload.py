@@ -47,7 +47,9 @@ def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator) -> np.nda
     return np.clip(out, dist.low, dist.high).astype(np.int64)
 
 
-def sample_pairs(mix: tuple[LengthPair, ...], n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def sample_pairs(
+    mix: tuple[LengthPair, ...], n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """n (input, output) length pairs drawn from a weighted mix."""
     weights = np.array([p.weight for p in mix], dtype=float)
     pick = rng.choice(len(mix), size=n, p=weights / weights.sum())
@@ -120,7 +122,9 @@ def from_dataset(config: LoadTestConfig, n: int, builder: PromptBuilder) -> list
         prompt, messages = _prompt_of(config.dataset, lineno, row)
         out = next((row[key] for key in _OUTPUT_KEYS if key in row), int(default_outs[k]))
         if not isinstance(out, int) or out < 1:
-            raise LoadTestError(f"{config.dataset}:{lineno}: output length must be an integer >= 1, got {out!r}")
+            raise LoadTestError(
+                f"{config.dataset}:{lineno}: output length must be an integer >= 1, got {out!r}"
+            )
         parsed.append(RequestSpec(prompt, builder.count(prompt), out, messages))
     return [parsed[i % len(parsed)] for i in range(n)]
 

@@ -16,7 +16,7 @@ from loadtest.clients import OpenAIChat, OpenAICompletions, endpoint_url
 from loadtest.config import LengthDist, parse_length_dist, parse_length_mix, parse_slo
 from loadtest.metrics import RequestRecord, evaluate_slo, percentile_with_inf, summarize
 from loadtest.prompts import PromptBuilder
-from loadtest.sweep import SloMonitor, search
+from loadtest.slo_sweep import SloMonitor, search
 from loadtest.workload import from_dataset, from_trace, sample_lengths, sample_pairs, synthetic
 
 URL = "http://127.0.0.1:9"
@@ -34,7 +34,24 @@ def tokenizer_path(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    words = "the quick brown fox jumps over a lazy dog while many animals sleep in warm fields".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "many",
+        "animals",
+        "sleep",
+        "in",
+        "warm",
+        "fields",
+    ]
     rng = np.random.default_rng(0)
     corpus = [" ".join(rng.choice(words, 50)) for _ in range(200)]
     trainer = trainers.BpeTrainer(
@@ -63,7 +80,11 @@ def tokenizer_path(tmp_path_factory):
         ({"closed_loop_concurrency": 2, "max_concurrency": 2}, "--max-concurrency", "closed loop"),
         ({"url": "localhost:8000"}, "--url", "http://"),
         ({"dataset": "/nonexistent/prompts.jsonl"}, "--dataset", "file not found"),
-        ({"length_mix": parse_length_mix("10:5"), "input_dist": LengthDist("fixed", 3)}, "--length-mix", "one or the other"),
+        (
+            {"length_mix": parse_length_mix("10:5"), "input_dist": LengthDist("fixed", 3)},
+            "--length-mix",
+            "one or the other",
+        ),
         ({"input_dist": LengthDist("zipf", 3)}, "--input-dist", "fixed, uniform, normal"),
         ({"timeout": 0.0}, "--timeout", "> 0"),
     ],
@@ -169,7 +190,9 @@ def test_prompts_are_exact_in_tokens_with_a_tokenizer(tokenizer_path):
     for n in (1, 2, 3, 17, 100, 513, 2000):
         text = builder.build(n, rng)
         assert len(tok.encode(text, add_special_tokens=False).ids) == n
-    specs = synthetic(cfg(tokenizer=tokenizer_path, input_dist=LengthDist("uniform", 50, low=5, high=90)), 30, builder)
+    specs = synthetic(
+        cfg(tokenizer=tokenizer_path, input_dist=LengthDist("uniform", 50, low=5, high=90)), 30, builder
+    )
     assert all(len(tok.encode(s.prompt, add_special_tokens=False).ids) == s.input_tokens for s in specs)
     assert len({s.input_tokens for s in specs}) > 5
 
@@ -343,7 +366,7 @@ def test_slo_monitor_stops_only_when_the_slo_cannot_be_met():
 
 
 def test_sweep_needs_an_slo_and_an_open_loop():
-    from loadtest.sweep import sweep
+    from loadtest.slo_sweep import sweep
 
     with pytest.raises(ConfigError, match="--slo"):
         sweep(cfg())
@@ -351,13 +374,23 @@ def test_sweep_needs_an_slo_and_an_open_loop():
         sweep(cfg(closed_loop_concurrency=2, slos=(SLO("ttft", 5.0),)))
 
 
+def test_api_functions_are_not_shadowed_by_submodules():
+    import loadtest
+    import loadtest.runner
+    import loadtest.slo_sweep
+
+    assert callable(loadtest.run) and callable(loadtest.sweep)
+
+
 def test_loadtest_imports_no_torch_or_other_packages():
     import subprocess
 
     code = (
-        "import sys, loadtest, loadtest.cli, loadtest.runner, loadtest.sweep, loadtest.report;"
+        "import sys, loadtest, loadtest.cli, loadtest.runner, loadtest.slo_sweep, loadtest.report;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engines', 'serving', 'training', 'tuner')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr

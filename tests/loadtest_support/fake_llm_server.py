@@ -58,7 +58,11 @@ def _sse(obj) -> bytes:
 
 def _chunk(kind: str, model: str, text: str) -> dict:
     if kind == "chat":
-        return {"object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"content": text}}]}
+        return {
+            "object": "chat.completion.chunk",
+            "model": model,
+            "choices": [{"index": 0, "delta": {"content": text}}],
+        }
     if kind == "kserve":
         return {"model_name": model, "text_output": text}
     return {"object": "text_completion", "model": model, "choices": [{"index": 0, "text": text}]}
@@ -133,7 +137,9 @@ async def _control(request: web.Request) -> web.Response:
 
 async def _stats(request: web.Request) -> web.Response:
     st: State = request.app["state"]
-    return web.json_response({"arrivals": st.arrivals, "max_active": st.max_active, "last_body": st.last_body})
+    return web.json_response(
+        {"arrivals": st.arrivals, "max_active": st.max_active, "last_body": st.last_body}
+    )
 
 
 def make_app() -> web.Application:

@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Self
 
 SERVER = Path(__file__).with_name("fake_llm_server.py")
 
@@ -54,7 +55,7 @@ class FakeServer:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
 
-    def __enter__(self) -> FakeServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
