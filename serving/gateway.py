@@ -210,6 +210,8 @@ def decode_json(raw: bytes) -> dict:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise errors.invalid(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    except RecursionError:
+        raise errors.invalid("request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise errors.invalid("request body must be a JSON object", None, "invalid_json")
     return data

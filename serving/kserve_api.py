@@ -33,7 +33,7 @@ from serving.gateway import (
     sampling_params,
 )
 from serving.openai_api import SSE_HEADERS, _chunks
-from serving.protocol import _Body, parse
+from serving.protocol import INT32_MAX, SEED_MAX, SEED_MIN, _Body, parse
 from serving.wire import GenerateChunk, GenerateRequest
 
 router = APIRouter()
@@ -52,9 +52,9 @@ class GenerateParams(_Body):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -335,7 +335,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
 
 
 # the generate extension
-async def _generate_request(request: Request, m: ServedModel) -> tuple[GenerateRequest, dict]:
+async def _generate_request(request: Request, m: ServedModel, stream: bool) -> tuple[GenerateRequest, dict]:
     body = await read_json(request, gateway_of(request))
     text = body.get("text_input")
     if not isinstance(text, str) or not text:
@@ -351,7 +351,7 @@ async def _generate_request(request: Request, m: ServedModel) -> tuple[GenerateR
     values.update({k: v for k, v in nested.items() if k not in TRITON_RESERVED and k != "stream"})
     params = _params_from(values, "parameters").to_sampling()
     ids = [m.encode(text, "text_input")]
-    return GenerateRequest(new_request_id(), ids, params), body
+    return GenerateRequest(new_request_id(), ids, params, stream=stream), body
 
 
 @router.post("/v2/models/{name}/generate")
@@ -359,7 +359,7 @@ async def _generate_request(request: Request, m: ServedModel) -> tuple[GenerateR
 async def generate(name: str, request: Request, version: str | None = None) -> JSONResponse:
     gw = gateway_of(request)
     m = await _model(request, name, version)
-    req, body = await _generate_request(request, m)
+    req, body = await _generate_request(request, m, stream=False)
     first, rest = await gw.open(m, req)
     text, finish = "", None
     try:
@@ -385,7 +385,7 @@ async def generate_stream(name: str, request: Request, version: str | None = Non
     gw = gateway_of(request)
     m = await _model(request, name, version)
     request.state.stream = True
-    req, body = await _generate_request(request, m)
+    req, body = await _generate_request(request, m, stream=True)
     first, rest = await gw.open(m, req)
     base: dict[str, Any] = {"model_name": m.name, "model_version": VERSION}
     if isinstance(body.get("id"), str):

@@ -131,6 +131,8 @@ class ModelCore:
                 yield GenerateChunk(error=err, finished=True)
                 return
             self.metrics.prompt_tokens.inc(sum(len(p) for p in req.prompts))
+            if req.stream:
+                yield GenerateChunk()  # admitted
             async for chunk in self._stream(req, t0):
                 yield chunk
         finally:
@@ -193,6 +195,9 @@ class ModelCore:
             m.finished("error", state.open_count())
             yield GenerateChunk(error=info, finished=True)
             return
+        except (GeneratorExit, asyncio.CancelledError):  # the client left: the engine requests are aborted
+            m.finished("abort", state.open_count())
+            raise
         finally:
             timer.cancel()
         final = pending or GenerateChunk()

@@ -75,7 +75,7 @@ async def completions(request: Request):
     params = sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs())
     rid = request.state.request_id
-    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params))
+    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params, stream=bool(body.stream)))
     view = _CompletionView(model, body, ids, texts, rid)
     if body.stream:
         return StreamingResponse(_stream_completion(request, view, first, rest), media_type="text/event-stream",
@@ -245,7 +245,7 @@ async def chat_completions(request: Request):
     ids = model.encode(text, "messages", add_special_tokens=False)
     params = sampling_params(max_tokens=body.output_limit,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
-    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params))
+    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, stream=bool(body.stream)))
     view = _ChatView(model, body, request.state.request_id)
     if body.stream:
         return StreamingResponse(_stream_chat(request, view, first, rest), media_type="text/event-stream",

@@ -55,6 +55,9 @@ class GenerateRequest:
     prompts: list[list[int]]
     """Token ids of each prompt; each produces params.n completions."""
     params: SamplingParams
+    stream: bool = False
+    """Send an empty chunk as soon as the request is admitted, so a streaming response can start
+    (and notice a client that leaves) while the request still waits for the engine."""
 
 
 @dataclass
