@@ -106,8 +106,12 @@ def loadtest(
     ),
     progress: bool = typer.Option(_d("progress"), help="Show a live progress bar."),
 ) -> None:
-    """Load-test an OpenAI-compatible or KServe v2 server: open-loop arrivals, TTFT / TPOT / ITL /
-    E2EL percentiles, goodput against SLOs, and --sweep to find the highest rate meeting them."""
+    """Load-test an OpenAI-compatible or KServe v2 server: latency percentiles, goodput, SLO sweeps.
+
+    Open-loop arrivals by default (a slow server never delays a send); TTFT, TPOT, ITL and
+    end-to-end latency as vLLM's benchmark defines them; goodput against --slo; --sweep finds the
+    highest request rate that meets every SLO. See docs/loadtest.md.
+    """
     from loadtest.config import parse_length_dist, parse_length_mix, parse_slo
     from loadtest.errors import ConfigError, LoadTestError
 

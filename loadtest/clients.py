@@ -100,6 +100,7 @@ class StreamingClient:
         pieces: list[str] = []
         usage = None
         saw_done = False
+        events = 0
         async for data in resp.content.iter_any():
             now = perf_counter()  # arrival time of every event in this read
             buf += data
@@ -119,6 +120,7 @@ class StreamingClient:
                 except ValueError:
                     rec.fail("bad_event", f"SSE data is not JSON: {raw[:100]!r}")
                     return
+                events += 1
                 text, n_usage, err = self.parse(event)
                 if err is not None:
                     rec.fail("stream_error", err)
@@ -132,8 +134,11 @@ class StreamingClient:
                         itl.append(now - last)
                     last = now
                     pieces.append(text)
-        if not pieces:
-            rec.fail("empty_response", "the reply had no SSE `data:` event with output")
+        if not pieces and not events:
+            rec.fail("empty_response", "the reply had no SSE `data:` events")
+            return
+        if not pieces:  # e.g. every token decoded to a held-back partial UTF-8 character
+            rec.fail("no_output", f"none of the stream's {events} events carried output text")
             return
         if self.requires_done and not saw_done:
             rec.fail("incomplete_stream", "the stream ended before `data: [DONE]`")
@@ -150,8 +155,8 @@ class StreamingClient:
         """One short request before the run: raise LoadTestError with a clear message if the
         server is unreachable, the endpoint is wrong, or the server does not stream."""
         rec = RequestRecord(index=-1, warmup=True, scheduled_s=0.0)
-        await self.send(RequestSpec("Hello, world.", 4, 2), rec, perf_counter())
-        if rec.ok:
+        await self.send(RequestSpec("Hello, world.", 4, 4), rec, perf_counter())
+        if rec.ok or rec.error_kind == "no_output":  # the server streams; a few tokens may show no text
             return
         kind, url = rec.error_kind, self.url
         if kind == "connection_error":
@@ -240,8 +245,9 @@ class KServeGenerateStream(StreamingClient):
             "temperature": 0.0,
             "stream": True,
         }
-        if self.config.ignore_eos:
-            body["min_length"] = spec.output_tokens  # as vLLM's TensorRT-LLM client
+        if self.config.ignore_eos:  # the same extensions as on the OpenAI routes (shardserve, vLLM)
+            body["ignore_eos"] = True
+            body["min_tokens"] = spec.output_tokens
         return body
 
     def parse(self, event: dict) -> tuple[str | None, int | None, str | None]:

@@ -13,7 +13,7 @@ import asyncio
 import gc
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from time import perf_counter
 from typing import Protocol
@@ -50,7 +50,6 @@ class Report:
     records: list[RequestRecord]
     started_at: str  # ISO 8601 wall-clock time of the first send
     stop_reason: str | None = None  # set when a monitor ended the run early
-    notes: list[str] = field(default_factory=list)
 
 
 class RunMonitor(Protocol):

@@ -163,6 +163,13 @@ def test_closed_loop_holds_its_concurrency(server):
     check_timing(measure)
 
 
+def test_closed_loop_bounded_by_duration(server):
+    server.configure(ttft=0.02)
+    report = loadtest.run(cfg(server, closed_loop_concurrency=2, duration=0.5, preflight=False))
+    assert report.summary.completed == len(report.records) > 4
+    assert max(r.sent_s for r in report.records) < 0.5  # no request starts after the duration
+
+
 def test_max_concurrency_caps_requests_in_flight(server):
     server.configure(ttft=0.05)
     report = loadtest.run(cfg(server, max_concurrency=4, num_prompts=20, preflight=False))
@@ -246,6 +253,12 @@ def test_non_streaming_server_gives_a_clear_error(server):
     # without the preflight the run completes and every request carries the reason
     report = loadtest.run(cfg(server, num_prompts=3, preflight=False))
     assert report.summary.errors == {"not_streaming": 3}
+
+
+def test_streams_without_output_text_fail_each_request_not_the_run(server):
+    server.configure(hold_text=True)  # valid SSE, but no delta carries content
+    report = loadtest.run(cfg(server, backend="openai-chat", num_prompts=3))  # the preflight accepts it
+    assert report.summary.errors == {"no_output": 3}
 
 
 def test_unreachable_url_and_wrong_path_give_clear_errors(server):

@@ -37,6 +37,7 @@ class Behaviour:
     max_concurrent: int = 0  # > 0: at most this many requests served at once, the rest queue
     service_time: float = 0.0  # s a request holds its slot (with max_concurrent); tokens sent at the end
     role_chunk: bool = True  # chat: an opening chunk with only the role, as OpenAI and vLLM send
+    hold_text: bool = False  # chat: deltas without content, as when every token is a partial character
 
 
 class State:
@@ -106,7 +107,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             delay = due - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await resp.write(_sse(_chunk(kind, model, " tok" * size)))
+            event = _chunk(kind, model, " tok" * size)
+            if kind == "chat" and b.hold_text:
+                event["choices"][0]["delta"] = {}
+            await resp.write(_sse(event))
             sent += size
             if b.abort_every and n % b.abort_every == 0 and i == 0:
                 request.transport.close()  # drop the connection mid-stream
