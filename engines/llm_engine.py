@@ -63,6 +63,10 @@ class LLMEngine:
         if not d.is_dir():
             raise CheckpointError(f"model directory {str(d)!r} does not exist or is not a directory")
         self.tokenizer = Tokenizer.from_dir(d)
+        if executor_factory is None and self.config.world_size > 1:
+            from engines.parallel import make_executor_factory  # TP x PP shards in worker processes
+
+            executor_factory = make_executor_factory(self.config)
         self.executor = (executor_factory or InProcessExecutor)(self.model_dir, self.config)
         self.model_config: ModelConfig = self.executor.model_config
         eos = tuple(self.model_config.eos_token_id)
