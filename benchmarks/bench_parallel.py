@@ -48,7 +48,7 @@ def gpt2_medium_dir(layers: int = 24) -> Path:
     return d
 
 
-def build_engine(model_dir: Path, tp: int, pp: int, micro: int, args):
+def build_engine(model_dir: Path, tp: int, pp: int, micro: int, args, threads: int):
     from engines.config import EngineConfig
     from engines.executor import InProcessExecutor
     from engines.llm_engine import LLMEngine
@@ -58,11 +58,12 @@ def build_engine(model_dir: Path, tp: int, pp: int, micro: int, args):
     batch = max(int(b) for b in args.batches.split(","))
     extra = {"cpu_linear_autotune": False} if "cpu_linear_autotune" in EngineConfig.field_names() else {}
     cfg = EngineConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_microbatches=micro,
-                       worker_threads=max(1, args.threads // world), num_kv_blocks=8 * batch + 8,
+                       worker_threads=max(1, threads // world), num_kv_blocks=8 * batch + 8,
                        max_num_seqs=max(16, batch), max_num_batched_tokens=max(1024, batch * args.prompt),
                        dist_timeout_s=3600, **extra)  # idle between interleaved rounds: no collective timeout
     t = time.perf_counter()
     engine = LLMEngine(model_dir, cfg, executor_factory=InProcessExecutor if world == 1 else MultiprocExecutor)
+    engine.bench_threads = threads
     return engine, time.perf_counter() - t
 
 
@@ -73,7 +74,7 @@ def measure(engine, batch: int, args) -> dict:
     tp, pp = engine.config.tensor_parallel_size, engine.config.pipeline_parallel_size
     world = tp * pp
     # the in-process engine computes in this process; the driver of shard processes only schedules
-    torch.set_num_threads(args.threads if world == 1 else 1)
+    torch.set_num_threads(engine.bench_threads if world == 1 else 1)
     ex = engine.executor
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
@@ -89,7 +90,7 @@ def measure(engine, batch: int, args) -> dict:
         engine.step()
         steps.append(time.perf_counter() - t)
     micro = (engine.config.pipeline_microbatches or pp) if pp > 1 else 1
-    out = {"tp": tp, "pp": pp, "micro": micro, "batch": batch, "decode_steps": len(steps),
+    out = {"tp": tp, "pp": pp, "micro": micro, "batch": batch, "threads": engine.bench_threads, "decode_steps": len(steps),
            "tokens_per_s": batch * len(steps) / sum(steps), "p50_token_latency_ms": 1e3 * statistics.median(steps)}
     if world == 1:
         return out
@@ -112,7 +113,8 @@ def measure(engine, batch: int, args) -> dict:
         out["bubble_ideal"] = ideal_bubble(pp, min(micro, batch))
         out["worker_span_ms"] = 1e3 * statistics.median(
             max(e for _, e, _ in sp) - min(t for t, _, _ in sp) for sp in per_step)
-    out["shards"] = {r: {k: i[k] for k in ("layers", "weight_bytes", "expected_weight_bytes", "rss_bytes")}
+    out["shards"] = {r: {k: i[k] for k in ("layers", "weight_bytes", "expected_weight_bytes", "kv_bytes",
+                                           "anon_bytes", "file_bytes")}
                      for r, i in ex.shard_info.items()}
     return out
 
@@ -130,7 +132,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each configuration, in total")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--configs", default="1x1,2x1,1x2m1,1x2m2", help="TPxPP[mM] (M: micro-batches)")
+    ap.add_argument("--configs", default="1x1,2x1,1x2m1,1x2m2,1x1t1",
+                    help="TPxPP[mM][tT]: M micro-batches, T threads in all (default --threads); 1x1t1 is "
+                         "a half-budget control")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -148,9 +152,10 @@ def main() -> None:
           f"({weight_bytes / 1e9:.2f} GB of weights)")
     engines = {}
     for spec in args.configs.split(","):
-        tp_pp, _, m = spec.partition("m")
+        rest, _, threads = spec.partition("t")
+        tp_pp, _, m = rest.partition("m")
         tp, pp = (int(x) for x in tp_pp.split("x"))
-        engines[spec], load_s = build_engine(model_dir, tp, pp, int(m or 0), args)
+        engines[spec], load_s = build_engine(model_dir, tp, pp, int(m or 0), args, int(threads or args.threads))
         print(f"{spec}: loaded in {load_s:.1f} s", flush=True)
     # rounds interleave the configurations, so a noisy neighbour hurts all alike; the best
     # (lowest p50) round of each is kept
@@ -158,7 +163,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for spec, engine in engines.items():
             for batch in (int(b) for b in args.batches.split(",")):
-                if "m" in spec and not spec.endswith("m1") and batch == 1:
+                if engine.config.pipeline_microbatches > 1 and batch == 1:
                     continue  # one sequence cannot be split into micro-batches
                 r = measure(engine, batch, args)
                 key = (spec, batch)
@@ -175,7 +180,8 @@ def main() -> None:
         ana = analytic_bytes_per_token(cfg, tp, pp)
         r["analytic_bytes_per_token"] = ana
         results.append(r)
-        line = (f"TP={tp} PP={pp} M={r['micro']} batch={batch:2d}: {r['tokens_per_s']:7.1f} tok/s, "
+        line = (f"TP={tp} PP={pp} M={r['micro']} threads={r['threads']} batch={batch:2d}: "
+                f"{r['tokens_per_s']:7.1f} tok/s, "
                 f"p50 {r['p50_token_latency_ms']:7.1f} ms/token, {100 * r['roofline_ratio']:4.0f}% of roofline")
         if "bytes_per_token" in r:
             b = r["bytes_per_token"]
@@ -189,12 +195,17 @@ def main() -> None:
                          f"{r['bubble_ideal']:.2f})")
             line += f"; plan {b['plan']:.0f} B/token"
         print(line, flush=True)
+    from engines.parallel.sharded_loading import expected_shard_bytes
+
+    full_weights = expected_shard_bytes(cfg, 1, 0, cfg.n_layer)
     for r in results:
         if "shards" in r and r["batch"] == results[0]["batch"]:
             for rank, sh in sorted(r["shards"].items()):
                 print(f"  TP={r['tp']} PP={r['pp']} rank {rank}: layers {sh['layers']}, weights "
-                      f"{sh['weight_bytes'] / 2**20:.0f} MiB (expected {sh['expected_weight_bytes'] / 2**20:.0f}), "
-                      f"RSS {sh['rss_bytes'] / 2**20:.0f} MiB")
+                      f"{sh['weight_bytes'] / 2**20:.0f} MiB = {sh['weight_bytes'] / full_weights:.3f} of the model "
+                      f"(expected {sh['expected_weight_bytes'] / 2**20:.0f} MiB), KV {sh['kv_bytes'] / 2**20:.0f} MiB, "
+                      f"anonymous RSS {sh['anon_bytes'] / 2**20:.0f} MiB (+{sh['file_bytes'] / 2**20:.0f} MiB "
+                      "file-backed)")
     for engine in engines.values():
         engine.shutdown()
     if args.out:

@@ -31,13 +31,32 @@ class Channel(Protocol):
     def send(self, msg: tuple) -> None: ...
 
 
-def rss_bytes() -> int:
-    """Resident memory of this process (Linux), 0 where unknown."""
+def memory_bytes() -> dict[str, int]:
+    """Resident memory of this process (Linux /proc): rss, and anon (heap: weights, KV cache,
+    runtime) apart from file-backed pages (mapped safetensors pages and libraries, reclaimable)."""
+    out = {"rss": 0, "anon": 0, "file": 0}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                name = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}.get(key)
+                if name:
+                    out[name] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0
+        pass
+    return out
+
+
+def release_memory() -> None:
+    """Hand the loader's freed temporaries back to the OS (glibc keeps freed heap otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def shard_info(runner: ShardRunner) -> dict:
@@ -48,12 +67,13 @@ def shard_info(runner: ShardRunner) -> dict:
             "num_blocks": runner.num_blocks, "weight_bytes": shard_bytes(runner.stage),
             "expected_weight_bytes": expected_shard_bytes(runner.cfg, runner.layout.tp, start, end,
                                                           torch.empty(0, dtype=runner.dtype).element_size()),
-            "kv_bytes": runner.cache.nbytes, "rss_bytes": rss_bytes(), "pid": os.getpid()}
+            "kv_bytes": runner.cache.nbytes, "pid": os.getpid(),
+            **{f"{k}_bytes": v for k, v in memory_bytes().items()}}
 
 
 def stats(runner: ShardRunner, comm: Comm, reset: bool) -> dict:
     out = {"rank": runner.rank, "tp_rank": runner.tp_rank, "pp_rank": runner.pp_rank, "bytes": dict(comm.bytes),
-           "calls": dict(comm.calls), "spans": list(runner.spans), "rss_bytes": rss_bytes()}
+           "calls": dict(comm.calls), "spans": list(runner.spans), "rss_bytes": memory_bytes()["rss"]}
     if reset:
         comm.reset_counters()
         runner.spans.clear()
@@ -101,6 +121,7 @@ def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: i
         comm = init_distributed(rank, layout.world_size, store_host, store_port, backend, engine_cfg.dist_timeout_s,
                                 layout, device)
         runner = ShardRunner(model_dir, cfg, layout, rank, comm)
+        release_memory()
         info = shard_info(runner)
         info["load_s"] = time.perf_counter() - t0
         channel.send(("ready", rank, info))
