@@ -116,13 +116,14 @@ class GatewayMiddleware:
                     None, "invalid_api_key"))(scope, receive, _with_auth_challenge(send_with_id))
             else:
                 await self.app(scope, receive, send_with_id)
-        except Exception:
-            log.exception("request %s %s failed", rid, scope.get("path"))
+        except Exception as exc:  # the error boundary: answer 500 if nothing was sent yet
             if status["code"] == 0:
+                log.exception("request %s %s failed", rid, scope.get("path"))
                 await error_response(errors.internal(f"internal server error (request id {rid})"))(
                     scope, receive, send_with_id)
-            else:
-                status["code"] = status["code"] or 500
+            else:  # the response had started: the connection broke (typically the client left)
+                log.info("request %s %s: response cut short: %r", rid, scope.get("path"), exc)
+                state["stream_error"] = "disconnected"
         finally:
             self._finish(scope, state, rid, status["code"] or 499, time.monotonic() - t0)
 

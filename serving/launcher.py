@@ -19,7 +19,8 @@ from serving.gateway import hash_key
 @dataclass
 class Running:
     url: str
-    embedded_ray: bool
+    owns_ray: bool
+    """True when start() called ray.init (stop() then shuts Ray down; else it only deletes the app)."""
     started_in_s: float
 
 
@@ -66,10 +67,10 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Run
 
     check_config(cfg)
     t0 = time.monotonic()
-    embedded = cfg.ray.address is None
     level = logging.WARNING if quiet else logging.INFO
-    if not ray.is_initialized():
-        if embedded:
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        if cfg.ray.address is None:
             ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
         else:
             ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
@@ -81,7 +82,8 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Run
     app = build_application(cfg, [hash_key(k) for k in api_keys])
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    return Running(f"http://{host}:{cfg.server.port}", embedded, time.monotonic() - t0)
+    return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
+                   time.monotonic() - t0)
 
 
 def _check_resources(cfg: DeploymentConfig) -> None:
@@ -106,12 +108,11 @@ def stop(running: Running | None = None) -> None:
 
     from serving.deployments import APP_NAME
 
+    if running is not None and not running.owns_ray:
+        serve.delete(APP_NAME)  # leave the cluster's other applications (and Serve) running
+        return
     try:
-        if running is not None and not running.embedded_ray:
-            serve.delete(APP_NAME)  # leave the cluster's other applications (and Serve) running
-        else:
-            serve.shutdown()
+        serve.shutdown()  # drains: Ray Serve waits up to graceful_shutdown_timeout_s per replica
     finally:
-        if running is None or running.embedded_ray:
-            ray.shutdown()
+        ray.shutdown()
 

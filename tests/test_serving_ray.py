@@ -1,0 +1,224 @@
+"""End to end through Ray Serve: a Gateway, ModelServer replicas (2 of the main model), and the
+official clients (`openai`, `tritonclient.http`) over HTTP on 127.0.0.1.
+
+One Ray session for the module (starting Ray is the slow part). Models:
+  gpt2        2 replicas, room for 2 x (16 running + 64 waiting) sequences
+  tight       1 replica, 2 running + 1 waiting: the admission limit is easy to reach
+  gpt2-tp2    1 replica whose engine is split over 2 shard-worker actors (tensor parallel)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ray = pytest.importorskip("ray")
+
+from deploy.schema import validate_config  # noqa: E402
+from serving import launcher  # noqa: E402
+from test_serving_app import metric, parse_metrics  # noqa: E402
+
+ENGINE = {"num_kv_blocks": 512, "cpu_linear_autotune": False}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(gpt2_dir):
+    if ray.is_initialized():  # another module's session: start clean
+        ray.shutdown()
+    cfg = validate_config({
+        "models": [
+            {"name": "gpt2", "path": str(gpt2_dir), "replicas": 2, "num_cpus": 1,
+             "engine": {**ENGINE, "max_num_seqs": 16}, "max_waiting": 64},
+            {"name": "tight", "path": str(gpt2_dir), "replicas": 1, "num_cpus": 1,
+             "engine": {**ENGINE, "max_num_seqs": 2}, "max_waiting": 1, "retry_after_s": 2},
+            {"name": "gpt2-tp2", "path": str(gpt2_dir), "replicas": 1, "num_cpus": 1, "shard_num_cpus": 1,
+             "engine": {**ENGINE, "tensor_parallel_size": 2, "worker_threads": 1}},
+        ],
+        "server": {"port": free_port(), "log_requests": False, "metrics_push_interval_s": 0.2,
+                   "drain_timeout_s": 5},
+    })
+    running = launcher.start(cfg, api_keys=[])
+    try:
+        yield running.url
+    finally:
+        launcher.stop(running)
+
+
+@pytest.fixture
+def openai_client(url):
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def scrape(url: str) -> dict:
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def test_openai_client_completions(openai_client):
+    out = openai_client.completions.create(model="gpt2", prompt="To be, or not", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8
+    chunks = list(openai_client.completions.create(model="gpt2", prompt="To be, or not", max_tokens=8,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+    many = openai_client.completions.create(model="gpt2", prompt=["a", "b"], max_tokens=3, n=2)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+
+
+def test_openai_client_chat(openai_client):
+    messages = [{"role": "user", "content": "Hello"}]
+    out = openai_client.chat.completions.create(model="gpt2", messages=messages, max_tokens=6, temperature=0)
+    assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 6
+    stream = openai_client.chat.completions.create(model="gpt2", messages=messages, max_tokens=6, temperature=0,
+                                                   stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+    assert [m.id for m in openai_client.models.list().data] == ["gpt2", "tight", "gpt2-tp2"]
+
+
+def test_openai_client_sees_errors(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        openai_client.completions.create(model="gpt2", prompt="x", max_tokens=100_000)
+    assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.completions.create(model="nope", prompt="x")
+
+
+def test_tritonclient_health_metadata_infer(url):
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("gpt2")
+    meta = client.get_model_metadata("gpt2")
+    assert meta["name"] == "gpt2" and meta["outputs"][0]["name"] == "text_output"
+    assert client.get_server_metadata()["name"] == "shardserve"
+    want = httpx.post(f"{url}/v1/completions", json={"model": "gpt2", "prompt": "To be", "max_tokens": 6,
+                                                     "temperature": 0}).json()["choices"][0]["text"]
+    for binary in (True, False):
+        text = triton.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"To be"], dtype=np.object_), binary_data=binary)
+        out = triton.InferRequestedOutput("text_output", binary_data=binary)
+        result = client.infer("gpt2", [text], outputs=[out], parameters={"max_tokens": 6, "temperature": 0})
+        got = result.as_numpy("text_output")[0]
+        assert (got.decode() if isinstance(got, bytes) else got) == want
+    client.close()
+
+
+def test_generate_stream_and_request_id(url):
+    with httpx.stream("POST", f"{url}/v2/models/gpt2/generate_stream", json={"text_input": "To be", "max_tokens": 5},
+                      headers={"X-Request-Id": "ray-trace-1"}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "ray-trace-1"
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events and events[-1]["finish_reason"] == "length"
+
+
+def test_100_concurrent_streams_complete(url):
+    from openai import AsyncOpenAI
+
+    async def main():
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            async def one(i: int):
+                stream = await client.completions.create(model="gpt2", prompt=f"request {i}:", max_tokens=12,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                text, finish = "", None
+                async for chunk in stream:
+                    for c in chunk.choices:
+                        text += c.text
+                        finish = c.finish_reason or finish
+                return text, finish
+            return await asyncio.gather(*[one(i) for i in range(100)], return_exceptions=True)
+
+    time.sleep(0.6)  # let earlier tests' counts reach the hub (replicas publish every 0.2 s)
+    before = scrape(url)
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(finish == "length" for _, finish in results)
+    time.sleep(0.6)  # replicas publish their metrics every 0.2 s
+    after = scrape(url)
+    replicas = {dict(ls)["replica"] for (n, ls) in after if n == "shardserve_generation_tokens_total"
+                and dict(ls).get("model") == "gpt2"}
+    assert len(replicas) == 2, "both replicas report metrics"
+    gained = [metric(after, "shardserve_generation_tokens_total", model="gpt2", replica=r)
+              - metric(before, "shardserve_generation_tokens_total", model="gpt2", replica=r) for r in replicas]
+    assert sum(gained) == 100 * 12
+    assert all(g > 0 for g in gained), f"Ray Serve spread the load over both replicas: {gained}"
+
+
+def test_admission_limit_gives_429(url):
+    body = {"model": "tight", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c, contextlib.AsyncExitStack() as stack:
+            for _ in range(3):  # 2 running + 1 waiting fill the replica
+                r = await stack.enter_async_context(c.stream("POST", "/v1/completions", json=body))
+                assert r.status_code == 200
+            r = await c.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert r.status_code == 429, r.text
+            assert r.headers["retry-after"] == "2" and r.json()["error"]["code"] == "server_overloaded"
+
+    asyncio.run(main())
+
+
+def test_disconnected_stream_frees_its_kv_blocks(url):
+    body = {"model": "tight", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    deadline = time.monotonic() + 30
+    while metric(scrape(url), "shardserve_num_sequences_admitted", model="tight") > 0:  # the 429 test's streams
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    before = scrape(url)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token in, the client hangs up
+    t0 = time.monotonic()
+    while True:
+        m = scrape(url)
+        aborted = (metric(m, "shardserve_requests_finished_total", model="tight", finish_reason="abort")
+                   - metric(before, "shardserve_requests_finished_total", model="tight", finish_reason="abort"))
+        if (aborted == 1 and metric(m, "shardserve_kv_cache_usage_ratio", model="tight") == 0
+                and metric(m, "shardserve_num_requests_running", model="tight") == 0):
+            break
+        assert time.monotonic() - t0 < 10, "the disconnected request was not aborted, or still holds KV blocks"
+        time.sleep(0.05)
+    generated = (metric(m, "shardserve_generation_tokens_total", model="tight")
+                 - metric(before, "shardserve_generation_tokens_total", model="tight"))
+    assert generated < 240, "the request ran to the end although its client had left"
+
+
+def test_tensor_parallel_replica_matches_single_device(openai_client):
+    kw = {"prompt": "Whether 'tis nobler", "max_tokens": 10, "temperature": 0}
+    one = openai_client.completions.create(model="gpt2", **kw).choices[0].text
+    tp2 = openai_client.completions.create(model="gpt2-tp2", **kw).choices[0].text
+    assert tp2 == one
+
+
+def test_metrics_report_every_replica_and_gateway(url):
+    time.sleep(0.6)  # replicas publish every 0.2 s
+    m = scrape(url)
+    for model in ("gpt2", "tight", "gpt2-tp2"):
+        assert metric(m, "shardserve_time_to_first_token_seconds_count", model=model) > 0, model
+        assert any(n == "shardserve_kv_cache_usage_ratio" and dict(ls)["model"] == model for n, ls in m), model
+    assert metric(m, "shardserve_http_requests_total", route="/v1/completions", status="429") >= 1
+    assert metric(m, "shardserve_http_requests_total", route="/v1/completions", status="200") >= 100
