@@ -335,10 +335,6 @@ def check_runnable(c: LoadTestConfig) -> None:
         raise _fail("duration", "needs a finite --request-rate (or --num-prompts, a closed loop or a trace)")
 
 
-def prompt_lengths_exact(c: LoadTestConfig) -> bool:
-    return c.tokenizer is not None
-
-
 __all__ = [
     "ARRIVALS",
     "BACKENDS",
@@ -354,5 +350,4 @@ __all__ = [
     "parse_length_dist",
     "parse_length_mix",
     "parse_slo",
-    "prompt_lengths_exact",
 ]

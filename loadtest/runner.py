@@ -254,6 +254,19 @@ def _with_warning(summary: Summary, text: str) -> Summary:
     return replace(summary, warnings=summary.warnings + (text,))
 
 
+async def wait_until_idle(config: LoadTestConfig) -> float:
+    """Send one short request and wait for its reply; returns the seconds it took. On a FIFO
+    server the reply comes once the backlog ahead of it has drained, so a sweep calls this after
+    stopping an over-saturated step: the next step must not inherit the last one's queue."""
+    timeout = aiohttp.ClientTimeout(total=config.timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        client = make_client(config, session, PromptBuilder(None))
+        rec = RequestRecord(index=-1, warmup=True, scheduled_s=0.0)
+        t0 = perf_counter()
+        await client.send(RequestSpec("Hello.", 2, 1), rec, t0)
+        return perf_counter() - t0
+
+
 async def run_async(config: LoadTestConfig, monitor: RunMonitor | None = None) -> Report:
     """Run one load test inside the caller's event loop."""
     builder = PromptBuilder(config.tokenizer)

@@ -8,7 +8,9 @@ Early stop: an over-saturated server makes latency grow for as long as the step 
 as soon as its SLO can no longer be met: with N planned requests, a p-th percentile SLO fails once
 more than floor((1 - p/100) * (N - 1)) requests are known to violate it, counting failures,
 finished requests over the bound, and in-flight requests already older than a TTFT or E2EL bound.
-That count only grows, so the stop never fails a step that would have passed.
+That count only grows, so the stop never fails a step that would have passed. After a stopped
+step the sweep sends one short request and waits for it, so that (on a FIFO server) the next step
+starts only once the backlog the stopped step left behind has drained.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, replace
 from loadtest.config import SLO, LoadTestConfig, SweepConfig, is_closed_loop
 from loadtest.errors import ConfigError
 from loadtest.metrics import RequestRecord, Summary, slo_value_s
-from loadtest.runner import Report, run_async, run_in_new_loop
+from loadtest.runner import Report, run_async, run_in_new_loop, wait_until_idle
 
 DEFAULT_STEP_DURATION_S = 60.0  # per step, when the config bounds runs by neither count nor duration
 
@@ -163,6 +165,8 @@ async def sweep_async(
         )
         monitor = SloMonitor(config.slos) if sc.early_stop else None
         report = await run_async(step_config, monitor)
+        if report.stop_reason is not None:
+            await wait_until_idle(step_config)  # let the server drain what the stopped step queued
         passed = bool(report.summary.meets_slo) and report.stop_reason is None
         step = SweepStep(rate, phase, passed, report.summary, report.stop_reason)
         steps.append(step)

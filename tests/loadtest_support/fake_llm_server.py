@@ -160,7 +160,9 @@ def make_app() -> web.Application:
 async def _serve(behaviour: Behaviour) -> None:
     app = make_app()
     app["state"].set(behaviour)
-    runner = web.AppRunner(app, access_log=None, handle_signals=True)
+    # handler_cancellation: a client that goes away cancels its handler (and frees its slot), as a
+    # real server aborts a disconnected request.
+    runner = web.AppRunner(app, access_log=None, handle_signals=True, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
     await site.start()
