@@ -28,12 +28,14 @@ NOT_STREAMING = (
 
 
 def endpoint_url(config: LoadTestConfig) -> str:
-    """The URL to POST to. A bare base URL (or one ending in /v1 for OpenAI backends) gets the
+    """The URL to POST to. A bare base URL (or one ending in /v1, or /v2 for KServe) gets the
     backend's standard path; any other path is taken as the full endpoint."""
     url = config.url.rstrip("/")
     path = urlsplit(url).path
     if config.backend == "kserve-generate-stream":
-        return url + f"/v2/models/{config.model}/generate_stream" if path in ("", "/v2") else url
+        if path in ("", "/v2"):
+            return url.removesuffix("/v2") + f"/v2/models/{config.model}/generate_stream"
+        return url
     tail = "/chat/completions" if config.backend == "openai-chat" else "/completions"
     if path == "":
         return url + "/v1" + tail

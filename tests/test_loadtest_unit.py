@@ -246,6 +246,8 @@ def test_endpoint_urls():
     assert endpoint_url(cfg(url="http://h:1/custom/path")) == "http://h:1/custom/path"
     kserve = cfg(url="http://h:1", model="gpt", backend="kserve-generate-stream")
     assert endpoint_url(kserve) == "http://h:1/v2/models/gpt/generate_stream"
+    kserve_v2 = cfg(url="http://h:1/v2/", model="gpt", backend="kserve-generate-stream")
+    assert endpoint_url(kserve_v2) == "http://h:1/v2/models/gpt/generate_stream"
 
 
 def test_event_parsing_follows_vllm():
