@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from engines.parallel.layout import ParallelLayout
 from engines.plan import StepPlan, StepResult
 
 log = logging.getLogger("shardserve.ray_executor")
+SHARD_ACTOR_PREFIX = "shardserve-shard-"
 
 
 # resources
@@ -137,9 +139,12 @@ class RayExecutor(Executor):
         self.store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=self.timeout),
                                    wait_for_workers=False)
         threads = engine_cfg.worker_threads or max(1, int(cpus_per_worker))
+        token = uuid.uuid4().hex[:8]
+        self.actor_names = [f"{SHARD_ACTOR_PREFIX}{token}-r{rank}" for rank in range(world)]
+        """Named (ray.util.list_named_actors) so that operators and tests can find a model copy's shards."""
         self.workers = [
             ShardWorker.options(
-                num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, name=None,
+                num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, name=self.actor_names[rank],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=first_bundle + rank,
                     placement_group_capture_child_tasks=False),
