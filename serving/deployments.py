@@ -186,7 +186,9 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str]):
     from engines.config import EngineConfig
 
     server = cfg.server.model_dump()
-    hub = MetricsHubDeployment.options(name="MetricsHub", num_replicas=1).bind(
+    # the hub always has publish calls in flight, and losing one at shutdown costs nothing
+    hub = MetricsHubDeployment.options(name="MetricsHub", num_replicas=1, graceful_shutdown_timeout_s=0.5,
+                                       graceful_shutdown_wait_loop_s=0.1).bind(
         max(30.0, 10 * cfg.server.metrics_push_interval_s))
     models = {}
     for spec in cfg.models:

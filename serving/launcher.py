@@ -74,7 +74,10 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Run
             ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
         else:
             ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
-    logs = LoggingConfig(log_level="WARNING" if quiet else "INFO", enable_access_log=not quiet)
+    # quiet: Ray Serve's own replica logs only for errors (its router warns about slow queue-length
+    # probes on a busy machine); shardserve's request logs have their own logger and handler
+    logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
     _check_resources(cfg)
     serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
                                          request_timeout_s=None, keep_alive_timeout_s=30),
@@ -108,11 +111,11 @@ def stop(running: Running | None = None) -> None:
 
     from serving.deployments import APP_NAME
 
-    if running is not None and not running.owns_ray:
-        serve.delete(APP_NAME)  # leave the cluster's other applications (and Serve) running
-        return
     try:
-        serve.shutdown()  # drains: Ray Serve waits up to graceful_shutdown_timeout_s per replica
+        # drains: Ray Serve stops routing to the replicas and waits for their in-flight requests
+        # up to graceful_shutdown_timeout_s (= server.drain_timeout_s) before stopping them
+        serve.delete(APP_NAME)
     finally:
-        ray.shutdown()
+        if running is None or running.owns_ray:
+            ray.shutdown()  # Serve's controller and proxy go with the Ray instance we started
 
