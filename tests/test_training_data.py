@@ -326,3 +326,31 @@ def dataclasses_frozen_error():
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+# --- the CLI turns user mistakes into one-line errors ---------------------------------------------
+
+def test_cli_errors(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from shardserve.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "d")])
+    assert res.exit_code == 2 and "missing.txt': no such file or folder" in res.output
+    res = runner.invoke(app, ["data", str(write_corpus(tmp_path / "c", 1)), "--vocab-size", "100"])
+    assert res.exit_code == 2 and "vocab_size: must be >= 257" in res.output
+
+    recipe = json.loads(json.dumps(BASE))
+    recipe["optim"]["lrr"] = 0.1
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(recipe))
+    res = runner.invoke(app, ["train", "--config", str(tmp_path / "bad.yaml")])
+    assert res.exit_code == 2 and "error: optim.lrr: unknown key" in res.output
+    del recipe["optim"]["lrr"], recipe["model"]["vocab_size"]
+    recipe["data"]["dir"] = str(tmp_path / "nowhere")
+    (tmp_path / "nodata.yaml").write_text(yaml.safe_dump(recipe))
+    res = runner.invoke(app, ["train", "--config", str(tmp_path / "nodata.yaml")])
+    assert res.exit_code == 2 and "run `shardserve data --out" in res.output
+    res = runner.invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "m")])
+    assert res.exit_code == 2 and "no checkpoint at" in res.output

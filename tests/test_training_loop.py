@@ -170,3 +170,69 @@ def test_export_matches_engine_and_transformers(data_dir, tmp_path, model):
     again = export_checkpoint(tmp_path / "run", tmp_path / "again")
     a, b = load_file(exported / "model.safetensors"), load_file(again / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_data_parallel_gloo_matches_one_rank(data_dir, tmp_path):
+    """DP=2 (two processes, gloo) and DP=1 with the same global batch walk the same loss curve."""
+    from training.cli import _worker
+    from training.distributed import spawn_local
+
+    single = make_recipe(data_dir, tmp_path / "dp1", train={"max_steps": 5, "batch_size": 8, "micro_batch_size": 2})
+    train(single, progress=False, log=lambda *a: None)  # 4 micro-steps of 2 on one rank
+    double = make_recipe(data_dir, tmp_path / "dp2", train={"max_steps": 5, "batch_size": 8, "micro_batch_size": 2})
+    spawn_local(_worker, 2, ({"recipe": double.to_dict(), "resume": False, "progress": False},), threads_per_rank=1)
+    one, two = losses(tmp_path / "dp1"), losses(tmp_path / "dp2")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    a = load_file(tmp_path / "dp1" / "checkpoint.safetensors")
+    b = load_file(tmp_path / "dp2" / "checkpoint.safetensors")
+    assert {k for k in b if k.startswith("rng.")} == {"rng.0.cpu", "rng.1.cpu"}  # every rank's RNG, one file
+    for k in a:
+        if k.startswith("model."):
+            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_ray_train_launch_smoke(data_dir, tmp_path):
+    """Two Ray Train workers (gloo) run the same training function and rank 0 exports the model."""
+    pytest.importorskip("ray.train.torch", exc_type=ImportError)  # needs ray[train]
+    import yaml
+
+    from typer.testing import CliRunner
+
+    from shardserve.cli import app
+
+    recipe = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 2, "batch_size": 4, "micro_batch_size": 2},
+                         out={"export_dir": str(tmp_path / "model")})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe.to_dict()))
+    res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "r.yaml"), "--num-workers", "2",
+                                   "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def test_fused_linear_cross_entropy_matches_the_plain_loss():
+    import torch.nn.functional as F
+
+    from training.loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(300, 32), torch.randn(500, 32) * 0.3
+    t = torch.randint(0, 500, (300,))
+    h1, w1 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = F.cross_entropy(h1 @ w1.T, t)
+    (ref * 3).backward()
+    h2, w2 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    got = linear_cross_entropy(h2, w2, t)
+    (got * 3).backward()  # the upstream gradient scales both input gradients
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(h2.grad, h1.grad)
+    torch.testing.assert_close(w2.grad, w1.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h0, w0, t, reduction="sum"), ref * 300)
+    # bf16: the same logits as the autocast lm_head (bf16 matmul, read in fp32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = F.cross_entropy((h0 @ w0.T).float(), t)
+    torch.testing.assert_close(linear_cross_entropy(h0, w0, t, torch.bfloat16), plain, atol=1e-3, rtol=1e-3)

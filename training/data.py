@@ -120,6 +120,7 @@ def prepare_data(inputs: list[str] | None, out_dir: str | Path, vocab_size: int 
             "sha256": {name: _sha256(tmp / name) for name in ("train.bin", "val.bin", "tokenizer.json")},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the data folder is an ordinary one
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():

@@ -104,13 +104,33 @@ def _spawned(local_rank: int, world_size: int, port: int, threads: int, fn: Call
 def spawn_local(fn: Callable, world_size: int, args: tuple = (), threads_per_rank: int = 0) -> None:
     """Run fn(*args) on `world_size` local processes (spawned, so safe after torch is loaded).
 
-    `threads_per_rank` 0 splits this machine's cores evenly between the ranks.
+    `threads_per_rank` 0 splits this machine's cores evenly between the ranks. SIGTERM or
+    Ctrl-C to this process is passed on to every rank as SIGTERM, so they checkpoint together.
     """
+    import signal
+
     import torch.multiprocessing as mp
 
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    mp.start_processes(_spawned, args=(world_size, free_port(), threads, fn, args), nprocs=world_size,
-                       join=True, start_method="spawn")
+    context = mp.start_processes(_spawned, args=(world_size, free_port(), threads, fn, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+
+    def forward(signum, frame) -> None:
+        for proc in context.processes:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    import threading
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not context.join():
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device: str,
@@ -123,7 +143,8 @@ def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
     resources = ray.cluster_resources()
     use_gpu = device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= num_workers)
@@ -134,4 +155,8 @@ def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(storage_path=os.path.abspath(storage_path), name=name))
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        if started:
+            ray.shutdown()

@@ -9,12 +9,12 @@ with the engines' sharding plan), with the optimizer built on the transformed mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engines.config import ModelConfig
 from engines.model import GPT
 from training.distributed import DistContext
+from training.loss import linear_cross_entropy
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> GPT:
@@ -26,18 +26,20 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> GPT:
 class NextTokenLoss(nn.Module):
     """Mean next-token cross-entropy of a batch; the unit that data parallelism wraps.
 
-    Keeping the loss inside one forward lets DistributedDataParallel see every parameter use
-    (the tied lm_head included) in its forward pass.
+    The logits are `model.logits(hidden)` (lm_head in `compute_dtype`, read in fp32), fused with
+    the loss so the (B*T, V) fp32 logits never exist (training/loss.py). Keeping the loss inside
+    one forward lets DistributedDataParallel see every parameter use, the tied lm_head included.
     """
 
-    def __init__(self, model: GPT):
+    def __init__(self, model: GPT, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.model = model
+        self.compute_dtype = compute_dtype
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         hidden = self.model(idx)  # (B, T, C)
-        logits = self.model.logits(hidden)  # (B, T, V) fp32
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.model.lm_head.weight,
+                                    targets.reshape(-1), self.compute_dtype, reduction)
 
 
 def wrap_data_parallel(module: nn.Module, ctx: DistContext) -> nn.Module:

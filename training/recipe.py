@@ -89,9 +89,9 @@ class TrainSpec:
     either reaches 1, so the run fits the budget on a slower or busier machine (not bitwise
     reproducible then: the step count depends on the machine)."""
     eval_every: int = 100
-    """Steps between validation evaluations (and one at the end); 0: only at the end."""
+    """Steps between validation evaluations; 0: only the final one (which covers the whole val split)."""
     eval_windows: int = 64
-    """Validation windows of seq_len tokens per evaluation (spread evenly over the val split)."""
+    """Validation windows of seq_len tokens per periodic evaluation (spread evenly over the val split)."""
     ckpt_every: int = 0
     """Steps between checkpoints (one is always written at the end and on SIGTERM / Ctrl-C); 0: none."""
     log_every: int = 1
@@ -274,8 +274,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe: {p} is not valid YAML ({exc})") from exc
     d = apply_overrides(d if isinstance(d, dict) else {}, overrides or []) if overrides else d
-    data_dir = Path(((d or {}).get("data") or {}).get("dir", DataSpec.dir)) if isinstance(d, dict) else None
     meta = None
-    if data_dir is not None and (data_dir / "meta.json").is_file():
-        meta = json.loads((data_dir / "meta.json").read_text())
+    if isinstance(d, dict) and isinstance(d.get("data") or {}, dict):
+        data_dir = Path((d.get("data") or {}).get("dir", DataSpec.dir))
+        if (data_dir / "meta.json").is_file():
+            meta = json.loads((data_dir / "meta.json").read_text())
+        elif "vocab_size" not in (d.get("model") or {}):
+            raise ConfigError(f"data.dir: {str(data_dir)!r} holds no prepared data (no meta.json), so the "
+                              f"vocabulary is unknown; run `shardserve data --out {data_dir}` first "
+                              "(or set model.vocab_size)")
     return recipe_from_dict(d, meta)

@@ -23,7 +23,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engines.config import ConfigError
 from training.data import TokenData, TrainOrder, val_starts
@@ -74,6 +73,10 @@ def autocast(recipe: Recipe, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
+def compute_dtype(recipe: Recipe) -> torch.dtype:
+    return torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: TokenData, starts: np.ndarray, recipe: Recipe, ctx: DistContext) -> float:
     """Mean next-token loss over the given validation windows, split across ranks."""
@@ -82,12 +85,12 @@ def evaluate(model: torch.nn.Module, data: TokenData, starts: np.ndarray, recipe
     totals = torch.zeros(2, dtype=torch.float64)
     was_training = model.training
     model.eval()
+    loss_fn = NextTokenLoss(model, compute_dtype(recipe))
     for i in range(0, len(mine), mb):
         x, y = data.batch("val", mine[i:i + mb], seq_len)
         x, y = x.to(ctx.device), y.to(ctx.device)
         with autocast(recipe, ctx.device):
-            logits = model.logits(model(x))  # (B, T, V) fp32
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+            loss = loss_fn(x, y, reduction="sum")
         totals += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
     model.train(was_training)
     ctx.all_reduce_sum(totals)
@@ -129,6 +132,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     seq_len, mb = recipe.data.seq_len, t.micro_batch_size
     order = TrainOrder(data.meta["train_tokens"], seq_len, t.seed)
     eval_starts = val_starts(data.meta["val_tokens"], seq_len, t.eval_windows)
+    final_starts = val_starts(data.meta["val_tokens"], seq_len, data.meta["val_tokens"])  # the whole split
 
     model = build_model(recipe.model, t.seed, ctx.device)
     optimizer = build_optimizer(model, recipe.optim)
@@ -139,9 +143,11 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         log(f"resuming {ckpt_path} at step {state.step}" + ("" if exact else
             " (saved with another world size: dropout streams reseeded, not bitwise)"))
     else:
+        if ckpt_path.is_file():
+            log(f"fresh run in {run_dir}: its checkpoint will be replaced (--resume continues it instead)")
         state = TrainState()
         torch.manual_seed(t.seed * 1_000_003 + ctx.rank)  # dropout: a different stream per rank
-    lm = wrap_data_parallel(NextTokenLoss(model), ctx)
+    lm = wrap_data_parallel(NextTokenLoss(model, compute_dtype(recipe)), ctx)
 
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {recipe.model.model_type} {recipe.model.n_layer}L x {recipe.model.n_embd}, {n_params / 1e6:.2f}M "
@@ -224,7 +230,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         if interrupted:
             log(f"stopped by signal at step {state.step}; saving {ckpt_path} (continue with --resume)")
         else:
-            val_loss = evaluate(model, data, eval_starts, recipe, ctx)
+            val_loss = evaluate(model, data, final_starts, recipe, ctx)
             state.best_val_loss = min(val_loss, state.best_val_loss or math.inf)
             if metrics:
                 metrics.write({"step": state.step, "val_loss": round(val_loss, 6), "elapsed_s": round(elapsed_now(), 3)})
