@@ -81,9 +81,16 @@ def measure(engine, batch: int, args) -> dict:
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}",
                            torch.randint(0, 50257, (args.prompt,), generator=gen).tolist(), params)
+    t = time.perf_counter()
     engine.step()  # the prefill of every prompt (one step), and the first token
+    prefill_ms = 1e3 * (time.perf_counter() - t)
+    prefill_bubble = None
     if world > 1:
-        ex.collect_stats(reset=True)
+        pre = ex.collect_stats(reset=True)
+        if pp > 1:
+            from engines.parallel.pp import measured_bubble
+
+            prefill_bubble = measured_bubble([tuple(s["spans"][-1]) for s in pre.values()])
     steps = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -91,7 +98,8 @@ def measure(engine, batch: int, args) -> dict:
         steps.append(time.perf_counter() - t)
     micro = (engine.config.pipeline_microbatches or pp) if pp > 1 else 1
     out = {"tp": tp, "pp": pp, "micro": micro, "batch": batch, "threads": engine.bench_threads, "decode_steps": len(steps),
-           "tokens_per_s": batch * len(steps) / sum(steps), "p50_token_latency_ms": 1e3 * statistics.median(steps)}
+           "tokens_per_s": batch * len(steps) / sum(steps), "p50_token_latency_ms": 1e3 * statistics.median(steps),
+           "prefill_ms": prefill_ms, "prefill_bubble": prefill_bubble}
     if world == 1:
         return out
     stats = ex.collect_stats(reset=True)
@@ -181,7 +189,7 @@ def main() -> None:
         r["analytic_bytes_per_token"] = ana
         results.append(r)
         line = (f"TP={tp} PP={pp} M={r['micro']} threads={r['threads']} batch={batch:2d}: "
-                f"{r['tokens_per_s']:7.1f} tok/s, "
+                f"{r['tokens_per_s']:7.1f} tok/s, prefill {r['prefill_ms']:.0f} ms, "
                 f"p50 {r['p50_token_latency_ms']:7.1f} ms/token, {100 * r['roofline_ratio']:4.0f}% of roofline")
         if "bytes_per_token" in r:
             b = r["bytes_per_token"]
@@ -191,8 +199,9 @@ def main() -> None:
                          f"{ana['tp_with_embed']}, logits {b['tp_logits']:.0f}")
             if pp > 1:
                 line += (f"; PP send {b['pp_send']:.0f} B/token vs analytic {ana['pp']} "
-                         f"({b['pp_send'] / ana['pp']:.3f}x); bubble {r['bubble']:.2f} (ideal "
-                         f"{r['bubble_ideal']:.2f})")
+                         f"({b['pp_send'] / ana['pp']:.3f}x); decode bubble {r['bubble']:.2f} (ideal "
+                         f"{r['bubble_ideal']:.2f}); prefill ({batch * args.prompt} tokens) {r['prefill_ms']:.0f} ms, "
+                         f"bubble {r['prefill_bubble']:.2f}")
             line += f"; plan {b['plan']:.0f} B/token"
         print(line, flush=True)
     from engines.parallel.sharded_loading import expected_shard_bytes

@@ -162,8 +162,11 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     """Stages of contiguous layers; activations go stage to stage."""
     pipeline_microbatches: int = 0
-    """Micro-batches a step's sequences are split into so that pipeline stages overlap; 0 means
-    pipeline_parallel_size (and 1 turns micro-batching off)."""
+    """Micro-batches a step's sequences are split into so that pipeline stages overlap; 1 turns
+    micro-batching off. 0 (auto) splits a step into pipeline_parallel_size micro-batches only when
+    each would still be compute-bound (engines.parallel.pp.MIN_MICROBATCH_TOKENS tokens or more):
+    a memory-bound decode micro-batch re-reads the stage's weights, so splitting it costs more
+    than the bubble it removes."""
     worker_threads: int = 0
     """torch threads per shard worker; 0 shares the host's cores evenly among the shards."""
     dist_timeout_s: float = 120.0
@@ -185,7 +188,7 @@ class EngineConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         _require(isinstance(self.pipeline_microbatches, int) and self.pipeline_microbatches >= 0,
-                 "pipeline_microbatches", f"must be an integer >= 0 (0 means pipeline_parallel_size), "
+                 "pipeline_microbatches", f"must be an integer >= 0 (0 chooses per step), "
                  f"got {self.pipeline_microbatches!r}")
         _require(isinstance(self.worker_threads, int) and self.worker_threads >= 0, "worker_threads",
                  f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")

@@ -45,7 +45,9 @@ def reference(model_path):
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda lp: f"tp{lp[0]}xpp{lp[1]}")
 def mp(request, model_path):
     tp, pp = request.param
-    ex = MultiprocExecutor(model_path, BASE.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    # explicit micro-batches (auto would not split these tiny steps): 2, and 3 for an uneven split
+    ex = MultiprocExecutor(model_path, BASE.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                    pipeline_microbatches=2 if tp == 1 else 3))
     yield ex
     ex.shutdown()
 

@@ -91,6 +91,11 @@ def test_microbatches_are_contiguous_and_balanced():
     mixed = [work(0, 1), work(1, 1), work(2, 30), work(3, 2)]
     groups = split_microbatches(mixed, 2)
     assert sum(groups, []) == [0, 1, 2, 3] and len(groups) == 2
+    # auto micro-batching splits only steps whose micro-batches stay compute-bound
+    layout = ParallelLayout.build(GQA, 1, 2)
+    assert layout.microbatches(EngineConfig(), 16) == 1 and layout.microbatches(EngineConfig(), 512) == 2
+    assert layout.microbatches(EngineConfig(pipeline_microbatches=4), 16) == 4
+    assert ParallelLayout.build(GQA, 2, 1).microbatches(EngineConfig(pipeline_microbatches=4), 512) == 1
     assert ideal_bubble(2, 1) == 0.5 and ideal_bubble(2, 2) == pytest.approx(1 / 3)
     assert measured_bubble([(0.0, 1.0, 1.0), (0.0, 1.0, 0.5)]) == pytest.approx(0.25)
 

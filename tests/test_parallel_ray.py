@@ -49,7 +49,7 @@ def ray_cluster():
 def test_ray_executor_matches_single_device(ray_cluster, gpt2_dir, llama_dir, family, tp, pp):
     d = gpt2_dir if family == "gpt2" else llama_dir
     ref, _ = run_engine(d, InProcessExecutor(d, BASE), BASE)
-    ex = RayExecutor(d, BASE.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    ex = RayExecutor(d, BASE.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_microbatches=2))
     try:
         rec = LogitsRecorder(ex)
         outs, _ = run_engine(d, rec, BASE)

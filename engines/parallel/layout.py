@@ -116,8 +116,15 @@ class ParallelLayout:
         """The one rank whose step result goes back to the driver: last stage, TP rank 0."""
         return self.rank(0, self.pp - 1)
 
-    def microbatches(self, engine: EngineConfig) -> int:
-        return engine.pipeline_microbatches or self.pp
+    def microbatches(self, engine: EngineConfig, num_tokens: int) -> int:
+        """Micro-batches of a step of num_tokens tokens (see EngineConfig.pipeline_microbatches)."""
+        from engines.parallel.pp import MIN_MICROBATCH_TOKENS
+
+        if self.pp == 1:
+            return 1
+        if engine.pipeline_microbatches:
+            return engine.pipeline_microbatches
+        return self.pp if num_tokens >= self.pp * MIN_MICROBATCH_TOKENS else 1
 
 
 def local_kv_heads(model: ModelConfig, tp: int, tp_rank: int) -> tuple[int, int]:

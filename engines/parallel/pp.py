@@ -4,6 +4,9 @@ The first stage embeds, the last applies the final norm and the LM head; activat
 stage to stage (see shard_runner.py). A step's sequences are split into micro-batches so that
 stage s works on micro-batch m + 1 while stage s + 1 works on m: with S stages and M
 micro-batches the ideal bubble (idle fraction) is (S - 1) / (M + S - 1) instead of (S - 1) / S.
+That pays when a stage's time grows with its tokens (prefill, large batches); a small decode
+batch is bound by reading the weights, which every micro-batch does again (see
+MIN_MICROBATCH_TOKENS).
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class StageModel(nn.Module):
 
 def split_stage(model: nn.Module, start: int, end: int) -> StageModel:
     return StageModel(model, start, end)
+
+
+MIN_MICROBATCH_TOKENS = 64
+"""Tokens a micro-batch needs to be compute-bound rather than weight-read-bound: an fp32 matmul
+over b tokens does b/2 FLOPs per weight byte, and CPUs and GPUs alike have their roofline ridge
+at tens of FLOPs per byte. Below it, each micro-batch re-reads the stage's weights for nothing."""
 
 
 def split_microbatches(works: list[SeqWork], m: int) -> list[list[int]]:

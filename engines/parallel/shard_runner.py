@@ -68,7 +68,6 @@ class ShardRunner:
         self.params: dict[int, SamplingParams] = {}
         """Sampling options of the live sequences, kept by every last-stage rank so that all of
         them take the same (combined-argmax or gathered) path."""
-        self.microbatches = layout.microbatches(engine_cfg) if layout.pp > 1 else 1
         self.spans: list[tuple[float, float, float]] = []
         """(start, end, busy seconds) of each step, for the bubble measurement."""
 
@@ -100,7 +99,8 @@ class ShardRunner:
         sample_ids: list[int] = []
         sample_logits: list[torch.Tensor] = []  # (rows, Vp) per micro-batch
         lp_logits: list[tuple[int, list[int], torch.Tensor]] = []
-        for m, group in enumerate(split_microbatches(works, self.microbatches)):
+        for m, group in enumerate(split_microbatches(works, self.layout.microbatches(self.engine_cfg,
+                                                                                    plan.num_tokens))):
             ws = [works[i] for i in group]
             ids: list[int] = []
             pos: list[int] = []
