@@ -33,9 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "loadtest_support"))
+sys.path.insert(0, str(REPO / "tests"))
 
-from launcher import FakeServer
+from loadtest_support.launcher import FakeServer
 
 from loadtest.config import LoadTestConfig
 from loadtest.runner import run_async, run_in_new_loop

@@ -13,9 +13,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent / "loadtest_support"))
+sys.path.insert(0, str(Path(__file__).parent))
 
-from launcher import FakeServer
+from loadtest_support.launcher import FakeServer
 
 from loadtest.cli import loadtest
 

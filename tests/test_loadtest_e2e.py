@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "loadtest_support"))
+sys.path.insert(0, str(Path(__file__).parent))
 
-from launcher import FakeServer
-from timing import check_timing, off_by_more
+from loadtest_support.launcher import FakeServer
+from loadtest_support.timing import check_timing, off_by_more
 
 import loadtest
 from loadtest import SLO, LoadTestConfig, LoadTestError, SweepConfig
