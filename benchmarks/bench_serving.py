@@ -77,34 +77,49 @@ async def run_inprocess(engine, conc: int, max_tokens: int, tag: str) -> dict:
     return summarize("in-process", sum(n for _, n in res), dt, [t for t, _ in res])
 
 
-async def run_serving(url: str, model: str, conc: int, max_tokens: int) -> dict:
-    import httpx
-
+async def run_serving(client, model: str, conc: int, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "stream": True,
             "stream_options": {"include_usage": True}}
-    limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        async def one(i: int):
-            t0 = time.perf_counter()
-            ttft, usage, last = None, 0, b""
-            async with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[i % len(PROMPTS)]}) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-                async for part in r.aiter_bytes():
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    last = (last + part)[-2048:]
-            # the usage event is the last before [DONE]: parse only that one
-            for line in reversed(last.split(b"\n")):
-                if line.startswith(b"data: {") and b'"usage": {' in line:
-                    usage = json.loads(line[6:])["usage"]["completion_tokens"]
-                    break
-            return ttft, usage
 
+    async def one(i: int):
         t0 = time.perf_counter()
-        res = await asyncio.gather(*[one(i) for i in range(conc)])
-        dt = time.perf_counter() - t0
+        ttft, usage, last = None, 0, b""
+        async with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[i % len(PROMPTS)]}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for part in r.aiter_bytes():
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                last = (last + part)[-2048:]
+        # the usage event is the last before [DONE]: parse only that one
+        for line in reversed(last.split(b"\n")):
+            if line.startswith(b"data: {") and b'"usage": {' in line:
+                usage = json.loads(line[6:])["usage"]["completion_tokens"]
+                break
+        return ttft, usage
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[one(i) for i in range(conc)])
+    dt = time.perf_counter() - t0
     return summarize("serving", sum(n for _, n in res), dt, [t for t, _ in res])
+
+
+async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int) -> list[tuple[dict, dict]]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
+    results = []
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        # warm-up at full concurrency: code paths, and one pooled connection per stream
+        await run_inprocess(engine, conc, 8, "warm")
+        await run_serving(client, "bench", conc, 8)
+        for r in range(rounds):
+            a = await run_inprocess(engine, conc, max_tokens, f"r{r}")
+            b = await run_serving(client, "bench", conc, max_tokens)
+            results.append((a, b))
+            print(f"round {r}: in-process {a['tok_s']:8.0f} tok/s TTFT p50 {a['ttft_median_ms']:6.1f} ms | "
+                  f"serving {b['tok_s']:8.0f} tok/s TTFT p50 {b['ttft_median_ms']:6.1f} ms", flush=True)
+    return results
 
 
 def main() -> None:
@@ -134,16 +149,8 @@ def main() -> None:
     running = launcher.start(cfg, [])
     print(f"model {path}; serving at {running.url} (ready in {running.started_in_s:.1f} s); "
           f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, torch threads {threads}")
-    results: list[tuple[dict, dict]] = []
     try:
-        asyncio.run(run_inprocess(engine, 8, 8, "warm"))
-        asyncio.run(run_serving(running.url, "bench", 8, 8))
-        for r in range(args.rounds):
-            a = asyncio.run(run_inprocess(engine, args.concurrency, args.max_tokens, f"r{r}"))
-            b = asyncio.run(run_serving(running.url, "bench", args.concurrency, args.max_tokens))
-            results.append((a, b))
-            print(f"round {r}: in-process {a['tok_s']:8.0f} tok/s TTFT p50 {a['ttft_median_ms']:6.1f} ms | "
-                  f"serving {b['tok_s']:8.0f} tok/s TTFT p50 {b['ttft_median_ms']:6.1f} ms")
+        results = asyncio.run(run_rounds(engine, running.url, args.concurrency, args.max_tokens, args.rounds))
     finally:
         launcher.stop(running)
         engine.shutdown()

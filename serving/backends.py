@@ -62,8 +62,9 @@ class RayBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from ray.serve.exceptions import BackPressureError
 
-        stream = self._stream.remote(req)
+        stream = None
         try:
+            stream = self._stream.remote(req)
             async for raw in stream:
                 yield pickle.loads(raw)  # from our own ModelServer (serving/deployments.py), never a client
         except BackPressureError:
@@ -75,7 +76,8 @@ class RayBackend:
                 f"the model server failed while serving the request ({type(exc).__name__}); retry"),
                 finished=True)
         finally:
-            stream.cancel()  # no-op when finished; otherwise the replica aborts the engine request
+            if stream is not None:
+                stream.cancel()  # no-op when finished; otherwise the replica aborts the engine request
 
     async def ready(self) -> bool:
         try:

@@ -173,7 +173,8 @@ class ModelCore:
                         pending = chunk
                     else:
                         _merge(pending, chunk)
-                    if state.done or now - last_sent >= self._interval():
+                    # a non-streaming request gets one chunk, the last
+                    if state.done or (req.stream and now - last_sent >= self._interval()):
                         m.generation_tokens.inc(state.generated - state.counted)
                         state.counted = state.generated
                         if state.done:
