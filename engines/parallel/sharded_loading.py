@@ -106,7 +106,10 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, co
         if tuple(t.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {name!r}: read shape {tuple(t.shape)}, the shard expects "
                                   f"{tuple(param.shape)}")
-        state[name] = t.to(dtype).contiguous()
+        # an owned copy: a tensor read whole may share the file's mmap, which would keep every page
+        # of the checkpoint this rank touched mapped (and counted) for the life of the shard
+        state[name] = torch.empty(t.shape, dtype=dtype).copy_(t)
+    del reader
     stage.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings and stage.wte is not None and stage.lm_head is not None:
         stage.lm_head.weight = stage.wte.weight
