@@ -72,16 +72,11 @@ def write_sweep(result: SweepReport, out_dir: Path, plots: bool = True) -> list[
     """Write a sweep's table, plot and each step's run files; returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [
-        {
-            "rate": s.rate,
-            "phase": s.phase,
-            "meets_slo": s.meets_slo,
-            "stop_reason": s.stop_reason,
-            **s.summary.flat(),
-        }
-        for s in result.steps
-    ]
+    rows = []
+    for s in result.steps:
+        # the step's verdict (which counts an early stop as a failure) wins over the summary's keys
+        row = {"rate": s.rate, "phase": s.phase, "meets_slo": s.meets_slo, "stop_reason": s.stop_reason}
+        rows.append({**row, **{k: v for k, v in s.summary.flat().items() if k not in row}})
     paths = [out_dir / "sweep.json", out_dir / "sweep.csv"]
     doc = {
         "best_rate": result.best_rate,

@@ -244,14 +244,17 @@ class _Runner:
             max_in_flight=self.max_in_flight,
         )
         if self.stop_reason is not None:
-            summary = _with_warning(summary, f"stopped early: {self.stop_reason}")
+            summary = _stopped(summary, self.stop_reason)
         return Report(config, summary, self.records, started_at, self.stop_reason)
 
 
-def _with_warning(summary: Summary, text: str) -> Summary:
+def _stopped(summary: Summary, reason: str) -> Summary:
+    """A run a monitor cut short (its SLO could no longer be met) does not meet its SLO, whatever
+    the requests that finished say."""
     from dataclasses import replace
 
-    return replace(summary, warnings=summary.warnings + (text,))
+    meets = None if summary.meets_slo is None else False
+    return replace(summary, meets_slo=meets, warnings=(*summary.warnings, f"stopped early: {reason}"))
 
 
 async def wait_until_idle(config: LoadTestConfig) -> float:

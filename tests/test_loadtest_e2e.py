@@ -299,6 +299,7 @@ def test_sweep_converges_on_a_server_of_known_capacity(server):
         ]
         failed = [st for st in result.steps if not st.meets_slo]
         assert failed and any(st.stop_reason for st in failed), trail  # over-saturated steps end early
+        assert all(st.summary.meets_slo is False for st in failed), trail
         if result.best_rate is None or not 0.8 * capacity <= result.best_rate <= 1.15 * capacity:
             return [f"best rate {result.best_rate} not in [0.8, 1.15] x {capacity}; steps {trail}"]
         assert [st.rate for st in result.steps][:2] == [40.0, 80.0], trail  # doubling first
