@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -132,6 +133,7 @@ class RayExecutor(Executor):
         self.engine_cfg = engine_cfg
         self.timeout = engine_cfg.dist_timeout_s
         self._dead: str | None = None
+        self._lock = threading.Lock()  # held while a command is in flight (see check_health)
         self._own_pg = None
         world = self.layout.world_size
         pg, first_bundle = self._placement(world, cpus_per_worker, gpus_per_worker, start_timeout_s)
@@ -183,32 +185,44 @@ class RayExecutor(Executor):
         return self._call(("logits", plan), f"step {plan.step}")
 
     def check_health(self) -> None:
+        """Raise ExecutorError when a shard actor is gone; safe to call from any thread (a Ray
+        Serve health check): while a step is in flight it only reports, the stepping thread cleans up."""
         if self._dead is not None:
             raise ExecutorError(self._dead)
-        done, _ = ray.wait(self.run_refs, num_returns=1, timeout=0)
+        refs = list(self.run_refs)
+        done, _ = ray.wait(refs, num_returns=1, timeout=0) if refs else ([], [])
         if done:
-            self._fail(self._ended(done[0], "health check"))
+            message = self._ended(done[0], "health check", refs)
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._fail(message)
+                finally:
+                    self._lock.release()
+            raise ExecutorError(message)
 
     def collect_stats(self, reset: bool = False) -> dict[int, dict]:
         self.check_health()
-        self.workers[0].submit.remote(("stats", reset))
-        return self._wait_all("stats", "ok", time.monotonic() + self.timeout)
+        with self._lock:
+            self.workers[0].submit.remote(("stats", reset))
+            return self._wait_all("stats", "ok", time.monotonic() + self.timeout)
 
     def shutdown(self) -> None:
-        if self._dead is None and self.workers:
-            try:
-                self.workers[0].submit.remote(("stop", None))
-                ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=10)
-            except Exception:  # noqa: BLE001 - best effort; the actors are killed below
-                pass
-        self._kill_all()
-        self._dead = self._dead or "executor was shut down"
+        with self._lock:
+            if self._dead is None and self.workers:
+                try:
+                    self.workers[0].submit.remote(("stop", None))
+                    ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=10)
+                except Exception:  # noqa: BLE001 - best effort; the actors are killed below
+                    pass
+            self._kill_all()
+            self._dead = self._dead or "executor was shut down"
 
     # internals
     def _call(self, msg: tuple, what: str):
         self.check_health()
-        self.workers[0].submit.remote(msg)  # the plan goes to rank 0 only; rank 0 broadcasts it
-        return self._wait_rank(self.layout.sampler_rank, what, "ok", time.monotonic() + self.timeout)
+        with self._lock:
+            self.workers[0].submit.remote(msg)  # the plan goes to rank 0 only; rank 0 broadcasts it
+            return self._wait_rank(self.layout.sampler_rank, what, "ok", time.monotonic() + self.timeout)
 
     def _wait_rank(self, rank: int, what: str, expect: str, deadline: float):
         ref = self.workers[rank].reply.remote(max(0.0, deadline - time.monotonic()))
@@ -236,8 +250,8 @@ class RayExecutor(Executor):
     def _wait_all(self, what: str, expect: str, deadline: float) -> dict[int, Any]:
         return {r: self._wait_rank(r, what, expect, deadline) for r in range(len(self.workers))}
 
-    def _ended(self, ref, what: str) -> str:
-        rank = self.run_refs.index(ref)
+    def _ended(self, ref, what: str, refs: list | None = None) -> str:
+        rank = (refs if refs is not None else self.run_refs).index(ref)
         try:
             ray.get(ref, timeout=5)
             return f"{what}: shard worker {rank} stopped"

@@ -15,6 +15,7 @@ from engines.config import EngineConfig
 from engines.executor import ExecutorError
 from engines.llm_engine import LLMEngine
 from engines.parallel.mp_executor import MultiprocExecutor
+from engines.plan import StepPlan
 from engines.sampling_params import SamplingParams
 from parallel_fixtures import PROMPTS
 
@@ -92,3 +93,35 @@ def test_worker_error_at_start_is_reported(gpt2_dir, tmp_path):
     with pytest.raises(ExecutorError, match="shard worker [01] failed: CheckpointError: .* has no weights"):
         MultiprocExecutor(bad, CFG)
     assert time.monotonic() - t0 < 60
+
+
+def test_health_check_sees_a_dead_idle_worker(llama_dir):
+    """With no step in flight (an idle replica), check_health() from another thread reports the
+    dead shard, so a health probe can replace the replica before a request hits it."""
+    import threading
+
+    executor = MultiprocExecutor(llama_dir, CFG)
+    try:
+        executor.check_health()
+        os.kill(executor.shard_info[0]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        errors: list[BaseException] = []
+
+        def probe():
+            while time.monotonic() < deadline:
+                try:
+                    executor.check_health()
+                except ExecutorError as exc:
+                    errors.append(exc)
+                    return
+                time.sleep(0.05)
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        assert errors and "shard worker 0" in str(errors[0])
+        with pytest.raises(ExecutorError, match="shard worker 0"):
+            executor.execute(StepPlan(step=0))  # the next step fails at once, without the workers
+    finally:
+        executor.shutdown()
+    assert not executor.procs

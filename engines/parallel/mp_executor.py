@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
@@ -41,6 +42,9 @@ class MultiprocExecutor(Executor):
         self.engine_cfg = engine_cfg
         self.timeout = engine_cfg.dist_timeout_s
         self._dead: str | None = None
+        self._lock = threading.Lock()
+        """Held while a command is in flight: a health check from another thread (a Ray Serve
+        replica's) then only reports, and the stepping thread cleans up."""
         world = self.layout.world_size
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=self.timeout),
                                    wait_for_workers=False)
@@ -72,33 +76,44 @@ class MultiprocExecutor(Executor):
         return self._call("logits", plan, f"step {plan.step}")
 
     def check_health(self) -> None:
+        """Raise ExecutorError when a shard is gone; safe to call from any thread."""
         if self._dead is not None:
             raise ExecutorError(self._dead)
-        for rank, p in enumerate(self.procs):
+        for rank, p in enumerate(list(self.procs)):
             if not p.is_alive():
-                self._fail(f"shard worker {rank} (pid {p.pid}) exited with code {p.exitcode}")
+                message = f"shard worker {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                if self._lock.acquire(blocking=False):
+                    try:
+                        self._fail(message)
+                    finally:
+                        self._lock.release()
+                raise ExecutorError(message)
 
     def collect_stats(self, reset: bool = False) -> dict[int, dict]:
         """Every rank's payload bytes by purpose, step spans (for the bubble) and memory."""
         self.check_health()
-        self._send(("stats", reset))
-        return self._wait(set(range(len(self.procs))), time.monotonic() + self.timeout, "stats")
+        with self._lock:
+            self._send(("stats", reset))
+            return self._wait(set(range(len(self.procs))), time.monotonic() + self.timeout, "stats")
 
     def shutdown(self) -> None:
-        if self._dead is None and self.procs and all(p.is_alive() for p in self.procs):
-            try:
-                self._send(("stop", None))
-                self._wait(set(range(len(self.procs))), time.monotonic() + 10, "stop")
-            except ExecutorError:
-                pass
-        self._kill_all()
-        self._dead = self._dead or "executor was shut down"
+        with self._lock:
+            if self._dead is None and self.procs and all(p.is_alive() for p in self.procs):
+                try:
+                    self._send(("stop", None))
+                    self._wait(set(range(len(self.procs))), time.monotonic() + 10, "stop")
+                except ExecutorError:
+                    pass
+            self._kill_all()
+            self._dead = self._dead or "executor was shut down"
 
     # internals
     def _call(self, kind: str, payload, what: str):
         self.check_health()
-        self._send((kind, payload))
-        return self._wait({self.layout.sampler_rank}, time.monotonic() + self.timeout, what)[self.layout.sampler_rank]
+        with self._lock:
+            self._send((kind, payload))
+            rank = self.layout.sampler_rank
+            return self._wait({rank}, time.monotonic() + self.timeout, what)[rank]
 
     def _send(self, msg: tuple) -> None:
         try:
