@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import CACHE, read_bandwidth  # noqa: E402
+from benchmarks.common import CACHE, read_bandwidth
 
 
 def gpt2_medium_dir(layers: int = 24) -> Path:

@@ -21,8 +21,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
@@ -125,8 +126,9 @@ class ShardWorker:
 class RayExecutor(Executor):
     def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float = 0.0, start_timeout_s: float = 300.0):
-        import torch.distributed as dist
         from datetime import timedelta
+
+        import torch.distributed as dist
 
         self.model_config = ModelConfig.from_dir(model_dir)
         self.layout = ParallelLayout.from_configs(self.model_config, engine_cfg)  # ConfigError first
@@ -212,8 +214,8 @@ class RayExecutor(Executor):
                 try:
                     self.workers[0].submit.remote(("stop", None))
                     ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=10)
-                except Exception:  # noqa: BLE001 - best effort; the actors are killed below
-                    pass
+                except Exception as exc:  # noqa: BLE001 - best effort; the actors are killed below
+                    log.debug("graceful stop failed: %r", exc)
             self._kill_all()
             self._dead = self._dead or "executor was shut down"
 
@@ -271,14 +273,14 @@ class RayExecutor(Executor):
         for w in self.workers:
             try:
                 ray.kill(w)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            except Exception as exc:  # noqa: BLE001 - already gone
+                log.debug("kill of a shard actor: %r", exc)
         self.workers, self.run_refs = [], []
         if self._own_pg is not None:
             try:
                 remove_placement_group(self._own_pg)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001 - Ray is shutting down
+                log.debug("placement group removal: %r", exc)
             self._own_pg = None
         self.store = None
 

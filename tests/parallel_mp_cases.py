@@ -8,12 +8,12 @@ same results under continuous batching, preemption and seeded sampling."""
 from __future__ import annotations
 
 import pytest
+from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engine
 
 from engines.config import EngineConfig
 from engines.executor import InProcessExecutor
 from engines.parallel.mp_executor import MultiprocExecutor
 from engines.sampling_params import SamplingParams
-from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engine
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 BASE = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)
@@ -86,7 +86,7 @@ def test_comm_bytes_match_analytic(mp, model_path):
     tokens = sum(len(p) for p in PROMPTS) + sum(len(o[0]) - 1 for o in outs.values())
     row = cfg.n_embd * 4  # fp32 bytes of one token's hidden state
     for rank, s in stats.items():
-        t, p = layout.coords(rank)
+        _, p = layout.coords(rank)
         a, b = layout.stages[p]
         b_ = s["bytes"]
         if layout.tp > 1:

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from parallel_fixtures import PROMPTS
 
 from engines.async_engine import AsyncLLMEngine, EngineDeadError
 from engines.config import EngineConfig
@@ -17,7 +18,6 @@ from engines.llm_engine import LLMEngine
 from engines.parallel.mp_executor import MultiprocExecutor
 from engines.plan import StepPlan
 from engines.sampling_params import SamplingParams
-from parallel_fixtures import PROMPTS
 
 CFG = EngineConfig(num_kv_blocks=64, worker_threads=1, tensor_parallel_size=2, dist_timeout_s=30)
 

@@ -5,9 +5,18 @@ process giving the single-device tokens and logits."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
+from parallel_fixtures import (
+    PROMPTS,
+    LogitsRecorder,
+    ThreadTPExecutor,
+    make_own_checkpoint,
+    max_logit_error,
+    run_engine,
+)
 
 from engines.checkpoint import load_model
 from engines.config import ConfigError, EngineConfig, ModelConfig
@@ -20,8 +29,6 @@ from engines.parallel.sharded_loading import expected_shard_bytes, load_shard, m
 from engines.parallel.tp import apply_tp
 from engines.plan import SeqWork
 from engines.sampling_params import SamplingParams
-from parallel_fixtures import (PROMPTS, LogitsRecorder, ThreadTPExecutor, make_own_checkpoint, max_logit_error,
-                               run_engine)
 
 MEDIUM = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=24, n_head=16, n_embd=1024)
 GQA = ModelConfig(model_type="llama", vocab_size=1000, n_layer=3, n_head=8, n_embd=64, n_kv_head=2,
@@ -73,7 +80,7 @@ def test_stage_ranges_are_contiguous_and_balance_the_head():
     for pp in (1, 2, 3, 4, 24):
         ranges = stage_layer_ranges(MEDIUM, pp)
         assert ranges[0][0] == 0 and ranges[-1][1] == 24 and len(ranges) == pp
-        assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
+        assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in itertools.pairwise(ranges))
     # GPT-2 medium's head costs ~4 layers: the last of two stages takes fewer layers
     assert stage_layer_ranges(MEDIUM, 2) == ((0, 14), (14, 24))
     assert stage_layer_ranges(GQA, 3) == ((0, 1), (1, 2), (2, 3))
@@ -90,7 +97,7 @@ def test_microbatches_are_contiguous_and_balanced():
     assert split_microbatches(works[:3], 8) == [[0], [1], [2]]
     mixed = [work(0, 1), work(1, 1), work(2, 30), work(3, 2)]
     groups = split_microbatches(mixed, 2)
-    assert sum(groups, []) == [0, 1, 2, 3] and len(groups) == 2
+    assert [i for g in groups for i in g] == [0, 1, 2, 3] and len(groups) == 2
     # auto micro-batching splits only steps whose micro-batches stay compute-bound
     layout = ParallelLayout.build(GQA, 1, 2)
     assert layout.microbatches(EngineConfig(), 16) == 1 and layout.microbatches(EngineConfig(), 512) == 2
@@ -167,7 +174,7 @@ def test_tp_threads_sampling_paths(llama_dir):
     cfg = EngineConfig(num_kv_blocks=64)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True, logprobs=2,
                              prompt_logprobs=1) for i in range(len(PROMPTS))]
-    ref, ref_engine = run_engine(llama_dir, InProcessExecutor(llama_dir, cfg), cfg, params=params)
+    ref, _ = run_engine(llama_dir, InProcessExecutor(llama_dir, cfg), cfg, params=params)
     outs, _ = run_engine(llama_dir, ThreadTPExecutor(llama_dir, cfg.replace(tensor_parallel_size=2)), cfg,
                          params=params)
     assert outs == ref

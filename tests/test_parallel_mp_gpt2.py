@@ -2,15 +2,16 @@
 
 FAMILY = "gpt2"
 
-from parallel_mp_cases import *  # noqa: E402,F401,F403
+from parallel_mp_cases import *
 
 
 def test_llm_picks_the_multiprocess_executor_for_tp(gpt2_dir):
     """LLM(..., tensor_parallel_size=2) shards without any executor named."""
+    from parallel_fixtures import PROMPTS as P
+
     from engines.llm_engine import LLM
     from engines.parallel.mp_executor import MultiprocExecutor
     from engines.sampling_params import SamplingParams as SP
-    from parallel_fixtures import PROMPTS as P
 
     params = SP(temperature=0, max_tokens=8, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(gpt2_dir, num_kv_blocks=64).generate(P, params)]

@@ -2,4 +2,4 @@
 
 FAMILY = "llama"
 
-from parallel_mp_cases import *  # noqa: E402,F401,F403
+from parallel_mp_cases import *

@@ -13,14 +13,14 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from engines.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
-from engines.config import ConfigError, EngineConfig  # noqa: E402
-from engines.executor import ExecutorError, InProcessExecutor  # noqa: E402
-from engines.llm_engine import LLMEngine  # noqa: E402
-from engines.sampling_params import SamplingParams  # noqa: E402
-from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engine  # noqa: E402
-from serving.ray_executor import (RayExecutor, check_cluster_resources, placement_bundles,  # noqa: E402
-                                  ray_executor_factory)
+from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engine
+
+from engines.async_engine import AsyncLLMEngine, EngineDeadError
+from engines.config import ConfigError, EngineConfig
+from engines.executor import ExecutorError, InProcessExecutor
+from engines.llm_engine import LLMEngine
+from engines.sampling_params import SamplingParams
+from serving.ray_executor import RayExecutor, check_cluster_resources, placement_bundles, ray_executor_factory
 
 BASE = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)
 

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.integration
 
 ray = pytest.importorskip("ray")
 
-from deploy.schema import validate_config  # noqa: E402
-from serving import launcher  # noqa: E402
-from serving.ray_executor import SHARD_ACTOR_PREFIX  # noqa: E402
+from deploy.schema import validate_config
+from serving import launcher
+from serving.ray_executor import SHARD_ACTOR_PREFIX
 
 MODEL = "tp2"
 PROMPT = "To be, or not to be, that is the question"

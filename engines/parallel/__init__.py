@@ -6,7 +6,7 @@ serving/ray_executor.py; it runs the same worker loop (worker_proc.py) in actors
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from engines.config import EngineConfig
 from engines.parallel.layout import ParallelLayout, check_parallel_config

@@ -89,12 +89,12 @@ class ParallelLayout:
     """Layer range [start, end) of each pipeline stage."""
 
     @classmethod
-    def build(cls, model: ModelConfig, tp: int = 1, pp: int = 1) -> "ParallelLayout":
+    def build(cls, model: ModelConfig, tp: int = 1, pp: int = 1) -> ParallelLayout:
         check_parallel_config(model, tp, pp)
         return cls(tp, pp, stage_layer_ranges(model, pp))
 
     @classmethod
-    def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> "ParallelLayout":
+    def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> ParallelLayout:
         return cls.build(model, engine.tensor_parallel_size, engine.pipeline_parallel_size)
 
     @property

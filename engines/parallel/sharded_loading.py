@@ -163,4 +163,4 @@ def expected_shard_bytes(cfg: ModelConfig, tp: int, start: int, end: int, itemsi
     return total
 
 
-__all__ = ["load_shard", "read_sharded", "shard_bytes", "expected_shard_bytes", "ConfigError"]
+__all__ = ["ConfigError", "expected_shard_bytes", "load_shard", "read_sharded", "shard_bytes"]

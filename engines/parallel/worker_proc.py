@@ -12,6 +12,7 @@ Commands: ("step", plan) -> StepResult; ("logits", plan) -> (StepResult, {seq_id
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import traceback
@@ -23,6 +24,8 @@ from engines.config import EngineConfig
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout
 from engines.parallel.shard_runner import ShardRunner
+
+log = logging.getLogger(__name__)
 
 
 class Channel(Protocol):
@@ -126,11 +129,11 @@ def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: i
         info["load_s"] = time.perf_counter() - t0
         channel.send(("ready", rank, info))
         serve(runner, comm, channel)
-    except BaseException as exc:  # noqa: BLE001 - the driver turns it into ExecutorError
+    except BaseException as exc:
         try:
             channel.send(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        except Exception:  # noqa: BLE001 - the driver is gone or the pipe is broken
-            pass
+        except Exception as send_exc:  # noqa: BLE001 - the driver is gone or the pipe is broken
+            log.debug("shard %d could not report its failure: %r", rank, send_exc)
         raise
 
 
