@@ -280,15 +280,15 @@ def test_unreachable_url_and_wrong_path_give_clear_errors(server):
 
 def test_sweep_converges_on_a_server_of_known_capacity(server):
     # At most 8 requests at once, 100 ms each: capacity 80 req/s. Below it a request takes ~100 ms;
-    # above it a queue grows for as long as the step lasts. With a margin of M = 60 ms over the
-    # service time and D = 1 s per step, a rate f above capacity delays requests by f * t at time
-    # t, so more than half exceed the bound once f > 2 M / D = 12%: a p50 SLO (robust to the tail
-    # jitter of a busy 2-core machine) fails every step beyond ~1.12 x capacity.
+    # above it a queue grows for as long as the step lasts. With a margin of M = 100 ms over the
+    # service time and D = 1.25 s per step, a rate f above capacity delays requests by f * t at
+    # time t, so more than half exceed the bound once f > 2 M / D = 16%: a p50 SLO (robust to the
+    # tail jitter of a busy 2-core machine) fails every step beyond ~1.16 x capacity.
     slots, service = 8, 0.1
     capacity = slots / service
     server.configure(max_concurrent=slots, service_time=service)
     base = cfg(
-        server, arrival="constant", duration=1.0, random_output_len=2, slos=(SLO("e2el", 160.0, "p50"),)
+        server, arrival="constant", duration=1.25, random_output_len=2, slos=(SLO("e2el", 200.0, "p50"),)
     )
 
     def measure() -> list[str]:
@@ -300,8 +300,8 @@ def test_sweep_converges_on_a_server_of_known_capacity(server):
         failed = [st for st in result.steps if not st.meets_slo]
         assert failed and any(st.stop_reason for st in failed), trail  # over-saturated steps end early
         assert all(st.summary.meets_slo is False for st in failed), trail
-        if result.best_rate is None or not 0.8 * capacity <= result.best_rate <= 1.15 * capacity:
-            return [f"best rate {result.best_rate} not in [0.8, 1.15] x {capacity}; steps {trail}"]
+        if result.best_rate is None or not 0.8 * capacity <= result.best_rate <= 1.2 * capacity:
+            return [f"best rate {result.best_rate} not in [0.8, 1.2] x {capacity}; steps {trail}"]
         assert [st.rate for st in result.steps][:2] == [40.0, 80.0], trail  # doubling first
         assert min(st.rate for st in failed) > result.best_rate, trail
         return []
