@@ -24,6 +24,7 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_decode.py
 	$(BIN)/python benchmarks/bench_throughput.py
 	$(BIN)/python benchmarks/bench_kv_memory.py
+	$(BIN)/python benchmarks/bench_loadgen.py
 
 model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing
 
