@@ -87,7 +87,13 @@ def train(
         if launcher == "local":
             from training.distributed import spawn_local
 
-            spawn_local(_worker, num_workers, (job,))
+            from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+            try:
+                spawn_local(_worker, num_workers, (job,))
+            except (ProcessExitedException, ProcessRaisedException) as exc:
+                typer.echo(f"error: a training rank failed: {exc}", err=True)
+                raise typer.Exit(1)
         elif launcher == "ray":
             from training.distributed import launch_ray
 

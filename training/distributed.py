@@ -15,7 +15,9 @@ MASTER_PORT) and nothing else.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,6 +55,44 @@ class DistContext:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+class StopFlag:
+    """SIGTERM / SIGINT set a flag that the training loop reads once per step.
+
+    A launched rank calls `StopFlag.install_early()` first thing, so a signal that arrives while
+    it is still importing or loading data is remembered rather than killing it unsaved. Handlers
+    can only be installed from the main thread; elsewhere (a thread) the flag stays unset.
+    """
+
+    _early = False
+
+    @classmethod
+    def _early_handler(cls, signum, frame) -> None:
+        cls._early = True
+
+    @classmethod
+    def install_early(cls) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, cls._early_handler)
+
+    def __init__(self) -> None:
+        self.set = StopFlag._early
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.set = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def pick_device(kind: str, local_rank: int = 0) -> torch.device:
@@ -94,6 +134,7 @@ def free_port() -> int:
 
 
 def _spawned(local_rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple) -> None:
+    StopFlag.install_early()
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if threads:
@@ -107,8 +148,6 @@ def spawn_local(fn: Callable, world_size: int, args: tuple = (), threads_per_ran
     `threads_per_rank` 0 splits this machine's cores evenly between the ranks. SIGTERM or
     Ctrl-C to this process is passed on to every rank as SIGTERM, so they checkpoint together.
     """
-    import signal
-
     import torch.multiprocessing as mp
 
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -119,8 +158,6 @@ def spawn_local(fn: Callable, world_size: int, args: tuple = (), threads_per_ran
         for proc in context.processes:
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)
-
-    import threading
 
     previous = {}
     if threading.current_thread() is threading.main_thread():

@@ -88,6 +88,7 @@ def save_state(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.
         save_file(tensors, tmp, metadata={"shardserve": json.dumps(meta)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        tmp.chmod(0o644)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ import torch
 
 from engines.config import ConfigError
 from training.data import TokenData, TrainOrder, val_starts
-from training.distributed import DistContext, init_context, shutdown
+from training.distributed import DistContext, StopFlag, init_context, shutdown
 from training.metrics import MetricsLog, Progress, plot_loss_curve
 from training.model_setup import NextTokenLoss, build_model, wrap_data_parallel
 from training.optim import build_optimizer, lr_at, set_lr
@@ -45,27 +43,6 @@ class TrainResult:
     checkpoint: Path | None
     export_dir: Path | None
     run_dir: Path
-
-
-class _StopFlag:
-    """Set by SIGTERM / SIGINT; the handlers are installed only from the main thread."""
-
-    def __init__(self) -> None:
-        self.set = False
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "_StopFlag":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.set = True
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def autocast(recipe: Recipe, device: torch.device):
@@ -164,7 +141,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     def elapsed_now() -> float:
         return elapsed0 + time.perf_counter() - clock
 
-    with _StopFlag() as stop:
+    with StopFlag() as stop:
         while state.step < t.max_steps:
             frac = state.step / t.max_steps
             if t.time_budget_s:
