@@ -30,10 +30,13 @@ log = logging.getLogger("shardserve.model")
 
 ADAPTIVE_CHUNK_RATE = 400.0
 """With stream_interval_ms = 0, a replica aims at no more than this many streamed chunks per second
-in total: the least interval between two chunks of one request is (active requests / this), so a
-lone request streams every token and 64 requests stream every ~160 ms. Each chunk costs a Ray
-object on two hops and an HTTP write (about a millisecond of CPU each on a small machine); tokens
-are never dropped, only sent together. The first chunk of a request is never held."""
+in total: the least interval between two chunks of one request is (active requests / this), kept
+within [MIN_ADAPTIVE_INTERVAL_S, MAX_ADAPTIVE_INTERVAL_S]; 64 concurrent requests stream about
+every 160 ms. Each chunk costs a Ray object on two hops and an HTTP write (about a millisecond of
+CPU on a small machine, partly in the engine's own process); tokens are never dropped, only sent
+together, and the first chunk of a request is never held."""
+MIN_ADAPTIVE_INTERVAL_S = 0.02
+"""50 chunks/s for a lone request: smooth to read, and a fraction of the engine's step rate."""
 MAX_ADAPTIVE_INTERVAL_S = 0.25
 
 
@@ -151,7 +154,7 @@ class ModelCore:
     def _interval(self) -> float:
         if self.spec.stream_interval_ms > 0:
             return self.spec.stream_interval_ms / 1000.0
-        return min(MAX_ADAPTIVE_INTERVAL_S, self.active_requests / ADAPTIVE_CHUNK_RATE)
+        return min(MAX_ADAPTIVE_INTERVAL_S, max(MIN_ADAPTIVE_INTERVAL_S, self.active_requests / ADAPTIVE_CHUNK_RATE))
 
     async def _stream(self, req: GenerateRequest, t0: float) -> AsyncIterator[GenerateChunk]:
         n, m = req.params.n, self.metrics
