@@ -368,7 +368,7 @@ def test_gateway_modules_import_no_torch():
     code = ("import sys; import serving.app, serving.gateway, serving.openai_api, serving.kserve_api, "
             "serving.backends, serving.deployments, serving.protocol, serving.chat, serving.metrics; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, "the gateway imported torch\n" + out.stderr
 
 

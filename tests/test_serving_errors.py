@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from test_serving_app import MODEL, local_client
 
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 4}

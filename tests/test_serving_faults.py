@@ -13,12 +13,12 @@ import time
 import httpx
 import pytest
 import uvicorn
+from test_serving_app import MODEL, metric, parse_metrics
 
 from deploy.schema import validate_config
 from engines.async_engine import EngineDeadError
 from serving.app import create_local_app
 from serving.model_core import ModelCore
-from test_serving_app import MODEL, metric, parse_metrics
 
 LONG = {"model": MODEL, "prompt": "To be", "max_tokens": 240, "ignore_eos": True}
 
@@ -191,8 +191,8 @@ def test_graceful_drain_finishes_in_flight_requests(gpt2_dir):
         results = {}
 
         async def long_request():
-            from serving.wire import GenerateRequest
             from engines import SamplingParams
+            from serving.wire import GenerateRequest
 
             req = GenerateRequest("drain-1", [[5, 6, 7]], SamplingParams(max_tokens=60, ignore_eos=True))
             chunks = [c async for c in core.generate(req)]
@@ -203,8 +203,8 @@ def test_graceful_drain_finishes_in_flight_requests(gpt2_dir):
             await asyncio.sleep(0.005)
         shutdown = asyncio.create_task(core.shutdown(drain_timeout_s=10))
         await asyncio.sleep(0.01)
-        from serving.wire import GenerateRequest
         from engines import SamplingParams
+        from serving.wire import GenerateRequest
 
         refused = [c async for c in core.generate(GenerateRequest("late", [[5]], SamplingParams(max_tokens=2)))]
         assert refused[0].error.status == 503 and "shutting down" in refused[0].error.message
@@ -221,8 +221,8 @@ def test_drain_timeout_aborts_what_is_left(gpt2_dir):
     core = make_core(gpt2_dir, step_delay_s=0.02)
 
     async def main():
-        from serving.wire import GenerateRequest
         from engines import SamplingParams
+        from serving.wire import GenerateRequest
 
         async def consume():
             return [c async for c in core.generate(GenerateRequest("slow", [[5, 6]],

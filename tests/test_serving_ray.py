@@ -23,9 +23,10 @@ pytestmark = pytest.mark.integration
 
 ray = pytest.importorskip("ray")
 
-from deploy.schema import validate_config  # noqa: E402
-from serving import launcher  # noqa: E402
-from test_serving_app import metric, parse_metrics  # noqa: E402
+from test_serving_app import metric, parse_metrics
+
+from deploy.schema import validate_config
+from serving import launcher
 
 ENGINE = {"num_kv_blocks": 512, "cpu_linear_autotune": False}
 
