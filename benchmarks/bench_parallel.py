@@ -175,6 +175,11 @@ def main() -> None:
                     continue  # one sequence cannot be split into micro-batches
                 r = measure(engine, batch, args)
                 key = (spec, batch)
+                if key in best:  # the best prefill is kept on its own (one step per round: noisier)
+                    if best[key]["prefill_ms"] < r["prefill_ms"]:
+                        r["prefill_ms"], r["prefill_bubble"] = best[key]["prefill_ms"], best[key]["prefill_bubble"]
+                    else:
+                        best[key]["prefill_ms"], best[key]["prefill_bubble"] = r["prefill_ms"], r["prefill_bubble"]
                 if key not in best or r["p50_token_latency_ms"] < best[key]["p50_token_latency_ms"]:
                     best[key] = r
                 print(f"  round {rnd} {spec} batch {batch}: p50 {r['p50_token_latency_ms']:.1f} ms", flush=True)
