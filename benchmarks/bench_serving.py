@@ -90,17 +90,17 @@ async def run_inprocess(engine, conc: int, total: int, max_tokens: int, tag: str
     return summarize("in-process", sum(n for _, n in res), dt, [t for t, _ in res])
 
 
-async def run_serving(client, model: str, conc: int, total: int, max_tokens: int) -> dict:
+async def run_serving(session, url: str, model: str, conc: int, total: int, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "stream": True,
             "stream_options": {"include_usage": True}}
 
     async def one(i: int):
         t0 = time.perf_counter()
         ttft, usage, last = None, 0, b""
-        async with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[i % len(PROMPTS)]}) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for part in r.aiter_bytes():
+        async with session.post(f"{url}/v1/completions", json={**body, "prompt": PROMPTS[i % len(PROMPTS)]}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:300]!r}")
+            async for part in r.content.iter_any():
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 last = (last + part)[-2048:]
@@ -117,20 +117,20 @@ async def run_serving(client, model: str, conc: int, total: int, max_tokens: int
 
 async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int, modes: list[str]
                      ) -> dict[str, list[tuple[dict, dict]]]:
-    import httpx
+    import aiohttp  # a light client: its CPU is part of the serving path's measurement
 
-    limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
     results: dict[str, list[tuple[dict, dict]]] = {m: [] for m in modes}
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=conc + 8)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
         # warm-up at full concurrency: code paths, and one pooled connection per stream
         await run_inprocess(engine, conc, conc, 8, "warm")
-        await run_serving(client, "bench", conc, conc, 8)
+        await run_serving(client, url, "bench", conc, conc, 8)
         for r in range(rounds):
             for mode in modes:
                 # burst: all requests at once; sustained: 4x as many, `conc` in flight (closed loop)
                 total = conc if mode == "burst" else 4 * conc
                 a = await run_inprocess(engine, conc, total, max_tokens, f"{mode}{r}")
-                b = await run_serving(client, "bench", conc, total, max_tokens)
+                b = await run_serving(client, url, "bench", conc, total, max_tokens)
                 results[mode].append((a, b))
                 print(f"round {r} {mode:9s}: in-process {a['tok_s']:7.0f} tok/s TTFT p50 {a['ttft_median_ms']:7.1f} ms"
                       f" | serving {b['tok_s']:7.0f} tok/s TTFT p50 {b['ttft_median_ms']:7.1f} ms", flush=True)
