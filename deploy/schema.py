@@ -157,7 +157,7 @@ class ServerSpec(_Strict):
     """Environment variable with comma-separated API keys (added to the file's); None ignores it."""
     log_requests: bool = True
     """One structured (JSON) log line per request."""
-    metrics_push_interval_s: float = Field(0.5, gt=0, le=60)
+    metrics_push_interval_s: float = Field(1.0, gt=0, le=60)
     """How often Ray Serve replicas publish their metrics for /metrics (the staleness bound)."""
 
 
