@@ -74,6 +74,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine loop failed: {self.dead!r}")
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
+        try:  # a shard that died while the engine was idle
+            self.engine.executor.check_health()
+        except Exception as exc:  # noqa: BLE001 - any executor failure makes the engine unusable
+            raise EngineDeadError(f"executor unhealthy: {exc}") from exc
 
     # requests
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
