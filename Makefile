@@ -7,7 +7,7 @@ MODEL   ?= models/default
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup test bench model serve lint clean
+.PHONY: setup test bench model serve serve-config lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_throughput.py
 	$(BIN)/python benchmarks/bench_kv_memory.py
 	$(BIN)/python benchmarks/bench_loadgen.py
+	$(BIN)/python benchmarks/bench_serving.py
+	$(BIN)/python benchmarks/bench_parallel.py
+	$(BIN)/python benchmarks/bench_train.py
 
 model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing
 
@@ -34,6 +37,9 @@ $(MODEL)/config.json: | $(STAMP)
 
 serve: $(STAMP) model  ## serve the default model on http://$(HOST):$(PORT) (Ctrl-C stops)
 	$(BIN)/shardserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+serve-config: $(STAMP)  ## serve a deployment config: make serve-config CONFIG=deploy/examples/default.yaml
+	$(BIN)/shardserve serve --config $(CONFIG)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

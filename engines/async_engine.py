@@ -80,6 +80,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"executor unhealthy: {exc}") from exc
 
     # requests
+    def validate(self, prompt: Prompt, params: SamplingParams):
+        """Check a request without queueing it (raises RequestError); thread-safe."""
+        return self.engine.validate(prompt, params)
+
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs of one request (each carries this step's deltas).
