@@ -1,53 +1,63 @@
 """Training throughput and model-FLOPs utilisation (MFU) of a recipe, bf16 on CPU by default.
 
-    .venv/bin/python benchmarks/bench_train.py [--config recipes/default.yaml] [--threads 2]
+    .venv/bin/python benchmarks/bench_train.py [--config recipes/default.yaml] [--ranks 2] [--steps 30]
 
-Measured in one run, on the same threads:
-  peak     the best bf16 (or fp32) torch.matmul rate over square sizes 1024..4096
-  train    full optimizer steps of the recipe (micro-batches, fused loss, backward, clip, AdamW)
-           on random tokens (the rate does not depend on the text)
-  MFU      model FLOPs per token x tokens/s / peak, with model FLOPs per token
-           = 6 x (matmul parameters) + 6 x n_layer x seq_len x n_embd (causal attention: half of
-           the 12 L T C the PaLM paper counts for full attention; that figure is printed too)
+Measured in one run:
+  peak    the best bf16 torch.matmul rate of this machine: square sizes 1024..4096, one process
+          using all cores (--peak-threads), taken before and after the training run (best kept)
+  train   the real training loop (training.trainer.train) for --steps optimizer steps, launched
+          as `shardserve train` launches it: --ranks data-parallel processes (gloo), each with
+          cores / ranks threads; tokens/s is each step's global tokens over its wall time, from
+          the run's metrics.jsonl (the first --skip steps are warmup and are not counted)
+  MFU     model FLOPs per token x tokens/s / peak, with model FLOPs per token
+          = 6 x (matmul parameters) + 6 x n_layer x seq_len x n_embd (causal attention: half of the
+          12 L T C that the PaLM paper counts for full attention; that variant is printed too)
 Matmul parameters are the weights of every nn.Linear (lm_head included, tied or not); embedding
-lookups, norms and biases do no matmul work.
+lookups, norms and biases do no matmul work. Without the recipe's data folder, random tokens of
+the recipe's vocabulary stand in (the rate does not depend on the text).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.model_setup import NextTokenLoss, build_model  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
-from training.recipe import grad_accum_steps, load_recipe  # noqa: E402
+from training.cli import _worker  # noqa: E402
+from training.distributed import spawn_local  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
+from training.model_setup import build_model  # noqa: E402
+from training.recipe import load_recipe, recipe_from_dict  # noqa: E402
 
 
-def matmul_peak(dtype: torch.dtype, seconds: float = 1.0) -> tuple[float, int]:
-    """Best FLOP/s of a square matmul and the size that reached it."""
+def matmul_peak(dtype: torch.dtype, threads: int, seconds: float = 0.5) -> tuple[float, int]:
+    """Best FLOP/s of a square matmul on `threads` threads, and the size that reached it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
     best, best_n = 0.0, 0
     for n in (1024, 2048, 3072, 4096):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b
-        reps = max(2, int(seconds * 1e12 / (2 * n**3) / 4))
-        times = []
+        reps = max(2, int(seconds * 1e12 / (2 * n**3)))
         for _ in range(3):
             t0 = time.perf_counter()
             for _ in range(reps):
                 a @ b
-            times.append((time.perf_counter() - t0) / reps)
-        rate = 2 * n**3 / min(times)
-        if rate > best:
-            best, best_n = rate, n
+            rate = 2 * n**3 * reps / (time.perf_counter() - t0)
+            if rate > best:
+                best, best_n = rate, n
+    torch.set_num_threads(old)
     return best, best_n
 
 
@@ -60,88 +70,89 @@ def matmul_params(model: nn.Module) -> int:
     return total
 
 
-def load_recipe_data_dir(path: str) -> str:
-    import yaml
-
-    d = yaml.safe_load(Path(path).read_text()) or {}
-    return (d.get("data") or {}).get("dir", "data/shakespeare")
+def random_data(folder: Path, vocab: int, n_train: int = 1 << 20, n_val: int = 1 << 14) -> None:
+    """A data folder of random tokens with the layout `shardserve data` writes."""
+    rng = np.random.default_rng(0)
+    for name, n in (("train.bin", n_train), ("val.bin", n_val)):
+        rng.integers(1, vocab, n, dtype=np.uint16).tofile(folder / name)
+    meta = {"format": "shardserve-tokens/1", "vocab_size": vocab, "dtype": "uint16", "eos_token_id": 0,
+            "bos_token_id": 0, "train_tokens": n_train, "val_tokens": n_val, "sha256": {}}
+    (folder / "meta.json").write_text(json.dumps(meta))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="recipes/default.yaml")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2, help="data-parallel processes (1: in this process)")
+    ap.add_argument("--threads-per-rank", type=int, default=0, help="0: cores / ranks")
+    ap.add_argument("--peak-threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps run")
+    ap.add_argument("--skip", type=int, default=5, help="first steps not counted (warmup)")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: the recipe's")
     ap.add_argument("--json", action="store_true", help="also print one JSON line")
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
-    # without a prepared data folder the vocabulary is the data step's default
-    has_data = (Path(load_recipe_data_dir(args.config)) / "meta.json").is_file()
-    recipe = load_recipe(args.config, [] if has_data else ["model.vocab_size=8192"])
-    precision = args.precision or recipe.train.precision
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.ranks)
+    base = load_recipe(args.config, [] if Path(_data_dir(args.config), "meta.json").is_file()
+                       else ["model.vocab_size=8192"])
+    precision = args.precision or base.train.precision
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    cfg, t = recipe.model, recipe.train
-    seq_len, mb = recipe.data.seq_len, t.micro_batch_size
-    accum = grad_accum_steps(t, 1)
+    peak_before, peak_n = matmul_peak(dtype, args.peak_threads)
 
-    model = build_model(cfg, t.seed, torch.device("cpu"))
-    loss_fn = NextTokenLoss(model, dtype)
-    opt = build_optimizer(model, recipe.optim)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (mb, seq_len), generator=gen),
-                torch.randint(0, cfg.vocab_size, (mb, seq_len), generator=gen)) for _ in range(accum)]
-
-    def step() -> None:
-        for x, y in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss = loss_fn(x, y)
-            (loss / accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    peak_before, peak_n = matmul_peak(dtype)
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    peak_after, _ = matmul_peak(dtype)
+    with tempfile.TemporaryDirectory(prefix="bench_train.") as tmp:
+        d = base.to_dict()
+        if not (Path(d["data"]["dir"]) / "meta.json").is_file():
+            random_data(Path(tmp), base.model.vocab_size)
+            d["data"]["dir"] = tmp
+        d["train"].update(max_steps=args.steps, time_budget_s=0.0, eval_every=0, eval_windows=1, ckpt_every=0,
+                          log_every=1, precision=precision, num_threads=threads)
+        d["optim"]["warmup_steps"] = min(d["optim"]["warmup_steps"], args.steps)
+        d["out"] = {"dir": str(Path(tmp) / "run"), "export_dir": ""}
+        recipe = recipe_from_dict(d)
+        job = {"recipe": recipe.to_dict(), "resume": False, "progress": False}
+        if args.ranks == 1:
+            torch.set_num_threads(threads)
+            _worker(job)
+        else:
+            spawn_local(_worker, args.ranks, (job,), threads_per_rank=threads)
+        records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "tokens_per_s" in r]
+    peak_after, _ = matmul_peak(dtype, args.peak_threads)
     peak = max(peak_before, peak_after)
 
-    tokens = t.batch_size * seq_len
-    n_mm = matmul_params(model)
-    n_all = sum(p.numel() for p in model.parameters())
-    attn_causal = 6 * cfg.n_layer * seq_len * cfg.n_embd
-    flops_tok = 6 * n_mm + attn_causal
-    flops_tok_palm = 6 * n_mm + 2 * attn_causal
-    med, best = statistics.median(times), min(times)
-    tps_med, tps_best = tokens / med, tokens / best
+    cfg, seq_len = recipe.model, recipe.data.seq_len
+    rates = [r["tokens_per_s"] for r in records[args.skip:]]
+    med, best = statistics.median(rates), max(rates)
+    model = build_model(cfg, 0, torch.device("cpu"))
+    n_mm, n_all = matmul_params(model), sum(p.numel() for p in model.parameters())
+    attn = 6 * cfg.n_layer * seq_len * cfg.n_embd
+    flops_tok = 6 * n_mm + attn
     result = {
-        "config": args.config, "precision": precision, "threads": args.threads,
-        "params": n_all, "matmul_params": n_mm, "tokens_per_step": tokens,
-        "step_s_median": round(med, 4), "step_s_best": round(best, 4),
-        "tokens_per_s_median": round(tps_med), "tokens_per_s_best": round(tps_best),
+        "config": args.config, "precision": precision, "ranks": args.ranks, "threads_per_rank": threads,
+        "params": n_all, "matmul_params": n_mm, "tokens_per_step": recipe.tokens_per_step(),
+        "steps_counted": len(rates), "tokens_per_s_median": round(med), "tokens_per_s_best": round(best),
         "model_flops_per_token": flops_tok, "peak_flops": round(peak), "peak_size": peak_n,
-        "mfu_median": round(flops_tok * tps_med / peak, 4), "mfu_best": round(flops_tok * tps_best / peak, 4),
-        "mfu_median_palm_attention": round(flops_tok_palm * tps_med / peak, 4),
+        "peak_threads": args.peak_threads,
+        "mfu_median": round(flops_tok * med / peak, 4), "mfu_best": round(flops_tok * best / peak, 4),
+        "mfu_median_palm_attention": round((flops_tok + attn) * med / peak, 4),
     }
     print(f"recipe      {args.config}: {cfg.model_type} {cfg.n_layer}L x {cfg.n_embd}, {n_all / 1e6:.2f}M parameters "
-          f"({n_mm / 1e6:.2f}M in matmuls), {tokens:,} tokens/step ({accum} x {mb} x {seq_len}), {precision}")
-    print(f"peak        {peak / 1e9:,.0f} GFLOP/s ({precision} matmul {peak_n}^3, {args.threads} threads; "
+          f"({n_mm / 1e6:.2f}M in matmuls), {recipe.tokens_per_step():,} tokens/step, {precision}")
+    print(f"launch      {args.ranks} rank(s) x {threads} thread(s)")
+    print(f"peak        {peak / 1e9:,.0f} GFLOP/s ({precision} matmul {peak_n}^3 on {args.peak_threads} threads; "
           f"before {peak_before / 1e9:,.0f}, after {peak_after / 1e9:,.0f})")
-    print(f"train       {tps_med:,.0f} tokens/s median, {tps_best:,.0f} best over {args.steps} steps "
-          f"({med * 1e3:.0f} / {best * 1e3:.0f} ms per step)")
-    print(f"model FLOPs {flops_tok / 1e6:.1f} MFLOP/token -> {flops_tok * tps_med / 1e9:,.0f} GFLOP/s median")
+    print(f"train       {med:,.0f} tokens/s median, {best:,.0f} best, over {len(rates)} steps")
+    print(f"model FLOPs {flops_tok / 1e6:.1f} MFLOP/token -> {flops_tok * med / 1e9:,.0f} GFLOP/s median")
     print(f"MFU         {result['mfu_median']:.1%} median, {result['mfu_best']:.1%} best "
           f"({result['mfu_median_palm_attention']:.1%} median counting attention as PaLM does)")
     if args.json:
         print(json.dumps(result))
+
+
+def _data_dir(path: str) -> str:
+    import yaml
+
+    d = yaml.safe_load(Path(path).read_text()) or {}
+    return (d.get("data") or {}).get("dir", "data/shakespeare")
 
 
 if __name__ == "__main__":

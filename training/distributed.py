@@ -41,16 +41,22 @@ class DistContext:
         return self.rank == 0
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In place; a CPU tensor makes the round trip to the GPU under NCCL."""
         if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            buf = t.to(self.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            if buf is not t:
+                t.copy_(buf)
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t`, on t's device."""
         if self.world_size == 1:
             return [t]
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
-        return out
+        buf = t.to(self.device).contiguous()
+        out = [torch.empty_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(out, buf, group=self.group)
+        return [o.to(t.device) for o in out]
 
     def barrier(self) -> None:
         if self.world_size > 1:

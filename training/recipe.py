@@ -85,9 +85,10 @@ class TrainSpec:
     """bf16: autocast matmuls to bfloat16 (CPU and GPU), fp32 master weights and optimizer."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     time_budget_s: float = 0.0
-    """If > 0, the schedule runs on max(step / max_steps, elapsed / budget) and training stops when
-    either reaches 1, so the run fits the budget on a slower or busier machine (not bitwise
-    reproducible then: the step count depends on the machine)."""
+    """If > 0, seconds for the training loop and the final evaluation: the schedule runs on
+    max(step / max_steps, (elapsed + expected final-evaluation time) / budget) and training stops
+    when that reaches 1, so the run fits the budget on a slower or busier machine, its learning
+    rate annealed (not bitwise reproducible then: the step count depends on the machine)."""
     eval_every: int = 100
     """Steps between validation evaluations; 0: only the final one (which covers the whole val split)."""
     eval_windows: int = 64

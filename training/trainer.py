@@ -77,9 +77,8 @@ def evaluate(model: torch.nn.Module, data: TokenData, starts: np.ndarray, recipe
 def _save(path: Path, model, optimizer, state: TrainState, recipe: Recipe, data: TokenData,
           ctx: DistContext) -> Path:
     """Every rank contributes its RNG state; rank 0 writes (data-parallel replicas are identical)."""
-    mine = rng_state(ctx.device)
-    gathered = {k: ctx.all_gather(v.to(ctx.device) if ctx.device.type == "cuda" else v) for k, v in mine.items()}
-    states = [{k: gathered[k][r].cpu() for k in gathered} for r in range(ctx.world_size)]
+    gathered = {k: ctx.all_gather(v) for k, v in rng_state(ctx.device).items()}
+    states = [{k: gathered[k][r] for k in gathered} for r in range(ctx.world_size)]
     if ctx.is_main:
         save_state(path, model, optimizer, state, recipe, data.fingerprint(), states)
     ctx.barrier()
@@ -136,16 +135,22 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     val_loss: float | None = None
     interrupted = False
     clock = time.perf_counter()
-    elapsed0 = state.elapsed_s
+    elapsed0, tokens0, start_step = state.elapsed_s, state.tokens, state.step
+    reserve_s = 0.0  # the final evaluation's expected time, kept inside a time budget
 
     def elapsed_now() -> float:
         return elapsed0 + time.perf_counter() - clock
+
+    def final_eval_estimate() -> float:
+        # forward only (about a third of a training step's work per token) over the whole val split
+        rate = (state.tokens - tokens0) / max(1e-9, time.perf_counter() - clock)
+        return len(final_starts) * seq_len / max(1.0, 3.0 * rate)
 
     with StopFlag() as stop:
         while state.step < t.max_steps:
             frac = state.step / t.max_steps
             if t.time_budget_s:
-                frac = max(frac, state.elapsed_s / t.time_budget_s)
+                frac = max(frac, (state.elapsed_s + reserve_s) / t.time_budget_s)
                 if frac >= 1.0:
                     break
             lr = lr_at(recipe.optim, state.step, t.max_steps, frac if t.time_budget_s else None)
@@ -172,11 +177,13 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
             state.step += 1
             state.samples += t.batch_size
             state.tokens += t.batch_size * seq_len
-            # one all-reduce: the global mean loss, whether any rank was signalled, rank 0's clock
-            shared = torch.tensor([loss_sum.item() / accum, float(stop.set),
-                                   elapsed_now() if ctx.is_main else 0.0], dtype=torch.float64)
+            # one all-reduce: the global mean loss, whether any rank was signalled, rank 0's clocks
+            main = ctx.is_main
+            shared = torch.tensor([loss_sum.item() / accum, float(stop.set), elapsed_now() if main else 0.0,
+                                   final_eval_estimate() if main and t.time_budget_s else 0.0], dtype=torch.float64)
             ctx.all_reduce_sum(shared)
-            loss_val, stopping, state.elapsed_s = shared[0].item() / ctx.world_size, shared[1].item() > 0, shared[2].item()
+            loss_val, stopping = shared[0].item() / ctx.world_size, shared[1].item() > 0
+            state.elapsed_s, reserve_s = shared[2].item(), shared[3].item()
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss is {loss_val} at step {state.step}; lower optim.lr or check the data")
             step_s = time.perf_counter() - step_start
@@ -186,9 +193,11 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
             if metrics and (state.step % t.log_every == 0 or state.step == t.max_steps):
                 metrics.write(record)
             expected = t.max_steps
-            if t.time_budget_s and state.elapsed_s > 0:
-                # the budget may end the run first: expected last step at the current pace
-                expected = min(t.max_steps, max(state.step, round(state.step * t.time_budget_s / state.elapsed_s)))
+            if t.time_budget_s and state.elapsed_s > elapsed0:
+                # the budget may end the run first: the expected last step at the current pace
+                pace = (state.step - start_step) / (state.elapsed_s - elapsed0)
+                left = max(0.0, t.time_budget_s - reserve_s - state.elapsed_s)
+                expected = min(t.max_steps, state.step + round(pace * left))
             bar.update(1, total=expected, loss=loss_val, tok_s=record["tokens_per_s"])
             if on_step is not None:
                 on_step(state, record)
