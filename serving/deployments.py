@@ -56,6 +56,11 @@ def executor_factory(spec: ModelSpec):
                                 "use auto")
     if spec.cuda_graphs:
         raise UnsupportedConfig(f"models[{spec.name}].cuda_graphs: not available yet; use false")
+    if spec.world_size > 1:  # TP x PP shard-worker actors in the replica's placement group
+        from serving.ray_executor import ray_executor_factory
+
+        return ray_executor_factory(spec.shard_num_cpus, spec.shard_num_gpus)
+    return None
 
 
 def _configure_logging(server: ServerSpec) -> None:

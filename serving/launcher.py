@@ -43,6 +43,16 @@ def check_config(cfg: DeploymentConfig) -> None:
             executor_factory(m)
         except UnsupportedConfig as exc:
             raise ConfigFileError(str(exc)) from None
+        engine = EngineConfig(**m.engine.engine_kwargs())
+        if engine.world_size > 1:
+            from engines.config import ModelConfig
+            from engines.parallel import check_parallel_config
+
+            try:
+                check_parallel_config(ModelConfig.from_dir(p), engine.tensor_parallel_size,
+                                      engine.pipeline_parallel_size)
+            except ConfigError as exc:
+                raise ConfigFileError(f"{where}.engine.{exc}") from None
 
 
 def ray_num_cpus(cfg: DeploymentConfig) -> int:

@@ -137,3 +137,16 @@ def test_deploy_imports_neither_engines_nor_serving():
            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("engine,match", [
+    ({"tensor_parallel_size": 3}, r"models\.0\.engine\.tensor_parallel_size: .*not divisible"),
+    ({"pipeline_parallel_size": 3}, r"models\.0\.engine\.pipeline_parallel_size"),
+])
+def test_parallel_layout_checked_before_start(gpt2_dir, engine, match):
+    """A layout the model cannot be split into fails at start, naming the field (tiny gpt2: 4 heads, 2 layers)."""
+    from serving.launcher import check_config
+
+    cfg = validate_config({"models": [{"name": "m", "path": str(gpt2_dir), "engine": engine}]})
+    with pytest.raises(ConfigFileError, match=match):
+        check_config(cfg)
