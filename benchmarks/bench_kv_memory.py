@@ -64,6 +64,9 @@ def main() -> None:
     ratio = statistics.median(busy) / args.slots
     print(f"  static slots: {args.slots}; ratio (median while queued) {ratio:.2f}x, peak "
           f"{max(running) / args.slots:.2f}x (target >= {TARGET}x) [{'MET' if ratio >= TARGET else 'MISSED'}]")
+    ctx_slots = budget / (cfg.max_position_embeddings * bytes_per_token)
+    print(f"  against slots of the model's whole context ({cfg.max_position_embeddings} tokens, {ctx_slots:.0f} "
+          f"fit): median {statistics.median(busy) / ctx_slots:.2f}x, peak {max(running) / ctx_slots:.2f}x")
 
 
 if __name__ == "__main__":
