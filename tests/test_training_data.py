@@ -281,6 +281,7 @@ def _recipe(**sections):
     ({"trainer": {}}, r"trainer: unknown section"),
     ({"model": {"n_embd": 100, "n_head": 3}}, r"model.n_embd: .*divisible by .*n_head \(3\)"),
     ({"model": {"n_layer": "2"}}, r"model.n_layer: must be an integer, got '2'"),
+    ({"optim": {"lr": "fast"}}, r"optim.lr: must be a number, got 'fast'"),
     ({"model": {"dropout": 1.5}}, r"model.dropout: must be in \[0, 1\)"),
     ({"model": {"model_type": "bert"}}, r"model.model_type: must be one of 'gpt2', 'llama'"),
     ({"train": {"batch_size": 6}}, r"train.batch_size: must be a multiple of train.micro_batch_size \(4\)"),
@@ -309,7 +310,7 @@ def test_recipe_file_overrides_and_data_defaults(tmp_path):
     import yaml
 
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(d))
-    r = load_recipe(tmp_path / "r.yaml", ["train.max_steps=3", "optim.lr=0.01"])
+    r = load_recipe(tmp_path / "r.yaml", ["train.max_steps=3", "optim.lr=1e-2"])  # YAML reads 1e-2 as a string
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert r.model.vocab_size == meta["vocab_size"] and r.model.eos_token_id == (0,) and r.model.bos_token_id == 0
     assert r.train.max_steps == 3 and r.optim.lr == 0.01

@@ -28,7 +28,13 @@ def export_model(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, 
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         raise ExportError(f"tokenizer: {str(tokenizer_dir)!r} has no tokenizer.json "
                           "(pass the data folder the model was trained on)")
-    return save_checkpoint(model, cfg.replace(dropout=0.0), out_dir, dtype=DTYPES[dtype], tokenizer_dir=tokenizer_dir)
+    out = save_checkpoint(model, cfg.replace(dropout=0.0), out_dir, dtype=DTYPES[dtype], tokenizer_dir=tokenizer_dir)
+    # save_checkpoint's temporary directory (mkdtemp) and safetensors files are private (0700 / 0600);
+    # a model directory is meant to be read by servers running as other users
+    out.chmod(0o755)
+    for f in out.iterdir():
+        f.chmod(0o644)
+    return out
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None,

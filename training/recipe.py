@@ -197,6 +197,11 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     elif hint is int:
         _require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
     elif hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), key,
                  f"must be a number, got {value!r}")
         return float(value)
