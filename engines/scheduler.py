@@ -31,7 +31,7 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._released: list[int] = []
