@@ -98,6 +98,6 @@ def test_killed_actor_fails_in_flight_requests_promptly(ray_cluster, gpt2_dir):
         aengine.shutdown()
 
 
-# End to end over HTTP (Ray Serve): needs serving's ModelServer to build its engine with
-# ray_executor_factory() and to deploy with placement_group_bundles=placement_bundles(...); see
-# docs/parallel.md. That test lands with the serving integration.
+# End to end over HTTP (Ray Serve, the ModelServer's shards as actors in its placement group):
+# parity of every layout in test_parallel_ray_http_parity.py, a killed shard in
+# test_parallel_ray_http.py; see docs/parallel.md.

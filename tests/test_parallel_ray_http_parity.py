@@ -108,8 +108,10 @@ def http_kwargs(p: SamplingParams) -> dict:
 
 def assert_matches(choice, ref, llm: LLM, what: str) -> None:
     """One HTTP completion choice against the reference engine's RequestOutput."""
+    def text(token_id: int) -> str:  # as the gateway shows a token
+        return llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
     out = ref.outputs[0]
-    text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731 (as the gateway does)
     assert choice.text == out.text, what
     lp = choice.logprobs
     assert lp.tokens == [text(t) for t in out.token_ids], what
