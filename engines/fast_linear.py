@@ -47,9 +47,8 @@ class GemvLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != self.in_features:
             return F.linear(x, self.weight, self.bias)
-        y = torch.mv(self.weight, x.reshape(self.in_features))  # (out,)
-        if self.bias is not None:
-            y = y + self.bias
+        x1 = x.reshape(self.in_features)
+        y = torch.mv(self.weight, x1) if self.bias is None else torch.addmv(self.bias, self.weight, x1)  # (out,)
         return y.view(*x.shape[:-1], self.out_features)
 
 

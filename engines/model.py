@@ -17,6 +17,11 @@ from torch import nn
 from engines.config import ModelConfig
 
 
+
+def _dropout(p: float) -> nn.Module:
+    """Dropout, or nothing at all when p is 0 (an inference step then skips ~4 calls per layer)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
 class AttentionBackend(Protocol):
     """Attention over cached context: q (N, nh, hd), k/v (N, nkv, hd) -> (N, nh, hd)."""
 
@@ -60,7 +65,7 @@ class Attention(nn.Module):
         # fused q, k, v: rows [0, nh*hd) are q, then nkv*hd of k, then nkv*hd of v
         self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.hd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_head * cfg.hd, cfg.n_embd, bias=cfg.bias)
-        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = _dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 backend: AttentionBackend | None) -> torch.Tensor:
@@ -92,7 +97,7 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.n_embd, cfg.ffn_dim * (2 if self.gated else 1), bias=cfg.bias and not self.gated)
         self.down = nn.Linear(cfg.ffn_dim, cfg.n_embd, bias=cfg.bias and not self.gated)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -123,7 +128,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.n_embd) if not cfg.uses_rope else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.model_type == "llama" else nn.LayerNorm(
             cfg.n_embd, eps=cfg.norm_eps)
