@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-cpus", type=float, default=1.0, help="the replica's Ray CPUs = torch threads of both paths")
     ap.add_argument("--stream-interval-ms", type=float, default=0.0, help="0 adapts it to load")
+    ap.add_argument("--ingress", choices=["direct", "ray-proxy"], default="direct",
+                    help="server.ingress: the gateway replica serves HTTP itself, or behind Ray Serve's proxy")
     ap.add_argument("--mode", choices=["burst", "sustained", "both"], default="both",
                     help="burst: `concurrency` requests at once; sustained: 4x as many with `concurrency` in flight")
     args = ap.parse_args()
@@ -161,10 +163,10 @@ def main() -> None:
     cfg = validate_config({
         "models": [{"name": "bench", "path": path, "replicas": 1, "num_cpus": args.num_cpus,
                     "stream_interval_ms": args.stream_interval_ms, "max_waiting": max(64, args.concurrency)}],
-        "server": {"port": free_port(), "log_requests": False}})
+        "server": {"port": free_port(), "log_requests": False, "ingress": args.ingress}})
     engine = AsyncLLMEngine.from_model_dir(path, EngineConfig(**cfg.models[0].engine.engine_kwargs()))
     running = launcher.start(cfg, [])
-    print(f"model {path}; serving at {running.url} (ready in {running.started_in_s:.1f} s); "
+    print(f"model {path}; serving at {running.url} (ingress {args.ingress}, ready in {running.started_in_s:.1f} s); "
           f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, torch threads {threads}")
     modes = ["burst", "sustained"] if args.mode == "both" else [args.mode]
     try:

@@ -143,6 +143,11 @@ class ServerSpec(_Strict):
     host: str = "127.0.0.1"
     """Interface to bind; the default is reachable from this machine only."""
     port: int = Field(8000, ge=0, le=65535)
+    ingress: Literal["direct", "ray-proxy"] = "direct"
+    """direct: each Gateway replica serves HTTP itself on host:port (SO_REUSEPORT: a node's gateway
+    replicas share the port) and Ray Serve's HTTP proxy is off, one process hop less per request
+    and per streamed chunk. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
+    gateway replicas (a multi-node cluster where clients reach every node's proxy)."""
     gateway_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(1 << 20, gt=0)
     """Largest request body accepted (413 beyond)."""

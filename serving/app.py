@@ -39,9 +39,12 @@ HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | None = None,
+              on_startup: Callable[[FastAPI], None] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if on_startup is not None:
+            on_startup(app)
         yield
         if on_shutdown is not None:
             await on_shutdown()

@@ -6,6 +6,7 @@ serving/wire.py, so the gateway app is identical in tests (in-process, no Ray) a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 from collections.abc import AsyncIterator
@@ -47,12 +48,18 @@ class LocalBackend:
 
 
 class RayBackend:
-    """The model runs in ModelServer replicas of a Ray Serve deployment."""
+    """The model runs in ModelServer replicas of a Ray Serve deployment.
 
-    def __init__(self, handle: Any):
+    A replica refuses a request at its admission limit (429) before generating anything. In a
+    burst, Ray's router can send one replica more than it admits while another has room (its view
+    of their queues lags), so such a refusal is retried, up to `admission_retries` times, and
+    reaches the client only when the retries are refused too."""
+
+    def __init__(self, handle: Any, admission_retries: int = 3):
         self.handle = handle
         self._stream = handle.options(stream=True, method_name="generate")
         self._info: ModelInfo | None = None
+        self.admission_retries = admission_retries
 
     async def info(self) -> ModelInfo:
         if self._info is None:
@@ -64,9 +71,18 @@ class RayBackend:
 
         stream = None
         try:
-            stream = self._stream.remote(req)
+            for attempt in range(self.admission_retries + 1):
+                stream = self._stream.remote(req)
+                # from our own ModelServer (serving/deployments.py), never a client
+                first: GenerateChunk = pickle.loads(await stream.__anext__())
+                refused = first.error is not None and first.error.code == "server_overloaded"
+                if not refused or attempt == self.admission_retries:
+                    break
+                stream.cancel()
+                await asyncio.sleep(0.005 * (attempt + 1))
+            yield first
             async for raw in stream:
-                yield pickle.loads(raw)  # from our own ModelServer (serving/deployments.py), never a client
+                yield pickle.loads(raw)
         except BackPressureError:
             info = await self.info()
             yield GenerateChunk(error=errors.overloaded(info.name, 1), finished=True)

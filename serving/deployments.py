@@ -1,8 +1,12 @@
 """The Ray Serve application: a Gateway (FastAPI ingress), one ModelServer deployment per model,
 and a MetricsHub.
 
-    HTTP proxy -> Gateway replica (validate, tokenize, format) -> DeploymentHandle, streaming
-               -> ModelServer replica (ModelCore: admission, engine, coalesced chunks)
+    HTTP -> Gateway replica (validate, tokenize, format) -> DeploymentHandle, streaming
+         -> ModelServer replica (ModelCore: admission, engine, coalesced chunks)
+
+HTTP reaches the Gateway replicas directly (server.ingress: direct, the default: each replica
+runs its own uvicorn on host:port, serving/direct_http.py) or through Ray Serve's HTTP proxy
+(server.ingress: ray-proxy).
 
 A ModelServer replica owns its AsyncLLMEngine. From the model-parallel issue on it also owns
 TP x PP shard-worker actors: `placement(spec)` will reserve them as a placement group with the
@@ -154,6 +158,29 @@ class ModelServer:
             await self.core.shutdown(0.0)
 
 
+def _answer_ray_errors_as_json(app) -> None:
+    """Ray Serve registers plain-text 503 handlers for its routing errors on the ingress app (after
+    the app is built, before its lifespan starts); the gateway answers them in its own JSON error
+    format instead, with the request's id, like every other error."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    from serving.app import error_response
+    from serving.wire import ErrorInfo
+
+    async def backpressure(request, exc):
+        log.warning("request %s: %s", request.scope.get("state", {}).get("request_id"), exc)
+        return error_response(ErrorInfo(429, "rate_limit_error", f"the model server's queue is full ({exc}); "
+                                        "retry later", None, "server_overloaded", 1))
+
+    async def unavailable(request, exc):
+        return error_response(ErrorInfo(503, "service_unavailable", f"no model server replica is available: {exc}",
+                                        None, "engine_unavailable"))
+
+    app.add_exception_handler(BackPressureError, backpressure)
+    app.add_exception_handler(DeploymentUnavailableError, unavailable)
+    app.middleware_stack = None  # rebuilt with these handlers on the next request
+
+
 @serve.deployment
 @serve.ingress()
 class GatewayDeployment:
@@ -167,11 +194,19 @@ class GatewayDeployment:
         replica = serve.get_replica_context().replica_id.unique_id
         self.source = f"gateway:{replica}"
         self.hub = hub
+        direct = server_spec.ingress == "direct"
         options = GatewayOptions(max_body_bytes=server_spec.max_body_bytes,
                                  api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
-                                 replica=replica, behind_ray_proxy=True)
+                                 replica=replica, behind_ray_proxy=not direct)
         self.gateway = Gateway({name: RayBackend(h) for name, h in models.items()}, options, self._remote_metrics)
-        self.fastapi_app = build_app(self.gateway)  # not `self.app`: the ingress wrapper owns that name
+        # not `self.app`: the ingress wrapper owns that name
+        self.fastapi_app = build_app(self.gateway, on_startup=_answer_ray_errors_as_json)
+        self.http = None
+        if direct:  # this replica serves HTTP itself (serving/direct_http.py)
+            from serving.direct_http import DirectHTTP
+
+            self.http = DirectHTTP(self.fastapi_app, server_spec.host, server_spec.port, server_spec.drain_timeout_s)
+            await self.http.start()
         self.publisher = _Publisher(hub, self.source, self.gateway.metrics.families,
                                     server_spec.metrics_push_interval_s)
 
@@ -181,7 +216,13 @@ class GatewayDeployment:
     async def _remote_metrics(self) -> list:
         return await self.hub.snapshot.remote(self.source)
 
+    def check_health(self) -> None:
+        if self.http is not None:
+            self.http.check_health()
+
     async def __del__(self):
+        if getattr(self, "http", None) is not None:
+            await self.http.stop()  # stops accepting; in-flight requests get drain_timeout_s
         if hasattr(self, "publisher"):
             await self.publisher.stop()
 
@@ -199,10 +240,14 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str]):
     for spec in cfg.models:
         max_num_seqs = EngineConfig(**spec.engine.engine_kwargs()).max_num_seqs
         # Ray admits a little more than the replica's own bound, so the replica (not Ray's queue)
-        # answers 429; max_queued_requests bounds the router's queue when every replica is full
+        # answers 429. The router's queue also holds requests while it picks a replica (it probes
+        # their queue lengths): sized for a burst of the deployment's whole admission capacity, so
+        # only a full model is refused, never one whose router is merely busy
+        replicas = spec.autoscaling.max_replicas if spec.autoscaling is not None else spec.replicas
         options: dict[str, Any] = dict(
             name=f"ModelServer:{spec.name}", max_ongoing_requests=max_num_seqs + spec.max_waiting + 8,
-            max_queued_requests=max(1, spec.max_waiting), health_check_period_s=2.0, health_check_timeout_s=30.0,
+            max_queued_requests=max(1, spec.max_waiting) + replicas * (max_num_seqs + spec.max_waiting),
+            health_check_period_s=2.0, health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=cfg.server.drain_timeout_s, graceful_shutdown_wait_loop_s=0.25,
             **placement(spec))
         executor_factory(spec)  # fail at start, not in a replica, on a field a later issue brings

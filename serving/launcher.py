@@ -55,6 +55,15 @@ def check_config(cfg: DeploymentConfig) -> None:
                 raise ConfigFileError(f"{where}.engine.{exc}") from None
 
 
+def check_port(cfg: DeploymentConfig) -> None:
+    """Fail before Ray starts, naming the field, when server.port is taken."""
+    from serving.direct_http import port_in_use
+
+    if cfg.server.port and port_in_use(cfg.server.host, cfg.server.port):
+        raise ConfigFileError(f"server.port: {cfg.server.host}:{cfg.server.port} is already in use; "
+                              "stop what listens there or choose another port (--port)")
+
+
 def ray_num_cpus(cfg: DeploymentConfig) -> int:
     """CPUs of the embedded Ray: what the replicas reserve (their largest count), at least 2."""
     if cfg.ray.num_cpus:
@@ -76,6 +85,7 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Run
     from serving.deployments import APP_NAME, build_application
 
     check_config(cfg)
+    check_port(cfg)
     t0 = time.monotonic()
     level = logging.WARNING if quiet else logging.INFO
     owns_ray = not ray.is_initialized()
@@ -89,9 +99,12 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Run
     logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
     logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
     _check_resources(cfg)
-    serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
-                                         request_timeout_s=None, keep_alive_timeout_s=30),
-                logging_config=logs)
+    if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
+        serve.start(proxy_location="Disabled", logging_config=logs)
+    else:
+        serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
+                                             request_timeout_s=None, keep_alive_timeout_s=30),
+                    logging_config=logs)
     app = build_application(cfg, [hash_key(k) for k in api_keys])
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"

@@ -201,7 +201,7 @@ def test_disconnected_stream_frees_its_kv_blocks(url):
         if (aborted == 1 and metric(m, "shardserve_kv_cache_usage_ratio", model="tight") == 0
                 and metric(m, "shardserve_num_requests_running", model="tight") == 0):
             break
-        assert time.monotonic() - t0 < 10, "the disconnected request was not aborted, or still holds KV blocks"
+        assert time.monotonic() - t0 < 10, ("the disconnected request was not aborted, or still holds KV blocks", aborted, metric(m, "shardserve_kv_cache_usage_ratio", model="tight"), metric(m, "shardserve_num_requests_running", model="tight"))
         time.sleep(0.05)
     generated = (metric(m, "shardserve_generation_tokens_total", model="tight")
                  - metric(before, "shardserve_generation_tokens_total", model="tight"))
