@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpt2_124m_dir, read_bandwidth  # noqa: E402
+from benchmarks.common import gpt2_124m_dir, read_bandwidth
 
 TARGET_VS_HF, TARGET_ROOFLINE_BF16 = 1.5, 0.60
 
@@ -55,11 +55,11 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         ids = torch.tensor([prompt], device=args.device)
 
-        def run_hf():
+        def run_hf(hf=hf, ids=ids):
             with torch.inference_mode():
                 hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-        def run_ours():
+        def run_ours(llm=llm, params=params):
             llm.generate([prompt], params)
 
         def sync():

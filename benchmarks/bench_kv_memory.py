@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_throughput import workload  # noqa: E402
+from benchmarks.bench_throughput import workload
 
 TARGET = 2.5
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpt2_124m_dir  # noqa: E402
+from benchmarks.common import gpt2_124m_dir
 
 TARGET = 3.0
 

@@ -34,11 +34,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.cli import _worker  # noqa: E402
-from training.distributed import spawn_local  # noqa: E402
-from training.metrics import read_metrics  # noqa: E402
-from training.model_setup import build_model  # noqa: E402
-from training.recipe import load_recipe, recipe_from_dict  # noqa: E402
+from training.cli import _worker
+from training.distributed import spawn_local
+from training.metrics import read_metrics
+from training.model_setup import build_model
+from training.recipe import load_recipe, recipe_from_dict
 
 
 def matmul_peak(dtype: torch.dtype, threads: int, seconds: float = 0.5) -> tuple[float, int]:

@@ -9,8 +9,17 @@ from engines.plan import TokenLogprob
 from engines.sampling_params import RequestError, SamplingParams
 
 __all__ = [
-    "LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
-    "CompletionOutput", "TokenLogprob", "RequestError", "ConfigError",
+    "LLM",
+    "AsyncLLMEngine",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineConfig",
+    "LLMEngine",
+    "ModelConfig",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
 ]
 
 

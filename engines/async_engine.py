@@ -13,9 +13,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 from engines.config import EngineConfig
 from engines.llm_engine import LLMEngine, Prompt
@@ -55,7 +55,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, engine_config: EngineConfig | None = None,
-                       **kwargs) -> "AsyncLLMEngine":
+                       **kwargs) -> AsyncLLMEngine:
         return cls(LLMEngine(model_dir, engine_config, **kwargs))
 
     @property
@@ -76,7 +76,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine loop is not running")
         try:  # a shard that died while the engine was idle
             self.engine.executor.check_health()
-        except Exception as exc:  # noqa: BLE001 - any executor failure makes the engine unusable
+        except Exception as exc:  # any executor failure makes the engine unusable
             raise EngineDeadError(f"executor unhealthy: {exc}") from exc
 
     # requests
@@ -181,7 +181,7 @@ class AsyncLLMEngine:
                 self.last_step_time = time.monotonic()
                 for out in outputs:
                     self._send(out.request_id, out, final=out.finished)
-        except BaseException as exc:  # noqa: BLE001 - the engine is dead: fail everyone clearly
+        except BaseException as exc:  # the engine is dead: fail everyone clearly
             log.exception("engine loop failed")
             self.dead = exc
             message = f"engine failed: {type(exc).__name__}: {exc}"

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -188,7 +188,7 @@ def check_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple["torch.nn.Module", ModelConfig]:
+               device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelConfig]:
     """Build engines.model.GPT from an HF directory; returns (model in eval mode, config)."""
     from engines.model import GPT
 
@@ -219,7 +219,7 @@ def _hf_state(model: torch.nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, t
         if len(sources) == 1:
             parts = [t]
         else:  # split along dim 0 by the sizes the config implies
-            if name.endswith("qkv.weight") or name.endswith("qkv.bias"):
+            if name.endswith(("qkv.weight", "qkv.bias")):
                 sizes = [cfg.n_head * cfg.hd, cfg.kv_heads * cfg.hd, cfg.kv_heads * cfg.hd]
             else:
                 sizes = [cfg.ffn_dim, cfg.ffn_dim]

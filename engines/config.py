@@ -103,12 +103,12 @@ class ModelConfig:
         total = self.n_layer * per_layer + (2 if self.model_type == "gpt2" else 1) * c + head
         return total + (emb if include_embeddings else 0)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # HF config.json conversion
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dictionary (model_type gpt2 or llama)."""
         from engines.hf_config import model_config_from_hf
 
@@ -120,7 +120,7 @@ class ModelConfig:
         return model_config_to_hf(self)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
@@ -199,7 +199,7 @@ class EngineConfig:
         """Shard workers of one model copy: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    def replace(self, **changes: Any) -> "EngineConfig":
+    def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
     @staticmethod

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence as Seq
 
 from engines.checkpoint import CheckpointError
 from engines.config import EngineConfig, ModelConfig, max_model_len

@@ -17,7 +17,6 @@ from torch import nn
 from engines.config import ModelConfig
 
 
-
 def _dropout(p: float) -> nn.Module:
     """Dropout, or nothing at all when p is 0 (an inference step then skips ~4 calls per layer)."""
     return nn.Dropout(p) if p > 0 else nn.Identity()
@@ -136,7 +135,7 @@ class GPT(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def init_weights(self, seed: int | None = None) -> "GPT":
+    def init_weights(self, seed: int | None = None) -> GPT:
         """GPT-2 style initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():

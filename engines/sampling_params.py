@@ -110,5 +110,5 @@ class SamplingParams:
     def uses_top_k(self) -> bool:
         return self.top_k > 0
 
-    def replace(self, **changes: Any) -> "SamplingParams":
+    def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from engines.block_manager import BlockManager, blocks_for
 from engines.plan import SeqInit, SeqWork, StepPlan, StepResult
 from engines.sampling_params import RequestError
-from engines.sequence import Sequence, SeqStatus
+from engines.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,7 @@ class Scheduler:
                 self.finish(seq, "stop", None)
             elif can_stop and tok in p.stop_token_ids:
                 self.finish(seq, "stop", tok)
-            elif p.max_tokens is not None and seq.num_output >= p.max_tokens:
-                self.finish(seq, "length")
-            elif seq.num_tokens >= self.cfg.max_model_len:
+            elif ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
+                  or seq.num_tokens >= self.cfg.max_model_len):
                 self.finish(seq, "length")
         return touched

@@ -19,7 +19,7 @@ class Tokenizer:
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
         """The directory's tokenizer, or None when it has no tokenizer.json."""
         d = Path(model_dir)
         path = d / "tokenizer.json"
@@ -52,7 +52,7 @@ class Tokenizer:
     def token_id(self, text: str | None) -> int | None:
         return self.tk.token_to_id(text) if text else None
 
-    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> "Detokenizer":
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> Detokenizer:
         return Detokenizer(self, prompt_ids, skip_special_tokens)
 
 

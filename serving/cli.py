@@ -12,9 +12,9 @@ import typer
 
 
 def serve(
-    config: Path | None = typer.Option(  # noqa: B008 - typer's idiom
+    config: Path | None = typer.Option(  # typer's idiom
         None, "--config", "-c", help="Deployment config (YAML), e.g. deploy/examples/default.yaml."),
-    model: Path | None = typer.Option(  # noqa: B008
+    model: Path | None = typer.Option(
         None, "--model", "-m", help="Serve this checkpoint directory (instead of --config)."),
     name: str | None = typer.Option(None, "--name", help="Model name for --model (default: the directory's name)."),
     host: str | None = typer.Option(None, "--host", help="Interface to bind (default: the config's, 127.0.0.1)."),

