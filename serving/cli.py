@@ -70,6 +70,7 @@ def serve(
     running = None
     try:
         running = launcher.start(cfg, keys, quiet=not verbose)
+        signal.signal(signal.SIGTERM, _interrupt)  # again: ray.init installed its own (which exits at once)
         _print_ready(running.url, cfg.models[0].name, bool(keys), running.started_in_s)
         while True:
             time.sleep(3600)
