@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,12 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 PROMPTS = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer",
            "the slings and arrows of outrageous fortune,", "or to take arms against a sea of troubles"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(arg: str | None) -> str:
@@ -156,6 +149,7 @@ def main() -> None:
     from deploy import validate_config
     from engines import AsyncLLMEngine, EngineConfig
     from serving import launcher
+    from training.distributed import free_port
 
     path = model_dir(args.model)
     threads = max(1, int(args.num_cpus))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -25,15 +24,11 @@ ray = pytest.importorskip("ray")
 from deploy.schema import validate_config
 from serving import launcher
 from serving.ray_executor import SHARD_ACTOR_PREFIX
+from training.distributed import free_port
 
 MODEL = "tp2"
 PROMPT = "To be, or not to be, that is the question"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ is compared with the reference's ids decoded one by one the way the gateway does
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -27,6 +26,7 @@ ray = pytest.importorskip("ray")
 from deploy.schema import validate_config
 from engines import LLM, SamplingParams
 from serving import launcher
+from training.distributed import free_port
 
 # name -> (family, tensor_parallel_size, pipeline_parallel_size)
 LAYOUTS = {
@@ -45,11 +45,6 @@ TOP = 5
 TOL = 1e-4
 SEED, SAMPLED_TEMPERATURE = 7, 0.8
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,7 @@ ray = pytest.importorskip("ray")
 
 from deploy.schema import ConfigFileError, validate_config
 from serving import launcher
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from training.distributed import free_port
 
 
 def config(gpt2_dir, port: int, **server):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 
 import httpx
@@ -27,14 +26,10 @@ from test_serving_app import metric, parse_metrics
 
 from deploy.schema import validate_config
 from serving import launcher
+from training.distributed import free_port
 
 ENGINE = {"num_kv_blocks": 512, "cpu_linear_autotune": False}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
