@@ -7,11 +7,18 @@ Measured in one run:
           using all cores (--peak-threads), taken before and after the training run (best kept)
   train   the real training loop (training.trainer.train) for --steps optimizer steps, launched
           as `shardserve train` launches it: --ranks data-parallel processes (gloo), each with
-          cores / ranks threads; tokens/s is each step's global tokens over its wall time, from
-          the run's metrics.jsonl (the first --skip steps are warmup and are not counted)
+          cores / ranks threads (default: one rank, as `make model` trains); tokens/s is each
+          step's global tokens over its wall time, from the run's metrics.jsonl (the first --skip
+          steps are warmup and are not counted)
+  probes  with one rank, a short matmul probe (2048^3, best of 3) after every step, outside the
+          step's timing: the machine is shared and its speed drifts by up to 1.6x within a
+          minute, so each step is also set against the peak measured next to it
   MFU     model FLOPs per token x tokens/s / peak, with model FLOPs per token
           = 6 x (matmul parameters) + 6 x n_layer x seq_len x n_embd (causal attention: half of the
-          12 L T C that the PaLM paper counts for full attention; that variant is printed too)
+          12 L T C that the PaLM paper counts for full attention; that variant is printed too).
+          "global": median tokens/s over the best peak of the whole run (every sweep and probe);
+          "paired": the median over steps of each step's rate over the best of the probes just
+          before and after it
 Matmul parameters are the weights of every nn.Linear (lm_head included, tied or not); embedding
 lookups, norms and biases do no matmul work. Without the recipe's data folder, random tokens of
 the recipe's vocabulary stand in (the rate does not depend on the text).
@@ -39,6 +46,17 @@ from training.distributed import spawn_local
 from training.metrics import read_metrics
 from training.model_setup import build_model
 from training.recipe import load_recipe, recipe_from_dict
+
+
+def matmul_probe(dtype: torch.dtype, n: int = 2048, reps: int = 3) -> float:
+    """A short peak probe on the current threads: the best of `reps` n^3 matmuls, in FLOP/s."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
 
 
 def matmul_peak(dtype: torch.dtype, threads: int, seconds: float = 0.5) -> tuple[float, int]:
@@ -83,7 +101,7 @@ def random_data(folder: Path, vocab: int, n_train: int = 1 << 20, n_val: int = 1
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="recipes/default.yaml")
-    ap.add_argument("--ranks", type=int, default=2, help="data-parallel processes (1: in this process)")
+    ap.add_argument("--ranks", type=int, default=1, help="data-parallel processes (1: in this process)")
     ap.add_argument("--threads-per-rank", type=int, default=0, help="0: cores / ranks")
     ap.add_argument("--peak-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps run")
@@ -110,17 +128,25 @@ def main() -> None:
         d["out"] = {"dir": str(Path(tmp) / "run"), "export_dir": ""}
         recipe = recipe_from_dict(d)
         job = {"recipe": recipe.to_dict(), "resume": False, "progress": False}
+        probes: list[float] = []
         if args.ranks == 1:
+            from training.trainer import train
+
             torch.set_num_threads(threads)
-            _worker(job)
+            probes.append(matmul_probe(dtype))
+            train(recipe, progress=False, on_step=lambda state, record: probes.append(matmul_probe(dtype)),
+                  log=lambda *a, **k: None)
         else:
             spawn_local(_worker, args.ranks, (job,), threads_per_rank=threads)
         records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "tokens_per_s" in r]
     peak_after, _ = matmul_peak(dtype, args.peak_threads)
-    peak = max(peak_before, peak_after)
+    peak = max([peak_before, peak_after] + probes)
 
     cfg, seq_len = recipe.model, recipe.data.seq_len
     rates = [r["tokens_per_s"] for r in records[args.skip:]]
+    # step i (1-based) ran between probes[i - 1] and probes[i]
+    paired = [r["tokens_per_s"] / max(probes[r["step"] - 1], probes[r["step"]])
+              for r in records[args.skip:]] if len(probes) > len(records) else []
     med, best = statistics.median(rates), max(rates)
     model = build_model(cfg, 0, torch.device("cpu"))
     n_mm, n_all = matmul_params(model), sum(p.numel() for p in model.parameters())
@@ -134,16 +160,23 @@ def main() -> None:
         "peak_threads": args.peak_threads,
         "mfu_median": round(flops_tok * med / peak, 4), "mfu_best": round(flops_tok * best / peak, 4),
         "mfu_median_palm_attention": round((flops_tok + attn) * med / peak, 4),
+        "mfu_paired_median": round(flops_tok * statistics.median(paired), 4) if paired else None,
+        "probe_flops_min": round(min(probes)) if probes else None,
+        "probe_flops_max": round(max(probes)) if probes else None,
     }
     print(f"recipe      {args.config}: {cfg.model_type} {cfg.n_layer}L x {cfg.n_embd}, {n_all / 1e6:.2f}M parameters "
           f"({n_mm / 1e6:.2f}M in matmuls), {recipe.tokens_per_step():,} tokens/step, {precision}")
     print(f"launch      {args.ranks} rank(s) x {threads} thread(s)")
     print(f"peak        {peak / 1e9:,.0f} GFLOP/s ({precision} matmul {peak_n}^3 on {args.peak_threads} threads; "
-          f"before {peak_before / 1e9:,.0f}, after {peak_after / 1e9:,.0f})")
+          f"sweep before {peak_before / 1e9:,.0f}, after {peak_after / 1e9:,.0f}"
+          + (f", best of {len(probes)} probes {max(probes) / 1e9:,.0f})" if probes else ")"))
     print(f"train       {med:,.0f} tokens/s median, {best:,.0f} best, over {len(rates)} steps")
     print(f"model FLOPs {flops_tok / 1e6:.1f} MFLOP/token -> {flops_tok * med / 1e9:,.0f} GFLOP/s median")
-    print(f"MFU         {result['mfu_median']:.1%} median, {result['mfu_best']:.1%} best "
+    print(f"MFU global  {result['mfu_median']:.1%} median, {result['mfu_best']:.1%} best "
           f"({result['mfu_median_palm_attention']:.1%} median counting attention as PaLM does)")
+    if paired:
+        print(f"paired      {result['mfu_paired_median']:.1%} median MFU, each step over the peak probed beside it "
+              f"(probes {min(probes) / 1e9:,.0f}-{max(probes) / 1e9:,.0f} GFLOP/s)")
     if args.json:
         print(json.dumps(result))
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.config import ModelConfig
+from engines.dense_attention import causal_attention
 
 
 def _dropout(p: float) -> nn.Module:
@@ -77,10 +78,8 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if backend is None:
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=self.n_kv_head != self.n_head)  # (B, nh, T, hd)
+            y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hd)
             y = y.transpose(1, 2)  # (B, T, nh, hd)
         else:
             y = backend(self.layer, q.view(T, self.n_head, self.hd), k.view(T, self.n_kv_head, self.hd),

@@ -235,3 +235,21 @@ def test_fused_linear_cross_entropy_matches_the_plain_loss():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = F.cross_entropy((h0 @ w0.T).float(), t)
     torch.testing.assert_close(linear_cross_entropy(h0, w0, t, torch.bfloat16), plain, atol=1e-3, rtol=1e-3)
+
+
+def test_fused_loss_is_exact_when_a_target_probability_underflows():
+    """A target ~100 nats below the best logit has an fp32 probability of 0: the loss stays finite and exact."""
+    import torch.nn.functional as F
+
+    from training.loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    h, w = torch.randn(64, 16) * 40, torch.randn(100, 16)
+    t = torch.randint(0, 100, (64,))
+    logits = h.double() @ w.double().T
+    assert (torch.softmax(logits.float(), -1).gather(1, t[:, None]) == 0).any()  # the case is exercised
+    hh = h.clone().requires_grad_()
+    got = linear_cross_entropy(hh, w, t)
+    got.backward()
+    torch.testing.assert_close(got.double(), F.cross_entropy(logits, t), rtol=1e-5, atol=1e-4)
+    assert torch.isfinite(hh.grad).all()

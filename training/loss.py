@@ -1,12 +1,14 @@
-"""Next-token cross-entropy fused with the output projection, computed in row chunks.
+"""Next-token cross-entropy fused with the output projection.
 
 The plain path (`F.cross_entropy(model.logits(hidden), targets)`) materialises (N, V) logits in
 fp32 and then walks them half a dozen times: upcast, log-softmax, a zero-filled gradient,
 log-softmax backward, downcast for the weight gradient. With V = 8192 that traffic, not the
-matmul, dominates the head on a CPU. Here each chunk of rows goes matmul -> fp32 softmax ->
-gradient while it is in cache; only the gradient of the logits (in the matmul dtype) is written
-once, and two large matmuls turn it into the hidden and weight gradients. The logits are the
-same as `model.logits` (the lm_head matmul in `compute_dtype`, read in fp32).
+matmul, dominates the head on a CPU. Here the logits come from one matmul in the matmul dtype,
+into the buffer that then holds their gradient: each cache-sized chunk of rows is replaced by its
+fp32 softmax in one fused pass (rounded back to the matmul dtype), and the targets' own entries
+get p - 1 from the fp32 probability. Two large matmuls turn it into the hidden and weight
+gradients. The logits are the same as `model.logits` (the lm_head matmul in `compute_dtype`, read
+in fp32).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import torch
 
 
 def _chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    # CPU: the fp32 logits of one chunk stay within about one core's L2 cache;
-    # GPU: large chunks (few kernel launches), still far below the full logits
-    budget = 2 * 2**20 if device.type == "cpu" else 512 * 2**20
+    """Rows whose fp32 softmax is computed at once. CPU: within the two cores' L2 caches (measured
+    best); GPU: large chunks (few kernel launches), still far below the full logits."""
+    budget = 4 * 2**20 if device.type == "cpu" else 512 * 2**20
     return max(16, min(n_rows, budget // (4 * vocab)))
 
 
@@ -28,26 +30,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         h = hidden.to(compute_dtype)  # (N, C)
         w = weight.to(compute_dtype)  # (V, C)
-        dlogits = torch.empty(n, vocab, dtype=compute_dtype, device=hidden.device)  # d(mean loss)/d(logits)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        dlogits = h @ w.T  # the logits, replaced in place by N x d(mean loss)/d(logits)
+        p_target = torch.empty(n, dtype=torch.float32, device=hidden.device)
         step = _chunk_rows(n, vocab, hidden.device)
         for s in range(0, n, step):
-            t = targets[s:s + step]
-            logits = (h[s:s + step] @ w.T).float()  # (n_c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-            probs.scatter_add_(1, t[:, None], torch.full((len(t), 1), -1.0, device=probs.device))
-            dlogits[s:s + step] = probs.mul_(1.0 / n)
+            probs = torch.softmax(dlogits[s:s + step], dim=-1, dtype=torch.float32)  # (n_c, V), one fused pass
+            dlogits[s:s + step] = probs
+            p_target[s:s + step] = probs.gather(1, targets[s:s + step, None]).squeeze(1)
+        # the target's own gradient, p - 1, from the fp32 probability (not its rounded copy)
+        dlogits[torch.arange(n, device=hidden.device), targets] = (p_target - 1.0).to(compute_dtype)
+        logp_target = p_target.log()
+        lost = (p_target < 1e-30).nonzero().squeeze(1)  # an fp32 probability this small has lost digits:
+        if len(lost):  # those rows' log-probabilities again, from the log-sum-exp (rare: a ~70-nat miss)
+            logits = (h[lost] @ w.T).float()
+            logp_target[lost] = logits.gather(1, targets[lost, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(h, w, dlogits)
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        return total / n
+        return -logp_target.sum() / n
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         h, w, dlogits = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        scale = grad_out.to(dlogits.dtype)
+        scale = (grad_out / h.shape[0]).to(dlogits.dtype)  # the mean's 1/N, applied to (N, C)-sized results
         grad_h = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_h = (dlogits @ w).mul_(scale).to(hidden_dtype)  # (N, C)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engines.config import ConfigError
+from engines.host_memory import retain_freed_memory
 from training.data import TokenData, TrainOrder, val_starts
 from training.distributed import DistContext, StopFlag, init_context, shutdown
 from training.metrics import MetricsLog, Progress, plot_loss_curve
@@ -100,6 +101,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     t = recipe.train
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
+    retain_freed_memory()  # reuse freed activation memory instead of page-faulting it back every step
     data = TokenData(recipe.data.dir)
     if recipe.model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary ({data.vocab_size}) of "
