@@ -10,7 +10,7 @@ Measured in one run:
           cores / ranks threads (default: one rank, as `make model` trains); tokens/s is each
           step's global tokens over its wall time, from the run's metrics.jsonl (the first --skip
           steps are warmup and are not counted)
-  probes  with one rank, a short matmul probe (2048^3, best of 3) after every step, outside the
+  probes  with one rank, a short matmul probe (2048^3 and 3072^3, best of 2 each) after every step, outside the
           step's timing: the machine is shared and its speed drifts by up to 1.6x within a
           minute, so each step is also set against the peak measured next to it
   MFU     model FLOPs per token x tokens/s / peak, with model FLOPs per token
@@ -48,14 +48,16 @@ from training.model_setup import build_model
 from training.recipe import load_recipe, recipe_from_dict
 
 
-def matmul_probe(dtype: torch.dtype, n: int = 2048, reps: int = 3) -> float:
-    """A short peak probe on the current threads: the best of `reps` n^3 matmuls, in FLOP/s."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def matmul_probe(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072), reps: int = 2) -> float:
+    """A short peak probe on the current threads (~0.1 s): the best single n^3 matmul over the two
+    sizes at which the full sweep usually peaks, in FLOP/s."""
     best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 

@@ -52,8 +52,9 @@ class _CausalAttention(torch.autograd.Function):
         grad_v = torch.bmm(probs.transpose(1, 2), grad)
         grad_probs = torch.bmm(grad, v.transpose(1, 2))
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-        grad_q = torch.bmm(grad_scores, k).mul_(ctx.scale)
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
+        zero = grad_scores.new_zeros(1, 1, 1)  # beta=0: the scale rides in the matmul's alpha, no extra pass
+        grad_q = torch.baddbmm(zero, grad_scores, k, beta=0, alpha=ctx.scale)
+        grad_k = torch.baddbmm(zero, grad_scores.transpose(1, 2), q, beta=0, alpha=ctx.scale)
         return grad_q, grad_k, grad_v, None
 
 
