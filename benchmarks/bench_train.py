@@ -10,9 +10,9 @@ Measured in one run:
           cores / ranks threads (default: one rank, as `make model` trains); tokens/s is each
           step's global tokens over its wall time, from the run's metrics.jsonl (the first --skip
           steps are warmup and are not counted)
-  probes  with one rank, a short matmul probe (2048^3 and 3072^3, best of 2 each) after every step, outside the
-          step's timing: the machine is shared and its speed drifts by up to 1.6x within a
-          minute, so each step is also set against the peak measured next to it
+  probes  with one rank, a short matmul probe (2048^3 and 3072^3, best of 2 each) after every
+          step, outside the step's timing: the machine is shared and its speed drifts by up to
+          1.6x within a minute, so each step is also set against the peak measured next to it
   MFU     model FLOPs per token x tokens/s / peak, with model FLOPs per token
           = 6 x (matmul parameters) + 6 x n_layer x seq_len x n_embd (causal attention: half of the
           12 L T C that the PaLM paper counts for full attention; that variant is printed too).
@@ -127,6 +127,9 @@ def main() -> None:
         d["train"].update(max_steps=args.steps, time_budget_s=0.0, eval_every=0, eval_windows=1, ckpt_every=0,
                           log_every=1, precision=precision, num_threads=threads)
         d["optim"]["warmup_steps"] = min(d["optim"]["warmup_steps"], args.steps)
+        if d["train"]["batch_size"] % (d["train"]["micro_batch_size"] * args.ranks):
+            # the same global batch split over more ranks: each rank's share in one micro-batch
+            d["train"]["micro_batch_size"] = d["train"]["batch_size"] // args.ranks
         d["out"] = {"dir": str(Path(tmp) / "run"), "export_dir": ""}
         recipe = recipe_from_dict(d)
         job = {"recipe": recipe.to_dict(), "resume": False, "progress": False}
