@@ -134,6 +134,7 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("model", [
     {},
+    {"activation": "gelu"},  # the default recipe's exact GELU: HF's activation_function "gelu"
     {"model_type": "llama", "n_kv_head": 2, "bias": False, "activation": "silu", "tie_word_embeddings": False},
 ])
 def test_export_matches_engine_and_transformers(data_dir, tmp_path, model):
