@@ -16,22 +16,16 @@ otherwise (CUDA has fused flash kernels that beat it; dropout needs SDPA's masks
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-_MASKS: dict[tuple, torch.Tensor] = {}
 
-
+@functools.lru_cache(maxsize=16)
 def _causal_mask(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
-    key = (t, dtype, device)
-    mask = _MASKS.get(key)
-    if mask is None:
-        mask = torch.full((t, t), float("-inf"), device=device).triu(1).to(dtype)
-        if len(_MASKS) > 16:
-            _MASKS.clear()
-        _MASKS[key] = mask
-    return mask
+    return torch.full((t, t), float("-inf"), device=device).triu(1).to(dtype)
 
 
 class _CausalAttention(torch.autograd.Function):

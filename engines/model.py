@@ -22,6 +22,7 @@ def _dropout(p: float) -> nn.Module:
     """Dropout, or nothing at all when p is 0 (an inference step then skips ~4 calls per layer)."""
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
+
 class AttentionBackend(Protocol):
     """Attention over cached context: q (N, nh, hd), k/v (N, nkv, hd) -> (N, nh, hd)."""
 
