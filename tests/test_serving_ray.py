@@ -179,11 +179,20 @@ def test_admission_limit_gives_429(url):
 
 def test_disconnected_stream_frees_its_kv_blocks(url):
     body = {"model": "tight", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    def aborts(m: dict) -> float:
+        return metric(m, "shardserve_requests_finished_total", model="tight", finish_reason="abort")
+
+    # the 429 test's streams: wait until they are gone and their aborts are all counted (the
+    # replicas publish every 0.2 s, so two scrapes 0.6 s apart must agree)
     deadline = time.monotonic() + 30
-    while metric(scrape(url), "shardserve_num_sequences_admitted", model="tight") > 0:  # the 429 test's streams
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
     before = scrape(url)
+    while True:
+        time.sleep(0.6)
+        now = scrape(url)
+        if metric(now, "shardserve_num_sequences_admitted", model="tight") == 0 and aborts(now) == aborts(before):
+            break
+        assert time.monotonic() < deadline, "the previous test's requests never settled"
+        before = now
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -191,8 +200,7 @@ def test_disconnected_stream_frees_its_kv_blocks(url):
     t0 = time.monotonic()
     while True:
         m = scrape(url)
-        aborted = (metric(m, "shardserve_requests_finished_total", model="tight", finish_reason="abort")
-                   - metric(before, "shardserve_requests_finished_total", model="tight", finish_reason="abort"))
+        aborted = aborts(m) - aborts(before)
         if (aborted == 1 and metric(m, "shardserve_kv_cache_usage_ratio", model="tight") == 0
                 and metric(m, "shardserve_num_requests_running", model="tight") == 0):
             break
