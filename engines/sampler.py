@@ -2,10 +2,13 @@
 
 Order: raw logprobs (reported as the model's, before any processing) -> min_tokens suppression
 -> repetition / presence / frequency penalties -> greedy rows take the argmax; the others are
-scaled by temperature, cut by top-k and top-p, and drawn by an exponential race
-(argmax p_i / E_i with E_i ~ Exp(1)), which equals sampling from p. A seeded sequence draws its
-E from its own generator, one full vocabulary row per token, so its tokens do not depend on
-what else is in the batch.
+scaled by temperature, cut by top-k and top-p, and drawn by inverse transform: one uniform u per
+row, and the token is the first whose cumulative probability (float64) exceeds u times the row's
+total. A token of probability zero (cut by top-k / top-p) spans an empty interval and is never
+drawn. This costs one cumsum per row; the exponential race (argmax p_i / E_i), which needs a
+random number per vocabulary entry, was 13-18x slower on CPU and a fifth of a 64-row decode step.
+A seeded sequence draws its u from its own generator, so its tokens do not depend on what else
+is in the batch.
 """
 
 from __future__ import annotations
@@ -131,12 +134,16 @@ class Sampler:
             drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
-        noise = torch.empty_like(probs)
+        f64 = {"dtype": torch.float64, "device": probs.device}
+        u = torch.empty(len(states), 1, **f64)
         unseeded = [i for i, st in enumerate(states) if st.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), 1, generator=self.generator, **f64)
         for i, st in enumerate(states):
             if st.generator is not None:
-                noise[i].exponential_(generator=st.generator)
-        return (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=st.generator, **f64)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        # u < 1 so u * total < total; nextafter keeps the product's rounding from reaching the total
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True)[:, 0]

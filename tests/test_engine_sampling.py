@@ -154,6 +154,38 @@ def test_sampling_follows_the_distribution(gpt2_dir):
         assert abs(counts[t].item() - expected) <= 4 * (expected ** 0.5) + 3
 
 
+def test_inverse_transform_draws_match_probabilities_and_skip_cut_tokens():
+    """The sampler's draw, straight on crafted logits: 4,000 rows, top_k=3 of 6 tokens. Cut tokens
+    (probability 0, including the last vocabulary entry) are never drawn; the others come at
+    their renormalised probabilities, and a seeded row repeats whatever else is in the batch."""
+    from engines.plan import SeqInit
+    from engines.sampler import Sampler
+
+    logits = torch.tensor([0.0, 1.0, -30.0, 2.0, 0.5, -1.0])
+    n = 4000
+    sampler = Sampler(len(logits), seed=0, device=torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, top_k=3)
+    for i in range(n):
+        sampler.add(SeqInit(i, 0, params, [0], ()))
+    tokens = [t for t, _ in sampler.sample(list(range(n)), logits.expand(n, -1).clone())]
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(logits))
+    probs = torch.zeros(len(logits))
+    keep = logits.topk(3).indices
+    probs[keep] = torch.softmax(logits[keep], -1)
+    assert counts[probs == 0].sum().item() == 0
+    for t in keep.tolist():
+        expected = probs[t].item() * n
+        assert abs(counts[t].item() - expected) <= 4 * expected ** 0.5
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    alone, crowd = Sampler(6, seed=1, device=torch.device("cpu")), Sampler(6, seed=2, device=torch.device("cpu"))
+    alone.add(SeqInit(0, 0, seeded, [0], ()))
+    for i in range(5):
+        crowd.add(SeqInit(i, 0, seeded if i == 3 else params, [0], ()))
+    a = [alone.sample([0], logits[None].clone())[0][0] for _ in range(20)]
+    c = [crowd.sample(list(range(5)), logits.expand(5, -1).clone())[3][0] for _ in range(20)]
+    assert a == c
+
+
 def test_detokenizer_streams_whole_characters(gpt2_dir):
     tok = Tokenizer.from_dir(gpt2_dir)
     text = " naïve café 東京 🙂 Héllo wörld ß 中文 😀"  # the last three are not merges: split bytes
