@@ -108,26 +108,71 @@ async def run_serving(session, url: str, model: str, conc: int, total: int, max_
     return summarize("serving", sum(n for _, n in res), dt, [t for t, _ in res])
 
 
-async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int, modes: list[str]
-                     ) -> dict[str, list[tuple[dict, dict]]]:
+async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int, modes: list[str],
+                     local_url: str | None = None) -> dict[str, list[tuple[dict, ...]]]:
     import aiohttp  # a light client: its CPU is part of the serving path's measurement
 
-    results: dict[str, list[tuple[dict, dict]]] = {m: [] for m in modes}
+    results: dict[str, list[tuple[dict, ...]]] = {m: [] for m in modes}
     connector = aiohttp.TCPConnector(limit=conc + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
         # warm-up at full concurrency: code paths, and one pooled connection per stream
         await run_inprocess(engine, conc, conc, 8, "warm")
         await run_serving(client, url, "bench", conc, conc, 8)
+        if local_url:
+            await run_serving(client, local_url, "bench", conc, conc, 8)
         for r in range(rounds):
             for mode in modes:
                 # burst: all requests at once; sustained: 4x as many, `conc` in flight (closed loop)
                 total = conc if mode == "burst" else 4 * conc
                 a = await run_inprocess(engine, conc, total, max_tokens, f"{mode}{r}")
                 b = await run_serving(client, url, "bench", conc, total, max_tokens)
-                results[mode].append((a, b))
+                c = await run_serving(client, local_url, "bench", conc, total, max_tokens) if local_url else None
+                results[mode].append((a, b) if c is None else (a, b, c))
                 print(f"round {r} {mode:9s}: in-process {a['tok_s']:7.0f} tok/s TTFT p50 {a['ttft_median_ms']:7.1f} ms"
-                      f" | serving {b['tok_s']:7.0f} tok/s TTFT p50 {b['ttft_median_ms']:7.1f} ms", flush=True)
+                      f" | serving {b['tok_s']:7.0f} tok/s TTFT p50 {b['ttft_median_ms']:7.1f} ms"
+                      + (f" | HTTP without Ray {c['tok_s']:7.0f} tok/s TTFT p50 {c['ttft_median_ms']:7.1f} ms"
+                         if c else ""), flush=True)
     return results
+
+
+def serve_local(config_json: str) -> None:
+    """The --http-floor server: the gateway app with the engine in this process, under uvicorn."""
+    import torch
+    import uvicorn
+
+    from deploy import validate_config
+    from serving.app import create_local_app
+
+    raw = json.loads(Path(config_json).read_text())
+    torch.set_num_threads(raw.pop("threads"))
+    cfg = validate_config(raw)
+    uvicorn.run(create_local_app(cfg), host="127.0.0.1", port=cfg.server.port, log_level="warning")
+
+
+def start_local(cfg, threads: int):
+    """Start the --http-floor server on a free port; (process, url) once it answers."""
+    import subprocess
+    import urllib.request
+
+    from training.distributed import free_port
+
+    port = free_port()
+    raw = cfg.model_dump(mode="json")
+    raw["server"]["port"], raw["threads"] = port, threads
+    spec = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "local.json"
+    spec.write_text(json.dumps(raw))
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-local", str(spec)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the --http-floor server did not become ready in 120 s")
 
 
 def main() -> None:
@@ -142,7 +187,13 @@ def main() -> None:
                     help="server.ingress: the gateway replica serves HTTP itself, or behind Ray Serve's proxy")
     ap.add_argument("--mode", choices=["burst", "sustained", "both"], default="both",
                     help="burst: `concurrency` requests at once; sustained: 4x as many with `concurrency` in flight")
+    ap.add_argument("--http-floor", action="store_true",
+                    help="also run a third path: the same gateway app and engine in one uvicorn process, no Ray "
+                         "(what HTTP and the gateway cost on their own)")
+    ap.add_argument("--serve-local", metavar="CONFIG_JSON", help=argparse.SUPPRESS)  # the --http-floor server
     args = ap.parse_args()
+    if args.serve_local:
+        return serve_local(args.serve_local)
 
     import torch
 
@@ -159,20 +210,25 @@ def main() -> None:
                     "stream_interval_ms": args.stream_interval_ms, "max_waiting": max(64, args.concurrency)}],
         "server": {"port": free_port(), "log_requests": False, "ingress": args.ingress}})
     engine = AsyncLLMEngine.from_model_dir(path, EngineConfig(**cfg.models[0].engine.engine_kwargs()))
+    local = start_local(cfg, threads) if args.http_floor else None
     running = launcher.start(cfg, [])
     print(f"model {path}; serving at {running.url} (ingress {args.ingress}, ready in {running.started_in_s:.1f} s); "
           f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, torch threads {threads}")
     modes = ["burst", "sustained"] if args.mode == "both" else [args.mode]
     try:
-        results = asyncio.run(run_rounds(engine, running.url, args.concurrency, args.max_tokens, args.rounds, modes))
+        results = asyncio.run(run_rounds(engine, running.url, args.concurrency, args.max_tokens, args.rounds, modes,
+                                         local[1] if local else None))
     finally:
         launcher.stop(running)
         engine.shutdown()
+        if local:
+            local[0].terminate()
+            local[0].wait(30)
     for mode, rows in results.items():
-        a_tok = statistics.median(a["tok_s"] for a, _ in rows)
-        b_tok = statistics.median(b["tok_s"] for _, b in rows)
-        a_ttft = statistics.median(a["ttft_median_ms"] for a, _ in rows)
-        b_ttft = statistics.median(b["ttft_median_ms"] for _, b in rows)
+        a_tok = statistics.median(row[0]["tok_s"] for row in rows)
+        b_tok = statistics.median(row[1]["tok_s"] for row in rows)
+        a_ttft = statistics.median(row[0]["ttft_median_ms"] for row in rows)
+        b_ttft = statistics.median(row[1]["ttft_median_ms"] for row in rows)
         ratio, added = b_tok / a_tok, b_ttft - a_ttft
         print(f"\n{mode} ({args.concurrency} concurrent{', closed loop' if mode == 'sustained' else ''}), "
               f"median of {len(rows)} rounds:")
@@ -180,6 +236,11 @@ def main() -> None:
               f"(target >= 0.85: {'PASS' if ratio >= 0.85 else 'MISS'})")
         print(f"  median TTFT: in-process {a_ttft:.1f} ms, serving {b_ttft:.1f} ms -> added {added:+.1f} ms "
               f"(target <= 20 ms: {'PASS' if added <= 20 else 'MISS'})")
+        if local:
+            c_tok = statistics.median(row[2]["tok_s"] for row in rows)
+            c_ttft = statistics.median(row[2]["ttft_median_ms"] for row in rows)
+            print(f"  HTTP + gateway without Ray: {c_tok:.0f} tok/s -> ratio {c_tok / a_tok:.3f}; median TTFT "
+                  f"{c_ttft:.1f} ms -> added {c_ttft - a_ttft:+.1f} ms")
 
 
 if __name__ == "__main__":
