@@ -7,7 +7,12 @@ median time to first token. Two shapes of "64 concurrent streaming requests": a 
 at once, so TTFT includes admitting all of them) and sustained load (256 requests, 64 in flight,
 closed loop, as `--max-concurrency` in vLLM's benchmark_serving).
 
-    .venv/bin/python benchmarks/bench_serving.py [--model DIR] [--concurrency 64] [--max-tokens 128]
+    .venv/bin/python benchmarks/bench_serving.py [--model DIR] [--concurrency 64] [--max-tokens 128] [--floors]
+
+--floors adds two reference paths measured in the same rounds, each in its own process: the same
+gateway app with the engine and no Ray (what Ray Serve's hop costs is the difference), and a bare
+FastAPI SSE endpoint with no model (what HTTP, FastAPI and this client cost with nothing behind
+them: a floor under the added TTFT on this machine).
 
 Without --model it uses models/default, or builds the tiny test checkpoint (needs transformers).
 Both paths use the same torch thread count (the replica's num_cpus) and the same prompts, and
@@ -109,34 +114,67 @@ async def run_serving(session, url: str, model: str, conc: int, total: int, max_
 
 
 async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int, modes: list[str],
-                     local_url: str | None = None) -> dict[str, list[tuple[dict, ...]]]:
+                     floors: dict[str, str] | None = None) -> dict[str, list[dict[str, dict]]]:
+    """Each round and mode: the in-process engine, then the serving path, then each floor server."""
     import aiohttp  # a light client: its CPU is part of the serving path's measurement
 
-    results: dict[str, list[tuple[dict, ...]]] = {m: [] for m in modes}
+    floors = floors or {}
+    results: dict[str, list[dict[str, dict]]] = {m: [] for m in modes}
     connector = aiohttp.TCPConnector(limit=conc + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
         # warm-up at full concurrency: code paths, and one pooled connection per stream
         await run_inprocess(engine, conc, conc, 8, "warm")
-        await run_serving(client, url, "bench", conc, conc, 8)
-        if local_url:
-            await run_serving(client, local_url, "bench", conc, conc, 8)
+        for u in (url, *floors.values()):
+            await run_serving(client, u, "bench", conc, conc, 8)
         for r in range(rounds):
             for mode in modes:
                 # burst: all requests at once; sustained: 4x as many, `conc` in flight (closed loop)
                 total = conc if mode == "burst" else 4 * conc
-                a = await run_inprocess(engine, conc, total, max_tokens, f"{mode}{r}")
-                b = await run_serving(client, url, "bench", conc, total, max_tokens)
-                c = await run_serving(client, local_url, "bench", conc, total, max_tokens) if local_url else None
-                results[mode].append((a, b) if c is None else (a, b, c))
-                print(f"round {r} {mode:9s}: in-process {a['tok_s']:7.0f} tok/s TTFT p50 {a['ttft_median_ms']:7.1f} ms"
-                      f" | serving {b['tok_s']:7.0f} tok/s TTFT p50 {b['ttft_median_ms']:7.1f} ms"
-                      + (f" | HTTP without Ray {c['tok_s']:7.0f} tok/s TTFT p50 {c['ttft_median_ms']:7.1f} ms"
-                         if c else ""), flush=True)
+                row = {"in-process": await run_inprocess(engine, conc, total, max_tokens, f"{mode}{r}"),
+                       "serving": await run_serving(client, url, "bench", conc, total, max_tokens)}
+                for name, u in floors.items():
+                    row[name] = await run_serving(client, u, "bench", conc, total, max_tokens)
+                results[mode].append(row)
+                print(f"round {r} {mode:9s}: " + " | ".join(
+                    f"{name} {x['tok_s']:6.0f} tok/s TTFT p50 {x['ttft_median_ms']:6.1f} ms" for name, x in row.items()),
+                    flush=True)
     return results
 
 
-def serve_local(config_json: str) -> None:
-    """The --http-floor server: the gateway app with the engine in this process, under uvicorn."""
+def bare_app():
+    """A FastAPI SSE endpoint with no model: the OpenAI chunk shape, `max_tokens` one-token chunks,
+    the usage event and [DONE]. What HTTP, FastAPI and the client cost with nothing behind them."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    async def ready(request):
+        return JSONResponse({})
+
+    async def completions(request):
+        body = await request.json()
+        n = int(body["max_tokens"])
+
+        async def events():
+            for i in range(n):
+                chunk = {"id": "cmpl-bare", "object": "text_completion", "model": body["model"],
+                         "choices": [{"index": 0, "text": " tok", "finish_reason": "length" if i == n - 1 else None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(0)
+            usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": n + 8}
+            yield f"data: {json.dumps({'id': 'cmpl-bare', 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # plain Starlette routes: the handlers take the request as it is, with no FastAPI parameter parsing
+    app.router.add_route("/v2/health/ready", ready, methods=["GET"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    return app
+
+
+def serve_floor(config_json: str) -> None:
+    """A --floors server: the gateway app with the engine in this process (no Ray), or the bare app."""
     import torch
     import uvicorn
 
@@ -145,12 +183,14 @@ def serve_local(config_json: str) -> None:
 
     raw = json.loads(Path(config_json).read_text())
     torch.set_num_threads(raw.pop("threads"))
+    bare = raw.pop("bare")
     cfg = validate_config(raw)
-    uvicorn.run(create_local_app(cfg), host="127.0.0.1", port=cfg.server.port, log_level="warning")
+    app = bare_app() if bare else create_local_app(cfg)
+    uvicorn.run(app, host="127.0.0.1", port=cfg.server.port, log_level="warning")
 
 
-def start_local(cfg, threads: int):
-    """Start the --http-floor server on a free port; (process, url) once it answers."""
+def start_floor(cfg, threads: int, bare: bool):
+    """Start a --floors server in its own process on a free port; (process, url) once it answers."""
     import subprocess
     import urllib.request
 
@@ -158,10 +198,10 @@ def start_local(cfg, threads: int):
 
     port = free_port()
     raw = cfg.model_dump(mode="json")
-    raw["server"]["port"], raw["threads"] = port, threads
-    spec = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "local.json"
+    raw["server"]["port"], raw["threads"], raw["bare"] = port, threads, bare
+    spec = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "floor.json"
     spec.write_text(json.dumps(raw))
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-local", str(spec)])
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(spec)])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -172,7 +212,7 @@ def start_local(cfg, threads: int):
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the --http-floor server did not become ready in 120 s")
+    raise RuntimeError("a --floors server did not become ready in 120 s")
 
 
 def main() -> None:
@@ -187,13 +227,13 @@ def main() -> None:
                     help="server.ingress: the gateway replica serves HTTP itself, or behind Ray Serve's proxy")
     ap.add_argument("--mode", choices=["burst", "sustained", "both"], default="both",
                     help="burst: `concurrency` requests at once; sustained: 4x as many with `concurrency` in flight")
-    ap.add_argument("--http-floor", action="store_true",
-                    help="also run a third path: the same gateway app and engine in one uvicorn process, no Ray "
-                         "(what HTTP and the gateway cost on their own)")
-    ap.add_argument("--serve-local", metavar="CONFIG_JSON", help=argparse.SUPPRESS)  # the --http-floor server
+    ap.add_argument("--floors", action="store_true",
+                    help="also run two floor paths, each in its own process: the gateway app with the engine and no "
+                         "Ray ('no-ray'), and a bare FastAPI SSE endpoint with no model ('bare-http')")
+    ap.add_argument("--serve-floor", metavar="CONFIG_JSON", help=argparse.SUPPRESS)  # a --floors server
     args = ap.parse_args()
-    if args.serve_local:
-        return serve_local(args.serve_local)
+    if args.serve_floor:
+        return serve_floor(args.serve_floor)
 
     import torch
 
@@ -210,25 +250,25 @@ def main() -> None:
                     "stream_interval_ms": args.stream_interval_ms, "max_waiting": max(64, args.concurrency)}],
         "server": {"port": free_port(), "log_requests": False, "ingress": args.ingress}})
     engine = AsyncLLMEngine.from_model_dir(path, EngineConfig(**cfg.models[0].engine.engine_kwargs()))
-    local = start_local(cfg, threads) if args.http_floor else None
+    floor_procs = {name: start_floor(cfg, threads, bare) for name, bare in (("no-ray", False), ("bare-http", True))
+                   } if args.floors else {}
     running = launcher.start(cfg, [])
     print(f"model {path}; serving at {running.url} (ingress {args.ingress}, ready in {running.started_in_s:.1f} s); "
           f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, torch threads {threads}")
     modes = ["burst", "sustained"] if args.mode == "both" else [args.mode]
     try:
         results = asyncio.run(run_rounds(engine, running.url, args.concurrency, args.max_tokens, args.rounds, modes,
-                                         local[1] if local else None))
+                                         {name: u for name, (_, u) in floor_procs.items()}))
     finally:
         launcher.stop(running)
         engine.shutdown()
-        if local:
-            local[0].terminate()
-            local[0].wait(30)
+        for proc, _ in floor_procs.values():
+            proc.terminate()
+            proc.wait(30)
     for mode, rows in results.items():
-        a_tok = statistics.median(row[0]["tok_s"] for row in rows)
-        b_tok = statistics.median(row[1]["tok_s"] for row in rows)
-        a_ttft = statistics.median(row[0]["ttft_median_ms"] for row in rows)
-        b_ttft = statistics.median(row[1]["ttft_median_ms"] for row in rows)
+        tok = {name: statistics.median(row[name]["tok_s"] for row in rows) for name in rows[0]}
+        ttft = {name: statistics.median(row[name]["ttft_median_ms"] for row in rows) for name in rows[0]}
+        a_tok, b_tok, a_ttft, b_ttft = tok["in-process"], tok["serving"], ttft["in-process"], ttft["serving"]
         ratio, added = b_tok / a_tok, b_ttft - a_ttft
         print(f"\n{mode} ({args.concurrency} concurrent{', closed loop' if mode == 'sustained' else ''}), "
               f"median of {len(rows)} rounds:")
@@ -236,11 +276,12 @@ def main() -> None:
               f"(target >= 0.85: {'PASS' if ratio >= 0.85 else 'MISS'})")
         print(f"  median TTFT: in-process {a_ttft:.1f} ms, serving {b_ttft:.1f} ms -> added {added:+.1f} ms "
               f"(target <= 20 ms: {'PASS' if added <= 20 else 'MISS'})")
-        if local:
-            c_tok = statistics.median(row[2]["tok_s"] for row in rows)
-            c_ttft = statistics.median(row[2]["ttft_median_ms"] for row in rows)
-            print(f"  HTTP + gateway without Ray: {c_tok:.0f} tok/s -> ratio {c_tok / a_tok:.3f}; median TTFT "
-                  f"{c_ttft:.1f} ms -> added {c_ttft - a_ttft:+.1f} ms")
+        if "no-ray" in tok:
+            print(f"  floor, gateway + engine without Ray: ratio {tok['no-ray'] / a_tok:.3f}, added TTFT "
+                  f"{ttft['no-ray'] - a_ttft:+.1f} ms")
+        if "bare-http" in ttft:
+            print(f"  floor, bare FastAPI SSE endpoint with no model: median TTFT {ttft['bare-http']:.1f} ms "
+                  "(HTTP, FastAPI and this client alone; the added TTFT cannot go below about this)")
 
 
 if __name__ == "__main__":
