@@ -25,7 +25,8 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_throughput.py
 	$(BIN)/python benchmarks/bench_kv_memory.py
 	$(BIN)/python benchmarks/bench_loadgen.py
-	$(BIN)/python benchmarks/bench_serving.py
+	$(BIN)/python benchmarks/bench_serving.py --floors
+	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_train.py
 

@@ -113,15 +113,45 @@ async def run_serving(session, url: str, model: str, conc: int, total: int, max_
     return summarize("serving", sum(n for _, n in res), dt, [t for t, _ in res])
 
 
+async def engine_busy_seconds(client, url: str) -> float | None:
+    """The engines' busy time (shardserve_engine_busy_seconds_total summed over replicas) from the
+    server's /metrics; None where there is no engine (the bare floor)."""
+    async with client.get(f"{url}/metrics") as r:
+        if r.status != 200:
+            return None
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("shardserve_engine_busy_seconds_total"))
+
+
 async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int, modes: list[str],
-                     floors: dict[str, str] | None = None) -> dict[str, list[dict[str, dict]]]:
-    """Each round and mode: the in-process engine, then the serving path, then each floor server."""
+                     floors: dict[str, str] | None = None, publish_s: float = 0.2
+                     ) -> dict[str, list[dict[str, dict]]]:
+    """Each round and mode: the in-process engine, then the serving path, then each floor server.
+    Each arm also records its engine's busy seconds (None for the bare floor)."""
     import aiohttp  # a light client: its CPU is part of the serving path's measurement
 
     floors = floors or {}
     results: dict[str, list[dict[str, dict]]] = {m: [] for m in modes}
     connector = aiohttp.TCPConnector(limit=conc + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
+        async def busy(name: str, u: str | None) -> float | None:
+            if u is None:
+                return engine.stats()["busy_seconds"]
+            if name == "serving":  # replicas publish their metrics every publish_s
+                await asyncio.sleep(3 * publish_s)
+            return await engine_busy_seconds(client, u)
+
+        async def arm(name: str, u: str | None, total: int, tag: str) -> dict:
+            before = await busy(name, u)
+            if u is None:
+                x = await run_inprocess(engine, conc, total, max_tokens, tag)
+            else:
+                x = await run_serving(client, u, "bench", conc, total, max_tokens)
+            after = await busy(name, u)
+            x["engine_s"] = None if before is None or after is None else after - before
+            return x
+
         # warm-up at full concurrency: code paths, and one pooled connection per stream
         await run_inprocess(engine, conc, conc, 8, "warm")
         for u in (url, *floors.values()):
@@ -130,14 +160,13 @@ async def run_rounds(engine, url: str, conc: int, max_tokens: int, rounds: int, 
             for mode in modes:
                 # burst: all requests at once; sustained: 4x as many, `conc` in flight (closed loop)
                 total = conc if mode == "burst" else 4 * conc
-                row = {"in-process": await run_inprocess(engine, conc, total, max_tokens, f"{mode}{r}"),
-                       "serving": await run_serving(client, url, "bench", conc, total, max_tokens)}
-                for name, u in floors.items():
-                    row[name] = await run_serving(client, u, "bench", conc, total, max_tokens)
+                row = {name: await arm(name, u, total, f"{mode}{r}")
+                       for name, u in (("in-process", None), ("serving", url), *floors.items())}
                 results[mode].append(row)
                 print(f"round {r} {mode:9s}: " + " | ".join(
-                    f"{name} {x['tok_s']:6.0f} tok/s TTFT p50 {x['ttft_median_ms']:6.1f} ms" for name, x in row.items()),
-                    flush=True)
+                    f"{name} {x['tok_s']:6.0f} tok/s TTFT p50 {x['ttft_median_ms']:6.1f} ms"
+                    + (f", engine busy {100 * x['engine_s'] / x['seconds']:3.0f}%" if x["engine_s"] is not None else "")
+                    for name, x in row.items()), flush=True)
     return results
 
 
@@ -248,7 +277,8 @@ def main() -> None:
     cfg = validate_config({
         "models": [{"name": "bench", "path": path, "replicas": 1, "num_cpus": args.num_cpus,
                     "stream_interval_ms": args.stream_interval_ms, "max_waiting": max(64, args.concurrency)}],
-        "server": {"port": free_port(), "log_requests": False, "ingress": args.ingress}})
+        "server": {"port": free_port(), "log_requests": False, "ingress": args.ingress,
+                   "metrics_push_interval_s": 0.2}})
     engine = AsyncLLMEngine.from_model_dir(path, EngineConfig(**cfg.models[0].engine.engine_kwargs()))
     floor_procs = {name: start_floor(cfg, threads, bare) for name, bare in (("no-ray", False), ("bare-http", True))
                    } if args.floors else {}
@@ -276,6 +306,13 @@ def main() -> None:
               f"(target >= 0.85: {'PASS' if ratio >= 0.85 else 'MISS'})")
         print(f"  median TTFT: in-process {a_ttft:.1f} ms, serving {b_ttft:.1f} ms -> added {added:+.1f} ms "
               f"(target <= 20 ms: {'PASS' if added <= 20 else 'MISS'})")
+        per_tok = {name: statistics.median(1000 * row[name]["engine_s"] / row[name]["tokens"] for row in rows)
+                   for name in rows[0] if all(row[name]["engine_s"] is not None for row in rows)}
+        busy = {name: statistics.median(row[name]["engine_s"] / row[name]["seconds"] for row in rows) for name in per_tok}
+        if "serving" in per_tok:
+            print(f"  engine step time per output token: in-process {per_tok['in-process']:.3f} ms, serving "
+                  f"{per_tok['serving']:.3f} ms ({per_tok['serving'] / per_tok['in-process']:.2f}x); engine busy "
+                  f"{100 * busy['in-process']:.0f}% / {100 * busy['serving']:.0f}% of the run")
         if "no-ray" in tok:
             print(f"  floor, gateway + engine without Ray: ratio {tok['no-ray'] / a_tok:.3f}, added TTFT "
                   f"{ttft['no-ray'] - a_ttft:+.1f} ms")

@@ -16,7 +16,7 @@ from engines.checkpoint import CheckpointError
 from engines.config import EngineConfig, ModelConfig, max_model_len
 from engines.executor import Executor, InProcessExecutor
 from engines.outputs import CompletionOutput, RequestOutput
-from engines.plan import TokenLogprob
+from engines.plan import StepPlan, TokenLogprob
 from engines.sampling_params import RequestError, SamplingParams
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
@@ -82,6 +82,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+        """Steps that ran work, and the wall time they took (scheduling, model, sampling, outputs)."""
 
     # requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -155,13 +158,22 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": self.scheduler.blocks.usage, "num_preemptions": self.scheduler.num_preemptions}
+                "kv_cache_usage": self.scheduler.blocks.usage, "num_preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.num_steps, "busy_seconds": self.busy_seconds}
 
     # the step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty and not plan.released_seq_ids:
             return []
+        try:
+            return self._step(plan)
+        finally:
+            self.num_steps += 1
+            self.busy_seconds += time.perf_counter() - t0
+
+    def _step(self, plan: StepPlan) -> list[RequestOutput]:
         result = self.executor.execute(plan)
         now = time.monotonic()
         touched = self.scheduler.update(plan, result, self._seqs)

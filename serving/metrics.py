@@ -89,10 +89,15 @@ class _EngineGauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             g.add_metric(values, float(s.get(key, 0.0)))
             yield g
-        c = CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                labels=names)
-        c.add_metric(values, float(s.get("num_preemptions", 0)))
-        yield c
+        for key, name, doc in (
+                ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks."),
+                ("num_steps", "engine_steps", "Engine steps that ran work."),
+                ("busy_seconds", "engine_busy_seconds", ("Wall time of the engine's working steps (schedule, "
+                                                         "model, sampling, outputs); over elapsed time: how "
+                                                         "busy the engine loop is."))):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
+            c.add_metric(values, float(s.get(key, 0)))
+            yield c
 
 
 class GatewayMetrics:

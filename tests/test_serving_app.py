@@ -8,6 +8,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from deploy.schema import validate_config
 from engines import LLM, SamplingParams
 from serving.app import create_local_app
 from serving.chat import DEFAULT_CHAT_TEMPLATE, render_chat
+
+T0 = time.monotonic()  # before any engine of this module exists
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "gpt2"
@@ -343,6 +346,10 @@ def test_metrics_cover_latency_tokens_and_engine_state(client):
     assert metric(m, "shardserve_http_requests_total", route="/v1/completions", status="404") >= 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio"):
         assert (f"shardserve_{gauge}", frozenset({("model", MODEL), ("replica", "local")})) in m
+    # the engine loop's work: at least one step per generated token of the 4-token request, and
+    # busy time that is positive but no more than the time since the client started
+    assert metric(m, "shardserve_engine_steps_total", model=MODEL) >= 4
+    assert 0 < metric(m, "shardserve_engine_busy_seconds_total", model=MODEL) < time.monotonic() - T0
 
 
 # auth
