@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpt2_124m_dir, read_bandwidth
+from benchmarks.common import gemv_stream_bandwidth, gpt2_124m_dir, read_bandwidth
 
 TARGET_VS_HF, TARGET_ROOFLINE_BF16 = 1.5, 0.60
 
@@ -90,6 +90,15 @@ def main() -> None:
               f"ratio {ours_tps / hf_tps:5.2f}x (target >= {TARGET_VS_HF}x) | read bw {bw / 1e9:5.1f} GB/s, "
               f"{wbytes / 1e6:.0f} MB/token -> roofline {roof_tps:6.1f} tok/s, ours at "
               f"{100 * ours_tps / roof_tps:4.1f}%")
+        if args.device == "cpu":
+            # the same matrices through torch's matrix-vector kernel with nothing in between: the
+            # fraction of the roofline a decode step could reach if everything else took no time
+            c = cfg.n_embd
+            shapes = [s for _ in range(cfg.n_layer) for s in ((3 * c, c), (c, c), (cfg.ffn_dim, c), (c, cfg.ffn_dim))]
+            gemv_bw = gemv_stream_bandwidth([*shapes, (cfg.vocab_size, c)], dtype)
+            print(f"  {'':9s} bare GEMV loop over the same matrices: {gemv_bw / 1e9:5.1f} GB/s = "
+                  f"{100 * gemv_bw / bw:4.1f}% of the read bandwidth (the ceiling of 'ours / roofline' with "
+                  f"torch's kernel); ours reaches {100 * (ours_tps * wbytes) / gemv_bw:4.1f}% of it")
         del hf, llm
     for name, _, _, ratio, _, frac in rows:
         ok_ratio = "MET" if ratio >= TARGET_VS_HF else "MISSED"

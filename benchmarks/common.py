@@ -47,6 +47,26 @@ def read_bandwidth(nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 5)
     return nbytes / best
 
 
+def gemv_stream_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype, repeats: int = 10) -> float:
+    """Bytes/s of torch.addmv / torch.mv streaming matrices of `shapes` (out, in) once each, in
+    order, in a bare loop (best of N): what a decode step's matrix-vector products could reach
+    with torch's own kernel if nothing else ran between them."""
+    mats = [(torch.randn(o, i).to(dtype), torch.randn(o).to(dtype), torch.randn(i).to(dtype)) for o, i in shapes]
+    nbytes = sum(w.numel() * w.element_size() for w, _, _ in mats)
+
+    def once():
+        for w, b, x in mats:
+            torch.addmv(b, w, x)
+
+    once()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
 def matmul_peak(dtype=torch.bfloat16, n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a large square matmul in this process (best of N)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
