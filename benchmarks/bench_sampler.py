@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def best_ms(fn, reps: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return 1000 * best
+from benchmarks.common import best_seconds
 
 
 def main() -> None:
@@ -56,7 +46,7 @@ def main() -> None:
 
         ours = ref = float("inf")
         for _ in range(3):
-            ours, ref = min(ours, best_ms(run_ours)), min(ref, best_ms(run_ref))
+            ours, ref = min(ours, 1000 * best_seconds(run_ours, 7)), min(ref, 1000 * best_seconds(run_ref, 7))
         print(f"  vocab {vocab:6d}: ours {ours:6.2f} ms | torch.multinomial {ref:6.2f} ms | {ref / ours:5.1f}x faster")
 
 

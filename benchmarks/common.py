@@ -47,6 +47,17 @@ def read_bandwidth(nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 5)
     return nbytes / best
 
 
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn(), after one untimed warm-up call (CPU work)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def gemv_stream_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype, repeats: int = 10) -> float:
     """Bytes/s of torch.addmv / torch.mv streaming matrices of `shapes` (out, in) once each, in
     order, in a bare loop (best of N): what a decode step's matrix-vector products could reach
@@ -58,25 +69,13 @@ def gemv_stream_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype, rep
         for w, b, x in mats:
             torch.addmv(b, w, x)
 
-    once()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_seconds(once, repeats)
 
 
 def matmul_peak(dtype=torch.bfloat16, n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a large square matmul in this process (best of N)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_seconds(lambda: a @ b, repeats)
 
 
 def median(xs):
