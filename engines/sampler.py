@@ -3,11 +3,12 @@
 Order: raw logprobs (reported as the model's, before any processing) -> min_tokens suppression
 -> repetition / presence / frequency penalties -> greedy rows take the argmax; the others are
 scaled by temperature, cut by top-k and top-p, and drawn by inverse transform: one uniform u per
-row, and the token is the first whose cumulative probability exceeds u times the row's total. A token of probability zero (cut by top-k / top-p) spans an empty interval and is never
-drawn. This costs one cumsum per row; the exponential race (argmax p_i / E_i), which needs a
-random number per vocabulary entry, was 13-18x slower on CPU and a fifth of a 64-row decode step.
-A seeded sequence draws its u from its own generator, so its tokens do not depend on what else
-is in the batch.
+row, and the token is the first whose cumulative probability exceeds u times the row's total.
+A token of probability zero (cut by top-k / top-p) spans an empty interval and is never drawn.
+This costs one cumsum per row; an exponential race (argmax p_i / E_i) or torch.multinomial
+needs a random number per vocabulary entry and was about 10x slower on CPU, a fifth of a 64-row
+decode step (benchmarks/bench_sampler.py). A seeded sequence draws its u from its own
+generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
