@@ -120,6 +120,7 @@ class Sampler:
 
     def _draw(self, states: list[SeqSamplerState], logits: torch.Tensor) -> torch.Tensor:
         params = [st.init.params for st in states]
+        unscaled = logits
         if any(p.temperature != 1.0 for p in params):
             temp = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
             logits = logits / temp
@@ -134,6 +135,7 @@ class Sampler:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the first token always stays)
             drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+            drop_sorted[:, 0] = False  # also when top_p rounds to 0 in float32
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         f32 = {"dtype": torch.float32, "device": probs.device}
@@ -150,4 +152,10 @@ class Sampler:
         total = cdf[:, -1:]
         # u < 1 so u * total < total; nextafter keeps the product's rounding from reaching the total
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True)[:, 0]
+        tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+        # a temperature so small that logits / T overflows leaves no finite distribution (NaN after
+        # the softmax): such a row takes the limit of sampling as T -> 0, the argmax
+        degenerate = ~(torch.isfinite(total[:, 0]) & (total[:, 0] > 0))
+        if degenerate.any():
+            tokens = torch.where(degenerate, unscaled.argmax(dim=-1), tokens)
+        return tokens

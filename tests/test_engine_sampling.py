@@ -186,6 +186,23 @@ def test_inverse_transform_draws_match_probabilities_and_skip_cut_tokens():
     assert a == c
 
 
+def test_degenerate_temperature_and_top_p_sample_the_argmax():
+    """logits / 1e-300 overflows to inf and the softmax to NaN: the row takes the T -> 0 limit
+    (the argmax); top_p=1e-300 is 0.0 in float32 and keeps just the top token. An ordinary row
+    in the same batch still samples."""
+    from engines.plan import SeqInit
+    from engines.sampler import Sampler
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    sampler = Sampler(4, seed=0, device=torch.device("cpu"))
+    sampler.add(SeqInit(0, 0, SamplingParams(temperature=1e-300), [0], ()))
+    sampler.add(SeqInit(1, 0, SamplingParams(temperature=1.0, top_k=2), [0], ()))
+    sampler.add(SeqInit(2, 0, SamplingParams(temperature=1.0, top_p=1e-300), [0], ()))  # 0.0 in float32
+    for _ in range(20):
+        (t0, _), (t1, _), (t2, _) = sampler.sample([0, 1, 2], logits.expand(3, -1).clone())
+        assert t0 == 1 and t1 in (1, 3) and t2 == 1
+
+
 def test_detokenizer_streams_whole_characters(gpt2_dir):
     tok = Tokenizer.from_dir(gpt2_dir)
     text = " naïve café 東京 🙂 Héllo wörld ß 中文 😀"  # the last three are not merges: split bytes
