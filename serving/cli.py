@@ -65,12 +65,11 @@ def serve(
     names = ", ".join(f"{m.name} ({m.path})" for m in cfg.models)
     where = f"joining Ray at {cfg.ray.address}" if cfg.ray.address else "starting a local Ray"
     typer.echo(f"shardserve: serving {names}; {where} ...")
-    # SIGTERM (docker stop, systemd) drains like Ctrl-C
-    signal.signal(signal.SIGTERM, _interrupt)
+    _take_signals()
     running = None
     try:
         running = launcher.start(cfg, keys, quiet=not verbose)
-        signal.signal(signal.SIGTERM, _interrupt)  # again: ray.init installed its own (which exits at once)
+        _take_signals()  # again: ray.init installed its own SIGTERM handler (which exits at once)
         _print_ready(running.url, cfg.models[0].name, bool(keys), running.started_in_s)
         while True:
             time.sleep(3600)
@@ -82,6 +81,14 @@ def serve(
         raise typer.Exit(1) from None
     _stop(running)
     typer.echo("shardserve: stopped")
+
+
+def _take_signals() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (docker stop, systemd) both drain and stop. SIGINT is set
+    explicitly too: a process started in the background by a non-interactive shell inherits it
+    ignored, and `kill -INT` would then do nothing."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _interrupt(signum, frame) -> None:
