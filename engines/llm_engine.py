@@ -209,7 +209,10 @@ class LLMEngine:
         seq, p = comp.seq, req.params
         if comp.detok is not None:
             comp.text += comp.detok.step(seq.token_ids[-1])
-        if p.stop and not seq.finished and seq.num_output >= p.min_tokens:
+            if seq.finished:  # no token follows: send what waited for the rest of a UTF-8 character
+                comp.text += comp.detok.flush()
+        # stop strings outrank the length limit (the token that reached max_tokens may complete one)
+        if p.stop and seq.finish_reason in (None, "length") and seq.num_output >= p.min_tokens:
             longest = max(len(s) for s in p.stop)
             # a stop string may straddle the previous piece: search the new tail only
             window_start = max(0, comp.emitted - longest)
@@ -218,7 +221,10 @@ class LLMEngine:
             if hits:
                 i, s = min(hits)
                 comp.text = comp.text[:i + len(s)] if p.include_stop_str_in_output else comp.text[:i]
-                self.scheduler.finish(seq, "stop", s)
+                if seq.finished:
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                else:
+                    self.scheduler.finish(seq, "stop", s)
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []

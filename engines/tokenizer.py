@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -60,16 +61,46 @@ class Detokenizer:
     """Text of generated tokens, emitted only as whole UTF-8 characters.
 
     The decode stream is primed with the prompt's tail so that tokenizers whose decoding depends
-    on the left context (SentencePiece's leading space) produce the right text.
+    on the left context (SentencePiece's leading space) produce the right text. Tokens that end in
+    an incomplete UTF-8 character are held back until a later token completes it; `flush` gives
+    what is still held when the sequence ends (a stray byte becomes U+FFFD, as `decode` gives it).
     """
+
+    CONTEXT = 4
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=prompt_ids[-4:], skip_special_tokens=skip_special_tokens)
+        self.skip_special_tokens = skip_special_tokens
+        self._held: list[int] = []
+        self._prime(prompt_ids)
+
+    def _prime(self, ids: list[int]) -> None:
+        # Text ending inside a UTF-8 character would prime the stream with a trailing U+FFFD, and
+        # DecodeStream then repeats the whole primer in its first piece: leave those ids out.
+        primer = list(ids[-2 * self.CONTEXT:])
+        while primer and self.tokenizer.decode(primer, self.skip_special_tokens).endswith("\ufffd"):
+            primer.pop()
+        self._context = primer[-self.CONTEXT:]  # ids before the held-back ones
+        self.stream = DecodeStream(ids=self._context, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         piece = self.stream.step(self.tokenizer.tk, token_id)
-        return piece or ""
+        self._held.append(token_id)
+        if not piece:
+            return ""
+        self._context = (self._context + self._held)[-self.CONTEXT:]
+        self._held = []
+        return piece
+
+    def flush(self) -> str:
+        """The text of the held-back tokens, incomplete characters and all; "" if none are held."""
+        if not self._held:
+            return ""
+        before = self.tokenizer.decode(self._context, self.skip_special_tokens)
+        after = self.tokenizer.decode(self._context + self._held, self.skip_special_tokens)
+        self._prime(self._context + self._held)
+        self._held = []
+        return after[len(os.path.commonprefix([before, after])):]
 
 
 def _token_text(tok) -> str | None:

@@ -212,3 +212,41 @@ def test_detokenizer_streams_whole_characters(gpt2_dir):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert any(p == "" for p in pieces)  # some tokens were partial characters and were held back
+
+
+def test_detokenizer_flushes_a_partial_character_when_the_sequence_ends(gpt2_dir):
+    tok = Tokenizer.from_dir(gpt2_dir)
+    ids = tok.encode(" 😀")  # not a merge: split into byte tokens
+    assert len(ids) > 2
+    detok = tok.detokenizer(tok.encode("Hi"), skip_special_tokens=True)
+    assert [detok.step(i) for i in ids[:-1]] == [""] * (len(ids) - 1)  # an incomplete character is held
+    tail = detok.flush()
+    assert tail == tok.decode(ids[:-1]) and "\ufffd" in tail
+    assert detok.flush() == ""  # flushed once
+    assert detok.step(tok.encode(" a")[0]) == " a"  # and the stream goes on from there
+
+
+def test_output_text_is_the_decoded_tokens_even_when_they_end_mid_character(llm):
+    # Random prompts make this tiny random model emit runs of stray byte tokens (e.g. one
+    # continuation byte over and over) that never complete a UTF-8 character: the text must still
+    # arrive when the sequence ends, not vanish with the held-back bytes.
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.engine.tokenizer.vocab_size
+    prompts = torch.randint(1, vocab, (400, 12), generator=g).tolist()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    tok = llm.engine.tokenizer
+    assert all(o.outputs[0].text == tok.decode(o.outputs[0].token_ids) for o in outs)
+    assert any("\ufffd" in o.outputs[0].text for o in outs)  # the case above did occur
+
+
+def test_stop_string_completed_by_the_last_allowed_token_still_stops(llm):
+    full = greedy(llm, max_tokens=40).text
+    for k in range(4, 40):  # a run whose stop string first appears only with its last token
+        text = greedy(llm, max_tokens=k).text
+        stop = text[-2:]
+        if len(stop) == 2 and text.find(stop) == len(text) - 2 and full.startswith(text):
+            break
+    else:
+        pytest.skip("no suitable stop string in this model's greedy text")
+    out = greedy(llm, max_tokens=k, stop=[stop])
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[:-2], "stop", stop)
