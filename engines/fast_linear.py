@@ -5,8 +5,8 @@ On CPU, a matrix-vector product (decode at batch 1) is memory-bound, and the ker
 and `torch.mv` stream memory at very different rates depending on the build, the dtype and the
 shape: measured here at batch 1, bf16 `mv` reads at 86% of the fp32-sum bandwidth where
 `F.linear` reaches 58%, and fp32 `F.linear` was up to 3x slower than the pre-transposed `mm` on
-some shapes. So each distinct (out, in, dtype) shape is timed once, all three ways, at load, and
-the fastest is kept. Batches of more than one row always use a matrix-matrix kernel.
+some shapes. So each distinct (out, in, dtype) shape is timed all three ways when the first model
+with it loads in the process, and the fastest is kept. Batches of more than one row always use a matrix-matrix kernel.
 The model file stays plain; this only swaps modules of exact type nn.Linear (a parallel layer
 that subclasses Linear keeps its own forward).
 """
@@ -65,7 +65,20 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+_CHOSEN: dict[tuple[int, int, torch.dtype], str] = {}
+"""Choices already timed in this process: every engine built here uses the same kernel for a
+shape (the same rounding, hence the same tokens) and pays for the timing once."""
+
+
 def fastest_kernel(out_f: int, in_f: int, dtype: torch.dtype, reps: int = 7) -> str:
+    """The shape's kernel, timed on first use in the process (see `_time_kernels`)."""
+    key = (out_f, in_f, dtype)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _time_kernels(out_f, in_f, dtype, reps)
+    return _CHOSEN[key]
+
+
+def _time_kernels(out_f: int, in_f: int, dtype: torch.dtype, reps: int) -> str:
     """Time the three kernels on one row, interleaved; plain linear unless another wins by 10%."""
     w = torch.randn(out_f, in_f).to(dtype)
     wt = w.t().contiguous()

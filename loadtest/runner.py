@@ -154,8 +154,8 @@ class _Runner:
         sem = asyncio.Semaphore(cap) if cap else None
         times, specs, warmup = self.plan.times.tolist(), self.plan.specs, self.plan.warmup
         for i, due in enumerate(times):
-            delay = self.t0 + due - perf_counter()
-            if delay > 0:
+            # a loop timer may fire up to a millisecond early (uvloop rounds): never send early
+            while (delay := self.t0 + due - perf_counter()) > 0:
                 await asyncio.sleep(delay)
             if self.stop_reason is not None:
                 break

@@ -2,7 +2,8 @@
 
 `start` starts an embedded local Ray instance (or joins `cfg.ray.address`), runs the application,
 and returns once every replica is ready. `stop` drains it (Ray Serve waits up to
-server.drain_timeout_s for in-flight requests) and stops Ray if we started it.
+server.drain_timeout_s for in-flight requests), stops Ray if we started it, and returns once
+the port is free again.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from deploy.schema import ConfigFileError, DeploymentConfig
 from serving.gateway import hash_key
@@ -141,4 +143,21 @@ def stop(running: Running | None = None) -> None:
     finally:
         if running is None or running.owns_ray:
             ray.shutdown()  # Serve's controller and proxy go with the Ray instance we started
+        if running is not None and running.owns_ray:
+            wait_port_free(running.url)
+
+
+def wait_port_free(url: str, timeout_s: float = 15.0) -> bool:
+    """Wait until nothing listens on the URL's port (a listener's socket closes only when its
+    process has exited, which ray.shutdown does not wait for), so that a restart can bind it.
+    False if it is still taken after timeout_s."""
+    from serving.direct_http import port_in_use
+
+    u = urlsplit(url)
+    deadline = time.monotonic() + timeout_s
+    while port_in_use(u.hostname, u.port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 

@@ -43,13 +43,13 @@ def make_checkpoint(out_dir: Path, family: str, seed: int = 0, **overrides) -> P
     vocab = train_tokenizer(out_dir)
     torch.manual_seed(seed)
     if family == "gpt2":
-        cfg = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                         bos_token_id=0, eos_token_id=0, **overrides)
+        cfg = GPT2Config(**{"vocab_size": vocab, "n_positions": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
+                            "bos_token_id": 0, "eos_token_id": 0, **overrides})
         model = GPT2LMHeadModel(cfg)
     else:
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                          bos_token_id=0, eos_token_id=0, **overrides)
+        cfg = LlamaConfig(**{"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                             "bos_token_id": 0, "eos_token_id": 0, **overrides})
         model = LlamaForCausalLM(cfg)
     # wider-than-default weights so that logits are far from ties (robust greedy comparisons)
     with torch.no_grad():

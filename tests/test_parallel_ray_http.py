@@ -21,6 +21,8 @@ pytestmark = pytest.mark.integration
 
 ray = pytest.importorskip("ray")
 
+from conftest import make_checkpoint
+
 from deploy.schema import validate_config
 from serving import launcher
 from serving.ray_executor import SHARD_ACTOR_PREFIX
@@ -28,16 +30,18 @@ from training.distributed import free_port
 
 MODEL = "tp2"
 PROMPT = "To be, or not to be, that is the question"
+LONG = 1000  # tokens per request: seconds of decoding, so that the kill surely lands mid-request
 
 
 
 @pytest.fixture(scope="module")
-def url(gpt2_dir):
+def url(tmp_path_factory):
+    model_dir = make_checkpoint(tmp_path_factory.mktemp("gpt2-long"), "gpt2", n_positions=LONG + 24)
     if ray.is_initialized():
         ray.shutdown()
     cfg = validate_config({
-        "models": [{"name": MODEL, "path": str(gpt2_dir), "replicas": 1, "num_cpus": 1, "shard_num_cpus": 1,
-                    "engine": {"num_kv_blocks": 256, "cpu_linear_autotune": False, "tensor_parallel_size": 2,
+        "models": [{"name": MODEL, "path": str(model_dir), "replicas": 1, "num_cpus": 1, "shard_num_cpus": 1,
+                    "engine": {"num_kv_blocks": 512, "cpu_linear_autotune": False, "tensor_parallel_size": 2,
                                "worker_threads": 1, "dist_timeout_s": 30}}],
         "server": {"port": free_port(), "log_requests": False, "drain_timeout_s": 2},
     })
@@ -79,15 +83,19 @@ def kill_one_shard() -> str:
 
 
 def test_killed_shard_fails_in_flight_with_503_and_the_model_serves_again(url):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             ok = await client.post("/v1/completions", json={**body, "max_tokens": 4})
             assert ok.status_code == 200, ok.text
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
-            await asyncio.sleep(1.5)  # the requests are decoding
-            killed = kill_one_shard()
+            # kill once decoding is under way: when a probe stream sent beside them has a token
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as probe:
+                async for line in probe.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+                killed = kill_one_shard()
             t0 = time.monotonic()
             done = await asyncio.wait_for(asyncio.gather(*tasks), 30)  # none hangs
             return killed, t0, time.monotonic(), done

@@ -3,6 +3,7 @@ curl line that works; Ctrl-C drains and exits cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -71,20 +72,34 @@ def test_serve_prints_a_working_curl_and_drains_on_ctrl_c_or_sigterm(gpt2_dir, s
         out = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
         assert out.returncode == 0, out.stderr
         assert '"object":"text_completion"' in out.stdout and '"model":"tiny"' in out.stdout
-        # Ctrl-C / SIGTERM while a request runs: it is drained, not cut
-        in_flight: dict = {}
+        # Ctrl-C / SIGTERM while a request runs (its first tokens are out): it is drained, not cut
+        in_flight: dict = {"events": []}
+        started = threading.Event()
 
         def long_request():
-            in_flight["r"] = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": "x", "max_tokens": 200, "n": 8, "ignore_eos": True})
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+                        "model": "tiny", "prompt": "x", "max_tokens": 200, "n": 8, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}) as r:
+                    in_flight["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            in_flight["events"].append(line[6:])
+                            started.set()
+            except httpx.HTTPError as exc:
+                in_flight["error"] = exc
+            finally:
+                started.set()
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(0.3)
+        assert started.wait(timeout=60) and "error" not in in_flight, in_flight
         proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=120)
         t.join(timeout=60)
-        assert in_flight["r"].status_code == 200, in_flight["r"].text
-        assert in_flight["r"].json()["usage"]["completion_tokens"] == 200 * 8
+        events = in_flight["events"]
+        assert in_flight.get("status") == 200 and "error" not in in_flight, in_flight
+        assert events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 200 * 8
         lines.append(rest)
         assert proc.returncode == 0, "".join(lines)
         assert "shardserve: stopped" in rest

@@ -3,7 +3,8 @@ official clients (`openai`, `tritonclient.http`) over HTTP on 127.0.0.1.
 
 One Ray session for the module (starting Ray is the slow part). Models:
   gpt2        2 replicas, room for 2 x (16 running + 64 waiting) sequences
-  tight       1 replica, 2 running + 1 waiting: the admission limit is easy to reach
+  tight       1 replica, 2 running + 1 waiting: the admission limit is easy to reach (its own
+              checkpoint with 2,048 positions, so that a long request stays in flight for seconds)
   gpt2-tp2    1 replica whose engine is split over 2 shard-worker actors (tensor parallel)
 """
 
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 ray = pytest.importorskip("ray")
 
+from conftest import make_checkpoint
 from test_serving_app import metric, parse_metrics
 
 from deploy.schema import validate_config
@@ -29,18 +31,19 @@ from serving import launcher
 from training.distributed import free_port
 
 ENGINE = {"num_kv_blocks": 512, "cpu_linear_autotune": False}
-
+LONG = 2000  # tokens of a request that must still be running when the test acts on it
 
 
 @pytest.fixture(scope="module")
-def url(gpt2_dir):
+def url(gpt2_dir, tmp_path_factory):
+    long_dir = make_checkpoint(tmp_path_factory.mktemp("gpt2-long"), "gpt2", n_positions=LONG + 48)
     if ray.is_initialized():  # another module's session: start clean
         ray.shutdown()
     cfg = validate_config({
         "models": [
             {"name": "gpt2", "path": str(gpt2_dir), "replicas": 2, "num_cpus": 1,
              "engine": {**ENGINE, "max_num_seqs": 16}, "max_waiting": 64},
-            {"name": "tight", "path": str(gpt2_dir), "replicas": 1, "num_cpus": 1,
+            {"name": "tight", "path": str(long_dir), "replicas": 1, "num_cpus": 1,
              "engine": {**ENGINE, "max_num_seqs": 2}, "max_waiting": 1, "retry_after_s": 2},
             {"name": "gpt2-tp2", "path": str(gpt2_dir), "replicas": 1, "num_cpus": 1, "shard_num_cpus": 1,
              "engine": {**ENGINE, "tensor_parallel_size": 2, "worker_threads": 1}},
@@ -65,6 +68,32 @@ def openai_client(url):
 
 def scrape(url: str) -> dict:
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def wait_for(url: str, ready, what: str, timeout: float = 30) -> dict:
+    """Scrape until `ready(metrics)` holds (the replicas publish every 0.2 s, through Ray calls
+    that a busy machine may delay); fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        if ready(m):
+            return m
+        assert time.monotonic() < deadline, f"{what} (after {timeout:g} s)"
+        time.sleep(0.1)
+
+
+def settled(url: str, value, timeout: float = 30) -> dict:
+    """A scrape once `value(metrics)` has stopped moving: the same in two scrapes 1 s apart (five
+    publishing intervals), so that late counts of earlier requests are in."""
+    prev = scrape(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(1.0)
+        m = scrape(url)
+        if value(m) == value(prev):
+            return m
+        assert time.monotonic() < deadline, "the metrics never settled"
+        prev = m
 
 
 def test_openai_client_completions(openai_client):
@@ -145,14 +174,16 @@ def test_100_concurrent_streams_complete(url):
                 return text, finish
             return await asyncio.gather(*[one(i) for i in range(100)], return_exceptions=True)
 
-    time.sleep(0.6)  # let earlier tests' counts reach the hub (replicas publish every 0.2 s)
-    before = scrape(url)
+    def tokens(m: dict) -> float:
+        return metric(m, "shardserve_generation_tokens_total", model="gpt2")
+
+    before = settled(url, tokens)  # earlier tests' counts are in
     results = asyncio.run(main())
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors[:3]
     assert all(finish == "length" for _, finish in results)
-    time.sleep(0.6)  # replicas publish their metrics every 0.2 s
-    after = scrape(url)
+    wait_for(url, lambda m: tokens(m) - tokens(before) >= 100 * 12, "the 1,200 tokens were not all counted")
+    after = settled(url, tokens)
     replicas = {dict(ls)["replica"] for (n, ls) in after if n == "shardserve_generation_tokens_total"
                 and dict(ls).get("model") == "gpt2"}
     assert len(replicas) == 2, "both replicas report metrics"
@@ -163,7 +194,7 @@ def test_100_concurrent_streams_complete(url):
 
 
 def test_admission_limit_gives_429(url):
-    body = {"model": "tight", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    body = {"model": "tight", "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True}
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=60) as c, contextlib.AsyncExitStack() as stack:
@@ -178,21 +209,14 @@ def test_admission_limit_gives_429(url):
 
 
 def test_disconnected_stream_frees_its_kv_blocks(url):
-    body = {"model": "tight", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    body = {"model": "tight", "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     def aborts(m: dict) -> float:
         return metric(m, "shardserve_requests_finished_total", model="tight", finish_reason="abort")
 
-    # the 429 test's streams: wait until they are gone and their aborts are all counted (the
-    # replicas publish every 0.2 s, so two scrapes 0.6 s apart must agree)
-    deadline = time.monotonic() + 30
-    before = scrape(url)
-    while True:
-        time.sleep(0.6)
-        now = scrape(url)
-        if metric(now, "shardserve_num_sequences_admitted", model="tight") == 0 and aborts(now) == aborts(before):
-            break
-        assert time.monotonic() < deadline, "the previous test's requests never settled"
-        before = now
+    # the 429 test's streams: wait until they are gone and their aborts are all counted
+    wait_for(url, lambda m: metric(m, "shardserve_num_sequences_admitted", model="tight") == 0,
+             "the previous test's requests never ended")
+    before = settled(url, aborts)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -208,7 +232,7 @@ def test_disconnected_stream_frees_its_kv_blocks(url):
         time.sleep(0.05)
     generated = (metric(m, "shardserve_generation_tokens_total", model="tight")
                  - metric(before, "shardserve_generation_tokens_total", model="tight"))
-    assert generated < 240, "the request ran to the end although its client had left"
+    assert generated < LONG, "the request ran to the end although its client had left"
 
 
 def test_tensor_parallel_replica_matches_single_device(openai_client):
@@ -219,8 +243,11 @@ def test_tensor_parallel_replica_matches_single_device(openai_client):
 
 
 def test_metrics_report_every_replica_and_gateway(url):
-    time.sleep(0.6)  # replicas publish every 0.2 s
-    m = scrape(url)
+    def ttft_counts(m: dict) -> list[float]:
+        return [metric(m, "shardserve_time_to_first_token_seconds_count", model=model)
+                for model in ("gpt2", "tight", "gpt2-tp2")]
+
+    m = wait_for(url, lambda m: all(ttft_counts(m)), "a model's replica never published its metrics")
     for model in ("gpt2", "tight", "gpt2-tp2"):
         assert metric(m, "shardserve_time_to_first_token_seconds_count", model=model) > 0, model
         assert any(n == "shardserve_kv_cache_usage_ratio" and dict(ls)["model"] == model for n, ls in m), model

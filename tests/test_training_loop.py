@@ -115,9 +115,10 @@ def test_resume_refuses_another_recipe(data_dir, tmp_path):
 
 
 def test_time_budget_ends_the_run_annealed(data_dir, tmp_path):
-    recipe = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 100000, "time_budget_s": 1.0})
+    # 3 s: long enough that one slow last step (a stall on a busy machine) still starts late in the cosine
+    recipe = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 100000, "time_budget_s": 3.0})
     result = train(recipe, progress=False, log=lambda *a: None)
-    assert 1 < result.state.step < 100000 and result.state.elapsed_s < 5
+    assert 1 < result.state.step < 100000 and result.state.elapsed_s < 10
     last = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r][-1]
     assert last["lr"] < 0.1 * recipe.optim.lr + recipe.optim.min_lr  # the cosine has run its course
 
