@@ -125,3 +125,20 @@ def test_health_check_sees_a_dead_idle_worker(llama_dir):
     finally:
         executor.shutdown()
     assert not executor.procs
+
+
+def test_rendezvous_waits_past_the_step_timeout_then_names_the_missing_ranks():
+    """A rank that is slow to start (imports, shard loading on a busy machine) gets the start
+    deadline, not the short per-collective one; one that never comes is reported by count."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engines.parallel.comm import init_distributed
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="only 1 of 2 shard ranks joined within 2 s"):
+        init_distributed(0, 2, "127.0.0.1", store.port, "gloo", 0.1, None, torch.device("cpu"), start_timeout_s=2)
+    assert time.monotonic() - t0 >= 2  # waited for the start deadline, not the 0.1 s step timeout

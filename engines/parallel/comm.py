@@ -11,10 +11,13 @@ all-reduce each rank sends 2(p-1)/p times that, which is exactly the payload whe
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from datetime import timedelta
 
 import torch
+
+ARRIVED_KEY = "shardserve/ranks_arrived"
 
 
 class Comm:
@@ -156,15 +159,25 @@ class DistComm(Comm):
 
 
 def init_distributed(rank: int, world_size: int, store_host: str, store_port: int, backend: str,
-                     timeout_s: float, layout, device: torch.device) -> DistComm:
+                     timeout_s: float, layout, device: torch.device, start_timeout_s: float = 300.0) -> DistComm:
     """Join the group through the driver's TCPStore and build this rank's DistComm.
 
     Every rank creates every stage's TP group, in the same order (torch.distributed requires it).
+    timeout_s bounds each collective (a hung peer); start_timeout_s bounds the wait for all ranks to
+    arrive, which on a busy machine (each rank imports torch and loads its shard) can take longer.
     """
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=timeout)
+    start = max(timeout_s, start_timeout_s)
+    store = dist.TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=timedelta(seconds=start))
+    # a barrier on the store first, so that the group forms only once every rank is there
+    store.add(ARRIVED_KEY, 1)
+    deadline = time.monotonic() + start
+    while (arrived := store.add(ARRIVED_KEY, 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of {world_size} shard ranks joined within {start:.0f} s")
+        time.sleep(0.02)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     tp_rank, pp_rank = layout.coords(rank)
     my_group = None
