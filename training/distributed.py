@@ -15,6 +15,7 @@ MASTER_PORT) and nothing else.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import threading
@@ -135,9 +136,33 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def free_port() -> int:
+    """A port free on 127.0.0.1, chosen below the kernel's ephemeral range when possible.
+
+    A port from bind(0) is an ephemeral one: the kernel may hand it to any outgoing connection
+    between now and its use (Ray starts dozens of processes in that time). Ports in 20000 up to the
+    ephemeral range are above Ray's worker ports (10002-19999) and are never given out that way.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100 if low > 21000 else 0):
+        port = rng.randrange(20000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere the range differs, but 20000-32767 is rarely used
 
 
 def _spawned(local_rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple) -> None:
