@@ -207,16 +207,19 @@ class LLMEngine:
 
     def _on_token(self, req: _Request, comp: _Completion) -> None:
         seq, p = comp.seq, req.params
+        prev_len = len(comp.text)
         if comp.detok is not None:
-            comp.text += comp.detok.step(seq.token_ids[-1])
+            # EOS or a stop token id: its own text is not output (unless include_stop_str_in_output)
+            by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            if not by_token or p.include_stop_str_in_output:
+                comp.text += comp.detok.step(seq.token_ids[-1])
             if seq.finished:  # no token follows: send what waited for the rest of a UTF-8 character
                 comp.text += comp.detok.flush()
         # stop strings outrank the length limit (the token that reached max_tokens may complete one)
         if p.stop and seq.finish_reason in (None, "length") and seq.num_output >= p.min_tokens:
-            longest = max(len(s) for s in p.stop)
-            # a stop string may straddle the previous piece: search the new tail only
-            window_start = max(0, comp.emitted - longest)
-            hits = [(comp.text.find(s, window_start), s) for s in p.stop]
+            # only a stop string that ends in this token's text counts: one wholly in earlier text
+            # was either checked already or came before min_tokens allowed stopping
+            hits = [(comp.text.find(s, max(0, prev_len - len(s) + 1)), s) for s in p.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)

@@ -32,6 +32,21 @@ class SeqSamplerState:
     output_ids: list[int] = field(default_factory=list)
 
 
+_M64 = 2**64 - 1
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The generator seed of completion `index` of a request seeded with `seed`: the seed itself
+    for the first, a 64-bit mix (splitmix64) of both for the others, so that requests with nearby
+    seeds (7 with n=3, 8 with n=2) do not share completions, as `seed + index` made them."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -43,7 +58,7 @@ class Sampler:
         gen = None
         if init.params.seed is not None:
             # one stream per completion of an n > 1 request
-            gen = torch.Generator(device=self.device).manual_seed(init.params.seed + init.index)
+            gen = torch.Generator(device=self.device).manual_seed(completion_seed(init.params.seed, init.index))
         st = SeqSamplerState(init, gen)
         if init.params.has_penalties:
             st.counts = torch.zeros(self.vocab_size, device=self.device)

@@ -82,8 +82,8 @@ class SamplingParams:
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and -1 <= self.top_k <= 2**31 - 1, "top_k",
                f"must be an integer in [-1, 2**31 - 1] (0 or -1 disables), got {self.top_k!r}")
-        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63 - 2**10), "seed",
-               f"must be an integer in [-2**63, 2**63 - 1024), got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63), "seed",
+               f"must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
         _check(all(_is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids), "stop_token_ids",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -18,6 +19,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        self._is_byte_level: bool | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
@@ -49,6 +51,30 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.tk.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, which clients join to rebuild text (OpenAI's logprob `bytes`).
+
+        A token holding part of a UTF-8 character decodes alone to U+FFFD; its bytes come from the
+        vocabulary instead: `<0xE2>` pieces (byte fallback) or the byte-to-character table of
+        byte-level BPE (GPT-2's `Ġ` for a space).
+        """
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.id_to_token(token_id) or ""
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level() and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return text.encode()
+
+    def _byte_level(self) -> bool:
+        if self._is_byte_level is None:
+            decoder = json.loads(self.tk.to_str()).get("decoder") or {}
+            kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+            self._is_byte_level = "ByteLevel" in kinds
+        return self._is_byte_level
 
     def token_id(self, text: str | None) -> int | None:
         return self.tk.token_to_id(text) if text else None
@@ -101,6 +127,25 @@ class Detokenizer:
         self._prime(self._context + self._held)
         self._held = []
         return after[len(os.path.commonprefix([before, after])):]
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's table (GPT-2): printable bytes stand for themselves, the other 68 for the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_of_char()
 
 
 def _token_text(tok) -> str | None:

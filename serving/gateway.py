@@ -57,6 +57,7 @@ class ServedModel:
     info: ModelInfo
     tokenizer: Tokenizer | None
     _token_text: dict[int, str] = field(default_factory=dict)
+    _token_bytes: dict[int, bytes] = field(default_factory=dict)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -68,6 +69,14 @@ class ServedModel:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, for chat logprobs (right also for part of a UTF-8 character)."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            b = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else self.token_text(token_id).encode()
+            self._token_bytes[token_id] = b
+        return b
 
     def token_text(self, token_id: int) -> str:
         """A token as text, for logprobs (cached: the same ids recur)."""

@@ -283,11 +283,11 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
             if t.get("datatype") != "BYTES":
                 raise errors.invalid("inputs[text_input].datatype: must be BYTES", "inputs[text_input].datatype")
             texts, shape = values, tshape
+        elif tname == "stop":  # a BYTES tensor of shape [-1]: one stop string per element
+            gen_values[tname] = list(values)
         elif tname in GenerateParams.model_fields:
             v = _scalar(tname, values)
-            if tname == "stop":
-                v = [v]
-            elif t.get("datatype") == "BOOL":
+            if t.get("datatype") == "BOOL":
                 v = bool(v)
             gen_values[tname] = v
         elif tname == "stream":

@@ -114,6 +114,8 @@ class _CompletionView:
         self.finish: list[str | None] = [None] * count
         self.prompt_lp: dict[int, list[TokenLogprob | None]] = {}
         self.started: set[int] = set()
+        self.offset = [0] * count
+        """Per choice: where its next token's text_offset starts (echo text + earlier tokens' text)."""
         self.usage: tuple[int, int] | None = None
 
     def _empty_lp(self) -> dict | None:
@@ -149,15 +151,20 @@ class _CompletionView:
             self.prompt_lp.update(chunk.prompt_logprobs)
         choices = []
         for d in chunk.deltas:
-            text, lp = d.text, None
-            if self.body.logprobs is not None:
-                lp = self._lp(d.token_ids, d.logprobs, len(self.text[d.index]))
+            text, lp, echo = d.text, None, None
             if self.body.echo and d.index not in self.started:
-                etext, elp = self._echo(d.index)
+                echo = self._echo(d.index)
+                self.offset[d.index] += len(echo[0])
+            if self.body.logprobs is not None:
+                # offsets count token texts, not the text sent so far: that lags behind while a
+                # possible stop string or part of a UTF-8 character is held back
+                lp = self._lp(d.token_ids, d.logprobs, self.offset[d.index])
+                self.offset[d.index] += sum(len(t) for t in lp["tokens"])
+            if echo is not None:
+                etext, elp = echo
                 text = etext + text
                 if lp is not None and elp is not None:
-                    shift = len(etext)
-                    lp = {k: elp[k] + (lp[k] if k != "text_offset" else [o + shift for o in lp[k]]) for k in lp}
+                    lp = {k: elp[k] + lp[k] for k in lp}
             self.started.add(d.index)
             self.text[d.index] += text
             choices.append({"index": d.index, "text": text, "logprobs": lp,
@@ -275,10 +282,10 @@ class _ChatView:
         k = self.body.top_logprobs or 0
         out = []
         for tid, e in zip(token_ids, entries):
-            tok = self.model.token_text(tid)
-            tops = [{"token": (t := self.model.token_text(a)), "logprob": lp, "bytes": list(t.encode())}
-                    for a, lp in e.top[:k]]
-            out.append({"token": tok, "logprob": e.logprob, "bytes": list(tok.encode()), "top_logprobs": tops})
+            m = self.model
+            tops = [{"token": m.token_text(a), "logprob": lp, "bytes": list(m.token_bytes(a))} for a, lp in e.top[:k]]
+            out.append({"token": m.token_text(tid), "logprob": e.logprob, "bytes": list(m.token_bytes(tid)),
+                        "top_logprobs": tops})
         return out
 
     def add(self, chunk: GenerateChunk) -> None:

@@ -17,8 +17,8 @@ from serving.errors import APIError, invalid
 
 MAX_N = 128
 INT32_MAX = 2**31 - 1
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
-"""torch generators take 64-bit seeds, and completion i of a request draws with seed + i."""
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""A 64-bit signed seed (what torch generators take)."""
 MAX_STOP = 16
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20

@@ -64,6 +64,43 @@ def test_stop_token_ids(llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", tok)
 
 
+def test_stop_token_text_is_left_out_unless_asked_for(llm):
+    full = greedy(llm, max_tokens=20)
+    tok = full.token_ids[4]
+    first = full.token_ids.index(tok)
+    tk = llm.engine.tokenizer
+    out = greedy(llm, max_tokens=20, stop_token_ids=[tok])
+    assert out.text == tk.decode(full.token_ids[:first])  # as vLLM: the stop token's text is not output
+    kept = greedy(llm, max_tokens=20, stop_token_ids=[tok], include_stop_str_in_output=True)
+    assert kept.text == tk.decode(full.token_ids[:first + 1])
+
+
+def test_stop_string_written_before_min_tokens_does_not_count(gpt2_dir):
+    from engines import EngineConfig
+    from engines.llm_engine import LLMEngine
+
+    full = LLM(gpt2_dir).generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    tk = Tokenizer.from_dir(gpt2_dir)
+    early = tk.decode(full.token_ids[:5])
+    stop = early[-3:]  # ends in the 5th token's text, the last before stop strings may end the output
+    assert len(stop) == 3
+    engine = LLMEngine(gpt2_dir, EngineConfig())
+    engine.add_request("s", PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop],
+                                                   min_tokens=6))
+    streamed, last = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].text_delta
+            last = out.outputs[0]
+    assert streamed == last.text  # what was streamed is the final text: never cut behind it
+    checked_from = len(tk.decode(full.token_ids[:5]))  # the 6th token's text on may end a stop string
+    i = full.text.find(stop, checked_from - len(stop) + 1)
+    if i >= 0:  # a later occurrence ends the output there
+        assert (last.finish_reason, last.text) == ("stop", full.text[:i])
+    else:
+        assert last.finish_reason == "length" and last.text == full.text
+
+
 def test_min_tokens_suppresses_stop_tokens(llm):
     first = greedy(llm, max_tokens=1).token_ids[0]
     out = greedy(llm, max_tokens=8, stop_token_ids=[first], min_tokens=4)
@@ -93,6 +130,11 @@ def test_n_completions_seeded_and_reproducible(llm):
     assert [o.index for o in a.outputs] == [0, 1, 2]
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert len({tuple(o.token_ids) for o in a.outputs}) == 3
+    # nearby seeds share no completion (with seed + index, 7's second was 8's first)
+    c = llm.generate([PROMPT], SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=12, ignore_eos=True))[0]
+    assert not {tuple(o.token_ids) for o in a.outputs} & {tuple(o.token_ids) for o in c.outputs}
+    one = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))[0]
+    assert one.outputs[0].token_ids == a.outputs[0].token_ids  # completion 0 draws with the seed itself
 
 
 def _reference_penalised_greedy(hf, prompt_ids, steps, frequency=0.0, presence=0.0):
@@ -250,3 +292,24 @@ def test_stop_string_completed_by_the_last_allowed_token_still_stops(llm):
         pytest.skip("no suitable stop string in this model's greedy text")
     out = greedy(llm, max_tokens=k, stop=[stop])
     assert (out.text, out.finish_reason, out.stop_reason) == (text[:-2], "stop", stop)
+
+
+def test_token_bytes_rebuild_the_text_even_for_parts_of_characters(gpt2_dir):
+    tok = Tokenizer.from_dir(gpt2_dir)
+    text = " naïve 東京 🙂 中文 😀"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens hold part of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_byte_fallback_pieces():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}, "\u2581a": 257}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = Tokenizer(hf)
+    emoji = "😀".encode()
+    assert [tok.token_bytes(b + 1) for b in emoji] == [bytes([b]) for b in emoji]
+    assert tok.token_bytes(257) == b" a"

@@ -159,6 +159,20 @@ def test_streaming_completion_matches_non_streaming(client):
     assert all(e["usage"] is None for e in events[:-1])
 
 
+def test_streamed_logprobs_match_non_streaming_with_a_stop_string(client):
+    # a stop string makes the server hold back text while tokens go out: the streamed text_offset
+    # must still count token texts, as the non-streaming reply does
+    body = {"model": MODEL, "prompt": "Whether 'tis nobler", "max_tokens": 12, "temperature": 0, "logprobs": 1,
+            "stop": ["\x01 never \x02"]}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    events, done = stream(client, "/v1/completions", {**body, "stream": True})
+    assert done
+    got = {k: [x for e in events for c in e["choices"] if c["logprobs"] for x in c["logprobs"][k]]
+           for k in ("tokens", "text_offset")}
+    assert got == {k: whole[k] for k in ("tokens", "text_offset")}
+    assert whole["text_offset"] == [sum(len(t) for t in whole["tokens"][:i]) for i in range(12)]
+
+
 def test_streaming_without_usage_has_no_usage_field(client):
     events, done = stream(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True})
     assert done and events and all("usage" not in e for e in events)
@@ -192,8 +206,11 @@ def test_chat_streaming_and_logprobs(client):
     assert len(content) == 6
     for entry in content:
         assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert entry["bytes"] == list(entry["token"].encode())
+        # a token holding part of a UTF-8 character shows as U+FFFD but has its real bytes
+        assert entry["bytes"] == list(entry["token"].encode()) or "\ufffd" in entry["token"]
         assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["token"] == entry["token"]
+    joined = bytes(b for entry in content for b in entry["bytes"]).decode(errors="replace")
+    assert joined == whole["choices"][0]["message"]["content"]
     events, done = stream(client, "/v1/chat/completions", {**body, "stream": True,
                                                             "stream_options": {"include_usage": True}})
     assert done
@@ -251,6 +268,19 @@ def test_v2_infer_json_matches_completions(client):
     (o,) = out["outputs"]
     assert o["name"] == "text_output" and o["datatype"] == "BYTES" and o["shape"] == [2, 1]
     assert o["data"] == [c["text"] for c in want]
+
+
+def test_v2_infer_stop_tensor_holds_several_strings(client):
+    full = client.post("/v1/completions", json={"model": MODEL, "prompt": "To be", "max_tokens": 20,
+                                                 "temperature": 0}).json()["choices"][0]["text"]
+    stop = full[5:8]
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["To be"]},
+                       {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [20]},
+                       {"name": "stop", "datatype": "BYTES", "shape": [2], "data": ["\x01never", stop]}],
+            "parameters": {"temperature": 0}}
+    r = client.post(f"/v2/models/{MODEL}/infer", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == [full[:full.index(stop)]]
 
 
 def test_v2_infer_binary_tensors_as_tritonclient_sends_them(client):
