@@ -6,7 +6,8 @@ and `torch.mv` stream memory at very different rates depending on the build, the
 shape: measured here at batch 1, bf16 `mv` reads at 86% of the fp32-sum bandwidth where
 `F.linear` reaches 58%, and fp32 `F.linear` was up to 3x slower than the pre-transposed `mm` on
 some shapes. So each distinct (out, in, dtype) shape is timed all three ways when the first model
-with it loads in the process, and the fastest is kept. Batches of more than one row always use a matrix-matrix kernel.
+with it loads in the process, and the fastest is kept. Batches of more than one row always use a
+matrix-matrix kernel.
 The model file stays plain; this only swaps modules of exact type nn.Linear (a parallel layer
 that subclasses Linear keeps its own forward).
 """

@@ -143,8 +143,8 @@ def stop(running: Running | None = None) -> None:
     finally:
         if running is None or running.owns_ray:
             ray.shutdown()  # Serve's controller and proxy go with the Ray instance we started
-        if running is not None and running.owns_ray:
-            wait_port_free(running.url)
+        if running is not None and running.owns_ray and not wait_port_free(running.url):
+            logging.getLogger(__name__).warning("%s: the port is still taken 15 s after stopping", running.url)
 
 
 def wait_port_free(url: str, timeout_s: float = 15.0) -> bool:
