@@ -29,7 +29,7 @@ class ConfigFileError(ValueError):
 
 class _Strict(BaseModel):
     # unknown keys are typos: fail instead of silently ignoring them
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf / nan: no field means them
 
 
 class EngineOptions(_Strict):
@@ -62,7 +62,7 @@ class EngineOptions(_Strict):
     """Micro-batches per step across pipeline stages; 0 means pipeline_parallel_size."""
     worker_threads: int | None = Field(None, ge=0)
     """torch threads per shard worker; 0 shares the cores among the shards."""
-    dist_timeout_s: float | None = Field(None, gt=0)
+    dist_timeout_s: float | None = Field(None, gt=0, lt=10**7)
     """Deadline of one step in a multi-process executor (seconds)."""
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -142,7 +142,7 @@ class ServerSpec(_Strict):
 
     host: str = "127.0.0.1"
     """Interface to bind; the default is reachable from this machine only."""
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=1, le=65535)
     ingress: Literal["direct", "ray-proxy"] = "direct"
     """direct: each Gateway replica serves HTTP itself on host:port (SO_REUSEPORT: a node's gateway
     replicas share the port) and Ray Serve's HTTP proxy is off, one process hop less per request

@@ -192,7 +192,8 @@ class EngineConfig:
                  f"got {self.pipeline_microbatches!r}")
         _require(isinstance(self.worker_threads, int) and self.worker_threads >= 0, "worker_threads",
                  f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
-        _require(self.dist_timeout_s > 0, "dist_timeout_s", f"must be > 0 seconds, got {self.dist_timeout_s!r}")
+        _require(isinstance(self.dist_timeout_s, (int, float)) and 0 < self.dist_timeout_s < 10**7, "dist_timeout_s",
+                 f"must be a number of seconds in (0, 1e7), got {self.dist_timeout_s!r}")
 
     @property
     def world_size(self) -> int:

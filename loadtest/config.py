@@ -199,8 +199,8 @@ def _validate(c: LoadTestConfig) -> None:
     for name in ("random_input_len", "random_output_len"):
         if getattr(c, name) < 1:
             raise _fail(name, f"must be >= 1 token, got {getattr(c, name)}")
-    if not (c.timeout > 0):
-        raise _fail("timeout", f"must be > 0 seconds, got {c.timeout}")
+    if not (c.timeout > 0 and math.isfinite(c.timeout)):
+        raise _fail("timeout", f"must be a finite number of seconds > 0, got {c.timeout}")
     if not (c.time_scale > 0 and math.isfinite(c.time_scale)):
         raise _fail("time_scale", f"must be a finite number > 0, got {c.time_scale}")
     for name in ("input_dist", "output_dist"):

@@ -79,6 +79,11 @@ def build_plan(config: LoadTestConfig, builder: PromptBuilder) -> Plan:
         times = schedule(
             config.arrival, config.request_rate, config.burstiness, total, config.duration, config.seed
         )
+        if total is None and config.warmup:  # warm-up comes on top of the measured duration
+            times = schedule(
+                config.arrival, config.request_rate, config.burstiness, len(times) + config.warmup,
+                None, config.seed,
+            )  # fmt: skip
         specs = make(len(times))
     return Plan(times, specs, len(times), config.warmup)
 

@@ -6,7 +6,7 @@ The answer is the highest rate that passed.
 
 Early stop: an over-saturated server makes latency grow for as long as the step runs. A step ends
 as soon as its SLO can no longer be met: with N planned requests, a p-th percentile SLO fails once
-more than floor((1 - p/100) * (N - 1)) requests are known to violate it, counting failures,
+more than (N - 1) - floor(p/100 * (N - 1)) requests are known to violate it, counting failures,
 finished requests over the bound, and in-flight requests already older than a TTFT or E2EL bound.
 That count only grows, so the stop never fails a step that would have passed. After a stopped
 step the sweep sends one short request and waits for it, so that (on a FIFO server) the next step
@@ -37,8 +37,14 @@ class SloMonitor:
 
     def on_start(self, planned: int | None) -> None:
         for s in self.slos:
-            q = float(s.stat[1:]) / 100.0
-            self.budget[s.key] = math.floor((1.0 - q) * (planned - 1)) if planned else 1 << 62
+            if not planned or planned < 1:
+                self.budget[s.key] = 1 << 62
+                continue
+            # the percentile interpolates from sorted value number floor(pos) up (as
+            # metrics.percentile_with_inf, with the same float expression): it certainly fails
+            # once that value violates, i.e. once more than (N - 1) - floor(pos) values do
+            pos = float(s.stat[1:]) / 100.0 * (planned - 1)
+            self.budget[s.key] = (planned - 1) - math.floor(pos)
 
     def _over(self, s: SLO, extra: int) -> str | None:
         n = self.violations[s.key] + extra

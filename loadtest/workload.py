@@ -80,8 +80,12 @@ def synthetic(config: LoadTestConfig, n: int, builder: PromptBuilder) -> list[Re
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise LoadTestError(f"{path}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
             try:
@@ -103,10 +107,12 @@ def _prompt_of(path: Path, lineno: int, row: dict) -> tuple[str, tuple[dict, ...
         return row["text"], None
     if isinstance(row.get("messages"), list):
         msgs = tuple(row["messages"])
+        if not all(isinstance(m, dict) for m in msgs):
+            raise LoadTestError(f"{path}:{lineno}: messages must be a list of objects")
         return "\n".join(str(m.get("content", "")) for m in msgs), msgs
     if isinstance(row.get("conversations"), list):  # ShareGPT: the first human turn
         for turn in row["conversations"]:
-            if turn.get("from") in ("human", "user"):
+            if isinstance(turn, dict) and turn.get("from") in ("human", "user"):
                 return str(turn.get("value", "")), None
     raise LoadTestError(f"{path}:{lineno}: needs one of {', '.join(_PROMPT_KEYS)} with a prompt")
 

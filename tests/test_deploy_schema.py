@@ -43,7 +43,8 @@ def test_engine_options_ranges_match_engine_checks():
         default = getattr(EngineConfig(), field.name)
         EngineOptions(**{field.name: default})
     for bad in ({"block_size": 0}, {"max_num_seqs": -1}, {"kv_cache_bytes": 0}, {"max_logprobs": 101},
-                {"tensor_parallel_size": 0}, {"dtype": "int8"}, {"dist_timeout_s": 0}):
+                {"tensor_parallel_size": 0}, {"dtype": "int8"}, {"dist_timeout_s": 0},
+                {"dist_timeout_s": float("inf")}):
         with pytest.raises(ValueError):
             EngineOptions(**bad)
         with pytest.raises((ConfigError, TypeError)):
@@ -81,6 +82,10 @@ BAD = [
      "models.0.autoscaling: min_replicas (3) must be <= max_replicas (2)"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"port": 70000}}, "server.port: Input should be less"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"request_timeout_s": 0}}, "server.request_timeout_s"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"request_timeout_s": float("inf")}},
+     "server.request_timeout_s: Input should be a finite number"),
+    ({"models": [{"name": "m", "path": "p", "num_gpus": float("nan")}]}, "models.0.num_gpus: Input should be a finite"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"port": 0}}, "server.port: Input should be greater than or equal to 1"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"hots": "x"}}, "server.hots: unknown field"),
     ({"models": [{"name": "m", "path": "p", "weight_format": "int3"}]}, "models.0.weight_format"),
 ]

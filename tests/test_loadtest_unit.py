@@ -87,6 +87,7 @@ def tokenizer_path(tmp_path_factory):
         ),
         ({"input_dist": LengthDist("zipf", 3)}, "--input-dist", "fixed, uniform, normal"),
         ({"timeout": 0.0}, "--timeout", "> 0"),
+        ({"timeout": math.inf}, "--timeout", "finite"),
     ],
 )
 def test_config_errors_name_the_flag(kw, flag, words):
@@ -220,6 +221,12 @@ def test_dataset_and_trace_files(tmp_path):
     assert specs[1].messages == ({"role": "user", "content": "hi"},)
     ds.write_text('{"prompt": "ok"}\n{broken\n')
     with pytest.raises(LoadTestError, match=r"prompts.jsonl:2: not valid JSON"):
+        from_dataset(cfg(dataset=ds), 1, PromptBuilder(None))
+    ds.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(LoadTestError, match=r"prompts.jsonl:2: not UTF-8"):
+        from_dataset(cfg(dataset=ds), 1, PromptBuilder(None))
+    ds.write_text('{"messages": ["just a string"]}\n')
+    with pytest.raises(LoadTestError, match=r"prompts.jsonl:1: messages must be a list of objects"):
         from_dataset(cfg(dataset=ds), 1, PromptBuilder(None))
 
     tr = tmp_path / "trace.jsonl"
@@ -365,6 +372,35 @@ def test_slo_monitor_stops_only_when_the_slo_cannot_be_met():
     assert m.on_tick([late], now_s=1.05) is None  # 50 ms old: could still finish in time
     assert "e2el_p99_ms" in m.on_tick([late], now_s=1.2)  # 200 ms old: a third violation is certain
     assert m.on_complete(rec(4, 0.0, ttft_ms=300, tokens=1))  # a third finished violation
+
+
+def _passes(slo: SLO, n: int, k: int, over_ms: float) -> bool:
+    """Does `slo` hold over n requests of which k took over_ms and the rest 1 ms?"""
+    records = [rec(i, 0.0, ttft_ms=over_ms if i < k else 1.0, tokens=1) for i in range(n)]
+    return evaluate_slo(records, slo).ok
+
+
+def test_slo_monitor_budget_is_exactly_what_the_percentile_tolerates():
+    # with `budget` violations the run can still pass (violations just over the bound); one more
+    # and the percentile is over it whatever the other values are
+    for n in range(1, 150):
+        for stat in ("p50", "p90", "p95", "p99"):
+            slo = SLO("e2el", 100.0, stat)
+            m = SloMonitor((slo,))
+            m.on_start(n)
+            budget = m.budget[slo.key]
+            assert _passes(slo, n, budget, 100.000001), (n, stat, budget)
+            if budget + 1 <= n:
+                assert not _passes(slo, n, budget + 1, 1e6), (n, stat, budget)
+
+
+def test_warmup_comes_on_top_of_a_duration_bound_run():
+    from loadtest.runner import build_plan
+
+    c = cfg(arrival="constant", request_rate=10.0, num_prompts=None, duration=2.0)
+    plain = build_plan(c, PromptBuilder(None))
+    warm = build_plan(cfg(arrival="constant", request_rate=10.0, num_prompts=None, duration=2.0, warmup=100), PromptBuilder(None))
+    assert plain.total == 20 and warm.total == 120 and warm.warmup == 100
 
 
 def test_sweep_needs_an_slo_and_an_open_loop():

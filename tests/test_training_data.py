@@ -125,6 +125,14 @@ def test_empty_corpus_is_an_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    texts = ["café \u2028 next", "form\x0cfeed \x85 nel", "plain"]
+    f = tmp_path / "u.jsonl"
+    f.write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\r\n", encoding="utf-8")
+    docs, _ = read_documents([f])
+    assert [d.text for d in docs] == texts
+
+
 def test_jsonl_errors_name_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")

@@ -255,3 +255,18 @@ def test_fused_loss_is_exact_when_a_target_probability_underflows():
     got.backward()
     torch.testing.assert_close(got.double(), F.cross_entropy(logits, t), rtol=1e-5, atol=1e-4)
     assert torch.isfinite(hh.grad).all()
+
+
+def test_batch_that_does_not_split_over_the_workers_fails_before_launch(data_dir, tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from shardserve.cli import app
+
+    recipe = make_recipe(data_dir, tmp_path / "run", train={"max_steps": 2, "batch_size": 32, "micro_batch_size": 8})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe.to_dict()))
+    res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "r.yaml"), "--num-workers", "3",
+                                   "--launcher", "local", "--no-progress"])
+    assert res.exit_code != 0
+    assert "train.batch_size: must be a multiple of train.micro_batch_size x ranks (8 x 3), got 32" in res.output
+    assert not (tmp_path / "run").exists()  # no rank started

@@ -76,6 +76,9 @@ def train(
 
             run(recipe, resume=resume, progress=progress, log=typer.echo)
             return
+        from training.recipe import grad_accum_steps
+
+        grad_accum_steps(recipe.train, num_workers)  # a batch that does not split fails here, not in N ranks
         # workers may run in another working directory (Ray): hand them absolute paths
         d = recipe.to_dict()
         d["data"]["dir"] = str(Path(d["data"]["dir"]).resolve())

@@ -109,7 +109,9 @@ def read_documents(paths: list[Path], strip_gutenberg_text: bool = True) -> tupl
 
 
 def _jsonl_texts(path: Path, text: str):
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSON Lines end at "\n" only: splitlines() would also cut at U+2028, U+0085 or a form feed,
+    # which JSON written with ensure_ascii=False may hold unescaped inside a string
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
