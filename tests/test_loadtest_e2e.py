@@ -196,8 +196,9 @@ def test_warmup_duration_and_payload(server):
             random_output_len=5,
         )
     )
-    assert len(report.records) == 20  # due times 0, 25 ms, ... < 0.5 s
-    assert report.summary.requests == 16 and report.summary.warmup_requests == 4
+    # 20 measured requests (due times 0, 25 ms, ... < 0.5 s) and the 4 warm-up ones on top
+    assert len(report.records) == 24
+    assert report.summary.requests == 20 and report.summary.warmup_requests == 4
     body = server.stats()["last_body"]
     assert body["stream"] is True and body["max_tokens"] == 5
     assert body["ignore_eos"] is True and body["min_tokens"] == 5
