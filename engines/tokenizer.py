@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import deque
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -106,26 +107,27 @@ class Detokenizer:
         primer = list(ids[-2 * self.CONTEXT:])
         while primer and self.tokenizer.decode(primer, self.skip_special_tokens).endswith("\ufffd"):
             primer.pop()
-        self._context = primer[-self.CONTEXT:]  # ids before the held-back ones
-        self.stream = DecodeStream(ids=self._context, skip_special_tokens=self.skip_special_tokens)
+        self._context = deque(primer[-self.CONTEXT:], maxlen=self.CONTEXT)  # ids before the held-back ones
+        self.stream = DecodeStream(ids=list(self._context), skip_special_tokens=self.skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         piece = self.stream.step(self.tokenizer.tk, token_id)
         self._held.append(token_id)
         if not piece:
             return ""
-        self._context = (self._context + self._held)[-self.CONTEXT:]
-        self._held = []
+        self._context.extend(self._held)
+        self._held.clear()
         return piece
 
     def flush(self) -> str:
         """The text of the held-back tokens, incomplete characters and all; "" if none are held."""
         if not self._held:
             return ""
-        before = self.tokenizer.decode(self._context, self.skip_special_tokens)
-        after = self.tokenizer.decode(self._context + self._held, self.skip_special_tokens)
-        self._prime(self._context + self._held)
-        self._held = []
+        ids = [*self._context, *self._held]
+        before = self.tokenizer.decode(list(self._context), self.skip_special_tokens)
+        after = self.tokenizer.decode(ids, self.skip_special_tokens)
+        self._prime(ids)
+        self._held.clear()
         return after[len(os.path.commonprefix([before, after])):]
 
 
