@@ -35,7 +35,8 @@ class _Strict(BaseModel):
 class EngineOptions(_Strict):
     """engines.EngineConfig fields; None (unset) keeps the engine's default."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """auto (the engine's default): bfloat16 on bf16 hardware (AMX, AVX512-BF16, CUDA), else float32."""
     device: str | None = None
     """torch device string: cpu, cuda, cuda:1."""
     block_size: int | None = Field(None, gt=0)

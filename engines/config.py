@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 MODEL_TYPES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINE_DTYPES = ("auto", *DTYPES)
 
 
 class ConfigError(ValueError):
@@ -137,7 +138,11 @@ class ModelConfig:
 class EngineConfig:
     """Options of the inference engine; the names follow vLLM where one exists."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights, activations and KV cache. auto: bfloat16 where the hardware has native bf16 (AMX or
+    AVX512-BF16 CPUs, confirmed by a forward probe; bf16-capable CUDA GPUs), float32 otherwise
+    (engines/hardware.py). The engine resolves it once, when it is built, into a new config with
+    the concrete dtype, and logs why; `resolved_dtype` gives it for a config not yet resolved."""
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV-cache block."""
@@ -176,7 +181,7 @@ class EngineConfig:
     """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.dtype in ENGINE_DTYPES, "dtype", f"must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
@@ -208,9 +213,20 @@ class EngineConfig:
         return tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "extra")
 
 
+def resolved_dtype(engine: EngineConfig) -> str:
+    """The concrete dtype of `engine`: its own, or what dtype "auto" picks on this host's hardware
+    (an engine resolves its config once with a probe on bf16 CPUs; the rule here is the same
+    without the probe, engines/hardware.py)."""
+    if engine.dtype != "auto":
+        return engine.dtype
+    from engines.hardware import engine_dtype  # torch: only when a config is left on auto
+
+    return engine_dtype(engine.device).precision
+
+
 def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
     """Bytes of one block across all layers: keys and values, block_size tokens each."""
-    itemsize = 4 if engine.dtype == "float32" else 2
+    itemsize = 4 if resolved_dtype(engine) == "float32" else 2
     return 2 * model.n_layer * engine.block_size * model.kv_heads * model.hd * itemsize
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from engines.checkpoint import CheckpointError
 from engines.config import EngineConfig, ModelConfig, max_model_len
 from engines.executor import Executor, InProcessExecutor
+from engines.hardware import resolve_engine_config
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob
 from engines.sampling_params import RequestError, SamplingParams
@@ -59,10 +60,11 @@ class LLMEngine:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None):
         self.model_dir = str(model_dir)
-        self.config = engine_config or EngineConfig()
         d = Path(model_dir)
         if not d.is_dir():
             raise CheckpointError(f"model directory {str(d)!r} does not exist or is not a directory")
+        # dtype "auto" becomes the concrete dtype here, once, before any executor or worker sees it
+        self.config = resolve_engine_config(engine_config or EngineConfig(), _model_config_or_none(d))
         self.tokenizer = Tokenizer.from_dir(d)
         if executor_factory is None and self.config.world_size > 1:
             from engines.parallel import make_executor_factory  # TP x PP shards in worker processes
@@ -271,10 +273,18 @@ class LLMEngine:
         self.executor.shutdown()
 
 
+def _model_config_or_none(model_dir: Path) -> ModelConfig | None:
+    """The checkpoint's shapes for the dtype probe; None lets the executor report a bad config."""
+    try:
+        return ModelConfig.from_dir(model_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class LLM:
     """Offline batch generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | Path, dtype: str = "float32", **engine_options):
+    def __init__(self, model: str | Path, dtype: str = "auto", **engine_options):
         unknown = set(engine_options) - set(EngineConfig.field_names())
         if unknown:
             raise TypeError(f"unknown engine option(s) {', '.join(sorted(unknown))}; "

@@ -11,7 +11,7 @@ import torch
 
 from engines.attention import KVCache, PagedAttention
 from engines.checkpoint import load_model
-from engines.config import EngineConfig, ModelConfig, num_kv_blocks
+from engines.config import EngineConfig, ModelConfig, num_kv_blocks, resolved_dtype
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.sampler import Sampler
 
@@ -22,7 +22,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, model: torch.nn.Module | None = None):
         self.engine_cfg = engine_cfg
         self.device = torch.device(engine_cfg.device)
-        self.dtype = DTYPES[engine_cfg.dtype]
+        self.dtype = DTYPES[resolved_dtype(engine_cfg)]  # an engine hands a resolved config; auto here too
         if model is None:
             model, cfg = load_model(model_dir, dtype=self.dtype, device=self.device)
         else:

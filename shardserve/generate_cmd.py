@@ -17,7 +17,7 @@ def generate(
     top_k: int = typer.Option(0, help="Keep the k most likely tokens; 0 disables."),
     seed: int | None = typer.Option(None, help="Seed for a reproducible sample."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on bf16 hardware)."),
 ) -> None:
     """Generate a completion of PROMPT and stream the text to stdout as it is produced."""
     from engines import EngineConfig, RequestError, SamplingParams

@@ -81,8 +81,11 @@ class TrainSpec:
     """Global batch: sequences per optimizer step, summed over ranks and accumulation steps."""
     micro_batch_size: int = 8
     """Sequences per rank per forward/backward; accumulation = batch_size / (micro * world)."""
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """bf16: autocast matmuls to bfloat16 (CPU and GPU), fp32 master weights and optimizer."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16: autocast matmuls to bfloat16 (CPU and GPU), fp32 master weights and optimizer; fp32.
+    auto: on CPU, time a forward + backward of this recipe's shapes in both and train in the faster
+    (bf16 is ~30x slower than fp32 on CPUs without AMX / AVX512-BF16); on CUDA, bf16 where the GPU
+    has it (training/precision.py)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     time_budget_s: float = 0.0
     """If > 0, seconds for the training loop and the final evaluation: the schedule runs on

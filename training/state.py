@@ -45,6 +45,8 @@ class TrainState:
     elapsed_s: float = 0.0
     """Training time so far, summed over resumes (drives a time-budget schedule)."""
     best_val_loss: float | None = None
+    precision: str | None = None
+    """The precision trained in (bf16 / fp32): a resumed precision=auto run keeps it."""
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

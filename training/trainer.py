@@ -29,8 +29,11 @@ from training.distributed import DistContext, StopFlag, init_context, shutdown
 from training.metrics import MetricsLog, Progress, plot_loss_curve
 from training.model_setup import NextTokenLoss, build_model, wrap_data_parallel
 from training.optim import build_optimizer, lr_at, set_lr
+from training.precision import autocast, compute_dtype, precision_record
+from training.precision import resolve as resolve_precision
 from training.recipe import Recipe, grad_accum_steps
 from training.state import CHECKPOINT, TrainState, load_state, rng_state, save_state
+from training.summary import load_average, training_summary, write_summary
 
 StepCallback = Callable[[TrainState, dict], None]
 
@@ -46,28 +49,20 @@ class TrainResult:
     run_dir: Path
 
 
-def autocast(recipe: Recipe, device: torch.device):
-    enabled = recipe.train.precision == "bf16"
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def compute_dtype(recipe: Recipe) -> torch.dtype:
-    return torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
-
-
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: TokenData, starts: np.ndarray, recipe: Recipe, ctx: DistContext) -> float:
-    """Mean next-token loss over the given validation windows, split across ranks."""
+def evaluate(model: torch.nn.Module, data: TokenData, starts: np.ndarray, recipe: Recipe, ctx: DistContext,
+             precision: str) -> float:
+    """Mean next-token loss over the given validation windows, split across ranks (precision: bf16 / fp32)."""
     seq_len, mb = recipe.data.seq_len, recipe.train.micro_batch_size
     mine = starts[ctx.rank::ctx.world_size]
     totals = torch.zeros(2, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    loss_fn = NextTokenLoss(model, compute_dtype(recipe))
+    loss_fn = NextTokenLoss(model, compute_dtype(precision))
     for i in range(0, len(mine), mb):
         x, y = data.batch("val", mine[i:i + mb], seq_len)
         x, y = x.to(ctx.device), y.to(ctx.device)
-        with autocast(recipe, ctx.device):
+        with autocast(precision, ctx.device):
             loss = loss_fn(x, y, reduction="sum")
         totals += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
     model.train(was_training)
@@ -125,17 +120,27 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
             log(f"fresh run in {run_dir}: its checkpoint will be replaced (--resume continues it instead)")
         state = TrainState()
         torch.manual_seed(t.seed * 1_000_003 + ctx.rank)  # dropout: a different stream per rank
-    lm = wrap_data_parallel(NextTokenLoss(model, compute_dtype(recipe)), ctx)
+    # train.precision: auto is measured here (a few seconds, outside the time budget), before the clock starts
+    choice = resolve_precision(recipe, model, ctx, state.precision if resume else None)
+    state.precision = precision = choice.precision
+    lm = wrap_data_parallel(NextTokenLoss(model, compute_dtype(precision)), ctx)
 
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {recipe.model.model_type} {recipe.model.n_layer}L x {recipe.model.n_embd}, {n_params / 1e6:.2f}M "
         f"parameters; {ctx.world_size} rank(s) on {ctx.device}, {accum} micro-step(s) of {mb} x {seq_len} tokens "
-        f"per rank per step; {recipe.tokens_per_step():,} tokens per step, {t.precision}")
+        f"per rank per step; {recipe.tokens_per_step():,} tokens per step")
+    log(f"precision: {precision} ({choice.reason})" + (f"; probe: {choice.rates.describe()}"
+                                                        if choice.rates and t.precision != "auto" else ""))
+    if choice.warning:
+        log(f"warning: {choice.warning}")
     metrics = MetricsLog(run_dir / "metrics.jsonl", state.step if resume else None) if ctx.is_main else None
+    if metrics:
+        metrics.write(precision_record(state.step, t.precision, choice))
     bar = Progress(t.max_steps, state.step, show_progress and ctx.is_main)
     per_rank = t.batch_size // ctx.world_size
     val_loss: float | None = None
     interrupted = False
+    load_start = load_average()
     clock = time.perf_counter()
     elapsed0, tokens0, start_step = state.elapsed_s, state.tokens, state.step
     reserve_s = 0.0  # the final evaluation's expected time, kept inside a time budget
@@ -166,7 +171,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
                 # gradients are all-reduced only on the last micro-step of a step
                 sync = lm.no_sync() if ctx.world_size > 1 and m < accum - 1 else contextlib.nullcontext()
                 with sync:
-                    with autocast(recipe, ctx.device):
+                    with autocast(precision, ctx.device):
                         loss = lm(x, y)
                     (loss / accum).backward()
                 loss_sum += loss.detach()
@@ -207,7 +212,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
                 interrupted = True
                 break
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.max_steps:
-                val_loss = evaluate(model, data, eval_starts, recipe, ctx)
+                val_loss = evaluate(model, data, eval_starts, recipe, ctx, precision)
                 state.best_val_loss = min(val_loss, state.best_val_loss or math.inf)
                 if metrics:
                     metrics.write({"step": state.step, "val_loss": round(val_loss, 6), "elapsed_s": round(elapsed_now(), 3)})
@@ -218,7 +223,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         if interrupted:
             log(f"stopped by signal at step {state.step}; saving {ckpt_path} (continue with --resume)")
         else:
-            val_loss = evaluate(model, data, final_starts, recipe, ctx)
+            val_loss = evaluate(model, data, final_starts, recipe, ctx, precision)
             state.best_val_loss = min(val_loss, state.best_val_loss or math.inf)
             if metrics:
                 metrics.write({"step": state.step, "val_loss": round(val_loss, 6), "elapsed_s": round(elapsed_now(), 3)})
@@ -234,8 +239,12 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         from training.export import export_model
 
         export_dir = export_model(model, recipe.model, recipe.out.export_dir, data.tokenizer_dir)
+    if not interrupted and ctx.is_main:
+        write_summary(training_summary(recipe, state, val_loss, choice, ctx.device, ctx.world_size,
+                                       state.tokens - tokens0, state.elapsed_s - elapsed0, load_start),
+                      run_dir, export_dir)
     if not interrupted:
-        log(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s; "
+        log(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s ({precision}); "
             f"val loss {val_loss:.4f}" + (f"; model exported to {export_dir}" if export_dir else ""))
     ctx.barrier()
     return TrainResult(state, val_loss, interrupted, ckpt_path, export_dir, run_dir)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engines.attention import KVCache, PagedAttention
-from engines.config import EngineConfig, ModelConfig
+from engines.config import EngineConfig, ModelConfig, resolved_dtype
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import StageModel, split_microbatches
@@ -33,7 +33,7 @@ def shard_num_blocks(cfg: ModelConfig, engine: EngineConfig, layout: ParallelLay
     the most layers sets the count."""
     if engine.num_kv_blocks:
         return engine.num_kv_blocks
-    itemsize = 4 if engine.dtype == "float32" else 2
+    itemsize = 4 if resolved_dtype(engine) == "float32" else 2
     layers = max(e - s for s, e in layout.stages)
     heads = local_kv_heads(cfg, layout.tp, 0)[1]
     per_block = 2 * layers * engine.block_size * heads * cfg.hd * itemsize
@@ -52,7 +52,7 @@ class ShardRunner:
 
         self.engine_cfg, self.layout, self.rank, self.comm = engine_cfg, layout, rank, comm
         self.device = torch.device(engine_cfg.device)
-        self.dtype = DTYPES[engine_cfg.dtype]
+        self.dtype = DTYPES[resolved_dtype(engine_cfg)]
         self.tp_rank, self.pp_rank = layout.coords(rank)
         start, end = layout.stages[self.pp_rank]
         if stage is None:
