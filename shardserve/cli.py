@@ -44,6 +44,9 @@ def _register() -> None:
         for name in names:
             if hasattr(mod, name):
                 app.command(name)(getattr(mod, name))
+    from training import cli as training_cli
+
+    app.command("check-model")(training_cli.check_model)
 
 
 _register()

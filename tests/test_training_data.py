@@ -293,7 +293,7 @@ def _recipe(**sections):
     ({"model": {"dropout": 1.5}}, r"model.dropout: must be in \[0, 1\)"),
     ({"model": {"model_type": "bert"}}, r"model.model_type: must be one of 'gpt2', 'llama'"),
     ({"train": {"batch_size": 6}}, r"train.batch_size: must be a multiple of train.micro_batch_size \(4\)"),
-    ({"train": {"precision": "fp8"}}, r"train.precision: must be one of 'bf16', 'fp32'"),
+    ({"train": {"precision": "fp8"}}, r"train.precision: must be one of 'auto', 'bf16', 'fp32'"),
     ({"data": {"seq_len": 128}}, r"data.seq_len: must be <= model.max_position_embeddings \(64\)"),
     ({"optim": {"min_lr": 1.0}}, r"optim.min_lr: must be in \[0, optim.lr"),
 ])

@@ -122,3 +122,25 @@ def export(
     except ExportError as exc:
         _fail(exc)
     typer.echo(f"exported {checkpoint} -> {path}")
+
+
+def check_model(
+    model_dir: Path = typer.Argument(..., help="An exported model directory (has training_summary.json)."),
+    recipe: Path | None = typer.Option(
+        None, "--recipe", help="The recipe it was trained from; its recorded results (RECIPE.results.json) "
+                               "are the reference."),
+    worse_by: float = typer.Option(0.5, help="Warn when the validation loss is this many nats above the record."),
+    strict: bool = typer.Option(False, help="Exit with status 1 (not just warn) when the model is much worse."),
+) -> None:
+    """Print a trained model's validation loss and how it was trained; warn if it is much worse
+    than its recipe's recorded result (what `make model` and `make serve` show)."""
+    from training.summary import check_model as check
+
+    if not (model_dir / "config.json").is_file():
+        _fail(FileNotFoundError(f"{model_dir}: not a model directory (no config.json)"))
+    report, warning = check(model_dir, recipe, worse_by)
+    typer.echo(report)
+    if warning:
+        typer.echo(f"warning: {warning}", err=True)
+        if strict:
+            raise typer.Exit(1)

@@ -80,14 +80,14 @@ def measure(recipe: Recipe, model: torch.nn.Module, ctx: DistContext) -> Rates:
 
 
 def resolve(recipe: Recipe, model: torch.nn.Module, ctx: DistContext, resumed: str | None = None,
-            hardware: Hardware | None = None, measure_fn=measure) -> Choice:
+            hardware: Hardware | None = None, measure_fn=None) -> Choice:
     """The precision this run trains in. `resumed`: the precision a resumed checkpoint recorded;
     `hardware` / `measure_fn` stand in for the machine's (tests)."""
     requested = recipe.train.precision
     hardware = hardware or detect(ctx.device)
     if requested == "auto" and resumed in ("bf16", "fp32"):
         return Choice(resumed, f"auto: {resumed}, as the resumed checkpoint was trained")
-    rates = measure_fn(recipe, model, ctx) if hardware.device_type == "cpu" else None
+    rates = (measure_fn or measure)(recipe, model, ctx) if hardware.device_type == "cpu" else None
     return choose_precision(requested, hardware, rates)
 
 
