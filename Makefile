@@ -30,7 +30,8 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_train.py
 
-model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing
+model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing; report its quality
+	$(BIN)/shardserve check-model $(MODEL) --recipe recipes/default.yaml
 
 $(MODEL)/config.json: | $(STAMP)
 	$(BIN)/shardserve data

@@ -148,3 +148,17 @@ def test_check_model_against_the_recorded_result(data_dir, tmp_path, monkeypatch
     (model / SUMMARY).unlink()
     _, warning = check_model(model, recipe_file)
     assert warning is not None and "quality is unchecked" in warning
+
+
+def test_budget_cut_run_leaves_warmup_and_anneals():
+    from training.optim import lr_at
+    from training.recipe import OptimSpec
+
+    spec = OptimSpec(lr=2e-3, min_lr=2e-4, warmup_steps=20)
+    # no budget: the warmup is in steps, as before
+    assert lr_at(spec, 4, 370) == pytest.approx(2e-3 * 5 / 20)
+    # a budget that buys ~40 steps: the warmup runs its 20 steps as before
+    assert lr_at(spec, 4, 370, progress=0.1) == pytest.approx(2e-3 * 5 / 20)
+    # one that buys ~12 steps: the warmup ends half-way and the run anneals to min_lr
+    assert 2e-4 < lr_at(spec, 6, 370, progress=0.55) < 2e-3
+    assert lr_at(spec, 11, 370, progress=1.0) == pytest.approx(2e-4)
