@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,11 +149,18 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     def elapsed_now() -> float:
         return elapsed0 + time.perf_counter() - clock
 
+    recent: deque[tuple[float, int]] = deque(maxlen=6)  # (clock, tokens) after the last steps
+
     def final_eval_estimate() -> float:
         # forward only over the whole val split: a third of a training step's work per token, but it
         # ran only ~2.3x faster than training in fp32 on an AVX2 CPU (75k tokens: 14.2 s, not 10.7 s as
         # 3x predicted, so the run overran its budget); 2x keeps the final evaluation inside it
-        rate = (state.tokens - tokens0) / max(1e-9, time.perf_counter() - clock)
+        now = time.perf_counter()
+        rate = (state.tokens - tokens0) / max(1e-9, now - clock)
+        recent.append((now, state.tokens))
+        if len(recent) > 1:  # a machine that slows down (other jobs start): the recent pace counts
+            (t0, n0), (t1, n1) = recent[0], recent[-1]
+            rate = min(rate, (n1 - n0) / max(1e-9, t1 - t0))
         return len(final_starts) * seq_len / max(1.0, 2.0 * rate)
 
     with StopFlag() as stop:
