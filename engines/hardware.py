@@ -98,7 +98,7 @@ def detect(device: str | torch.device = "cpu", cpu_flags: Iterable[str] | None =
         if cuda_bf16 is None:
             cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
         name = torch.cuda.get_device_name(dev) if torch.cuda.is_available() else "CUDA device"
-        cap = "x".join(map(str, torch.cuda.get_device_capability(dev))) if torch.cuda.is_available() else "?"
+        cap = "".join(map(str, torch.cuda.get_device_capability(dev))) if torch.cuda.is_available() else "?"
         return Hardware("cuda", name, bool(cuda_bf16),
                         f"CUDA sm{cap} bf16" if cuda_bf16 else f"CUDA sm{cap} without bf16")
     if dev.type != "cpu":
