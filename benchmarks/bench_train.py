@@ -116,6 +116,10 @@ def main() -> None:
     base = load_recipe(args.config, [] if Path(_data_dir(args.config), "meta.json").is_file()
                        else ["model.vocab_size=8192"])
     precision = args.precision or base.train.precision
+    if precision == "auto":  # the peak must be measured in the precision trained: fix it here, as auto would pick
+        from engines.hardware import detect
+
+        precision = "bf16" if detect("cpu").bf16 else "fp32"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     peak_before, peak_n = matmul_peak(dtype, args.peak_threads)
 
