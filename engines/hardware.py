@@ -141,13 +141,14 @@ def time_precisions(run: RunFn, batch: int, seq_len: int, budget_s: float = 4.0,
                     warmup_tokens: int = 64) -> Rates:
     """Time `run` in bf16 and fp32 on (batch, seq_len) and return both rates (cached under `key`).
 
-    Each precision first runs a warm-up of (1, min(seq_len, warmup_tokens)) tokens. A precision
-    whose warm-up shows the full batch would not fit in its half of `budget_s` runs that small call
+    Each precision first runs a warm-up of (1, min(seq_len, warmup_tokens)) tokens. If bf16's
+    warm-up shows the full batch would not fit in its half of `budget_s`, it runs that small call
     up to 3 times more (the first pays one-time set-up, and other jobs on the cores can stall any
     one call), and if the best is still that slow (an emulated bf16: ~4 s per 256 tokens on an
-    AVX2 core pair) it is rated by that best small call; otherwise the full
-    batch runs up to 3 times, the two precisions alternating so both see the same machine, and the
-    best time counts (the least disturbed by other load).
+    AVX2 core pair) it is rated by that best small call. fp32, native on every CPU, is always
+    timed on the full batch (small calls suffer most from contention). The full batch runs up to
+    3 times, the precisions alternating so both see the same machine, and the best time counts
+    (the least disturbed by other load).
     """
     if key is not None and key in _CACHE:
         return _CACHE[key]
@@ -162,10 +163,11 @@ def time_precisions(run: RunFn, batch: int, seq_len: int, budget_s: float = 4.0,
         small: list[float] = []
         # too slow for the full batch? time the small call again (best of up to 3: other jobs on
         # the cores can stall a call many times over), within this precision's half of the budget
-        while t * tokens / warm_len > budget_s / 2 and len(small) < 3 and time.perf_counter() - t0 < budget_s / 2:
+        while (prec == "bf16" and t * tokens / warm_len > budget_s / 2 and len(small) < 3
+               and time.perf_counter() - t0 < budget_s / 2):
             small.append(_timed(run, prec, 1, warm_len))
             t = min(small)
-        if t * tokens / warm_len > budget_s / 2:
+        if prec == "bf16" and t * tokens / warm_len > budget_s / 2:
             best[prec] = warm_len / t  # still too slow to time in full: rated by its best small call
         else:
             timed.append(prec)
