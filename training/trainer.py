@@ -150,6 +150,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         return elapsed0 + time.perf_counter() - clock
 
     recent: deque[tuple[float, int]] = deque(maxlen=6)  # (clock, tokens) after the last steps
+    last_frac = 0.0  # the time-budget schedule's progress so far
 
     def final_eval_estimate() -> float:
         # forward only over the whole val split: a third of a training step's work per token, but it
@@ -167,7 +168,8 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         while state.step < t.max_steps:
             frac = state.step / t.max_steps
             if t.time_budget_s:
-                frac = max(frac, (state.elapsed_s + reserve_s) / t.time_budget_s)
+                # never backwards: a machine that speeds up again (its reserve shrinks) holds the rate
+                frac = last_frac = max(frac, (state.elapsed_s + reserve_s) / t.time_budget_s, last_frac)
                 if frac >= 1.0:
                     break
             lr = lr_at(recipe.optim, state.step, t.max_steps, frac if t.time_budget_s else None)
