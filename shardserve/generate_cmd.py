@@ -39,4 +39,4 @@ def generate(
             sys.stdout.flush()
             finish = out.outputs[0].finish_reason
     sys.stdout.write("\n")
-    typer.echo(f"[finish_reason={finish}]", err=True)
+    typer.echo(f"[finish_reason={finish}, dtype={engine.config.dtype}]", err=True)  # auto resolved
