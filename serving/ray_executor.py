@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.config import ConfigError, EngineConfig, ModelConfig
 from engines.executor import Executor, ExecutorError
+from engines.hardware import resolve_engine_config
 from engines.parallel.layout import ParallelLayout
 from engines.plan import StepPlan, StepResult
 
@@ -131,6 +132,7 @@ class RayExecutor(Executor):
         import torch.distributed as dist
 
         self.model_config = ModelConfig.from_dir(model_dir)
+        engine_cfg = resolve_engine_config(engine_cfg, self.model_config)  # dtype auto: once, for every shard
         self.layout = ParallelLayout.from_configs(self.model_config, engine_cfg)  # ConfigError first
         self.engine_cfg = engine_cfg
         self.timeout = engine_cfg.dist_timeout_s

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engines.config import EngineConfig, ModelConfig
 from engines.executor import Executor, ExecutorError
+from engines.hardware import resolve_engine_config
 from engines.parallel.layout import ParallelLayout
 from engines.plan import StepPlan, StepResult
 
@@ -38,6 +39,7 @@ class MultiprocExecutor(Executor):
         from engines.parallel.worker_proc import worker_main
 
         self.model_config = ModelConfig.from_dir(model_dir)
+        engine_cfg = resolve_engine_config(engine_cfg, self.model_config)  # dtype auto: once, for every shard
         self.layout = ParallelLayout.from_configs(self.model_config, engine_cfg)  # ConfigError before spawning
         self.engine_cfg = engine_cfg
         self.timeout = engine_cfg.dist_timeout_s
