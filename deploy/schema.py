@@ -41,7 +41,9 @@ class EngineOptions(_Strict):
     block_size: int | None = Field(None, gt=0)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int | None = Field(None, gt=0)
-    """Memory budget of the paged KV cache, all layers (bytes)."""
+    """Memory budget of the paged KV cache, all layers (bytes); unset sizes it from free memory."""
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
+    """Fraction of the device's memory the engine may hold when kv_cache_bytes is unset (0.9)."""
     num_kv_blocks: int | None = Field(None, ge=0)
     """Explicit KV block count; 0 derives it from kv_cache_bytes."""
     max_num_seqs: int | None = Field(None, gt=0)

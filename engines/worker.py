@@ -12,6 +12,7 @@ import torch
 from engines.attention import KVCache, PagedAttention
 from engines.checkpoint import load_model
 from engines.config import EngineConfig, ModelConfig, num_kv_blocks
+from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.sampler import Sampler
 
@@ -32,7 +33,8 @@ class ModelRunner:
 
             apply_fast_linear(model)
         self.model, self.cfg = model, cfg
-        self.num_blocks = num_kv_blocks(cfg, engine_cfg)
+        budget = None if engine_cfg.num_kv_blocks else kv_cache_budget(cfg, engine_cfg, self.device)
+        self.num_blocks = num_kv_blocks(cfg, engine_cfg, budget)
         self.cache = KVCache(cfg.n_layer, self.num_blocks, engine_cfg.block_size, cfg.kv_heads, cfg.hd,
                              self.dtype, self.device)
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
