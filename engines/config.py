@@ -158,6 +158,10 @@ class EngineConfig:
     """Token budget of one step (decode tokens + prefill chunk tokens)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 means the model's max_position_embeddings."""
+    admission_reserves_growth: bool = True
+    """Admission keeps the blocks the running sequences will still need (their max_tokens), so an
+    admitted stream is not preempted mid-way by later arrivals (bounded inter-token gaps); off
+    admits optimistically (more sequences per step, recompute preemption when blocks run out)."""
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
