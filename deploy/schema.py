@@ -41,8 +41,16 @@ class EngineOptions(_Strict):
     """torch device string: cpu, cuda, cuda:1."""
     block_size: int | None = Field(None, gt=0)
     """Tokens per KV-cache block."""
-    kv_cache_bytes: int | None = Field(None, gt=0)
-    """Memory budget of the paged KV cache, all layers (bytes)."""
+    kv_cache_bytes: int | None = Field(None, ge=0)
+    """Memory budget of the paged KV cache, all layers (bytes); unset or 0 sizes it from free memory."""
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
+    """Fraction of the device's memory the engine may hold when kv_cache_bytes is unset (0.9)."""
+    admission_reserves_growth: bool | None = None
+    """Admission keeps the blocks running sequences will still need (no mid-stream preemption)."""
+    static_decode: Literal["auto", "on", "off"] | None = None
+    """Decode steps padded to batch buckets from persistent buffers (auto: on for CUDA)."""
+    cuda_graphs: bool | None = None
+    """With static_decode on CUDA: one CUDA graph per batch bucket."""
     num_kv_blocks: int | None = Field(None, ge=0)
     """Explicit KV block count; 0 derives it from kv_cache_bytes."""
     max_num_seqs: int | None = Field(None, gt=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,8 +63,14 @@ class KVCache:
     def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_kv_head: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.data = torch.zeros(n_layer, 2, num_blocks * block_size, n_kv_head, head_dim, dtype=dtype,
-                                device=device)
+        shape = (n_layer, 2, num_blocks * block_size, n_kv_head, head_dim)
+        if torch.device(device).type == "cpu":
+            # calloc'd zeros (numpy): pages are mapped as blocks are first written, so a cache sized
+            # from free memory costs only what the running sequences use
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            self.data = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:

@@ -60,6 +60,10 @@ class BlockManager:
             total = min(total, self.max_model_len)
         return max(blocks_for(max(total, num_tokens), self.block_size), 1)
 
+    def growth(self, seq: Sequence) -> int:
+        """Blocks `seq` will still take before it ends, as far as its request says."""
+        return max(0, self._expected_blocks(seq, seq.num_tokens) - len(seq.block_ids))
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         n = self.needed(seq, num_tokens)
         if n > self._num_free:

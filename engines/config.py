@@ -146,8 +146,15 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV-cache block."""
-    kv_cache_bytes: int = 512 * 2**20
-    """Memory budget of the paged KV cache (all layers, keys and values)."""
+    kv_cache_bytes: int = 0
+    """Memory budget of the paged KV cache (all layers, keys and values); 0 sizes it from the
+    device's memory with kv_cache_memory_fraction (see engines.kv_sizing)."""
+    kv_cache_memory_fraction: float = 0.9
+    """With kv_cache_bytes 0: the fraction of the device's memory this engine may hold in all
+    (like vLLM's gpu_memory_utilization, default 0.9). On CUDA: of the device's total memory, less
+    what is already in use after the weights are loaded. On CPU: of the memory available to the
+    process (MemAvailable, and the cgroup limit if lower) after the weights are loaded. Pages of
+    a CPU cache are only touched as blocks are used."""
     num_kv_blocks: int = 0
     """Explicit number of KV blocks; 0 derives it from kv_cache_bytes."""
     max_num_seqs: int = 64
@@ -156,12 +163,22 @@ class EngineConfig:
     """Token budget of one step (decode tokens + prefill chunk tokens)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 means the model's max_position_embeddings."""
+    admission_reserves_growth: bool = True
+    """Admission keeps the blocks the running sequences will still need (their max_tokens), so an
+    admitted stream is not preempted mid-way by later arrivals (bounded inter-token gaps); off
+    admits optimistically (more sequences per step, recompute preemption when blocks run out)."""
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
     cpu_linear_autotune: bool = True
     """On CPU, time both weight layouts of each Linear shape at load and keep the faster
     (engines/fast_linear.py); off keeps the model's plain nn.Linear layers."""
+    static_decode: Literal["auto", "on", "off"] = "auto"
+    """Decode-only steps through engines.decode_runner (padded batch buckets, persistent buffers,
+    no host sync in the step). auto: on for CUDA, off on CPU, where the eager per-sequence
+    in-place attention measured faster."""
+    cuda_graphs: bool = True
+    """With the static decode path on CUDA: capture one CUDA graph per bucket and replay it."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
@@ -185,10 +202,16 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
-        _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
+        _require(isinstance(self.kv_cache_bytes, int) and self.kv_cache_bytes >= 0, "kv_cache_bytes",
+                 f"must be an integer >= 0 (0 sizes the cache from free memory), got {self.kv_cache_bytes!r}")
+        _require(isinstance(self.kv_cache_memory_fraction, (int, float))
+                 and 0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction",
+                 f"must be a number in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_kv_blocks >= 0, "num_kv_blocks", "must be >= 0 (0 derives it from kv_cache_bytes)")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
+        _require(self.static_decode in ("auto", "on", "off"), "static_decode",
+                 f"must be auto, on or off, got {self.static_decode!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
@@ -230,10 +253,15 @@ def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
     return 2 * model.n_layer * engine.block_size * model.kv_heads * model.hd * itemsize
 
 
-def num_kv_blocks(model: ModelConfig, engine: EngineConfig) -> int:
+def num_kv_blocks(model: ModelConfig, engine: EngineConfig, budget_bytes: int | None = None) -> int:
+    """Blocks of the cache: num_kv_blocks if set, else the byte budget (kv_cache_bytes, or
+    `budget_bytes` measured from free memory when kv_cache_bytes is 0) over the block size."""
     if engine.num_kv_blocks:
         return engine.num_kv_blocks
-    return max(1, engine.kv_cache_bytes // kv_bytes_per_block(model, engine))
+    budget = engine.kv_cache_bytes or budget_bytes
+    if budget is None:
+        raise ConfigError("kv_cache_bytes: 0 sizes the cache from free memory; pass the measured budget")
+    return max(1, budget // kv_bytes_per_block(model, engine))
 
 
 def max_model_len(model: ModelConfig, engine: EngineConfig) -> int:

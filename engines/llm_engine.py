@@ -80,7 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             block_size=self.config.block_size, num_blocks=self.executor.num_blocks,
-            max_model_len=self.max_model_len, eos_token_ids=eos))
+            max_model_len=self.max_model_len, eos_token_ids=eos,
+            admission_reserves_growth=self.config.admission_reserves_growth))
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()

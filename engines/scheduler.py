@@ -1,14 +1,22 @@
 """Continuous batching: which tokens of which sequences run in the next step.
 
 Pure Python (no torch), so the tuner's simulator runs this very class with a cost model.
-Each step: running sequences first (decode, or the next chunk of a long prompt), in admission
-order; when KV blocks run out, the most recently admitted sequence is preempted (its blocks are
-freed and it is recomputed later); then waiting sequences are admitted, FIFO, while the token
-budget, the sequence cap and the free blocks allow.
+Each step: running sequences first (decode, or the next chunk of a long prompt), oldest request
+first; when KV blocks run out, the *youngest* running sequence by arrival (not by admission) is
+preempted (its blocks are freed and it is recomputed later) and goes back to the waiting queue in
+arrival order, ahead of every request that arrived after it; then waiting sequences are admitted
+in that order while the token budget, the sequence cap and the free blocks allow.
+
+Why arrival order and not admission order: a resumed sequence is the most recently admitted one,
+so admission-order (LIFO) preemption picks it again and again while younger streams run, and it
+starves (a 52 s mid-stream stall in a 64-stream burst). With arrival order the oldest request
+always progresses, so every request's wait is bounded by the work of those that arrived before it.
+Sequence ids are handed out in arrival order, so they are the priority.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,6 +34,14 @@ class SchedulerConfig:
     num_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
+    admission_reserves_growth: bool = True
+    """Admit a request only when the free blocks also cover what the running sequences will still
+    grow by (no mid-stream preemption of requests with max_tokens); off admits on what a request
+    needs now (more concurrency, recompute preemption under pressure)."""
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
 
 
 class Scheduler:
@@ -87,7 +103,11 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # back in arrival order: only earlier preempted sequences can be older than seq
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].seq_id < seq.seq_id:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(step=self._step)
@@ -111,16 +131,24 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             i += 1
+        # admission reserves what the running sequences will still grow by, so that a new request
+        # does not take blocks that force a running one out later (which would stall its stream);
+        # with nothing running, the head of the queue is admitted on what it needs now
+        room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self.blocks.needed(seq, seq.num_computed + n) > self.blocks.num_free:
                 break
+            whole = self.blocks.growth(seq)
+            if self.cfg.admission_reserves_growth and self.running and whole > room:
+                break  # FIFO: later requests never overtake the head, so the head cannot starve
+            room -= whole
             self.waiting.popleft()
             self.blocks.allocate(seq, seq.num_computed + n)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_arrival)  # a resumed sequence rejoins by age
             scheduled.append((seq, n))
             budget -= n
         for seq, n in scheduled:

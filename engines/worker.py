@@ -11,7 +11,9 @@ import torch
 
 from engines.attention import KVCache, PagedAttention
 from engines.checkpoint import load_model
-from engines.config import EngineConfig, ModelConfig, num_kv_blocks, resolved_dtype
+from engines.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
+from engines.decode_runner import DecodeRunner
+from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.sampler import Sampler
 
@@ -32,14 +34,33 @@ class ModelRunner:
 
             apply_fast_linear(model)
         self.model, self.cfg = model, cfg
-        self.num_blocks = num_kv_blocks(cfg, engine_cfg)
-        self.cache = KVCache(cfg.n_layer, self.num_blocks, engine_cfg.block_size, cfg.kv_heads, cfg.hd,
+        budget = None if engine_cfg.num_kv_blocks else kv_cache_budget(cfg, engine_cfg, self.device)
+        self.num_blocks = num_kv_blocks(cfg, engine_cfg, budget)
+        static = engine_cfg.static_decode == "on" or (engine_cfg.static_decode == "auto" and self.device.type == "cuda")
+        if static and self.num_blocks > 1:
+            self.num_blocks -= 1  # the last block is the decode runner's null block (padded rows)
+        self.cache = KVCache(cfg.n_layer, self.num_blocks + static, engine_cfg.block_size, cfg.kv_heads, cfg.hd,
                              self.dtype, self.device)
+        self.decode_runner = DecodeRunner(
+            model, self.cache, null_block=self.num_blocks,
+            max_blocks_per_seq=-(-max_model_len(cfg, engine_cfg) // engine_cfg.block_size),
+            cuda_graphs=engine_cfg.cuda_graphs) if static else None
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
 
     @property
     def model_config(self) -> ModelConfig:
         return self.cfg
+
+    def _eager(self, plan: StepPlan, works: list) -> torch.Tensor:
+        ids: list[int] = []
+        pos: list[int] = []
+        for w in works:
+            ids.extend(w.token_ids)
+            pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
+        input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
+        positions = torch.tensor(pos, device=self.device)[None]
+        backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device)
+        return self.model(input_ids, positions, backend)[0]  # (N, C)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -51,15 +72,11 @@ class ModelRunner:
         if plan.empty:
             return result
         works = [*plan.decode, *plan.prefill]
-        ids: list[int] = []
-        pos: list[int] = []
-        for w in works:
-            ids.extend(w.token_ids)
-            pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
-        input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
-        positions = torch.tensor(pos, device=self.device)[None]
-        backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device)
-        hidden = self.model(input_ids, positions, backend)[0]  # (N, C)
+        if (self.decode_runner is not None and not plan.prefill
+                and self.decode_runner.bucket_for(plan.decode) is not None):
+            hidden = self.decode_runner.run(plan.decode)  # (S, C), padded rows dropped
+        else:
+            hidden = self._eager(plan, works)
 
         # rows to turn into logits: the last token of each sampling sequence, then prompt-logprob rows
         sample_rows, sample_ids = [], []

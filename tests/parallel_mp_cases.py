@@ -36,7 +36,7 @@ def reference(model_path):
     out["greedy"], _ = run_engine(model_path, ex, BASE)
     out["staggered"], _ = run_engine(model_path, ex, BASE, params=STAGGERED, arrivals=ARRIVALS)
     out["seeded"], _ = run_engine(model_path, ex, BASE, params=SEEDED)
-    small = BASE.replace(num_kv_blocks=5)
+    small = BASE.replace(num_kv_blocks=5, admission_reserves_growth=False)
     out["preempt"], engine = run_engine(model_path, InProcessExecutor(model_path, small), small)
     out["preemptions"] = engine.scheduler.num_preemptions
     return out
@@ -66,7 +66,7 @@ def test_continuous_batching_matches(mp, model_path, reference):
 
 def test_preemption_matches(mp, model_path, reference):
     # the scheduler sees a 5-block pool (the shards have more; only the ids it hands out are used)
-    outs, engine = run_engine(model_path, LogitsRecorder(mp, num_blocks=5), BASE.replace(num_kv_blocks=5))
+    outs, engine = run_engine(model_path, LogitsRecorder(mp, num_blocks=5), BASE.replace(num_kv_blocks=5, admission_reserves_growth=False))
     assert engine.scheduler.num_preemptions > 0 and reference["preemptions"] > 0
     assert outs == reference["preempt"]
 

@@ -61,7 +61,7 @@ def test_preemption_resumes_identically(model_dir, params):
     prompts = [list(range(10 + i, 50 + 3 * i)) for i in range(6)]
     ample = LLMEngine(model_dir, EngineConfig())
     expect = run_all(ample, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
-    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=12, block_size=8))
+    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=12, block_size=8, admission_reserves_growth=False))
     got = run_all(tight, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
     assert tight.scheduler.num_preemptions > 0
     for rid in expect:

@@ -122,7 +122,8 @@ def test_fragmented_tables_give_the_same_tokens(model_dir):
     roomy = LLMEngine(model_dir, EngineConfig(num_kv_blocks=512, block_size=4))
     expect = {o.request_id: o.outputs[0].token_ids for o in _run(roomy, prompts, params)}
 
-    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=100, block_size=4, max_num_batched_tokens=64))
+    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=100, block_size=4, max_num_batched_tokens=64,
+                                                  admission_reserves_growth=False))
     seen_split = []
     execute = tight.executor.execute
 

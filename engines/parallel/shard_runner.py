@@ -18,6 +18,7 @@ import torch
 
 from engines.attention import KVCache, PagedAttention
 from engines.config import EngineConfig, ModelConfig, resolved_dtype
+from engines.kv_sizing import shard_kv_budget
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import StageModel, split_microbatches
@@ -37,7 +38,8 @@ def shard_num_blocks(cfg: ModelConfig, engine: EngineConfig, layout: ParallelLay
     layers = max(e - s for s, e in layout.stages)
     heads = local_kv_heads(cfg, layout.tp, 0)[1]
     per_block = 2 * layers * engine.block_size * heads * cfg.hd * itemsize
-    return max(1, engine.kv_cache_bytes // per_block)
+    budget = engine.kv_cache_bytes or shard_kv_budget(cfg, engine, torch.device(engine.device))
+    return max(1, budget // per_block)
 
 
 def plain_greedy(p: SamplingParams) -> bool:
