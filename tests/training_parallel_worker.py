@@ -53,12 +53,13 @@ def run_layout(cfg: ModelConfig, tp: int, pp: int, spec: ParallelSpec, schedule:
     return losses, grads
 
 
-def worker(rank: int, world: int, port: int, cfg: ModelConfig, cases: list, out: str) -> None:
+def worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
+    """cases: (name, model config, tp, pp, ParallelSpec, schedule), run in order on every rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    for name, tp, pp, spec, schedule in cases:
+    for name, cfg, tp, pp, spec, schedule in cases:
         results[name] = run_layout(cfg, tp, pp, spec, schedule)
     if rank == 0:
         torch.save(results, out)
