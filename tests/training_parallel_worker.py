@@ -65,3 +65,22 @@ def worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
         torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def train_worker(rank: int, world: int, port: int, runs: list) -> None:
+    """runs: (recipe dict, resume, stop after step or 0), trained in order with the real loop; a stop
+    is a SIGTERM to rank 0 (the signal path a user takes), which every rank learns of in the next step."""
+    import signal
+
+    from training.recipe import recipe_from_dict
+    from training.trainer import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for d, resume, stop in runs:
+        def on_step(state, record, stop=stop):
+            if stop and state.step == stop and rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+        train(recipe_from_dict(d), resume=resume, progress=False, on_step=on_step, log=lambda *a: None)
+    dist.destroy_process_group()

@@ -111,3 +111,28 @@ def run_step(stage: ParallelStage, batches: list[tuple[torch.Tensor, torch.Tenso
     for work, _ in sends:
         work.wait()
     return StepStats(loss_sum, wait, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def forward_only(stage: ParallelStage, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 hidden_shape: tuple[int, ...], amp: Callable[[], object]) -> float:
+    """Evaluation through the pipeline: the sum of the micro-batches' mean losses (last stage; 0 elsewhere)."""
+    g = stage.groups
+    device, dtype = next(stage.parameters()).device, next(stage.parameters()).dtype
+    total, sends = 0.0, []
+    for m, (x, y) in enumerate(batches):
+        if stage.first:
+            inp = x
+        else:
+            inp = torch.empty(hidden_shape, dtype=dtype, device=device)
+            dist.recv(inp, src=g.stage_rank(g.pp_rank - 1), tag=m)
+        with amp():
+            out = stage(inp, y if stage.last else None)
+        if stage.last:
+            total += out.item()
+        else:
+            out = out.contiguous()
+            sends.append((dist.isend(out, dst=g.stage_rank(g.pp_rank + 1), tag=m), out))
+    for work, _ in sends:
+        work.wait()
+    return total
