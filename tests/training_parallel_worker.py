@@ -61,6 +61,17 @@ def worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
     results = {}
     for name, cfg, tp, pp, spec, schedule in cases:
         results[name] = run_layout(cfg, tp, pp, spec, schedule)
+    if any(name == "tp2" for name, *_ in cases):  # activation memory of each Table-2 variant at t = 2
+        from training.parallel.memory import VARIANTS, formula_bytes, measure_saved_bytes
+
+        cfg = ModelConfig("gpt2", vocab_size=64, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=64)
+        s, b = 64, 2
+        for name, uses_tp, spec in VARIANTS:
+            tp = 2 if uses_tp else 1
+            stage = build_stage(cfg, 0, build_groups(Layout.for_world(world, tp, 1), rank), spec, torch.device("cpu"))
+            x = torch.randint(0, 64, (b, s))
+            measured = measure_saved_bytes(stage, x, x).mean
+            results[f"memory_{name}"] = (measured, formula_bytes(name, s, b, 64, 4, tp))
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

@@ -178,8 +178,8 @@ def grad_accum_steps(train: TrainSpec, world_size: int) -> int:
     dp = world_size // mp
     per_step = train.micro_batch_size * dp
     _require(train.batch_size % per_step == 0, "train.batch_size",
-             f"must be a multiple of train.micro_batch_size x data-parallel ranks ({train.micro_batch_size} x {dp}), "
-             f"got {train.batch_size}")
+             f"must be a multiple of train.micro_batch_size x ranks ({train.micro_batch_size} x {dp}), "
+             f"got {train.batch_size}" + (f" (data-parallel ranks: {world_size} / (TP x PP = {mp}))" if mp > 1 else ""))
     return train.batch_size // per_step
 
 

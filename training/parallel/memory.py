@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from training.parallel.model import ParallelStage
+from training.parallel.model import ParallelSpec, ParallelStage
 
 
 def formula_bytes(variant: str, s: int, b: int, h: int, a: int, t: int) -> float:
@@ -79,3 +79,82 @@ def measure_saved_bytes(stage: ParallelStage, x: torch.Tensor, y: torch.Tensor |
         out = stage(x, y)
     del out
     return LayerBytes(per_layer)
+
+
+VARIANTS: list[tuple[str, bool, ParallelSpec]] = [
+    # name, uses TP, spec
+    ("none", False, ParallelSpec()),
+    ("tp", True, ParallelSpec()),
+    ("tp_sp", True, ParallelSpec(sequence_parallel=True)),
+    ("tp_sar", True, ParallelSpec(recompute="selective")),
+    ("tp_sp_sar", True, ParallelSpec(sequence_parallel=True, recompute="selective")),
+    ("full", False, ParallelSpec(recompute="full")),
+]
+LABELS = {"none": "no parallelism", "tp": "TP", "tp_sp": "TP + SP", "tp_sar": "TP + selective",
+          "tp_sp_sar": "TP + SP + selective", "full": "full recompute (t=1)"}
+
+
+def _measure_worker(cfg_dict: dict, s: int, b: int, t: int, out: str) -> None:
+    """One rank of a world of t: measure every variant on one micro-batch; rank 0 writes the rows."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from engines.config import ModelConfig
+    from training.parallel.groups import Layout, build_groups
+    from training.parallel.setup import build_stage
+
+    cfg = ModelConfig(**{**cfg_dict, "eos_token_id": tuple(cfg_dict.get("eos_token_id") or ()), "dropout": 0.0})
+    rank = int(os.environ.get("RANK", "0"))
+    if t > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=t)
+    rows = []
+    for name, uses_tp, spec in VARIANTS:
+        tp = t if uses_tp else 1
+        groups = build_groups(Layout.for_world(t, tp, 1), rank)
+        stage = build_stage(cfg, 0, groups, spec, torch.device("cpu"))
+        x = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+        measured = measure_saved_bytes(stage, x, x).mean
+        del stage
+        rows.append({"variant": name, "t": tp, "measured": measured,
+                     "formula": formula_bytes(name, s, b, cfg.n_embd, cfg.n_head, tp)})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    if t > 1:
+        dist.destroy_process_group()
+
+
+def memory_report(cfg, s: int, b: int, t: int) -> list[dict]:
+    """Measured vs formula bytes per layer for every variant, on t local gloo ranks (fp32, dropout off)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from training.distributed import spawn_local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        args = (json.loads(json.dumps(cfg.__dict__)), s, b, t, out)
+        if t == 1:
+            _measure_worker(*args)
+        else:
+            spawn_local(_measure_worker, t, args)
+        return json.loads(Path(out).read_text())
+
+
+def format_report(rows: list[dict], cfg, s: int, b: int, t: int) -> str:
+    h, a = cfg.n_embd, cfg.n_head
+    lines = [f"saved activations per layer: s={s} b={b} h={h} a={a} t={t}; fp32, dropout off "
+             f"(Korthikanti et al. 2022, Table 2, adjusted: every term x2 for 4-byte values, dropout masks "
+             f"and dropout outputs removed)",
+             f"{'layout':<22} {'paper (fp16)':<26} {'fp32, no dropout':<26} {'formula MiB':>12} {'measured MiB':>13} "
+             f"{'ratio':>7}"]
+    for r in rows:
+        lines.append(f"{LABELS[r['variant']]:<22} {PAPER[r['variant']]:<26} {ADJUSTED[r['variant']]:<26} "
+                     f"{r['formula'] / 2**20:>12.3f} {r['measured'] / 2**20:>13.3f} {r['measured'] / r['formula']:>7.3f}")
+    if cfg.model_type != "gpt2" or cfg.activation == "silu" or cfg.ffn_dim != 4 * h or cfg.kv_heads != cfg.n_head:
+        lines.append("note: the formulas assume a GPT-2 block (LayerNorm, 4h GELU MLP, multi-head attention); "
+                     "this model differs, so only the measured column describes it")
+    return "\n".join(lines)
