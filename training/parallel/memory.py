@@ -146,11 +146,11 @@ def memory_report(cfg, s: int, b: int, t: int) -> list[dict]:
 
 def format_report(rows: list[dict], cfg, s: int, b: int, t: int) -> str:
     h, a = cfg.n_embd, cfg.n_head
-    lines = [f"saved activations per layer: s={s} b={b} h={h} a={a} t={t}; fp32, dropout off "
+    lines = [(f"saved activations per layer: s={s} b={b} h={h} a={a} t={t}; fp32, dropout off "
              f"(Korthikanti et al. 2022, Table 2, adjusted: every term x2 for 4-byte values, dropout masks "
-             f"and dropout outputs removed)",
-             f"{'layout':<22} {'paper (fp16)':<26} {'fp32, no dropout':<26} {'formula MiB':>12} {'measured MiB':>13} "
-             f"{'ratio':>7}"]
+             f"and dropout outputs removed)"),
+             (f"{'layout':<22} {'paper (fp16)':<26} {'fp32, no dropout':<26} {'formula MiB':>12} {'measured MiB':>13} "
+             f"{'ratio':>7}")]
     for r in rows:
         lines.append(f"{LABELS[r['variant']]:<22} {PAPER[r['variant']]:<26} {ADJUSTED[r['variant']]:<26} "
                      f"{r['formula'] / 2**20:>12.3f} {r['measured'] / 2**20:>13.3f} {r['measured'] / r['formula']:>7.3f}")
