@@ -1,6 +1,6 @@
 """Megatron training parallelism on CPU over gloo: every layout trains like one process.
 
-Each family runs one 4-process gloo world that trains a tiny fp32 GPT for 5 AdamW steps (clipped)
+One 4-process gloo world runs every case that trains a tiny fp32 GPT for 5 AdamW steps (clipped)
 on TP=2 (x DP=2), TP=2 + SP, PP=2 with 1F1B and with GPipe (x DP=2) and TP=2 x PP=2 + SP; each
 step's loss and gathered gradients must match the plain single-process trainer (NextTokenLoss,
 clip_grad_norm_) within 1e-5. With dropout on, selective and full recomputation must give the
@@ -28,19 +28,17 @@ LLAMA = ModelConfig("llama", vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_
 DROP = GPT2.replace(dropout=0.2)
 SP = ParallelSpec(sequence_parallel=True)
 WORLD = 4
-# name, config, tp, pp, spec, schedule; data parallel = 4 / (tp x pp)
-CASES = {
-    "gpt2": [("tp2", GPT2, 2, 1, ParallelSpec(), "1f1b"), ("tp2_sp", GPT2, 2, 1, SP, "1f1b"),
+# name, config, tp, pp, spec, schedule; data parallel = 4 / (tp x pp). One world runs them all.
+CASES = [("tp2", GPT2, 2, 1, ParallelSpec(), "1f1b"), ("tp2_sp", GPT2, 2, 1, SP, "1f1b"),
              ("pp2_1f1b", GPT2, 1, 2, ParallelSpec(), "1f1b"), ("pp2_gpipe", GPT2, 1, 2, ParallelSpec(), "gpipe"),
              ("tp2_pp2_sp", GPT2, 2, 2, SP, "1f1b"),
              ("drop_none", DROP, 2, 1, SP, "1f1b"),
              ("drop_selective", DROP, 2, 1, ParallelSpec(sequence_parallel=True, recompute="selective"), "1f1b"),
              ("drop_full", DROP, 2, 1, ParallelSpec(sequence_parallel=True, recompute="full"), "1f1b"),
              ("drop_full_first1", DROP, 2, 1, ParallelSpec(sequence_parallel=True, recompute="full",
-                                                          recompute_layers=1), "1f1b")],
-    "llama": [("tp2", LLAMA, 2, 1, ParallelSpec(), "1f1b"), ("tp2_sp", LLAMA, 2, 1, SP, "1f1b"),
-              ("pp2_1f1b", LLAMA, 1, 2, ParallelSpec(), "1f1b"), ("tp2_pp2_sp", LLAMA, 2, 2, SP, "gpipe")],
-}
+                                                          recompute_layers=1), "1f1b"),
+         ("llama_tp2", LLAMA, 2, 1, ParallelSpec(), "1f1b"), ("llama_tp2_sp", LLAMA, 2, 1, SP, "1f1b"),
+         ("llama_pp2_1f1b", LLAMA, 1, 2, ParallelSpec(), "1f1b"), ("llama_tp2_pp2_sp", LLAMA, 2, 2, SP, "gpipe")]
 
 
 def reference(cfg: ModelConfig, dp: int):
@@ -63,18 +61,16 @@ def reference(cfg: ModelConfig, dp: int):
     return losses, grads
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def family_results(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.pt"
-    mp.start_processes(worker, args=(WORLD, free_port(), CASES[request.param], str(out)), nprocs=WORLD,
-                       start_method="spawn")
-    return request.param, torch.load(out, weights_only=True)
+    mp.start_processes(worker, args=(WORLD, free_port(), CASES, str(out)), nprocs=WORLD, start_method="spawn")
+    return torch.load(out, weights_only=True)
 
 
-def test_layouts_match_one_process(family_results):
-    family, results = family_results
+def test_layouts_match_one_process(results):
     refs = {}
-    for name, cfg, tp, pp, _, _ in CASES[family]:
+    for name, cfg, tp, pp, _, _ in CASES:
         if name.startswith("drop"):
             continue
         dp = WORLD // (tp * pp)
@@ -89,10 +85,7 @@ def test_layouts_match_one_process(family_results):
                 torch.testing.assert_close(grads[step][n], g, atol=1e-5, rtol=0, msg=f"{name} step {step} {n}")
 
 
-def test_recompute_gives_the_same_gradients_with_dropout(family_results):
-    family, results = family_results
-    if family != "gpt2":
-        pytest.skip("the dropout cases run in the gpt2 world")
+def test_recompute_gives_the_same_gradients_with_dropout(results):
     base_losses, base_grads = results["drop_none"]
     no_drop_losses, _ = results["tp2_sp"]
     assert base_losses != pytest.approx(no_drop_losses, abs=1e-4)  # dropout is really on
@@ -104,12 +97,9 @@ def test_recompute_gives_the_same_gradients_with_dropout(family_results):
                 torch.testing.assert_close(grads[step][n], g, atol=1e-6, rtol=0, msg=f"{name} step {step} {n}")
 
 
-def test_saved_activations_match_the_papers_formulas(family_results):
+def test_saved_activations_match_the_papers_formulas(results):
     """Each of Table 2's five layouts (and full recomputation), measured with a saved-tensor hook at
     s=64, b=2, h=64, a=4, t=2, within 2% of its fp32 / dropout-off formula (training/parallel/memory.py)."""
-    family, results = family_results
-    if family != "gpt2":
-        pytest.skip("measured in the gpt2 world")
     for name in ("none", "tp", "tp_sp", "tp_sar", "tp_sp_sar", "full"):
         measured, formula = results[f"memory_{name}"]
         assert measured == pytest.approx(formula, rel=0.02), name

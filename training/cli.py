@@ -91,6 +91,12 @@ def train(
         from training.recipe import grad_accum_steps
 
         grad_accum_steps(recipe.train, num_workers)  # a batch that does not split fails here, not in N ranks
+        t = recipe.train
+        if t.tensor_parallel_size * t.pipeline_parallel_size > 1:  # so does a layout that does not fit the model
+            from training.parallel.setup import check_layout
+
+            check_layout(recipe.model, recipe.data.seq_len, t.tensor_parallel_size, t.pipeline_parallel_size,
+                         t.sequence_parallel, num_workers)
         # workers may run in another working directory (Ray): hand them absolute paths
         d = recipe.to_dict()
         d["data"]["dir"] = str(Path(d["data"]["dir"]).resolve())
