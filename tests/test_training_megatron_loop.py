@@ -105,3 +105,10 @@ def test_export_from_shards_loads_in_engine_and_transformers(runs):
         theirs = hf(ids).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
     assert out.outputs[0].token_ids == ours[0, len(prompt) - 1:-1].argmax(-1).tolist()
+
+    # `shardserve export` of the run folder reassembles the shards offline into the same weights
+    from training.export import export_checkpoint
+
+    again = export_checkpoint(runs / "full", runs / "again")
+    a, b = load_file(exported / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -236,7 +236,9 @@ def tune_train(
         typer.echo(f"{c.label:<40} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>7.2%} "
                    f"{r['memory_gib']:>9.3f}")
     best = res["timed"][0]
-    typer.echo(f"fastest: TP{best['tp']} PP{best['pp']} DP{best['dp']}, {best['tokens_per_s']:.0f} tokens/s, "
+    label = Candidate(**{k: best[k] for k in ("tp", "pp", "dp", "sequence_parallel", "recompute",
+                                              "micro_batch_size")}).label
+    typer.echo(f"fastest: {label}, {best['tokens_per_s']:.0f} tokens/s, "
                f"MFU {best['mfu']:.2%} (peak {res['peak_flops'] / 1e9:.0f} GFLOP/s over {devices} ranks, measured)")
     if out is not None:
         d = recipe.to_dict()

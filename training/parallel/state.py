@@ -75,3 +75,48 @@ def gather_model(stage: ParallelStage, grads: bool = False) -> dict[str, torch.T
     for part in got:
         out.update(part or {})
     return out
+
+
+def assemble_shards(shard_dir) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Offline: (recipe dict, full model tensors) from a parallel run's checkpoint folder
+    (layout.json + rank-NNNNN.safetensors), placing each shard where shard_spec took it from."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from engines.config import ModelConfig
+    from training.parallel.groups import Layout
+    from training.recipe import recipe_from_dict
+    from training.state import read_meta
+
+    shard_dir = Path(shard_dir)
+    lay = json.loads((shard_dir / "layout.json").read_text())
+    layout = Layout(lay["tp"], lay["pp"], lay["dp"])
+    recipe_d = read_meta(shard_dir / "rank-00000.safetensors")["recipe"]
+    cfg: ModelConfig = recipe_from_dict(recipe_d).model
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
+    full: dict[str, torch.Tensor] = {}
+    for rank in range(layout.world):
+        tp_rank, dp_rank, _ = layout.coords(rank)
+        if dp_rank:
+            continue
+        with safe_open(shard_dir / f"rank-{rank:05d}.safetensors", framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith("model."):
+                    continue
+                name = key[len("model."):]
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # the last stage's copy of the tied embedding
+                t = f.get_tensor(key)
+                spec = shard_spec(name, cfg, layout.tp, tp_rank)
+                if spec is None or layout.tp == 1:
+                    full[name] = t
+                    continue
+                dst = full.setdefault(name, torch.zeros(shapes[name], dtype=t.dtype))
+                at = 0
+                for a, b in spec.ranges:
+                    dst.narrow(spec.dim, a, b - a).copy_(t.narrow(spec.dim, at, b - a))
+                    at += b - a
+    return recipe_d, full
