@@ -40,6 +40,8 @@ class _SeqParallelLinear(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, group):
         ctx.group = group
         ctx.has_bias = bias is not None
+        dev = x_shard.device.type
+        ctx.amp = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
         ctx.save_for_backward(x_shard, weight)
         return F.linear(all_gather_seq(x_shard, group), weight, bias)
 
@@ -48,11 +50,13 @@ class _SeqParallelLinear(torch.autograd.Function):
         x_shard, weight = ctx.saved_tensors
         x = all_gather_seq(x_shard, ctx.group)  # re-gathered: the price of saving 1/t of it
         grad = grad.contiguous()
-        grad_x = reduce_scatter_seq(grad @ weight, ctx.group)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.T @ x.reshape(-1, x.shape[-1])
+        dev, dtype, enabled = ctx.amp
+        with torch.autocast(dev, dtype=dtype, enabled=enabled):  # the forward's matmul precision
+            grad_x = reduce_scatter_seq(grad @ weight, ctx.group)
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.T @ x.reshape(-1, x.shape[-1])
         grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None
 
 
 class ColumnParallelLinear(nn.Module):

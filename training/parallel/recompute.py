@@ -20,6 +20,7 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tracker, device, *inputs):
         ctx.fn, ctx.tracker, ctx.device = fn, tracker, device
+        ctx.amp = (torch.get_autocast_dtype(device.type), torch.is_autocast_enabled(device.type))
         ctx.rng = get_rng(device)
         ctx.tracker_rng = tracker.state.clone() if tracker is not None else None
         ctx.save_for_backward(*inputs)
@@ -35,7 +36,8 @@ class _Recompute(torch.autograd.Function):
         if ctx.tracker is not None:
             ctx.tracker.state = ctx.tracker_rng
         try:
-            with torch.enable_grad():
+            dtype, enabled = ctx.amp  # the forward's autocast state, as torch.utils.checkpoint restores it
+            with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
                 outputs = ctx.fn(*inputs)
         finally:
             set_rng(ctx.device, now_rng)
