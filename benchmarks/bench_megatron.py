@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/bench_megatron.py --part recompute
     .venv/bin/python benchmarks/bench_megatron.py --part tp
 
-recompute: one rank, 2 threads, a GPT-2 block shape where s << h (s=128, h=1024, a=16, 4 layers,
+recompute: one rank, 1 thread (wall and CPU time; CPU time is the work, robust to neighbours), a GPT-2 block shape where s << h (s=128, h=1024, a=16, 4 layers,
            b=4, fp32, dropout off): step time (forward + backward + AdamW) of recompute none,
-           selective and full, interleaved rounds, best of N (the least disturbed by neighbours); the ratio against none is the figure.
+           selective and full, interleaved rounds, best of N (the least disturbed by neighbours);
+           the ratio against none is the figure.
 tp:        the same global batch on TP=1 (1 rank, 2 threads) and TP=2 + SP (2 gloo ranks, 1 thread
-           each) on this 2-core machine: median step time, saved-activation bytes per rank (hook),
+           each) on this 2-core machine: best step time, saved-activation bytes per rank (hook),
            and each rank's peak RSS.
 Shape and layouts are set below; the CPU model and load average are printed with the results.
 """
@@ -40,17 +41,18 @@ def _stage(spec, world: int, tp: int, rank: int):
     return build_stage(CFG, 0, build_groups(Layout.for_world(world, tp, 1), rank), spec, torch.device("cpu"))
 
 
-def _step(stage, opt, batches, shape) -> float:
+def _step(stage, opt, batches, shape) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one training step."""
     from training.parallel.grads import clip_grads, sync_grads
     from training.parallel.schedule import run_step
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     run_step(stage, batches, "1f1b", shape, lambda: torch.autocast("cpu", enabled=False))
     sync_grads(stage)
     clip_grads(stage, 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def _batches(micro: int, b: int):
@@ -59,11 +61,12 @@ def _batches(micro: int, b: int):
 
 
 def recompute_part(rounds: int) -> None:
+    """One thread, so that the process's CPU time is the step's work, whatever the neighbours do."""
     from training.optim import build_optimizer
     from training.parallel.model import ParallelSpec
     from training.recipe import OptimSpec
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     runs = {}
     for rc in ("none", "selective", "full"):
         stage = _stage(ParallelSpec(recompute=rc), 1, 1, 0)
@@ -72,19 +75,19 @@ def recompute_part(rounds: int) -> None:
     times = {rc: [] for rc in runs}
     for r in range(rounds + 1):
         for rc, (stage, opt) in runs.items():
-            dt = _step(stage, opt, batches, (S, B, CFG.n_embd))
+            wall, cpu = _step(stage, opt, batches, (S, B, CFG.n_embd))
             if r:
-                times[rc].append(dt)
-    base = min(times["none"])
-    print(f"recompute, s={S} h={CFG.n_embd} a={CFG.n_head} L={CFG.n_layer} b={B}, fp32, 2 threads, "
+                times[rc].append((wall, cpu))
+    base_w, base_c = (min(t[i] for t in times["none"]) for i in (0, 1))
+    print(f"recompute, s={S} h={CFG.n_embd} a={CFG.n_head} L={CFG.n_layer} b={B}, fp32, 1 thread, "
           f"best of {rounds} interleaved rounds")
     for rc, ts in times.items():
-        m = min(ts)
-        print(f"  {rc:<10} step {m * 1000:8.1f} ms   x{m / base:.3f} of none")
+        w, c = min(t[0] for t in ts), min(t[1] for t in ts)
+        print(f"  {rc:<10} wall {w * 1000:8.1f} ms (x{w / base_w:.3f})   CPU {c * 1000:8.1f} ms (x{c / base_c:.3f})")
+    share = 4 * S / (24 * CFG.n_embd + 4 * S)
     print(f"  expectation: full ~ +33% (one more forward of 3 units of work; paper measured 36-39%), selective "
-          f"~ the core-attention share of the forward: 4 s^2 h / (24 s h^2 + 4 s^2 h) = "
-          f"{4 * S / (24 * CFG.n_embd + 4 * S):.1%} of a forward -> ~{4 * S / (24 * CFG.n_embd + 4 * S) / 3:.1%} "
-          f"of a step (paper: 2-4% at its shapes)")
+          f"~ the core-attention share of the forward: 4 s^2 h / (24 s h^2 + 4 s^2 h) = {share:.1%} of a forward "
+          f"-> ~{share / 3:.1%} of a step (paper: 2-4% at its shapes)")
 
 
 def _tp_worker(out: str, steps: int) -> None:
@@ -103,7 +106,7 @@ def _tp_worker(out: str, steps: int) -> None:
     shape = (S // world, B, CFG.n_embd)
     times = []
     for i in range(steps + 1):
-        dt = torch.tensor([_step(stage, opt, batches, shape)])
+        dt = torch.tensor([_step(stage, opt, batches, shape)[0]])
         if world > 1:
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i:
@@ -125,20 +128,23 @@ def tp_part(steps: int) -> None:
     from training.distributed import spawn_local
 
     res = {}
-    for world in (1, 2):
+    for label, world, threads in (("TP=1, 2 threads", 1, 2), ("TP=1, 1 thread", 1, 1), ("TP=2 + SP", 2, 1)):
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "r.json")
-            spawn_local(_tp_worker, world, (out, steps))
-            res[world] = json.loads(Path(out).read_text())
-    print(f"TP=1 (1 rank x 2 threads) vs TP=2 + SP (2 gloo ranks x 1 thread), s={S} h={CFG.n_embd} "
+            spawn_local(_tp_worker, world, (out, steps), threads_per_rank=threads)
+            res[label] = json.loads(Path(out).read_text())
+    print(f"TP=1 (1 rank) vs TP=2 + SP (2 gloo ranks x 1 thread), s={S} h={CFG.n_embd} "
           f"L={CFG.n_layer} b={B}, fp32, best of {steps} steps")
-    for world, r in res.items():
-        print(f"  TP={world}{' + SP' if world > 1 else '     '} step {r['step_s'] * 1000:8.1f} ms  "
+    for label, r in res.items():
+        print(f"  {label:<16} step {r['step_s'] * 1000:8.1f} ms  "
               f"activations/rank {r['act'] / 2**20:7.1f} MiB  params/rank {r['params'] / 2**20:6.1f} MiB  "
               f"peak RSS/rank {r['rss'] / 2**20:7.1f} MiB")
-    print(f"  ratio TP2+SP / TP1: step time x{res[2]['step_s'] / res[1]['step_s']:.2f}, activations/rank "
-          f"x{res[2]['act'] / res[1]['act']:.2f}, params/rank x{res[2]['params'] / res[1]['params']:.2f}, "
-          f"peak RSS/rank x{res[2]['rss'] / res[1]['rss']:.2f}")
+    tp2 = res["TP=2 + SP"]
+    for label in ("TP=1, 2 threads", "TP=1, 1 thread"):
+        one = res[label]
+        print(f"  TP2+SP / {label}: step time x{tp2['step_s'] / one['step_s']:.2f}, activations/rank "
+              f"x{tp2['act'] / one['act']:.2f}, params/rank x{tp2['params'] / one['params']:.2f}, "
+              f"peak RSS/rank x{tp2['rss'] / one['rss']:.2f}")
 
 
 def main() -> None:
