@@ -118,3 +118,27 @@ def test_bad_layouts_are_refused(cfg, seq, tp, pp, sp, world, key):
     with pytest.raises(ConfigError, match=key):
         check_layout(cfg, seq, tp, pp, sp, world)
     check_layout(GPT2, 8, 2, 2, True, 4)  # and a good one passes
+
+
+@pytest.mark.parametrize("train, model, workers, message", [
+    ({"tensor_parallel_size": 2}, {}, 3, "--num-workers: 3 ranks are not divisible by train.tensor_parallel_size"),
+    ({"tensor_parallel_size": 2}, {"n_head": 3, "n_embd": 48}, 2, "the model's 3 attention heads"),
+    ({"pipeline_parallel_size": 4}, {}, 4, "fewer than 4 stages"),
+    ({"sequence_parallel": True}, {}, 2, "train.sequence_parallel: needs train.tensor_parallel_size > 1"),
+])
+def test_cli_refuses_a_bad_layout_before_launching(tmp_path, train, model, workers, message):
+    import yaml
+    from typer.testing import CliRunner
+
+    from shardserve.cli import app
+
+    recipe = {"model": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": 64, **model},
+              "data": {"dir": str(tmp_path / "data"), "seq_len": 8},
+              "train": {"batch_size": 8, "micro_batch_size": 2, **train}, "optim": {"warmup_steps": 0},
+              "out": {"dir": str(tmp_path / "run")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "r.yaml"), "--num-workers", str(workers),
+                                   "--launcher", "local", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert not (tmp_path / "run").exists()  # no rank started
