@@ -121,6 +121,10 @@ class TrainSpec:
             _require(getattr(self, name) >= 1, f"train.{name}", f"must be an integer >= 1, got {getattr(self, name)}")
         _require(not self.sequence_parallel or self.tensor_parallel_size > 1, "train.sequence_parallel",
                  "needs train.tensor_parallel_size > 1 (it splits the sequence across the TP group)")
+        megatron = self.tensor_parallel_size * self.pipeline_parallel_size > 1 or self.recompute != "none"
+        _require(not (megatron and self.time_budget_s), "train.time_budget_s",
+                 "is not supported on a Megatron layout (tensor / pipeline parallel or recompute) yet; set it to 0 "
+                 "and bound the run with train.max_steps")
         for name in ("eval_every", "ckpt_every", "num_threads", "seed", "recompute_layers"):
             v = getattr(self, name)
             _require(v >= 0, f"train.{name}", f"must be >= 0, got {v}")
