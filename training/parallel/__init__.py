@@ -5,9 +5,11 @@
     rng.py          the dropout RNG tracker: per-TP-rank streams where tensors are split
     recompute.py    activation recomputation that restores every RNG stream
     layers.py       column / row / vocabulary-parallel layers and the vocabulary-parallel loss
-    model.py        apply_parallel: a GPT (or a pipeline stage of it) -> its shard on this rank
+    model.py        ParallelStage: a GPT -> this rank's pipeline stage, TP-sharded, SP and recompute applied
+    setup.py        layout checks (clear errors naming the recipe key) and building a rank's stage
     schedule.py     pipeline schedules (1F1B, GPipe) over micro-batches
     grads.py        gradient reductions (SP norms, DP, tied embeddings) and the global norm
     state.py        gathering the full model from shards (export, tests) and per-rank checkpoints
     memory.py       measured saved-activation bytes per layer beside Korthikanti et al.'s Table 2
+    loop.py         the training loop on a layout: schedule, gradient sync, clipping, shard checkpoints, export
 """

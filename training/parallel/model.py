@@ -1,4 +1,4 @@
-"""apply_parallel: the built GPT -> this rank's shard of it for training (TP, SP, PP, recompute).
+"""ParallelStage: the built GPT -> this rank's shard of it for training (TP, SP, PP, recompute).
 
 The model definition stays engines/model.py. This file cuts a pipeline stage out of the built
 model (layers [start, end), the embedding on the first stage, the final norm and the loss on the
