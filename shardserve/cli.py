@@ -48,6 +48,21 @@ def _register() -> None:
 
     app.command("check-model")(training_cli.check_model)
 
+    # `shardserve tune train` (tuner/train_search.py, w16): into tuner/cli.py's `tune` sub-app when it has one
+    from tuner import train_search
+
+    tune_app = getattr(__import__("tuner.cli", fromlist=["tune_app"]), "tune_app", None) if _has("tuner.cli") else None
+    if tune_app is None:
+        tune_app = typer.Typer(help="Search for the best configuration of a job.", no_args_is_help=True)
+        app.add_typer(tune_app, name="tune")
+    tune_app.command("train")(train_search.tune_train)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
 
 _register()
 

@@ -58,6 +58,9 @@ def train(
     set_: list[str] | None = typer.Option(
         None, "--set", help="Override a recipe value, e.g. --set train.max_steps=100 (repeatable)."),
     progress: bool = typer.Option(True, help="Show the progress bar."),
+    memory_report: bool = typer.Option(
+        False, "--memory-report", help="Print measured saved-activation bytes per layer beside the formulas of "
+        "Korthikanti et al. 2022 (Table 2) for the recipe's shape and TP size, then exit without training."),
 ) -> None:
     """Pretrain (or resume) a GPT from a recipe; writes metrics, a loss curve and checkpoints.
 
@@ -71,6 +74,15 @@ def train(
 
     try:
         recipe = load_recipe(config, set_ or [])
+        if memory_report:
+            from training.parallel.memory import format_report
+            from training.parallel.memory import memory_report as measure
+            from training.parallel.setup import check_layout
+
+            t, s, b = recipe.train.tensor_parallel_size, recipe.data.seq_len, recipe.train.micro_batch_size
+            check_layout(recipe.model, s, t, 1, t > 1)
+            typer.echo(format_report(measure(recipe.model, s, b, t), recipe.model, s, b, t))
+            return
         if num_workers == 1:
             from training.trainer import train as run
 
@@ -79,6 +91,12 @@ def train(
         from training.recipe import grad_accum_steps
 
         grad_accum_steps(recipe.train, num_workers)  # a batch that does not split fails here, not in N ranks
+        t = recipe.train
+        if t.tensor_parallel_size * t.pipeline_parallel_size > 1:  # so does a layout that does not fit the model
+            from training.parallel.setup import check_layout
+
+            check_layout(recipe.model, recipe.data.seq_len, t.tensor_parallel_size, t.pipeline_parallel_size,
+                         t.sequence_parallel, num_workers)
         # workers may run in another working directory (Ray): hand them absolute paths
         d = recipe.to_dict()
         d["data"]["dir"] = str(Path(d["data"]["dir"]).resolve())

@@ -47,6 +47,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir
     from training.state import CHECKPOINT, ResumeError, model_tensors, read_meta
 
     path = Path(checkpoint)
+    if path.is_dir() and (path / "checkpoint" / "layout.json").is_file():  # a Megatron run: per-rank shards
+        return _export_shards(path / "checkpoint", out_dir, tokenizer_dir, dtype)
+    if path.is_dir() and (path / "layout.json").is_file():
+        return _export_shards(path, out_dir, tokenizer_dir, dtype)
     if path.is_dir():
         path = path / CHECKPOINT
     try:
@@ -62,3 +66,20 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir
                 raise ExportError(f"{path}: checkpoint lacks model tensor {name!r}")
             t.copy_(f.get_tensor(f"model.{name}"))
     return export_model(model, recipe.model, out_dir, tokenizer_dir or recipe.data.dir, dtype)
+
+
+def _export_shards(shard_dir: Path, out_dir, tokenizer_dir, dtype: str) -> Path:
+    """One HF-compatible directory from a parallel run's shards (training/parallel/state.py)."""
+    from engines.model import GPT
+    from training.parallel.state import assemble_shards
+    from training.recipe import recipe_from_dict
+
+    recipe_d, full = assemble_shards(shard_dir)
+    recipe = recipe_from_dict(recipe_d)
+    model = GPT(recipe.model)
+    missing, unexpected = model.load_state_dict(full, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and recipe.model.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ExportError(f"{shard_dir}: shards do not make the model (missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]})")
+    return export_model(model.eval(), recipe.model, out_dir, tokenizer_dir or recipe.data.dir, dtype)

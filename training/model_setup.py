@@ -1,9 +1,9 @@
 """Building the model for training, and the transformations applied to it per parallel layout.
 
 `build_model` makes the engine's GPT (one definition for training and serving);
-`wrap_data_parallel` is the data-parallel transformation. Tensor and pipeline parallelism will
-be further transformations applied between the two (sharding the built model's Linear layers
-with the engines' sharding plan), with the optimizer built on the transformed model.
+`wrap_data_parallel` is the data-parallel transformation. Tensor, sequence and pipeline
+parallelism are the transformations in training/parallel/ (the built model's Linear layers
+sliced with the engines' sharding plan), with the optimizer built on the transformed stage.
 """
 
 from __future__ import annotations

@@ -102,12 +102,33 @@ class TrainSpec:
     """Steps between metrics lines."""
     num_threads: int = 0
     """torch intra-op threads per rank; 0 keeps torch's default (CPU cores / ranks when launched)."""
+    # Megatron layout (training/parallel/): data parallel = ranks / (tensor x pipeline)
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's heads, MLP width and vocabulary (Megatron TP)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages, each a contiguous range of layers (micro-batches of micro_batch_size)."""
+    sequence_parallel: bool = False
+    """With TP: norms and dropouts on a 1/TP shard of the sequence (activations / TP); needs seq_len % TP == 0."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: selective = core attention only; full = keep only each block's input."""
+    recompute_layers: int = 0
+    """Recompute only the first k layers of each stage; 0: all."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """1f1b: at most stages micro-batches in flight per stage; gpipe: all forwards, then all backwards."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "micro_batch_size", "eval_windows", "log_every"):
             v = getattr(self, name)
             _require(v > 0, f"train.{name}", f"must be a positive integer, got {v}")
-        for name in ("eval_every", "ckpt_every", "num_threads", "seed"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            _require(getattr(self, name) >= 1, f"train.{name}", f"must be an integer >= 1, got {getattr(self, name)}")
+        _require(not self.sequence_parallel or self.tensor_parallel_size > 1, "train.sequence_parallel",
+                 "needs train.tensor_parallel_size > 1 (it splits the sequence across the TP group)")
+        megatron = self.tensor_parallel_size * self.pipeline_parallel_size > 1 or self.recompute != "none"
+        _require(not (megatron and self.time_budget_s), "train.time_budget_s",
+                 "is not supported on a Megatron layout (tensor / pipeline parallel or recompute) yet; set it to 0 "
+                 "and bound the run with train.max_steps")
+        for name in ("eval_every", "ckpt_every", "num_threads", "seed", "recompute_layers"):
             v = getattr(self, name)
             _require(v >= 0, f"train.{name}", f"must be >= 0, got {v}")
         _require(self.batch_size % self.micro_batch_size == 0, "train.batch_size",
@@ -155,11 +176,17 @@ RESUMABLE = {"train.eval_every", "train.eval_windows", "train.ckpt_every", "trai
 
 
 def grad_accum_steps(train: TrainSpec, world_size: int) -> int:
-    """Micro-steps per optimizer step on each of `world_size` ranks."""
-    per_step = train.micro_batch_size * world_size
+    """Micro-steps (pipeline micro-batches) per optimizer step on each data-parallel rank of a
+    world of `world_size` ranks: data parallel = world / (tensor_parallel_size x pipeline_parallel_size)."""
+    mp = train.tensor_parallel_size * train.pipeline_parallel_size
+    _require(world_size % mp == 0, "--num-workers",
+             f"{world_size} ranks are not divisible by train.tensor_parallel_size x train.pipeline_parallel_size "
+             f"= {train.tensor_parallel_size} x {train.pipeline_parallel_size}")
+    dp = world_size // mp
+    per_step = train.micro_batch_size * dp
     _require(train.batch_size % per_step == 0, "train.batch_size",
-             f"must be a multiple of train.micro_batch_size x ranks ({train.micro_batch_size} x {world_size}), "
-             f"got {train.batch_size}")
+             f"must be a multiple of train.micro_batch_size x ranks ({train.micro_batch_size} x {dp}), "
+             f"got {train.batch_size}" + (f" (data-parallel ranks: {world_size} / (TP x PP = {mp}))" if mp > 1 else ""))
     return train.batch_size // per_step
 
 

@@ -97,6 +97,10 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     t = recipe.train
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
+    if t.tensor_parallel_size * t.pipeline_parallel_size > 1 or t.recompute != "none":
+        from training.parallel.loop import train_parallel  # Megatron layouts: training/parallel/
+
+        return train_parallel(recipe, ctx, resume, show_progress, on_step, log)
     retain_freed_memory()  # reuse freed activation memory instead of page-faulting it back every step
     data = TokenData(recipe.data.dir)
     if recipe.model.vocab_size < data.vocab_size:
