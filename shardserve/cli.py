@@ -42,8 +42,11 @@ def _register() -> None:
                 continue
             raise
         for name in names:
-            if hasattr(mod, name):
-                app.command(name)(getattr(mod, name))
+            obj = getattr(mod, name, None)
+            if isinstance(obj, typer.Typer):  # a command group (e.g. `tune predict`)
+                app.add_typer(obj, name=name)
+            elif obj is not None:
+                app.command(name)(obj)
 
 
 _register()

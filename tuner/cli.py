@@ -1,0 +1,120 @@
+"""`shardserve tune ...`: predictions from hardware profiles, the cost model and the simulator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+tune = typer.Typer(name="tune", help="Predict and tune serving configurations for an SLO.",
+                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _model(path: Path):
+    from engines.config import ConfigError, ModelConfig
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        _fail(f"--model: no such file {str(path)!r}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        _fail(f"--model: {path} is not valid JSON ({exc})")
+    if not isinstance(data, dict):
+        _fail(f"--model: {path} must hold a JSON object (an HF config.json)")
+    try:
+        return ModelConfig.from_hf(data)
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        _fail(f"--model: {path} is not a GPT-2 or Llama config.json ({exc})")
+
+
+def _cost(model_json: Path, hardware: str, tp: int, pp: int, weight_dtype: str):
+    from tuner.cost import CostModel, LayoutError
+    from tuner.profiles import ProfileError, load_profile
+
+    model = _model(model_json)
+    try:
+        profile = load_profile(hardware)
+        return CostModel(model, profile, tp=tp, pp=pp, weight_dtype=weight_dtype)
+    except (ProfileError, LayoutError) as exc:
+        _fail(str(exc))
+
+
+@tune.command("predict")
+def predict(
+    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    hardware: str = typer.Option(..., "--hardware", help="Built-in profile name (a100-80gb, h100-sxm, h200) "
+                                 "or the path of a profile YAML."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel stages."),
+    batch: int = typer.Option(1, "--batch", help="Requests arriving together."),
+    input_len: int = typer.Option(128, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(128, "--output-len", help="Output tokens per request."),
+    weight_dtype: str = typer.Option("bfloat16", "--weight-dtype", help="bfloat16, float16, float32 or fp8."),
+) -> None:
+    """Predict a static batch (all requests arrive together; latency until the last token, as
+    FasterTransformer and NeMo report it) and print one JSON object."""
+    from tuner.cost import static_batch
+
+    for name, v in (("--batch", batch), ("--input-len", input_len), ("--output-len", output_len)):
+        if v < 1:
+            _fail(f"{name}: must be >= 1, got {v}")
+    cost = _cost(model, hardware, tp, pp, weight_dtype)
+    out = static_batch(cost, batch, input_len, output_len)
+    out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+    typer.echo(json.dumps({**out, "hardware": cost.profile.name, "tp": tp, "pp": pp, "batch": batch,
+                           "input_len": input_len, "output_len": output_len, "weight_dtype": weight_dtype}))
+
+
+@tune.command("simulate")
+def simulate_cmd(
+    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    hardware: str = typer.Option(..., "--hardware", help="Built-in profile name or profile YAML path."),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    weight_dtype: str = typer.Option("bfloat16", "--weight-dtype"),
+    request_rate: float = typer.Option(1.0, "--request-rate", help="Requests/s (open loop)."),
+    arrival: str = typer.Option("poisson", "--arrival", help="poisson, gamma or constant."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape (gamma arrivals)."),
+    num_prompts: int = typer.Option(500, "--num-prompts"),
+    input_len: int = typer.Option(128, "--input-len"),
+    output_len: int = typer.Option(128, "--output-len"),
+    max_num_seqs: int = typer.Option(128, "--max-num-seqs"),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens"),
+    block_size: int = typer.Option(16, "--block-size"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Simulate one engine under an open-loop load with the engine's own scheduler and print
+    the predicted TTFT / TPOT / ITL / E2E percentiles, throughput and KV memory as JSON."""
+    import numpy as np
+
+    from engines.scheduler import SchedulerConfig
+    from loadtest.arrivals import schedule
+    from tuner.cost import GIB
+    from tuner.simulate import simulate, summarize
+
+    if arrival not in ("poisson", "gamma", "constant"):
+        _fail(f"--arrival: must be poisson, gamma or constant, got {arrival!r}")
+    if not request_rate > 0 or num_prompts < 1 or input_len < 1 or output_len < 1:
+        _fail("--request-rate, --num-prompts, --input-len and --output-len must be > 0")
+    cost = _cost(model, hardware, tp, pp, weight_dtype)
+    kv_budget = cost.kv_budget_bytes()
+    if kv_budget <= 0:
+        _fail(f"does not fit: weights need {cost.weight_bytes_per_device() / GIB:.1f} GiB per device of "
+              f"{cost.profile.memory_gib} GiB ({cost.profile.name}); raise --tp/--pp or use --weight-dtype fp8")
+    num_blocks = int(kv_budget // (cost.kv_bytes_per_token() * block_size))
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          block_size=block_size, num_blocks=num_blocks,
+                          max_model_len=min(cost.model.max_position_embeddings, input_len + output_len + 1))
+    times = schedule(arrival, request_rate, burstiness, count=num_prompts, seed=seed)
+    traces = simulate(cost.step_time, cfg, times, np.full(num_prompts, input_len), np.full(num_prompts, output_len))
+    out = summarize(traces)
+    out["kv_blocks"] = num_blocks
+    out["kv_cache_gib_per_device"] = num_blocks * block_size * cost.kv_bytes_per_token() / GIB
+    out["memory_gib_per_device"] = cost.weight_bytes_per_device() / GIB + out["kv_cache_gib_per_device"]
+    typer.echo(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
