@@ -118,3 +118,105 @@ def simulate_cmd(
     out["kv_cache_gib_per_device"] = num_blocks * block_size * cost.kv_bytes_per_token() / GIB
     out["memory_gib_per_device"] = cost.weight_bytes_per_device() / GIB + out["kv_cache_gib_per_device"]
     typer.echo(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+
+
+@tune.command("search")
+def search_cmd(
+    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    hardware: str = typer.Option(..., "--hardware", help="Built-in profile name or profile YAML path."),
+    devices: int = typer.Option(8, "--devices", help="Device budget; replicas fill it."),
+    slo: list[str] = typer.Option([], "--slo", help="As in loadtest: ttft_p99_ms=500, tpot_ms=50 (repeatable)."),
+    objective: str = typer.Option("goodput", "--objective", help="goodput (per device), throughput or latency."),
+    input_len: int = typer.Option(128, "--input-len"),
+    output_len: int = typer.Option(128, "--output-len"),
+    num_prompts: int = typer.Option(150, "--num-prompts", help="Simulated requests per rate probe."),
+    model_path: str = typer.Option("models/default", "--model-path", help="Checkpoint path in the emitted YAML."),
+    out: Path = typer.Option(Path("results/tune"), "--out", help="Result directory (table JSON, Pareto PNG, YAML)."),
+    top: int = typer.Option(10, "--top", help="Rows of the ranked table to print."),
+) -> None:
+    """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
+    ranked table, write results.json, pareto.png and the chosen config as deployment YAML."""
+    import time
+
+    import yaml
+
+    from loadtest.config import ConfigError as LoadConfigError
+    from loadtest.config import parse_slo
+    from tuner.profiles import ProfileError, load_profile
+    from tuner.search import OBJECTIVES, Workload, evaluate, grid, rank
+
+    if objective not in OBJECTIVES:
+        _fail(f"--objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if devices < 1 or input_len < 1 or output_len < 1 or num_prompts < 1:
+        _fail("--devices, --input-len, --output-len and --num-prompts must be >= 1")
+    try:
+        slos = tuple(parse_slo(s) for s in slo)
+    except LoadConfigError as exc:
+        _fail(str(exc))
+    m = _model(model)
+    try:
+        profile = load_profile(hardware)
+    except ProfileError as exc:
+        _fail(str(exc))
+    t0 = time.perf_counter()
+    cands = evaluate(m, profile, grid(m, devices), Workload(input_len, output_len, num_prompts), slos)
+    elapsed = time.perf_counter() - t0
+    ranked = rank(cands, objective)
+    pruned = [c for c in cands if c.pruned]
+    if not ranked:
+        reasons = sorted({c.pruned for c in pruned}) or ["no rate meets the SLOs"]
+        _fail(f"no configuration meets the SLOs on {devices} x {profile.name}: " + "; ".join(reasons[:5]))
+    typer.echo(f"{len(cands)} configs ({len(pruned)} pruned) simulated in {elapsed:.1f} s; objective {objective}")
+    typer.echo(f"{'tp':>3} {'pp':>3} {'rep':>4} {'seqs':>5} {'tokens':>6} {'dtype':>9} {'goodput/dev':>11} "
+               f"{'tok/s/dev':>10} {'latency_ms':>10} {'ttft_p99':>9} {'tpot_p99':>9}")
+    for c in ranked[:top]:
+        x = c.metrics
+        typer.echo(f"{c.tp:>3} {c.pp:>3} {c.replicas:>4} {c.max_num_seqs:>5} {c.max_num_batched_tokens:>6} "
+                   f"{c.weight_dtype:>9} {x['goodput_per_device']:>11.2f} {x['throughput_tok_s_per_device']:>10.1f} "
+                   f"{x['latency_ms']:>10.1f} {x.get('ttft_p99_ms', 0):>9.1f} {x.get('tpot_p99_ms', 0):>9.1f}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{**{k: v for k, v in c.__dict__.items() if k != "metrics"}, **c.metrics} for c in cands]
+    (out / "results.json").write_text(json.dumps({"elapsed_s": elapsed, "objective": objective,
+                                                  "slos": [s.key for s in slos], "configs": rows}, indent=1))
+    _pareto(ranked, out / "pareto.png")
+    best = ranked[0]
+    dtype = "bfloat16" if best.weight_dtype == "fp8" else best.weight_dtype
+    deployment = {"models": [{
+        "name": "default", "path": model_path, "replicas": best.replicas,
+        "engine": {"dtype": dtype, "block_size": 16, "max_num_seqs": best.max_num_seqs,
+                   "max_num_batched_tokens": best.max_num_batched_tokens,
+                   "max_model_len": min(m.max_position_embeddings, input_len + output_len + 1),
+                   "tensor_parallel_size": best.tp, "pipeline_parallel_size": best.pp},
+        "weight_format": best.weight_dtype}]}
+    from deploy.schema import validate_config
+
+    validate_config(deployment, "tuned")  # what `shardserve serve --config` will read
+    (out / "tuned.yaml").write_text("# written by `shardserve tune search`\n" + yaml.safe_dump(deployment, sort_keys=False))
+    typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
+
+
+def _pareto(ranked, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dtype, marker in (("bfloat16", "o"), ("float16", "o"), ("float32", "s"), ("fp8", "^")):
+        sel = [c for c in ranked if c.weight_dtype == dtype]
+        if sel:
+            ax.scatter([c.metrics["latency_ms"] for c in sel], [c.metrics["throughput_tok_s_per_device"] for c in sel],
+                       marker=marker, label=dtype, alpha=0.7)
+    pts = sorted((c.metrics["latency_ms"], c.metrics["throughput_tok_s_per_device"]) for c in ranked)
+    front, best = [], -1.0
+    for lat, thr in pts:
+        if thr > best:
+            front.append((lat, thr))
+            best = thr
+    ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
+    ax.set_xlabel("latency of one request alone (ms)")
+    ax.set_ylabel("output tokens/s per device at goodput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
