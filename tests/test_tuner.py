@@ -116,3 +116,24 @@ def test_predict_cli(tmp_path):
                       (["--model", str(cfg), "--hardware", "h200", "--batch", "0"], "--batch")):
         run = CliRunner().invoke(app, ["tune", "predict", *args])
         assert run.exit_code == 2 and msg in run.output, run.output
+
+
+def test_search_emits_valid_deployment_and_rejects_impossible_slo(tmp_path):
+    from deploy.schema import load_config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY.to_hf()))
+    args = ["tune", "search", "--model", str(cfg), "--hardware", "a100-80gb", "--devices", "2", "--input-len", "16",
+            "--output-len", "8", "--num-prompts", "20", "--out", str(tmp_path / "out")]
+    run = CliRunner().invoke(app, [*args, "--slo", "ttft_p99_ms=1000", "--slo", "tpot_ms=100"])
+    assert run.exit_code == 0, run.output
+    dep = load_config(tmp_path / "out" / "tuned.yaml")
+    spec = dep.models[0]
+    assert spec.world_size * spec.replicas <= 2
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 1000
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["configs"]
+    assert {r["weight_dtype"] for r in rows} == {"bfloat16", "fp8"}
+    run = CliRunner().invoke(app, [*args, "--slo", "ttft_p99_ms=0.001"])
+    assert run.exit_code == 2 and "no configuration meets the SLOs" in run.output, run.output
+    run = CliRunner().invoke(app, [*args, "--slo", "latency_ms=5"])
+    assert run.exit_code == 2 and "unknown SLO" in run.output, run.output

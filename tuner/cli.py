@@ -108,6 +108,8 @@ def simulate_cmd(
         _fail(f"does not fit: weights need {cost.weight_bytes_per_device() / GIB:.1f} GiB per device of "
               f"{cost.profile.memory_gib} GiB ({cost.profile.name}); raise --tp/--pp or use --weight-dtype fp8")
     num_blocks = int(kv_budget // (cost.kv_bytes_per_token() * block_size))
+    # more blocks than max_num_seqs full-length requests never change the schedule
+    num_blocks = min(num_blocks, max_num_seqs * -(-(input_len + output_len) // block_size))
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, num_blocks=num_blocks,
                           max_model_len=min(cost.model.max_position_embeddings, input_len + output_len + 1))

@@ -114,6 +114,7 @@ def evaluate(model: ModelConfig, profile: HardwareProfile, cands: list[Candidate
                    f"less than one request ({need_blocks} blocks)")
             done.append(Candidate(**{**c.__dict__, "pruned": why, "metrics": {}}))
             continue
+        blocks = min(blocks, c.max_num_seqs * need_blocks)  # more never changes the schedule
         cfg = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                               block_size=block_size, num_blocks=blocks,
                               max_model_len=min(model.max_position_embeddings, w.input_len + w.output_len + 1))
