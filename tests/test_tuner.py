@@ -137,3 +137,48 @@ def test_search_emits_valid_deployment_and_rejects_impossible_slo(tmp_path):
     assert run.exit_code == 2 and "no configuration meets the SLOs" in run.output, run.output
     run = CliRunner().invoke(app, [*args, "--slo", "latency_ms=5"])
     assert run.exit_code == 2 and "unknown SLO" in run.output, run.output
+
+
+def test_emitted_yaml_serves(tmp_path, gpt2_dir):
+    """The chosen config runs unchanged under `shardserve serve --config` (a short real run)."""
+    import os
+    import shlex
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = CliRunner().invoke(app, ["tune", "search", "--model", str(gpt2_dir / "config.json"), "--hardware",
+                                   "a100-80gb", "--devices", "1", "--input-len", "16", "--output-len", "8",
+                                   "--num-prompts", "20", "--weight-dtype", "float32", "--model-path", str(gpt2_dir),
+                                   "--out", str(tmp_path)])
+    assert run.exit_code == 0, run.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "shardserve", "serve", "--config", str(tmp_path / "tuned.yaml"),
+                             "--port", str(port)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        curl = None
+        while curl is None:
+            assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "serve exited:\n" + "".join(lines)
+            lines.append(line)
+            if line.strip().startswith("curl "):
+                curl = line.strip()
+        out = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 0 and '"object":"text_completion"' in out.stdout, out.stdout + out.stderr
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -135,6 +135,8 @@ def search_cmd(
     model_path: str = typer.Option("models/default", "--model-path", help="Checkpoint path in the emitted YAML."),
     out: Path = typer.Option(Path("results/tune"), "--out", help="Result directory (table JSON, Pareto PNG, YAML)."),
     top: int = typer.Option(10, "--top", help="Rows of the ranked table to print."),
+    weight_dtype: list[str] = typer.Option(["bfloat16", "fp8"], "--weight-dtype",
+                                           help="Weight dtypes to search (repeatable): bfloat16, float16, float32, fp8."),
 ) -> None:
     """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
     ranked table, write results.json, pareto.png and the chosen config as deployment YAML."""
@@ -144,9 +146,13 @@ def search_cmd(
 
     from loadtest.config import ConfigError as LoadConfigError
     from loadtest.config import parse_slo
+    from tuner.cost import WEIGHT_DTYPES
     from tuner.profiles import ProfileError, load_profile
     from tuner.search import OBJECTIVES, Workload, evaluate, grid, rank
 
+    bad = [d for d in weight_dtype if d not in WEIGHT_DTYPES]
+    if bad or not weight_dtype:
+        _fail(f"--weight-dtype: must be among {', '.join(WEIGHT_DTYPES)}, got {', '.join(bad) or 'none'}")
     if objective not in OBJECTIVES:
         _fail(f"--objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if devices < 1 or input_len < 1 or output_len < 1 or num_prompts < 1:
@@ -161,7 +167,7 @@ def search_cmd(
     except ProfileError as exc:
         _fail(str(exc))
     t0 = time.perf_counter()
-    cands = evaluate(m, profile, grid(m, devices), Workload(input_len, output_len, num_prompts), slos)
+    cands = evaluate(m, profile, grid(m, devices, dtypes=tuple(dict.fromkeys(weight_dtype))), Workload(input_len, output_len, num_prompts), slos)
     elapsed = time.perf_counter() - t0
     ranked = rank(cands, objective)
     pruned = [c for c in cands if c.pruned]
@@ -187,9 +193,9 @@ def search_cmd(
         "name": "default", "path": model_path, "replicas": best.replicas,
         "engine": {"dtype": dtype, "block_size": 16, "max_num_seqs": best.max_num_seqs,
                    "max_num_batched_tokens": best.max_num_batched_tokens,
-                   "max_model_len": min(m.max_position_embeddings, input_len + output_len + 1),
                    "tensor_parallel_size": best.tp, "pipeline_parallel_size": best.pp},
-        "weight_format": best.weight_dtype}]}
+        # 16/32-bit weights are the engine's dtype; fp8 needs the FP8 issue's weight_format
+        "weight_format": "fp8" if best.weight_dtype == "fp8" else "auto"}]}
     from deploy.schema import validate_config
 
     validate_config(deployment, "tuned")  # what `shardserve serve --config` will read
