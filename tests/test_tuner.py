@@ -182,3 +182,12 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_measured_profile_round_trips(tmp_path):
+    from tuner.measure import measure
+
+    prof = measure("unit-machine", size=128, rows=(4, 64))
+    assert prof.kind == "measured" and prof.flops("float32") > 0 and prof.hbm_bandwidth_gb_s > 0
+    prof.save(tmp_path / "p.yaml")
+    assert load_profile(str(tmp_path / "p.yaml")) == prof

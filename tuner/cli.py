@@ -228,3 +228,19 @@ def _pareto(ranked, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@tune.command("profile")
+def profile_cmd(
+    out: Path = typer.Option(Path("results/tune/this-machine.yaml"), "--out", help="Where the profile YAML goes."),
+    name: str = typer.Option("this-machine", "--name", help="Profile name."),
+) -> None:
+    """Measure this machine (matmul rate per dtype, read bandwidth, memory) into a profile YAML
+    that --hardware accepts."""
+    from tuner.measure import measure
+
+    prof = measure(name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(out)
+    typer.echo(json.dumps(prof.to_dict()))
+    typer.echo(f"saved {out}")

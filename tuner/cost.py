@@ -115,8 +115,9 @@ class CostModel:
         if w.tokens <= 0:
             return 0.0
         p, m = self.profile, self.model
-        flops = p.flops("fp8" if self.weight_dtype == "fp8" else "bfloat16") * p.flops_efficiency
-        attn_flops_rate = p.flops("bfloat16") * p.flops_efficiency
+        flops = p.flops(self.weight_dtype) * p.flops_efficiency  # fp8 falls back where unsupported
+        act_dtype = "float32" if self.weight_dtype == "float32" else "bfloat16"
+        attn_flops_rate = p.flops(act_dtype) * p.flops_efficiency
         bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
         wbytes = _BYTES[self.weight_dtype]
         act = w.tokens * m.n_embd * 2  # bytes of the step's activations (16-bit)
