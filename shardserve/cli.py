@@ -26,42 +26,28 @@ def _root() -> None:
 
 def _register() -> None:
     # Each module keeps heavy imports (torch, ray) inside its functions, so `--help` stays fast.
+    import importlib
+
     from shardserve import generate_cmd
 
     app.command("generate")(generate_cmd.generate)
     for module, names in (
-        ("training.cli", ("data", "train", "export")),
+        ("training.cli", ("data", "train", "export", "check-model")),
         ("serving.cli", ("serve",)),
         ("loadtest.cli", ("loadtest",)),
         ("tuner.cli", ("tune",)),
     ):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ModuleNotFoundError as exc:  # a package not built yet
-            if exc.name and exc.name.startswith(module.split(".")[0]):
-                continue
-            raise
+        mod = importlib.import_module(module)
         for name in names:
-            if hasattr(mod, name):
-                app.command(name)(getattr(mod, name))
-    from training import cli as training_cli
-
-    app.command("check-model")(training_cli.check_model)
-
-    # `shardserve tune train` (tuner/train_search.py, w16): into tuner/cli.py's `tune` sub-app when it has one
+            obj = getattr(mod, name.replace("-", "_"))
+            if isinstance(obj, typer.Typer):  # a command group (e.g. `tune predict`)
+                app.add_typer(obj, name=name)
+            else:
+                app.command(name)(obj)
+    from tuner import cli as tuner_cli
     from tuner import train_search
 
-    tune_app = getattr(__import__("tuner.cli", fromlist=["tune_app"]), "tune_app", None) if _has("tuner.cli") else None
-    if tune_app is None:
-        tune_app = typer.Typer(help="Search for the best configuration of a job.", no_args_is_help=True)
-        app.add_typer(tune_app, name="tune")
-    tune_app.command("train")(train_search.tune_train)
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
+    tuner_cli.tune.command("train")(train_search.tune_train)  # `shardserve tune train`: a training layout
 
 
 _register()

@@ -1,0 +1,246 @@
+"""`shardserve tune ...`: predictions from hardware profiles, the cost model and the simulator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+tune = typer.Typer(name="tune", help="Predict and tune serving configurations for an SLO.",
+                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _model(path: Path):
+    from engines.config import ConfigError, ModelConfig
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        _fail(f"--model: no such file {str(path)!r}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        _fail(f"--model: {path} is not valid JSON ({exc})")
+    if not isinstance(data, dict):
+        _fail(f"--model: {path} must hold a JSON object (an HF config.json)")
+    try:
+        return ModelConfig.from_hf(data)
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        _fail(f"--model: {path} is not a GPT-2 or Llama config.json ({exc})")
+
+
+def _cost(model_json: Path, hardware: str, tp: int, pp: int, weight_dtype: str):
+    from tuner.cost import CostModel, LayoutError
+    from tuner.profiles import ProfileError, load_profile
+
+    model = _model(model_json)
+    try:
+        profile = load_profile(hardware)
+        return CostModel(model, profile, tp=tp, pp=pp, weight_dtype=weight_dtype)
+    except (ProfileError, LayoutError) as exc:
+        _fail(str(exc))
+
+
+@tune.command("predict")
+def predict(
+    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    hardware: str = typer.Option(..., "--hardware", help="Built-in profile name (a100-80gb, h100-sxm, h200) "
+                                 "or the path of a profile YAML."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel stages."),
+    batch: int = typer.Option(1, "--batch", help="Requests arriving together."),
+    input_len: int = typer.Option(128, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(128, "--output-len", help="Output tokens per request."),
+    weight_dtype: str = typer.Option("bfloat16", "--weight-dtype", help="bfloat16, float16, float32 or fp8."),
+) -> None:
+    """Predict a static batch (all requests arrive together; latency until the last token, as
+    FasterTransformer and NeMo report it) and print one JSON object."""
+    from tuner.cost import static_batch
+
+    for name, v in (("--batch", batch), ("--input-len", input_len), ("--output-len", output_len)):
+        if v < 1:
+            _fail(f"{name}: must be >= 1, got {v}")
+    cost = _cost(model, hardware, tp, pp, weight_dtype)
+    out = static_batch(cost, batch, input_len, output_len)
+    out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+    typer.echo(json.dumps({**out, "hardware": cost.profile.name, "tp": tp, "pp": pp, "batch": batch,
+                           "input_len": input_len, "output_len": output_len, "weight_dtype": weight_dtype}))
+
+
+@tune.command("simulate")
+def simulate_cmd(
+    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    hardware: str = typer.Option(..., "--hardware", help="Built-in profile name or profile YAML path."),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    weight_dtype: str = typer.Option("bfloat16", "--weight-dtype"),
+    request_rate: float = typer.Option(1.0, "--request-rate", help="Requests/s (open loop)."),
+    arrival: str = typer.Option("poisson", "--arrival", help="poisson, gamma or constant."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape (gamma arrivals)."),
+    num_prompts: int = typer.Option(500, "--num-prompts"),
+    input_len: int = typer.Option(128, "--input-len"),
+    output_len: int = typer.Option(128, "--output-len"),
+    max_num_seqs: int = typer.Option(128, "--max-num-seqs"),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens"),
+    block_size: int = typer.Option(16, "--block-size"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Simulate one engine under an open-loop load with the engine's own scheduler and print
+    the predicted TTFT / TPOT / ITL / E2E percentiles, throughput and KV memory as JSON."""
+    import numpy as np
+
+    from engines.scheduler import SchedulerConfig
+    from loadtest.arrivals import schedule
+    from tuner.cost import GIB
+    from tuner.simulate import simulate, summarize
+
+    if arrival not in ("poisson", "gamma", "constant"):
+        _fail(f"--arrival: must be poisson, gamma or constant, got {arrival!r}")
+    if not request_rate > 0 or num_prompts < 1 or input_len < 1 or output_len < 1:
+        _fail("--request-rate, --num-prompts, --input-len and --output-len must be > 0")
+    cost = _cost(model, hardware, tp, pp, weight_dtype)
+    kv_budget = cost.kv_budget_bytes()
+    if kv_budget <= 0:
+        _fail(f"does not fit: weights need {cost.weight_bytes_per_device() / GIB:.1f} GiB per device of "
+              f"{cost.profile.memory_gib} GiB ({cost.profile.name}); raise --tp/--pp or use --weight-dtype fp8")
+    num_blocks = int(kv_budget // (cost.kv_bytes_per_token() * block_size))
+    # more blocks than max_num_seqs full-length requests never change the schedule
+    num_blocks = min(num_blocks, max_num_seqs * -(-(input_len + output_len) // block_size))
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          block_size=block_size, num_blocks=num_blocks,
+                          max_model_len=min(cost.model.max_position_embeddings, input_len + output_len + 1))
+    times = schedule(arrival, request_rate, burstiness, count=num_prompts, seed=seed)
+    traces = simulate(cost.step_time, cfg, times, np.full(num_prompts, input_len), np.full(num_prompts, output_len))
+    out = summarize(traces)
+    out["kv_blocks"] = num_blocks
+    out["kv_cache_gib_per_device"] = num_blocks * block_size * cost.kv_bytes_per_token() / GIB
+    out["memory_gib_per_device"] = cost.weight_bytes_per_device() / GIB + out["kv_cache_gib_per_device"]
+    typer.echo(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+
+
+@tune.command("search")
+def search_cmd(
+    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    hardware: str = typer.Option(..., "--hardware", help="Built-in profile name or profile YAML path."),
+    devices: int = typer.Option(8, "--devices", help="Device budget; replicas fill it."),
+    slo: list[str] = typer.Option([], "--slo", help="As in loadtest: ttft_p99_ms=500, tpot_ms=50 (repeatable)."),
+    objective: str = typer.Option("goodput", "--objective", help="goodput (per device), throughput or latency."),
+    input_len: int = typer.Option(128, "--input-len"),
+    output_len: int = typer.Option(128, "--output-len"),
+    num_prompts: int = typer.Option(150, "--num-prompts", help="Simulated requests per rate probe."),
+    model_path: str = typer.Option("models/default", "--model-path", help="Checkpoint path in the emitted YAML."),
+    out: Path = typer.Option(Path("results/tune"), "--out", help="Result directory (table JSON, Pareto PNG, YAML)."),
+    top: int = typer.Option(10, "--top", help="Rows of the ranked table to print."),
+    weight_dtype: list[str] = typer.Option(["bfloat16", "fp8"], "--weight-dtype",
+                                           help="Weight dtypes to search (repeatable): bfloat16, float16, float32, fp8."),
+) -> None:
+    """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
+    ranked table, write results.json, pareto.png and the chosen config as deployment YAML."""
+    import time
+
+    import yaml
+
+    from loadtest.config import ConfigError as LoadConfigError
+    from loadtest.config import parse_slo
+    from tuner.cost import WEIGHT_DTYPES
+    from tuner.profiles import ProfileError, load_profile
+    from tuner.search import OBJECTIVES, Workload, evaluate, grid, rank
+
+    bad = [d for d in weight_dtype if d not in WEIGHT_DTYPES]
+    if bad or not weight_dtype:
+        _fail(f"--weight-dtype: must be among {', '.join(WEIGHT_DTYPES)}, got {', '.join(bad) or 'none'}")
+    if objective not in OBJECTIVES:
+        _fail(f"--objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if devices < 1 or input_len < 1 or output_len < 1 or num_prompts < 1:
+        _fail("--devices, --input-len, --output-len and --num-prompts must be >= 1")
+    try:
+        slos = tuple(parse_slo(s) for s in slo)
+    except LoadConfigError as exc:
+        _fail(str(exc))
+    m = _model(model)
+    try:
+        profile = load_profile(hardware)
+    except ProfileError as exc:
+        _fail(str(exc))
+    t0 = time.perf_counter()
+    cands = evaluate(m, profile, grid(m, devices, dtypes=tuple(dict.fromkeys(weight_dtype))), Workload(input_len, output_len, num_prompts), slos)
+    elapsed = time.perf_counter() - t0
+    ranked = rank(cands, objective)
+    pruned = [c for c in cands if c.pruned]
+    if not ranked:
+        reasons = sorted({c.pruned for c in pruned}) or ["no rate meets the SLOs"]
+        _fail(f"no configuration meets the SLOs on {devices} x {profile.name}: " + "; ".join(reasons[:5]))
+    typer.echo(f"{len(cands)} configs ({len(pruned)} pruned) simulated in {elapsed:.1f} s; objective {objective}")
+    typer.echo(f"{'tp':>3} {'pp':>3} {'rep':>4} {'seqs':>5} {'tokens':>6} {'dtype':>9} {'goodput/dev':>11} "
+               f"{'tok/s/dev':>10} {'latency_ms':>10} {'ttft_p99':>9} {'tpot_p99':>9}")
+    for c in ranked[:top]:
+        x = c.metrics
+        typer.echo(f"{c.tp:>3} {c.pp:>3} {c.replicas:>4} {c.max_num_seqs:>5} {c.max_num_batched_tokens:>6} "
+                   f"{c.weight_dtype:>9} {x['goodput_per_device']:>11.2f} {x['throughput_tok_s_per_device']:>10.1f} "
+                   f"{x['latency_ms']:>10.1f} {x.get('ttft_p99_ms', 0):>9.1f} {x.get('tpot_p99_ms', 0):>9.1f}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{**{k: v for k, v in c.__dict__.items() if k != "metrics"}, **c.metrics} for c in cands]
+    (out / "results.json").write_text(json.dumps({"elapsed_s": elapsed, "objective": objective,
+                                                  "slos": [s.key for s in slos], "configs": rows}, indent=1))
+    _pareto(ranked, out / "pareto.png")
+    best = ranked[0]
+    dtype = "bfloat16" if best.weight_dtype == "fp8" else best.weight_dtype
+    deployment = {"models": [{
+        "name": "default", "path": model_path, "replicas": best.replicas,
+        "engine": {"dtype": dtype, "block_size": 16, "max_num_seqs": best.max_num_seqs,
+                   "max_num_batched_tokens": best.max_num_batched_tokens,
+                   "tensor_parallel_size": best.tp, "pipeline_parallel_size": best.pp},
+        # 16/32-bit weights are the engine's dtype; fp8 needs the FP8 issue's weight_format
+        "weight_format": "fp8" if best.weight_dtype == "fp8" else "auto"}]}
+    from deploy.schema import validate_config
+
+    validate_config(deployment, "tuned")  # what `shardserve serve --config` will read
+    (out / "tuned.yaml").write_text("# written by `shardserve tune search`\n" + yaml.safe_dump(deployment, sort_keys=False))
+    typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
+
+
+def _pareto(ranked, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dtype, marker in (("bfloat16", "o"), ("float16", "o"), ("float32", "s"), ("fp8", "^")):
+        sel = [c for c in ranked if c.weight_dtype == dtype]
+        if sel:
+            ax.scatter([c.metrics["latency_ms"] for c in sel], [c.metrics["throughput_tok_s_per_device"] for c in sel],
+                       marker=marker, label=dtype, alpha=0.7)
+    pts = sorted((c.metrics["latency_ms"], c.metrics["throughput_tok_s_per_device"]) for c in ranked)
+    front, best = [], -1.0
+    for lat, thr in pts:
+        if thr > best:
+            front.append((lat, thr))
+            best = thr
+    ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
+    ax.set_xlabel("latency of one request alone (ms)")
+    ax.set_ylabel("output tokens/s per device at goodput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@tune.command("profile")
+def profile_cmd(
+    out: Path = typer.Option(Path("results/tune/this-machine.yaml"), "--out", help="Where the profile YAML goes."),
+    name: str = typer.Option("this-machine", "--name", help="Profile name."),
+) -> None:
+    """Measure this machine (matmul rate per dtype, read bandwidth, memory) into a profile YAML
+    that --hardware accepts."""
+    from tuner.measure import measure
+
+    prof = measure(name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(out)
+    typer.echo(json.dumps(prof.to_dict()))
+    typer.echo(f"saved {out}")

@@ -1,0 +1,160 @@
+"""Per-step time and per-device memory of one model copy laid out over TP x PP devices.
+
+Roofline per layer and device: a matmul takes max(FLOPs / rate, weight bytes / bandwidth);
+attention adds its FLOPs (prefill: every query token against its context) and its KV reads
+(decode: the whole context of every sequence); tensor parallelism adds two all-reduces of the
+step's activations per layer; pipeline parallelism adds one activation send per stage boundary
+and, with no micro-batching inside one step, runs the stages one after another. Fixed per-layer
+and per-step costs are fitted constants of the hardware profile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engines.config import ModelConfig
+from tuner.profiles import HardwareProfile
+
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8")
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+GIB = 2**30
+
+
+class LayoutError(ValueError):
+    """A TP x PP layout cannot hold the model; the message says why."""
+
+
+def layout_problem(model: ModelConfig, tp: int, pp: int) -> str | None:
+    """Why `model` cannot be split tp-ways and into pp stages, or None."""
+    if tp < 1 or pp < 1:
+        return f"tp ({tp}) and pp ({pp}) must be >= 1"
+    if model.n_head % tp:
+        return f"tp: n_head ({model.n_head}) is not divisible by tp ({tp})"
+    if model.kv_heads % tp and tp % model.kv_heads:
+        return f"tp: n_kv_head ({model.kv_heads}) and tp ({tp}) do not divide one another"
+    if model.ffn_dim % tp:
+        return f"tp: the MLP width ({model.ffn_dim}) is not divisible by tp ({tp})"
+    if model.n_layer < pp:
+        return f"pp: {model.n_layer} layers cannot fill {pp} pipeline stages"
+    return None
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one engine step computes (sums over the step's sequences)."""
+
+    tokens: int
+    """Tokens through the layers (decode tokens + prefill chunk tokens)."""
+    sampled: int
+    """Rows through the LM head (sequences that get a token this step)."""
+    prefill_attn_pairs: int = 0
+    """Sum over prefill tokens of the context each attends to (query x key pairs)."""
+    decode_context: int = 0
+    """Sum over decode tokens of their context length (KV tokens read)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelConfig
+    profile: HardwareProfile
+    tp: int = 1
+    pp: int = 1
+    weight_dtype: str = "bfloat16"
+    kv_dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise LayoutError(f"weight_dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        problem = layout_problem(self.model, self.tp, self.pp)
+        if problem:
+            raise LayoutError(problem)
+
+    # shapes ----------------------------------------------------------------------------------
+    @property
+    def layer_params(self) -> float:
+        m = self.model
+        return (m.num_params(include_embeddings=False) - m.n_embd * (2 if m.model_type == "gpt2" else 1)
+                - (0 if m.tie_word_embeddings else m.vocab_size * m.n_embd)) / m.n_layer
+
+    @property
+    def layers_per_stage(self) -> int:
+        return math.ceil(self.model.n_layer / self.pp)
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        return max(1, self.model.kv_heads // self.tp)
+
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes of one token on one device (keys and values, its stage's layers)."""
+        return 2 * self.layers_per_stage * self.kv_heads_per_device * self.model.hd * self.kv_dtype_bytes
+
+    def weight_bytes_per_device(self) -> float:
+        """Weights of the fullest device: its stage's layers plus embedding and LM head."""
+        m, wb = self.model, _BYTES[self.weight_dtype]
+        vocab = m.vocab_size * m.n_embd / self.tp * wb
+        emb = vocab + (m.max_position_embeddings * m.n_embd * wb if m.model_type == "gpt2" else 0)
+        head = 0 if m.tie_word_embeddings and self.pp == 1 else vocab
+        return self.layers_per_stage * self.layer_params / self.tp * wb + emb + head
+
+    # time ------------------------------------------------------------------------------------
+    def _link(self) -> float:
+        p = self.profile
+        bw = p.intra_node_bandwidth_gb_s if self.tp * self.pp <= p.devices_per_node else p.inter_node_bandwidth_gb_s
+        return bw * 1e9
+
+    def _allreduce(self, nbytes: float) -> float:
+        if self.tp == 1:
+            return 0.0
+        tp_bw = self.profile.intra_node_bandwidth_gb_s * 1e9 if self.tp <= self.profile.devices_per_node \
+            else self.profile.inter_node_bandwidth_gb_s * 1e9
+        return self.profile.collective_latency_us * 1e-6 + 2 * (self.tp - 1) / self.tp * nbytes / tp_bw
+
+    def step_time(self, w: StepWork) -> float:
+        """Seconds of one engine step."""
+        if w.tokens <= 0:
+            return 0.0
+        p, m = self.profile, self.model
+        flops = p.flops(self.weight_dtype) * p.flops_efficiency  # fp8 falls back where unsupported
+        act_dtype = "float32" if self.weight_dtype == "float32" else "bfloat16"
+        attn_flops_rate = p.flops(act_dtype) * p.flops_efficiency
+        bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
+        wbytes = _BYTES[self.weight_dtype]
+        act = w.tokens * m.n_embd * 2  # bytes of the step's activations (16-bit)
+        matmul = max(2 * self.layer_params / self.tp * w.tokens / flops,
+                     self.layer_params / self.tp * wbytes / bw)
+        attn = (4 * m.n_head // self.tp * m.hd * w.prefill_attn_pairs / attn_flops_rate
+                + 2 * self.kv_heads_per_device * m.hd * self.kv_dtype_bytes * w.decode_context / bw)
+        layer = matmul + attn + p.layer_overhead_us * 1e-6 + 2 * self._allreduce(act)
+        head = max(2 * m.vocab_size * m.n_embd / self.tp * w.sampled / flops,
+                   m.vocab_size * m.n_embd / self.tp * wbytes / bw) + self._allreduce(w.sampled * m.vocab_size * 4 / self.tp)
+        sends = (self.pp - 1) * (p.collective_latency_us * 1e-6 + act / self._link())
+        return self.pp * self.layers_per_stage * layer + head + sends + p.step_overhead_ms * 1e-3
+
+    # memory ----------------------------------------------------------------------------------
+    def kv_budget_bytes(self, gpu_memory_utilization: float = 0.9) -> float:
+        """Device memory left for the KV cache (may be negative: the weights do not fit)."""
+        p = self.profile
+        return p.memory_gib * GIB * gpu_memory_utilization - p.reserved_memory_gib * GIB - self.weight_bytes_per_device()
+
+
+def static_batch(cost: CostModel, batch: int, input_len: int, output_len: int) -> dict[str, float]:
+    """A batch of `batch` requests arriving together, prefilled in one step, then decoded in
+    lock step: how FasterTransformer and NeMo's tool report latency."""
+    if min(batch, input_len, output_len) < 1:
+        raise ValueError("batch, input_len and output_len must be >= 1")
+    pre = cost.step_time(StepWork(tokens=batch * input_len, sampled=batch,
+                                  prefill_attn_pairs=batch * input_len * (input_len + 1) // 2))
+    dec = sum(cost.step_time(StepWork(tokens=batch, sampled=batch, decode_context=batch * (input_len + k + 1)))
+              for k in range(output_len - 1))
+    latency = pre + dec
+    mem = cost.weight_bytes_per_device() + batch * (input_len + output_len) * cost.kv_bytes_per_token()
+    fits = mem + cost.profile.reserved_memory_gib * GIB <= cost.profile.memory_gib * GIB
+    return {
+        "latency_ms": latency * 1e3,
+        "ttft_ms": pre * 1e3,
+        "tpot_ms": dec / (output_len - 1) * 1e3 if output_len > 1 else 0.0,
+        "throughput_tok_s": batch * output_len / latency,
+        "memory_gib_per_device": mem / GIB,
+        "fits": bool(fits),
+    }

@@ -1,0 +1,114 @@
+"""Discrete-event simulation of one engine: the engine's own Scheduler, a cost model in place
+of the executor, and the load tester's arrival processes.
+
+Time only moves by step costs and arrival gaps; every request asks for exactly its output
+length (ignore_eos), as the load tester's requests do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.plan import SeqResult, StepPlan, StepResult
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler, SchedulerConfig
+from engines.sequence import Sequence
+from tuner.cost import StepWork
+
+_TOKEN = 1  # any non-EOS token id: the simulation never stops on EOS
+
+
+def work_of(plan: StepPlan) -> StepWork:
+    """The StepWork of a scheduler plan (token counts, attention pairs, decode context)."""
+    tokens = sampled = pairs = ctx = 0
+    for w in plan.prefill:
+        s, e = w.start_pos, w.start_pos + len(w.token_ids)
+        tokens += e - s
+        pairs += (e * (e + 1) - s * (s + 1)) // 2  # query at position p attends to p + 1 keys
+        sampled += w.sample
+    for w in plan.decode:
+        tokens += 1
+        ctx += w.start_pos + 1
+        sampled += w.sample
+    return StepWork(tokens=tokens, sampled=sampled, prefill_attn_pairs=pairs, decode_context=ctx)
+
+
+@dataclass
+class RequestTrace:
+    arrival: float
+    input_len: int
+    output_len: int
+    token_times: list[float]
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1] - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
+
+
+def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arrivals: np.ndarray,
+             input_lens: np.ndarray, output_lens: np.ndarray, max_steps: int = 10_000_000) -> list[RequestTrace]:
+    """Run every request to its last token; returns one trace per request, in arrival order."""
+    sched = Scheduler(cfg)
+    seqs: dict[int, Sequence] = {}
+    token_times: dict[int, list[float]] = {}
+    order = np.argsort(arrivals, kind="stable")
+    now, nxt, steps = 0.0, 0, 0
+    n = len(order)
+    while nxt < n or sched.has_work:
+        while nxt < n and arrivals[order[nxt]] <= now:
+            i = int(order[nxt])
+            params = SamplingParams(max_tokens=int(output_lens[i]), ignore_eos=True)
+            seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[_TOKEN] * int(input_lens[i]),
+                           prompt_len=int(input_lens[i]), params=params)
+            sched.check_fits(seq.prompt_len, params.max_tokens)
+            seqs[i] = seq
+            sched.add(seq)
+            nxt += 1
+        if not sched.has_work:
+            now = float(arrivals[order[nxt]])
+            continue
+        plan = sched.schedule()
+        if plan.empty:
+            raise RuntimeError("the scheduler made no progress (KV cache too small for one request)")
+        now += step_cost(work_of(plan))
+        result = StepResult(step=plan.step, seqs={w.seq_id: SeqResult(token_id=_TOKEN)
+                                                  for w in (*plan.decode, *plan.prefill) if w.sample})
+        for seq in sched.update(plan, result, seqs):
+            token_times.setdefault(seq.seq_id, []).append(now)
+        steps += 1
+        if steps > max_steps:
+            raise RuntimeError(f"simulation exceeded {max_steps} steps")
+    return [RequestTrace(float(arrivals[i]), int(input_lens[i]), int(output_lens[i]), token_times.get(i, []))
+            for i in range(n)]
+
+
+def summarize(traces: list[RequestTrace]) -> dict[str, float]:
+    """Percentiles (ms) of TTFT, TPOT, ITL and E2E, output throughput (tokens/s) and request rate."""
+    out: dict[str, float] = {}
+    ttft = np.array([t.ttft for t in traces]) * 1e3
+    tpot = np.array([t.tpot for t in traces if len(t.token_times) > 1]) * 1e3
+    e2e = np.array([t.e2e for t in traces]) * 1e3
+    itl = np.concatenate([np.diff(t.token_times) for t in traces]) * 1e3 if traces else np.zeros(0)
+    for name, arr in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+        if arr.size:
+            out[f"{name}_mean_ms"] = float(arr.mean())
+            for q in (50, 90, 95, 99):
+                out[f"{name}_p{q}_ms"] = float(np.percentile(arr, q))
+    start = min(t.arrival for t in traces)
+    end = max(t.token_times[-1] for t in traces)
+    out["duration_s"] = end - start
+    out["output_throughput_tok_s"] = sum(len(t.token_times) for t in traces) / max(end - start, 1e-12)
+    out["request_throughput_req_s"] = len(traces) / max(end - start, 1e-12)
+    return out
