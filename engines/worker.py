@@ -13,6 +13,7 @@ from engines.attention import KVCache, PagedAttention
 from engines.checkpoint import load_model
 from engines.config import EngineConfig, ModelConfig, num_kv_blocks
 from engines.plan import SeqResult, StepPlan, StepResult
+from engines.ptuning import SeqTables
 from engines.sampler import Sampler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,6 +37,7 @@ class ModelRunner:
         self.cache = KVCache(cfg.n_layer, self.num_blocks, engine_cfg.block_size, cfg.kv_heads, cfg.hd,
                              self.dtype, self.device)
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
+        self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype)  # p-tuning, prefill only
 
     @property
     def model_config(self) -> ModelConfig:
@@ -47,6 +49,7 @@ class ModelRunner:
             self.sampler.release(seq_id)
         for init in plan.new_seqs:
             self.sampler.add(init)
+        self.prompt_tables.update(plan)
         result = StepResult(step=plan.step)
         if plan.empty:
             return result
@@ -59,7 +62,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
         positions = torch.tensor(pos, device=self.device)[None]
         backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device)
-        hidden = self.model(input_ids, positions, backend)[0]  # (N, C)
+        embeds = None
+        if self.prompt_tables.needed(plan.prefill):  # p-tuning: virtual tokens only in prefill chunks
+            embeds = self.prompt_tables.embed(self.model.wte, input_ids, works)
+        hidden = self.model(input_ids, positions, backend, inputs_embeds=embeds)[0]  # (N, C)
 
         # rows to turn into logits: the last token of each sampling sequence, then prompt-logprob rows
         sample_rows, sample_ids = [], []
