@@ -178,3 +178,22 @@ def test_bad_tasks_are_refused_and_nothing_changes(gpt2_dir, llama_dir, tmp_path
     assert llm.engine.tasks.names() == ["good"]
     assert llm.generate(PROMPTS[0], GREEDY, task="good")[0].outputs[0].token_ids == before
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_tp_and_pp_equal_one_shard_with_a_task(llama_dir, tmp_path, layout):
+    """TP adds the table after the vocabulary-parallel lookup's all-reduce (never times 2); PP
+    injects on the first stage only. Chunked prefill splits the virtual tokens across steps."""
+    hidden = 64
+    write_task_dir(tmp_path / "t", "t", _table(7, hidden, 7))
+    opts = {"num_kv_blocks": 64, "max_num_batched_tokens": 16}
+    ref_llm = LLM(llama_dir, **opts)
+    ref_llm.load_task("t", tmp_path / "t")
+    tasks = ["t", None, "t"]
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS[:3], GREEDY, task=tasks)]
+    llm = LLM(llama_dir, **opts, **layout, worker_threads=1)
+    try:
+        llm.load_task("t", tmp_path / "t")
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, task=tasks)] == ref
+    finally:
+        llm.engine.shutdown()
