@@ -10,6 +10,9 @@ On disk a task is a PEFT prompt-learning adapter directory (`adapter_config.json
 `adapter_model.safetensors` with the tensor `prompt_embeddings`, (N, hidden)) plus our
 `task.json`. Nothing here unpickles: tensors come from safetensors only.
 
+This module imports no torch (the gateway validates task names with it); the worker-side
+injection lives in engines/prompt_inject.py.
+
 The registry hands out a read-only numpy snapshot per request; replacing or unloading a task
 swaps the registry entry and never touches a snapshot a running request holds.
 """
@@ -25,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.numpy import load_file, save_file
 
 from engines.sampling_params import RequestError
@@ -151,13 +153,13 @@ def read_task_dir(path: str | Path, hidden: int | None = None, expect: dict[str,
     return Task(name, _readonly(table), meta)
 
 
-def write_task_dir(path: str | Path, name: str, table: torch.Tensor | np.ndarray, *, base_model: str = "",
+def write_task_dir(path: str | Path, name: str, table, *, base_model: str = "",
                    peft_type: str = "P_TUNING", meta: dict | None = None, encoder_hidden_size: int | None = None) -> Path:
     """Write a task as PEFT writes an inference adapter, plus task.json. Returns the directory."""
     check_task_name(name)
     if peft_type not in PEFT_TYPES:
         raise TaskError(f"peft_type: {peft_type!r} is not one of {PEFT_TYPES}", param="peft_type")
-    arr = table.detach().float().cpu().numpy() if isinstance(table, torch.Tensor) else np.asarray(table, np.float32)
+    arr = table.detach().float().cpu().numpy() if hasattr(table, "detach") else np.asarray(table, np.float32)
     n, hidden = arr.shape
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
@@ -244,43 +246,49 @@ def attach_tables(plan, task_of) -> None:
                          else dataclasses.replace(init, prompt_table=t.table) for init in plan.new_seqs]
 
 
-class SeqTables:
-    """Worker side: the table snapshot of each live sequence of a task, by seq_id.
+MAX_DATASET_BYTES = 64 * 2**20
 
-    Filled from SeqInit.prompt_table when a sequence first reaches the worker, dropped when it is
-    released; a preempted sequence keeps its entry, so its recompute injects the same rows."""
 
-    def __init__(self, vocab_size: int, device: torch.device, dtype: torch.dtype):
-        self.vocab_size, self.device, self.dtype = vocab_size, device, dtype
-        self.tables: dict[int, torch.Tensor] = {}
+class DatasetError(RequestError):
+    """A p-tuning dataset is malformed or too large; the message names the line and the field."""
 
-    def update(self, plan) -> None:
-        for seq_id in plan.released_seq_ids:
-            self.tables.pop(seq_id, None)
-        for init in plan.new_seqs:
-            table = getattr(init, "prompt_table", None)
-            if table is not None:
-                self.tables[init.seq_id] = torch.as_tensor(np.array(table), dtype=self.dtype, device=self.device)
+    def __init__(self, message: str):
+        super().__init__(message, param="data", code="invalid_dataset")
 
-    def needed(self, works) -> bool:
-        """Whether any prefill chunk covers virtual positions (they are positions 0..N-1)."""
-        tables = self.tables
-        return bool(tables) and any(w.seq_id in tables and w.start_pos < tables[w.seq_id].shape[0] for w in works)
 
-    def embed(self, wte, input_ids: torch.Tensor, works) -> torch.Tensor:
-        """input_ids (1, n) of `works` in order -> embeddings (1, n, C) with virtual rows replaced.
-
-        The lookup runs on ids with virtual ids set to 0, through the model's own (possibly
-        vocabulary-parallel, all-reduced) embedding; the table rows then replace those rows, so
-        under TP the table is never summed across ranks."""
-        virt = input_ids >= self.vocab_size
-        x = wte(input_ids.masked_fill(virt, 0))  # (1, n, C)
-        offset = 0
-        for w in works:
-            n = len(w.token_ids)
-            table = self.tables.get(w.seq_id)
-            if table is not None and w.start_pos < table.shape[0]:
-                k = min(n, table.shape[0] - w.start_pos)  # virtual tokens in this chunk: its first k
-                x[0, offset:offset + k] = table[w.start_pos:w.start_pos + k].to(x.dtype)
-            offset += n
-        return x
+def read_dataset(source: str | Path, max_examples: int, max_bytes: int = MAX_DATASET_BYTES) -> list[dict]:
+    """Records {"input", "output"} of a JSONL file, or of inline JSONL text (a str holding a newline
+    or starting with '{'). Shared by training and the REST job API (which checks before it starts)."""
+    if isinstance(source, str) and (source.lstrip().startswith("{") or "\n" in source):
+        text = source
+        if len(text.encode()) > max_bytes:
+            raise DatasetError(f"data: more than the {max_bytes} bytes allowed")
+    else:
+        p = Path(source)
+        if not p.is_file():
+            raise DatasetError(f"data: {str(p)!r} is not a file")
+        if p.stat().st_size > max_bytes:
+            raise DatasetError(f"data: {p.stat().st_size} bytes is more than the {max_bytes} allowed")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"data: not UTF-8 text ({exc})") from None
+    records = []
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if len(records) >= max_examples:
+            raise DatasetError(f"data: more than max_examples={max_examples} examples; raise max_examples "
+                               "or send fewer")
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"data line {no}: not JSON ({exc.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("input"), str) or not isinstance(rec.get("output"), str):
+            raise DatasetError(f"data line {no}: needs string fields 'input' and 'output'")
+        if not rec["output"]:
+            raise DatasetError(f"data line {no}: 'output' is empty (it is what the loss is computed on)")
+        records.append(rec)
+    if len(records) < 2:
+        raise DatasetError(f"data: {len(records)} example(s); at least 2 are needed (train + validation)")
+    return records

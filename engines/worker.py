@@ -13,7 +13,7 @@ from engines.attention import KVCache, PagedAttention
 from engines.checkpoint import load_model
 from engines.config import EngineConfig, ModelConfig, num_kv_blocks
 from engines.plan import SeqResult, StepPlan, StepResult
-from engines.ptuning import SeqTables
+from engines.prompt_inject import SeqTables
 from engines.sampler import Sampler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,7 +9,6 @@ encoder's own weights sit beside it (prompt_encoder.safetensors) so a run can be
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import shutil
@@ -23,14 +22,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engines.checkpoint import load_model
-from engines.ptuning import base_model_hashes, check_task_name, write_task_dir
+from engines.ptuning import DatasetError, base_model_hashes, check_task_name, read_dataset, write_task_dir
 from engines.tokenizer import Tokenizer
 from training.metrics import MetricsLog, Progress, plot_loss_curve
 from training.ptune_recipe import PtuneRecipe
-
-
-class DatasetError(ValueError):
-    """The dataset is malformed or too large; the message names the line and the field."""
 
 
 class PromptEncoder(nn.Module):
@@ -63,38 +58,6 @@ class PromptEncoder(nn.Module):
 class Example:
     input_ids: list[int]
     output_ids: list[int]
-
-
-def read_jsonl(source: str | Path, max_examples: int, max_bytes: int = 256 * 2**20) -> list[dict]:
-    """Records of a JSONL file (or inline JSONL text when `source` is a str with a newline or '{')."""
-    if isinstance(source, str) and (source.lstrip().startswith("{") or "\n" in source):
-        text = source
-    else:
-        p = Path(source)
-        if not p.is_file():
-            raise DatasetError(f"data: {str(p)!r} is not a file")
-        if p.stat().st_size > max_bytes:
-            raise DatasetError(f"data: {p.stat().st_size} bytes is more than the {max_bytes} allowed")
-        text = p.read_text(encoding="utf-8", errors="strict")
-    records = []
-    for no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if len(records) >= max_examples:
-            raise DatasetError(f"data: more than max_examples={max_examples} examples; raise max_examples "
-                               "or send fewer")
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"data line {no}: not JSON ({exc.msg})") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("input"), str) or not isinstance(rec.get("output"), str):
-            raise DatasetError(f"data line {no}: needs string fields 'input' and 'output'")
-        if not rec["output"]:
-            raise DatasetError(f"data line {no}: 'output' is empty (it is what the loss is computed on)")
-        records.append(rec)
-    if len(records) < 2:
-        raise DatasetError(f"data: {len(records)} example(s); at least 2 are needed (train + validation)")
-    return records
 
 
 def tokenize_examples(records: list[dict], tok: Tokenizer, template: str, eos: int | None,
@@ -177,7 +140,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     ctx = cfg.max_position_embeddings
     if n >= ctx:
         raise DatasetError(f"num_virtual_tokens: {n} leaves no room in the {ctx}-token context")
-    records = read_jsonl(data, recipe.max_examples)
+    records = read_dataset(data, recipe.max_examples)
     eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
     examples = tokenize_examples(records, tok, recipe.template, eos, ctx - n)
     rng = random.Random(recipe.seed)

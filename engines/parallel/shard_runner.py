@@ -22,7 +22,7 @@ from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import StageModel, split_microbatches
 from engines.plan import SeqResult, StepPlan, StepResult
-from engines.ptuning import SeqTables
+from engines.prompt_inject import SeqTables
 from engines.sampler import Sampler
 from engines.sampling_params import SamplingParams
 from engines.worker import DTYPES
