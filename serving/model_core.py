@@ -61,6 +61,10 @@ class ModelCore:
             chat_template=tk.chat_template if tk is not None else None,
             bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
             created=int(time.time()))
+        from serving.ptuning_admin import PtuningAdmin
+
+        self.ptuning = PtuningAdmin(spec.name, spec.path, engine.engine.tasks)
+        """P-tuned tasks from the model's ptuning/ folder (loaded now, re-scanned while serving)."""
 
     @classmethod
     def load(cls, spec: ModelSpec, replica: str = "local", request_timeout_s: float = 600.0,
@@ -74,6 +78,11 @@ class ModelCore:
             raise ConfigError(f"models[{spec.name}].engine.{exc}") from None
         engine = AsyncLLMEngine.from_model_dir(spec.path, cfg, executor_factory=executor_factory)
         return cls(spec, engine, replica, request_timeout_s)
+
+    async def ptuning_admin(self, op: str, args: dict):
+        """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_admin.py)."""
+        self.ptuning.ensure_watch()
+        return await asyncio.to_thread(self.ptuning.call, op, args)
 
     # health and state
     def stats(self) -> dict[str, float]:
