@@ -71,7 +71,8 @@ def test_peft_adapter_loads_and_matches_peft_generate(gpt2_dir, llama_dir, tmp_p
         assert o.outputs[0].token_ids != q.outputs[0].token_ids  # the virtual tokens did something
 
 
-def test_our_task_loads_in_peft(model_dir, tmp_path):
+def test_our_task_loads_in_peft(llama_dir, tmp_path):
+    model_dir = llama_dir
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import threading
 import time
 
 import numpy as np
@@ -22,10 +21,10 @@ ADMIN, USER = {"Authorization": "Bearer adm-key"}, {"Authorization": "Bearer usr
 WORDS = ["king", "queen", "love", "war", "sword", "heart", "night", "fair"]
 
 
-def _client(model_dir) -> TestClient:
+def _client(model_dir, api_keys=("usr-key",), admin_keys=("adm-key",)) -> TestClient:
     cfg = validate_config({"models": [{"name": "m", "path": str(model_dir), "engine": {
         "num_kv_blocks": 256, "max_num_seqs": 8, "cpu_linear_autotune": False}}], "server": {"log_requests": False}})
-    return TestClient(create_local_app(cfg, api_keys=["usr-key"], admin_keys=["adm-key"]),
+    return TestClient(create_local_app(cfg, api_keys=list(api_keys), admin_keys=list(admin_keys)),
                       raise_server_exceptions=False)
 
 
@@ -67,9 +66,23 @@ def test_job_trains_registers_and_serves_then_restart_keeps_it(model_dir):
         r = c.post("/v1/ptuning/jobs", json=body, headers=USER)
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
         assert c.get("/v1/ptuning/tasks", headers=USER).status_code == 403
+        r = c.post("/v1/ptuning/jobs", headers=ADMIN, json={"model": "m", "task": "long", "data": _jsonl(8),
+                                                             "recipe": {"max_steps": 100000, "eval_every": 1000}})
+        long_id = r.json()["id"]
         r = c.post("/v1/ptuning/jobs", json=body, headers=ADMIN)
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
+        r = c.post("/v1/ptuning/jobs", json=body, headers=ADMIN)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "job_conflict"
+        # cancel the long job once it has made progress: it leaves no task behind
+        job = _wait(c, long_id, ("running",))
+        while not (job.get("progress") or {}).get("step"):
+            job = c.get(f"/v1/ptuning/jobs/{long_id}", headers=ADMIN).json()
+            time.sleep(0.2)
+        r = c.delete(f"/v1/ptuning/jobs/{long_id}", headers=ADMIN)
+        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        assert not (model_dir / "ptuning" / "long").exists()
+        assert c.delete(f"/v1/ptuning/jobs/{long_id}", headers=ADMIN).status_code == 409
         seen_progress = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -111,7 +124,7 @@ def test_job_trains_registers_and_serves_then_restart_keeps_it(model_dir):
         assert r.json()["choices"][0]["text"] == want[1]
 
 
-def test_bad_jobs_and_cancel_change_nothing(model_dir):
+def test_bad_jobs_change_nothing(model_dir):
     with _client(model_dir) as c:
         before = sorted(p.name for p in (model_dir / "ptuning").iterdir()) if (model_dir / "ptuning").exists() else []
         bad = [({"task": "../x", "data": _jsonl(4)}, 400, "invalid_task_name"),
@@ -125,18 +138,12 @@ def test_bad_jobs_and_cancel_change_nothing(model_dir):
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), (extra, r.text)
         after = sorted(p.name for p in (model_dir / "ptuning").iterdir()) if (model_dir / "ptuning").exists() else []
         assert after == before
-        r = c.post("/v1/ptuning/jobs", headers=ADMIN, json={"model": "m", "task": "long", "data": _jsonl(8),
-                                                             "recipe": {"max_steps": 100000, "eval_every": 1000}})
-        job_id = r.json()["id"]
-        job = _wait(c, job_id, ("running",))
-        while not (job.get("progress") or {}).get("step"):
-            job = c.get(f"/v1/ptuning/jobs/{job_id}", headers=ADMIN).json()
-            time.sleep(0.2)
-        r = c.delete(f"/v1/ptuning/jobs/{job_id}", headers=ADMIN)
-        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
-        assert not (model_dir / "ptuning" / "long").exists()
-        assert c.delete(f"/v1/ptuning/jobs/{job_id}", headers=ADMIN).status_code == 409
         assert c.get("/v1/ptuning/jobs/ptj-0000", headers=ADMIN).status_code == 404
+    with _client(model_dir, admin_keys=()) as c:  # user keys but no admin keys: admin routes are off
+        r = c.get("/v1/ptuning/tasks", headers=USER)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+    with _client(model_dir, api_keys=(), admin_keys=()) as c:  # no keys at all: an open dev server
+        assert c.get("/v1/ptuning/tasks").status_code == 200
 
 
 def test_hot_load_and_delete_while_requests_run(model_dir, tmp_path):
@@ -146,19 +153,20 @@ def test_hot_load_and_delete_while_requests_run(model_dir, tmp_path):
     long = {"model": "m", "prompt": "the king", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     with _client(model_dir) as c:
         alone = c.post("/v1/completions", headers=USER, json=long).json()["choices"][0]["text"]
-        results = {}
-        t = threading.Thread(target=lambda: results.update(
-            r=c.post("/v1/completions", headers=USER, json=long).json()))
-        t.start()
-        r = c.post("/v1/ptuning/tasks", headers=ADMIN, json={"model": "m", "name": "hot", "path": str(tmp_path / "hot")})
-        assert r.status_code == 201 and r.json()["num_virtual_tokens"] == 5, r.text
-        hot = c.post("/v1/completions", headers=USER, json={**long, "max_tokens": 5, "task": "hot"})
-        assert hot.status_code == 200 and hot.json()["usage"]["virtual_tokens"] == 5
-        r = c.post("/v1/ptuning/tasks", headers=ADMIN, json={"model": "m", "name": "hot2", "path": str(tmp_path / "wide")})
-        assert r.status_code == 400 and "hidden size 65" in r.json()["error"]["message"]
-        assert c.delete("/v1/ptuning/tasks/hot", headers=ADMIN).status_code == 200
-        t.join()
-        assert results["r"]["choices"][0]["text"] == alone  # the running request never noticed
+        with c.stream("POST", "/v1/completions", headers=USER, json={**long, "stream": True}) as running:
+            lines = running.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))  # the request is running now
+            r = c.post("/v1/ptuning/tasks", headers=ADMIN, json={"model": "m", "name": "hot",
+                                                                  "path": str(tmp_path / "hot")})
+            assert r.status_code == 201 and r.json()["num_virtual_tokens"] == 5, r.text
+            hot = c.post("/v1/completions", headers=USER, json={**long, "max_tokens": 5, "task": "hot"})
+            assert hot.status_code == 200 and hot.json()["usage"]["virtual_tokens"] == 5
+            r = c.post("/v1/ptuning/tasks", headers=ADMIN, json={"model": "m", "name": "hot2",
+                                                                  "path": str(tmp_path / "wide")})
+            assert r.status_code == 400 and "hidden size 65" in r.json()["error"]["message"]
+            assert c.delete("/v1/ptuning/tasks/hot", headers=ADMIN).status_code == 200
+            events = [json.loads(ln[6:]) for ln in [first, *lines] if ln.startswith("data: ") and ln != "data: [DONE]"]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == alone  # never noticed
         r = c.post("/v1/completions", headers=USER, json={**long, "max_tokens": 5, "task": "hot"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "task_not_found"
         assert c.delete("/v1/ptuning/tasks/hot", headers=ADMIN).status_code == 404
