@@ -29,8 +29,8 @@ from engines.tokenizer import Tokenizer
 from training.ptune import train_task
 from training.ptune_recipe import PtuneRecipe
 
-LOVE = re.compile(r"\b(love|loves|loved|lover|heart|hearts)\b", re.I)
-WAR = re.compile(r"\b(war|wars|sword|swords|blood|bloody)\b", re.I)
+LOVE = re.compile(r"\b(love|loves|loved|lover|heart|hearts)\b", re.IGNORECASE)
+WAR = re.compile(r"\b(war|wars|sword|swords|blood|bloody)\b", re.IGNORECASE)
 TEMPLATE = "{input}\nTopic:"
 HAND = "Say love if the line speaks of love or the heart; say war if it speaks of war, a sword or blood."
 TAGS = ("HAMLET.", "OPHELIA.")
@@ -59,7 +59,7 @@ def first_tokens(llm: LLM, prompts: list[str], n: int, task: str | None = None) 
 
 
 def hand_prompt(tok: Tokenizer, n: int) -> str:
-    ids = tok.encode(HAND)
+    ids = tok.encode(HAND, add_special_tokens=False)
     ids = (ids * (n // len(ids) + 1))[:n]  # exactly n tokens, like the n virtual tokens
     return tok.decode(ids) + "\n"
 
@@ -78,7 +78,7 @@ def main() -> None:
     war = [ln for ln in lines if WAR.search(ln) and not LOVE.search(ln)]
     k = min(len(love), len(war))
     rows = [{"input": ln, "output": " love"} for ln in love[:k]] + [{"input": ln, "output": " war"} for ln in war[:k]]
-    assert len(tok.encode(" love")) == 1 and len(tok.encode(" war")) == 1, "labels must be single tokens"
+    assert all(len(tok.encode(w, add_special_tokens=False)) == 1 for w in (" love", " war")), "labels: one token each"
     n_test = min(args.n_test, len(rows) // 3)
     train_rows, test_rows = split(rows, n_test)
     recipe = PtuneRecipe(num_virtual_tokens=16, template=TEMPLATE, max_steps=args.steps, eval_every=25, patience=4,
@@ -117,7 +117,7 @@ def main() -> None:
         def comply(outs: list[str], tag: str = tag) -> float:
             return sum(o.lstrip().startswith(tag) for o in outs) / len(outs)
 
-        n_tok = len(tok.encode(tag)) + 1
+        n_tok = len(tok.encode(tag, add_special_tokens=False)) + 1
         results.append((f"format: completion starts with {tag!r} (compliance)",
                         comply(first_tokens(llm, fprompts, n_tok, name)), comply(first_tokens(llm, fprompts, n_tok)),
                         comply(first_tokens(llm, [f"The next speaker is {tag}\n" + p for p in fprompts], n_tok)),

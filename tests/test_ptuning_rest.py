@@ -108,6 +108,9 @@ def test_job_trains_registers_and_serves_then_restart_keeps_it(model_dir):
         assert [ch.text for ch in sorted(got.choices, key=lambda ch: ch.index)] == want
         assert got.usage.model_extra["virtual_tokens"] == 8 and got.usage.prompt_tokens == sum(
             len(llm.tokenizer.encode(p)) for p in prompts)
+        chat = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          extra_body={"task": "yes"})
+        assert chat.usage.model_extra["virtual_tokens"] == 4
         kv = c.post("/v2/models/m/generate", headers=USER, json={
             "text_input": prompts[0], "parameters": {"max_tokens": 6, "temperature": 0, "task": "yes"}})
         assert kv.status_code == 200 and kv.json()["text_output"] == want[0]

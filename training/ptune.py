@@ -65,7 +65,7 @@ def tokenize_examples(records: list[dict], tok: Tokenizer, template: str, eos: i
     out = []
     for i, rec in enumerate(records, 1):
         ids = tok.encode(template.replace("{input}", rec["input"]))
-        ans = tok.encode(rec["output"]) + ([eos] if eos is not None else [])
+        ans = tok.encode(rec["output"], add_special_tokens=False) + ([eos] if eos is not None else [])  # no BOS
         if not ids:
             raise DatasetError(f"data example {i}: the prompt encodes to no tokens")
         if len(ids) + len(ans) > max_len:
