@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--data", default="data/shakespeare")
     ap.add_argument("--n-test", type=int, default=200)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=3e-2)
     args = ap.parse_args()
     model = Path(args.model)
     tok = Tokenizer.from_dir(model)
@@ -82,7 +83,7 @@ def main() -> None:
     n_test = min(args.n_test, len(rows) // 3)
     train_rows, test_rows = split(rows, n_test)
     recipe = PtuneRecipe(num_virtual_tokens=16, template=TEMPLATE, max_steps=args.steps, eval_every=25, patience=4,
-                         lr=3e-3, batch_size=16, time_budget_s=280)
+                         lr=args.lr, batch_size=16, time_budget_s=280)
     work = Path(tempfile.mkdtemp(prefix="bench-ptune-"))
     results = []
     t0 = time.perf_counter()
@@ -105,7 +106,7 @@ def main() -> None:
     fmt_train, fmt_test = split(inputs, args.n_test, seed=1)
     fprompts = [TEMPLATE.replace("{input}", x).replace("\nTopic:", "\n") for x in fmt_test]
     fmt_recipe = PtuneRecipe(num_virtual_tokens=16, template="{input}\n", max_steps=args.steps, eval_every=25,
-                             patience=4, lr=3e-3, batch_size=16, time_budget_s=280)
+                             patience=4, lr=args.lr, batch_size=16, time_budget_s=280)
     for tag in TAGS:
         name = tag.strip(".").lower()
         t0 = time.perf_counter()
