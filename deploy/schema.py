@@ -169,6 +169,12 @@ class ServerSpec(_Strict):
     health checks needs `Authorization: Bearer <key>`."""
     api_keys_env: str | None = "SHARDSERVE_API_KEYS"
     """Environment variable with comma-separated API keys (added to the file's); None ignores it."""
+    admin_api_keys_file: str | None = None
+    """File of admin keys, one per line (# comments), for the admin routes (/v1/ptuning/...). They are
+    distinct from the user keys: a user key never opens an admin route. With user keys but no admin
+    keys, the admin routes are refused (403); with no keys at all, everything is open."""
+    admin_api_keys_env: str | None = "SHARDSERVE_ADMIN_KEYS"
+    """Environment variable with comma-separated admin keys (added to the file's); None ignores it."""
     log_requests: bool = True
     """One structured (JSON) log line per request."""
     metrics_push_interval_s: float = Field(1.0, gt=0, le=60)
@@ -249,20 +255,23 @@ def load_config(path: str | Path) -> DeploymentConfig:
     return validate_config(data, source=str(p))
 
 
-def read_api_keys(server: ServerSpec, environ: dict[str, str] | None = None) -> list[str]:
-    """Keys from server.api_keys_file and server.api_keys_env; an empty list disables auth."""
+def read_api_keys(server: ServerSpec, environ: dict[str, str] | None = None, admin: bool = False) -> list[str]:
+    """Keys from server.api_keys_file and server.api_keys_env (admin: the admin_ ones); an empty list
+    disables auth."""
     environ = os.environ if environ is None else environ
+    prefix = "admin_" if admin else ""
+    file, env = getattr(server, f"{prefix}api_keys_file"), getattr(server, f"{prefix}api_keys_env")
     keys: list[str] = []
-    if server.api_keys_file:
-        p = Path(server.api_keys_file)
+    if file:
+        p = Path(file)
         if not p.is_file():
-            raise ConfigFileError(f"server.api_keys_file: {p} does not exist")
+            raise ConfigFileError(f"server.{prefix}api_keys_file: {p} does not exist")
         for line in p.read_text().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 keys.append(line)
         if not keys:
-            raise ConfigFileError(f"server.api_keys_file: {p} holds no keys")
-    if server.api_keys_env and environ.get(server.api_keys_env):
-        keys.extend(k.strip() for k in environ[server.api_keys_env].split(",") if k.strip())
+            raise ConfigFileError(f"server.{prefix}api_keys_file: {p} holds no keys")
+    if env and environ.get(env):
+        keys.extend(k.strip() for k in environ[env].split(",") if k.strip())
     return keys

@@ -80,12 +80,12 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"executor unhealthy: {exc}") from exc
 
     # requests
-    def validate(self, prompt: Prompt, params: SamplingParams):
+    def validate(self, prompt: Prompt, params: SamplingParams, task: str | None = None):
         """Check a request without queueing it (raises RequestError); thread-safe."""
-        return self.engine.validate(prompt, params)
+        return self.engine.validate(prompt, params, task)
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                       task: str | None = None) -> AsyncIterator[RequestOutput]:
         """Incremental outputs of one request (each carries this step's deltas).
 
         Raises RequestError before the first output for invalid input, EngineDeadError when the
@@ -95,7 +95,7 @@ class AsyncLLMEngine:
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         params = params or SamplingParams()
-        validated = self.engine.validate(prompt, params)
+        validated = self.engine.validate(prompt, params, task)
         if request_id in self._streams:
             raise RequestError(f"request_id: {request_id!r} is already running", param="request_id")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -103,7 +103,7 @@ class AsyncLLMEngine:
         if self.dead is not None:  # died while we registered
             self._streams.pop(request_id, None)
             self.check_health()
-        self._inbox.append(("add", (request_id, prompt, params, validated)))
+        self._inbox.append(("add", (request_id, prompt, params, validated, task)))
         self._wake.set()
         finished = False
         try:
@@ -148,9 +148,9 @@ class AsyncLLMEngine:
             if kind == "stop":
                 return False
             if kind == "add":
-                rid, prompt, params, validated = args
+                rid, prompt, params, validated, task = args
                 try:
-                    self.engine.add_request(rid, prompt, params, validated=validated)
+                    self.engine.add_request(rid, prompt, params, validated=validated, task=task)
                 except Exception as exc:  # noqa: BLE001 - reported to that request only
                     self._send(rid, exc, final=True)
             elif kind == "abort":

@@ -18,6 +18,7 @@ from engines.executor import Executor, InProcessExecutor
 from engines.hardware import resolve_engine_config
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob
+from engines.ptuning import Task, TaskRegistry, attach_tables, virtual_ids
 from engines.sampling_params import RequestError, SamplingParams
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
@@ -50,6 +51,8 @@ class _Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_lp_sent: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    task: Task | None = None
+    """P-tuning: the task snapshot this request runs with (its table never changes under it)."""
 
     @property
     def finished(self) -> bool:
@@ -82,6 +85,8 @@ class LLMEngine:
             block_size=self.config.block_size, num_blocks=self.executor.num_blocks,
             max_model_len=self.max_model_len, eos_token_ids=eos,
             admission_reserves_growth=self.config.admission_reserves_growth))
+        self.tasks = TaskRegistry(model_dir, self.model_config.n_embd)
+        """P-tuned tasks (engines/ptuning.py); requests name one to prepend its virtual tokens."""
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -114,8 +119,10 @@ class LLMEngine:
                                    param="prompt", code="invalid_token_id")
         return None, list(prompt)
 
-    def validate(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Every check a request must pass before it enters the queue; raises RequestError."""
+    def validate(self, prompt: Prompt, params: SamplingParams, task: str | None = None
+                 ) -> tuple[str | None, list[int]]:
+        """Every check a request must pass before it enters the queue; raises RequestError
+        (UnknownTaskError, code task_not_found, for a task that is not loaded)."""
         if not isinstance(params, SamplingParams):
             raise RequestError("sampling_params: must be a SamplingParams", param="sampling_params")
         for name in ("logprobs", "prompt_logprobs"):
@@ -123,25 +130,31 @@ class LLMEngine:
             if v is not None and v > self.config.max_logprobs:
                 raise RequestError(f"{name}: at most {self.config.max_logprobs}, got {v}", param=name)
         text, ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(ids), params.max_tokens)
+        n_virtual = self.tasks.get(task).num_virtual_tokens if task is not None else 0
+        self.scheduler.check_fits(n_virtual + len(ids), params.max_tokens)  # virtual tokens count
         return text, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    validated: tuple[str | None, list[int]] | None = None) -> None:
+                    validated: tuple[str | None, list[int]] | None = None, task: str | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request_id: {request_id!r} is already running", param="request_id")
-        text, ids = validated if validated is not None else self.validate(prompt, params)
+        text, ids = validated if validated is not None else self.validate(prompt, params, task)
+        snap = self.tasks.get(task) if task is not None else None  # this request's table from now on
+        virt = virtual_ids(self.model_config.vocab_size, snap.num_virtual_tokens) if snap is not None else []
+        if virt and validated is not None:  # the task may have been replaced since validation
+            self.scheduler.check_fits(len(virt) + len(ids), params.max_tokens)
         comps = []
         for i in range(params.n):
-            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
-                           prompt_len=len(ids), params=params)
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=virt + list(ids),
+                           prompt_len=len(virt) + len(ids), params=params,
+                           prompt_logprobs_done=len(virt))  # no logprobs for virtual positions
             self._seqs[seq.seq_id] = seq
             detok = self.tokenizer.detokenizer(ids, params.skip_special_tokens) if self.tokenizer else None
             comps.append(_Completion(seq, detok, logprobs=[] if params.logprobs is not None else None))
             self.scheduler.add(seq)
         req = _Request(request_id, text, ids, params, comps,
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None, task=snap)
         req.metrics["arrival_time"] = time.monotonic()
         self.requests[request_id] = req
 
@@ -170,6 +183,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty and not plan.released_seq_ids:
             return []
+        attach_tables(plan, lambda seq_id: self.requests[self._seqs[seq_id].request_id].task)
         try:
             return self._step(plan)
         finally:
@@ -258,7 +272,8 @@ class LLMEngine:
             prompt_lp = req.prompt_logprobs
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              outputs=outs, prompt_logprobs=prompt_lp, finished=req.finished,
-                             metrics=dict(req.metrics))
+                             metrics=dict(req.metrics), task=req.task.name if req.task else None,
+                             num_virtual_tokens=req.task.num_virtual_tokens if req.task else 0)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error (the executor failed)."""
@@ -297,10 +312,20 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def load_task(self, name: str, path: str | Path | None = None) -> Task:
+        """Load (or replace) a p-tuned task from a PEFT adapter directory (default <model>/ptuning/<name>)."""
+        return self.engine.tasks.load(name, path)
+
+    def unload_task(self, name: str) -> bool:
+        """Forget a task; requests already running keep its table. Returns whether it was loaded."""
+        return self.engine.tasks.unload(name)
+
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
+                 use_tqdm: bool = False, task: str | Seq[str | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        task: a loaded p-tuned task for every prompt, or a list with one task (or None) per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or token ids
         prompts = list(prompts)
@@ -310,11 +335,14 @@ class LLM:
             [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        validated = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
+        tasks = list(task) if isinstance(task, (list, tuple)) else [task] * len(prompts)
+        if len(tasks) != len(prompts):
+            raise ValueError(f"task: {len(tasks)} given for {len(prompts)} prompts")
+        validated = [self.engine.validate(p, sp, t) for p, sp, t in zip(prompts, params, tasks)]  # all or nothing
         ids = []
-        for p, sp, v in zip(prompts, params, validated):
+        for p, sp, v, t in zip(prompts, params, validated, tasks):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, p, sp, validated=v)
+            self.engine.add_request(rid, p, sp, validated=v, task=t)
             ids.append(rid)
         bar = _progress(len(ids)) if use_tqdm else None
         final: dict[str, RequestOutput] = {}

@@ -148,16 +148,17 @@ class GPT(nn.Module):
         return self
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
-                backend: AttentionBackend | None = None) -> torch.Tensor:
+                backend: AttentionBackend | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> hidden states (B, T, C) after the final norm.
 
         positions (B, T) default to 0..T-1; the engine passes the tokens' absolute positions
-        together with a paged-attention backend.
+        together with a paged-attention backend. inputs_embeds (B, T, C), when given, replaces
+        the token-embedding lookup (p-tuning's virtual tokens).
         """
         B, T = idx.shape
         if positions is None:
             positions = torch.arange(T, device=idx.device).expand(B, T)
-        x = self.wte(idx)  # (B, T, C)
+        x = self.wte(idx) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         rope = None
         if self.wpe is not None:
             x = x + self.wpe(positions)

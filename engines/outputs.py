@@ -39,3 +39,7 @@ class RequestOutput:
     """Set when the engine failed the request (the serving layer maps it to 503)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """arrival_time, first_scheduled_time, first_token_time, finished_time (time.monotonic())."""
+    task: str | None = None
+    num_virtual_tokens: int = 0
+    """P-tuning: the task's virtual tokens, prepended to prompt_token_ids (which holds only the
+    real ones); they occupy context positions and KV blocks and are billed separately."""

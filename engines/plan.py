@@ -39,6 +39,9 @@ class SeqInit:
     params: SamplingParams
     prompt_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
+    prompt_table: object = None
+    """P-tuning: the task's (N, hidden) float32 numpy table, whose rows replace the embeddings of
+    the sequence's first N (virtual) tokens during prefill (engines/ptuning.py); None: no task."""
 
 
 @dataclass

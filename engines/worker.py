@@ -15,6 +15,7 @@ from engines.config import EngineConfig, ModelConfig, max_model_len, num_kv_bloc
 from engines.decode_runner import DecodeRunner
 from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
+from engines.prompt_inject import SeqTables
 from engines.sampler import Sampler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +47,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-max_model_len(cfg, engine_cfg) // engine_cfg.block_size),
             cuda_graphs=engine_cfg.cuda_graphs) if static else None
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
+        self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype)  # p-tuning, prefill only
 
     @property
     def model_config(self) -> ModelConfig:
@@ -60,7 +62,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
         positions = torch.tensor(pos, device=self.device)[None]
         backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device)
-        return self.model(input_ids, positions, backend)[0]  # (N, C)
+        embeds = None
+        if self.prompt_tables.needed(plan.prefill):  # p-tuning: virtual tokens only in prefill chunks
+            embeds = self.prompt_tables.embed(self.model.wte, input_ids, works)
+        return self.model(input_ids, positions, backend, inputs_embeds=embeds)[0]  # (N, C)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -68,6 +73,7 @@ class ModelRunner:
             self.sampler.release(seq_id)
         for init in plan.new_seqs:
             self.sampler.add(init)
+        self.prompt_tables.update(plan)
         result = StepResult(step=plan.step)
         if plan.empty:
             return result

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving import errors, kserve_api, openai_api
+from serving import errors, kserve_api, openai_api, ptuning_api
 from serving.errors import APIError
 from serving.gateway import Gateway, GatewayOptions, gateway_of, hash_key, new_request_id
 from serving.metrics import CONTENT_TYPE
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 access_log = logging.getLogger("shardserve.access")
 log = logging.getLogger("shardserve.gateway")
+ADMIN_PREFIX = "/v1/ptuning/"
+"""Routes that need an admin key instead (serving/ptuning_api.py)."""
 HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -53,6 +55,7 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
     app.state.gateway = gateway
     app.include_router(openai_api.router)
     app.include_router(kserve_api.router)
+    app.include_router(ptuning_api.router)  # admin keys checked by the router itself
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -113,7 +116,8 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            if self.keys and scope["path"] not in HEALTH_PATHS and not self._authorized(scope):
+            if self.keys and scope["path"] not in HEALTH_PATHS and not scope["path"].startswith(ADMIN_PREFIX) \
+                    and not self._authorized(scope):
                 await error_response(ErrorInfo(
                     401, "invalid_request_error", "a valid API key is required: send `Authorization: Bearer <key>`",
                     None, "invalid_api_key"))(scope, receive, _with_auth_challenge(send_with_id))
@@ -173,7 +177,7 @@ def _with_auth_challenge(send: Send) -> Send:
 
 # the in-process app (no Ray): tests, benchmarks' baselines, single-process tools
 def create_local_app(config: DeploymentConfig, api_keys: list[str] | None = None,
-                     cores: dict[str, ModelCore] | None = None) -> FastAPI:
+                     cores: dict[str, ModelCore] | None = None, admin_keys: list[str] | None = None) -> FastAPI:
     """The gateway app with each model's engine in this process. Loads the models (seconds) unless
     `cores` already holds them; on app shutdown, drains and stops the engines."""
     from serving.backends import LocalBackend
@@ -187,7 +191,8 @@ def create_local_app(config: DeploymentConfig, api_keys: list[str] | None = None
     async def model_metrics():
         return [core.metrics.families() for core in cores.values()]
 
-    gateway = Gateway(backends, GatewayOptions.from_server(server, api_keys or []), model_metrics)
+    gateway = Gateway(backends, GatewayOptions.from_server(server, api_keys or [], admin_keys=admin_keys or []),
+                      model_metrics)
 
     async def shutdown() -> None:
         for core in cores.values():

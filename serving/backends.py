@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from serving import errors
-from serving.wire import GenerateChunk, GenerateRequest, ModelInfo
+from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
 if TYPE_CHECKING:
     from serving.model_core import ModelCore
@@ -42,6 +42,9 @@ class LocalBackend:
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         return self.core.generate(req)
+
+    async def ptuning_admin(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
+        return await self.core.ptuning_admin(op, args)
 
     async def ready(self) -> bool:
         return self.core.ready()
@@ -94,6 +97,10 @@ class RayBackend:
         finally:
             if stream is not None:
                 stream.cancel()  # no-op when finished; otherwise the replica aborts the engine request
+
+    async def ptuning_admin(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
+        """On one replica; the others pick task changes up from the model's ptuning/ folder."""
+        return await self.handle.ptuning_admin.remote(op, args)
 
     async def ready(self) -> bool:
         try:

@@ -50,6 +50,7 @@ def serve(
             ray["address"] = address
         cfg = cfg.replace(server=server, ray=ray)
         keys = read_api_keys(cfg.server)
+        admin_keys = read_api_keys(cfg.server, admin=True)
     except (ConfigFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -68,7 +69,7 @@ def serve(
     _take_signals()
     running = None
     try:
-        running = launcher.start(cfg, keys, quiet=not verbose)
+        running = launcher.start(cfg, keys, quiet=not verbose, admin_keys=admin_keys)
         _take_signals()  # again: ray.init installed its own SIGTERM handler (which exits at once)
         _print_ready(running.url, cfg.models[0].name, bool(keys), running.started_in_s)
         while True:

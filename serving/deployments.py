@@ -130,6 +130,7 @@ class ModelServer:
                                             executor_factory(self.spec))
         self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
                                     self.server.metrics_push_interval_s)
+        self.core.ptuning.ensure_watch()  # every replica hot-loads task changes from ptuning/
         log.info('{"event": "model_ready", "model": "%s", "replica": "%s"}', self.spec.name, replica)
 
     async def generate(self, req):
@@ -140,6 +141,9 @@ class ModelServer:
 
     def info(self):
         return self.core.info
+
+    async def ptuning_admin(self, op: str, args: dict):
+        return await self.core.ptuning_admin(op, args)
 
     def ready(self) -> bool:
         return self.core.ready()
@@ -184,7 +188,8 @@ def _answer_ray_errors_as_json(app) -> None:
 @serve.deployment
 @serve.ingress()
 class GatewayDeployment:
-    async def __init__(self, models: dict[str, Any], server: dict, api_key_hashes: list[str], hub: Any):
+    async def __init__(self, models: dict[str, Any], server: dict, api_key_hashes: list[str], hub: Any,
+                       admin_key_hashes: list[str] = ()):
         from serving.app import build_app
         from serving.backends import RayBackend
         from serving.gateway import Gateway, GatewayOptions
@@ -197,7 +202,8 @@ class GatewayDeployment:
         direct = server_spec.ingress == "direct"
         options = GatewayOptions(max_body_bytes=server_spec.max_body_bytes,
                                  api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
-                                 replica=replica, behind_ray_proxy=not direct)
+                                 replica=replica, behind_ray_proxy=not direct,
+                                 admin_key_hashes=frozenset(admin_key_hashes))
         self.gateway = Gateway({name: RayBackend(h) for name, h in models.items()}, options, self._remote_metrics)
         # not `self.app`: the ingress wrapper owns that name
         self.fastapi_app = build_app(self.gateway, on_startup=_answer_ray_errors_as_json)
@@ -227,7 +233,7 @@ class GatewayDeployment:
             await self.publisher.stop()
 
 
-def build_application(cfg: DeploymentConfig, api_key_hashes: list[str]):
+def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_key_hashes: list[str] = ()):
     """The bound Ray Serve application of a deployment config (run it with serve.run)."""
     from engines.config import EngineConfig
 
@@ -261,4 +267,4 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str]):
     return GatewayDeployment.options(
         name="Gateway", num_replicas=cfg.server.gateway_replicas, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
-    ).bind(models, server, sorted(api_key_hashes), hub)
+    ).bind(models, server, sorted(api_key_hashes), hub, sorted(admin_key_hashes))

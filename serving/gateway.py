@@ -38,6 +38,9 @@ class GatewayOptions:
     max_body_bytes: int = 1 << 20
     api_key_hashes: frozenset[str] = frozenset()
     """sha256 of each accepted API key; empty disables auth (the gateway never holds the keys)."""
+    admin_key_hashes: frozenset[str] = frozenset()
+    """sha256 of each admin key (p-tuning admin routes); with user keys but none of these, those
+    routes are refused."""
     log_requests: bool = True
     replica: str = "gateway"
     behind_ray_proxy: bool = False
@@ -45,9 +48,11 @@ class GatewayOptions:
     response; the gateway then adopts it instead of adding a second header."""
 
     @classmethod
-    def from_server(cls, server: Any, api_keys: list[str], replica: str = "gateway") -> GatewayOptions:
+    def from_server(cls, server: Any, api_keys: list[str], replica: str = "gateway",
+                    admin_keys: list[str] = ()) -> GatewayOptions:
         return cls(max_body_bytes=server.max_body_bytes, api_key_hashes=frozenset(hash_key(k) for k in api_keys),
-                   log_requests=server.log_requests, replica=replica)
+                   log_requests=server.log_requests, replica=replica,
+                   admin_key_hashes=frozenset(hash_key(k) for k in admin_keys))
 
 
 @dataclass

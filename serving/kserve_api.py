@@ -306,9 +306,10 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
             raise errors.invalid("outputs: the only output is text_output", "outputs")
         if (o.get("parameters") or {}).get("binary_data"):
             binary_out = True
+    task = _task(gen_values)
     params = _params_from(gen_values, "parameters").to_sampling()
     ids = [m.encode(text, "inputs[text_input]") for text in texts]
-    first, rest = await gw.open(m, GenerateRequest(new_request_id(), ids, params))
+    first, rest = await gw.open(m, GenerateRequest(new_request_id(), ids, params, task=task))
     out = [""] * len(ids)
     try:
         async for chunk in _chunks(first, rest):
@@ -349,9 +350,23 @@ async def _generate_request(request: Request, m: ServedModel, stream: bool) -> t
     if both:
         raise errors.invalid(f"{min(both)}: given both at the top level and in parameters", min(both))
     values.update({k: v for k, v in nested.items() if k not in TRITON_RESERVED and k != "stream"})
+    task = _task(values)
     params = _params_from(values, "parameters").to_sampling()
     ids = [m.encode(text, "text_input")]
-    return GenerateRequest(new_request_id(), ids, params, stream=stream), body
+    return GenerateRequest(new_request_id(), ids, params, task=task, stream=stream), body
+
+
+def _task(values: dict) -> str | None:
+    """parameters.task: a p-tuned task (removed from the sampling values)."""
+    from engines.ptuning import TaskError, check_task_name
+
+    task = values.pop("task", None)
+    if task is not None:
+        try:
+            check_task_name(task)
+        except TaskError as exc:
+            raise errors.invalid(f"parameters.{exc}", "parameters.task", "invalid_task_name") from None
+    return task
 
 
 @router.post("/v2/models/{name}/generate")

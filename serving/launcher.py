@@ -78,7 +78,7 @@ def ray_num_cpus(cfg: DeploymentConfig) -> int:
     return max(2, int(-(-need // 1)))
 
 
-def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Running:
+def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_keys: list[str] = ()) -> Running:
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions
@@ -107,7 +107,7 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True) -> Run
         serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
                                              request_timeout_s=None, keep_alive_timeout_s=30),
                     logging_config=logs)
-    app = build_application(cfg, [hash_key(k) for k in api_keys])
+    app = build_application(cfg, [hash_key(k) for k in api_keys], [hash_key(k) for k in admin_keys])
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,

@@ -61,6 +61,10 @@ class ModelCore:
             chat_template=tk.chat_template if tk is not None else None,
             bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
             created=int(time.time()))
+        from serving.ptuning_admin import PtuningAdmin
+
+        self.ptuning = PtuningAdmin(spec.name, spec.path, engine.engine.tasks)
+        """P-tuned tasks from the model's ptuning/ folder (loaded now, re-scanned while serving)."""
 
     @classmethod
     def load(cls, spec: ModelSpec, replica: str = "local", request_timeout_s: float = 600.0,
@@ -74,6 +78,11 @@ class ModelCore:
             raise ConfigError(f"models[{spec.name}].engine.{exc}") from None
         engine = AsyncLLMEngine.from_model_dir(spec.path, cfg, executor_factory=executor_factory)
         return cls(spec, engine, replica, request_timeout_s)
+
+    async def ptuning_admin(self, op: str, args: dict):
+        """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_admin.py)."""
+        self.ptuning.ensure_watch()
+        return await asyncio.to_thread(self.ptuning.call, op, args)
 
     # health and state
     def stats(self) -> dict[str, float]:
@@ -146,8 +155,10 @@ class ModelCore:
         # all prompts before any starts: a request is admitted whole or not at all
         try:
             for p in req.prompts:
-                self.engine.engine.validate(p, req.params)
+                self.engine.engine.validate(p, req.params, req.task)
         except RequestError as exc:
+            if exc.code == "task_not_found":
+                return ErrorInfo(404, "invalid_request_error", str(exc), exc.param, exc.code)
             return ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value")
         return None
 
@@ -207,6 +218,7 @@ class ModelCore:
         final = pending or GenerateChunk()
         final.finished = True
         final.usage = (sum(len(p) for p in req.prompts), state.generated)
+        final.virtual_tokens = state.virtual_tokens
         m.e2e.observe(time.monotonic() - t0)
         if state.timed_out:
             final.error = errors.timed_out(self.request_timeout_s)
@@ -224,7 +236,8 @@ class ModelCore:
     async def _outputs(self, req: GenerateRequest, ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every engine request of `req`, in arrival order."""
         if len(ids) == 1:  # the common case: no extra task
-            async with contextlib.aclosing(self.engine.generate(ids[0], req.prompts[0], req.params)) as gen:
+            async with contextlib.aclosing(self.engine.generate(ids[0], req.prompts[0], req.params,
+                                                                task=req.task)) as gen:
                 async for out in gen:
                     yield 0, out
             return
@@ -232,7 +245,8 @@ class ModelCore:
 
         async def pump(j: int) -> None:
             try:
-                async with contextlib.aclosing(self.engine.generate(ids[j], req.prompts[j], req.params)) as gen:
+                async with contextlib.aclosing(self.engine.generate(ids[j], req.prompts[j], req.params,
+                                                                    task=req.task)) as gen:
                     async for out in gen:
                         queue.put_nowait((j, out))
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
@@ -265,6 +279,8 @@ class _Progress:
     """Bookkeeping of one request's completions while it streams."""
 
     def __init__(self, num_prompts: int, n: int):
+        self.virtual: dict[int, int] = {}
+        """Virtual tokens of each prompt's task (p-tuning)."""
         self.n = n
         self.open = num_prompts * n
         self.finished_idx: set[int] = set()
@@ -278,6 +294,10 @@ class _Progress:
         self.timed_out = False
 
     @property
+    def virtual_tokens(self) -> int:
+        return sum(self.virtual.values())
+
+    @property
     def done(self) -> bool:
         return self.open == 0
 
@@ -285,6 +305,7 @@ class _Progress:
         return self.open
 
     def chunk(self, j: int, out: RequestOutput, now: float, m: ReplicaMetrics) -> GenerateChunk:
+        self.virtual[j] = out.num_virtual_tokens
         deltas = []
         new_tokens = False
         for c in out.outputs:

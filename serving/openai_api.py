@@ -75,7 +75,8 @@ async def completions(request: Request):
     params = sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs())
     rid = request.state.request_id
-    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params, stream=bool(body.stream)))
+    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params, task=body.task,
+                                                       stream=bool(body.stream)))
     view = _CompletionView(model, body, ids, texts, rid)
     if body.stream:
         return StreamingResponse(_stream_completion(request, view, first, rest), media_type="text/event-stream",
@@ -87,6 +88,15 @@ async def completions(request: Request):
         await rest.aclose()
     _record(request, view.usage)
     return JSONResponse(view.response())
+
+
+def usage_dict(prompt: int, completion: int, virtual: int) -> dict:
+    """OpenAI usage; a p-tuned task's virtual tokens are counted apart (`virtual_tokens`), not in
+    prompt_tokens or total_tokens, though they take context positions and KV blocks like prompt tokens."""
+    u = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if virtual:
+        u["virtual_tokens"] = virtual
+    return u
 
 
 def _engine_id(request: Request) -> str:
@@ -117,6 +127,7 @@ class _CompletionView:
         self.offset = [0] * count
         """Per choice: where its next token's text_offset starts (echo text + earlier tokens' text)."""
         self.usage: tuple[int, int] | None = None
+        self.virtual = 0
 
     def _empty_lp(self) -> dict | None:
         if self.body.logprobs is None:
@@ -183,12 +194,13 @@ class _CompletionView:
                 self.finish[i] = c["finish_reason"]
         if chunk.usage is not None:
             self.usage = chunk.usage
+            self.virtual = chunk.virtual_tokens
 
     def usage_block(self) -> dict | None:
         if self.usage is None:
             return None
         p, c = self.usage
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return usage_dict(p, c, self.virtual)
 
     def response(self) -> dict:
         for i in range(len(self.text)):
@@ -227,6 +239,7 @@ async def _stream_completion(request: Request, view: _CompletionView, first: Gen
                 yield _sse(view.event(choices))
             if chunk.usage is not None:
                 view.usage = chunk.usage
+                view.virtual = chunk.virtual_tokens
         if view.body.include_usage and view.usage is not None:
             ev = view.event([])
             ev["usage"] = view.usage_block()
@@ -252,7 +265,8 @@ async def chat_completions(request: Request):
     ids = model.encode(text, "messages", add_special_tokens=False)
     params = sampling_params(max_tokens=body.output_limit,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
-    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, stream=bool(body.stream)))
+    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, task=body.task,
+                                                       stream=bool(body.stream)))
     view = _ChatView(model, body, request.state.request_id)
     if body.stream:
         return StreamingResponse(_stream_chat(request, view, first, rest), media_type="text/event-stream",
@@ -277,6 +291,7 @@ class _ChatView:
         self.finish: list[str | None] = [None] * self.n
         self.started: set[int] = set()
         self.usage: tuple[int, int] | None = None
+        self.virtual = 0
 
     def _lp(self, token_ids: list[int], entries: list[TokenLogprob]) -> list[dict]:
         k = self.body.top_logprobs or 0
@@ -299,6 +314,7 @@ class _ChatView:
                 self.finish[d.index] = _finish(d.finish_reason)
         if chunk.usage is not None:
             self.usage = chunk.usage
+            self.virtual = chunk.virtual_tokens
 
     def response(self) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": self.text[i]},
@@ -306,7 +322,7 @@ class _ChatView:
                     "finish_reason": self.finish[i]} for i in range(self.n)]
         p, c = self.usage or (0, 0)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model.name,
-                "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+                "choices": choices, "usage": usage_dict(p, c, self.virtual),
                 "system_fingerprint": None}
 
     def event(self, choices: list[dict]) -> dict:
@@ -344,10 +360,11 @@ async def _stream_chat(request: Request, view: _ChatView, first: GenerateChunk,
                 yield _sse(view.event(choices))
             if chunk.usage is not None:
                 view.usage = chunk.usage
+                view.virtual = chunk.virtual_tokens
         if view.body.include_usage and view.usage is not None:
             ev = view.event([])
             p, c = view.usage
-            ev["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            ev["usage"] = usage_dict(p, c, view.virtual)
             yield _sse(ev)
         _record(request, view.usage)
         yield "data: [DONE]\n\n"

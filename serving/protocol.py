@@ -59,6 +59,20 @@ class _Sampling(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    task: str | None = None
+    """P-tuned task (shardserve extension; the openai client sends it via extra_body)."""
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v):
+        if v is not None:
+            from engines.ptuning import TaskError, check_task_name
+
+            try:
+                check_task_name(v)
+            except TaskError as exc:
+                raise ValueError(str(exc).removeprefix("task: ")) from None
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -55,6 +55,8 @@ class GenerateRequest:
     prompts: list[list[int]]
     """Token ids of each prompt; each produces params.n completions."""
     params: SamplingParams
+    task: str | None = None
+    """P-tuned task whose virtual tokens precede every prompt (engines/ptuning.py); None: plain."""
     stream: bool = False
     """Send an empty chunk as soon as the request is admitted, so a streaming response can start
     (and notice a client that leaves) while the request still waits for the engine."""
@@ -83,3 +85,5 @@ class GenerateChunk:
     error: ErrorInfo | None = None
     usage: tuple[int, int] | None = None
     """(prompt tokens, generated tokens), on the last chunk."""
+    virtual_tokens: int = 0
+    """P-tuning: the task's virtual tokens over all prompts (not in usage's prompt tokens), last chunk."""

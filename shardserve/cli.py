@@ -33,6 +33,7 @@ def _register() -> None:
     app.command("generate")(generate_cmd.generate)
     for module, names in (
         ("training.cli", ("data", "train", "export", "check-model")),
+        ("training.ptune_cli", ("ptune",)),
         ("serving.cli", ("serve",)),
         ("loadtest.cli", ("loadtest",)),
         ("tuner.cli", ("tune",)),

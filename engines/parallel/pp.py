@@ -44,11 +44,13 @@ class StageModel(nn.Module):
     def n_layer(self) -> int:
         return self.end - self.start
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend) -> torch.Tensor:
-        """First stage: x is token ids (B, T); later stages: the previous stage's hidden (B, T, C).
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: x is token ids (B, T) (or inputs_embeds (B, T, C) replaces their lookup);
+        later stages: the previous stage's hidden (B, T, C).
         Returns hidden (B, T, C), after the final norm on the last stage."""
         if self.first:
-            h = self.wte(x)  # (B, T, C)
+            h = self.wte(x) if inputs_embeds is None else inputs_embeds  # (B, T, C)
             if self.wpe is not None:
                 h = h + self.wpe(positions)
             x = self.drop(h)

@@ -23,6 +23,7 @@ from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import StageModel, split_microbatches
 from engines.plan import SeqResult, StepPlan, StepResult
+from engines.prompt_inject import SeqTables
 from engines.sampler import Sampler
 from engines.sampling_params import SamplingParams
 from engines.worker import DTYPES
@@ -67,6 +68,7 @@ class ShardRunner:
                              local_kv_heads(self.cfg, layout.tp, self.tp_rank)[1], self.cfg.hd, self.dtype, self.device)
         self.samples = self.last and self.tp_rank == 0
         self.sampler = Sampler(self.cfg.vocab_size, engine_cfg.seed, self.device) if self.samples else None
+        self.prompt_tables = SeqTables(self.cfg.vocab_size, self.device, self.dtype) if self.first else None
         self.params: dict[int, SamplingParams] = {}
         """Sampling options of the live sequences, kept by every last-stage rank so that all of
         them take the same (combined-argmax or gathered) path."""
@@ -92,6 +94,8 @@ class ShardRunner:
                 self.params[init.seq_id] = init.params
                 if self.sampler is not None:
                     self.sampler.add(init)
+        if self.prompt_tables is not None:  # p-tuning: injected on the first stage only
+            self.prompt_tables.update(plan)
         result = StepResult(step=plan.step) if self.samples else None
         if plan.empty:
             return result, None
@@ -112,12 +116,15 @@ class ShardRunner:
             positions = torch.tensor(pos, device=self.device)[None]  # (1, n)
             backend = PagedAttention(self.cache, [works[i] for i in group if i < n_decode],
                                      [works[i] for i in group if i >= n_decode], self.device)
+            embeds = None
             if self.first:
                 x = torch.tensor(ids, device=self.device)[None]  # (1, n) token ids
+                if self.prompt_tables.needed(ws):  # every TP rank of the stage: the lookup all-reduces
+                    embeds = self.prompt_tables.embed(self.stage.wte, x, ws)
             else:
                 x = self.comm.recv_prev((1, len(ids), self.cfg.n_embd), self.dtype, tag=m)  # (1, n, C)
             tb = time.perf_counter()
-            hidden = self.stage(x, positions, backend)  # (1, n, C)
+            hidden = self.stage(x, positions, backend, inputs_embeds=embeds)  # (1, n, C)
             if not self.last:
                 self.comm.send_next(hidden, tag=m)
             else:

@@ -1,0 +1,274 @@
+"""The replica side of p-tuning administration: tasks on disk, training jobs, hot-loading.
+
+The model's `ptuning/` folder is the source of truth, so every replica of a model (and a
+restarted server) converges on the same tasks: each replica re-scans it (`sync`) every
+`WATCH_INTERVAL_S` and after each admin call, loading new or changed tasks into its engine and
+unloading removed ones; running requests keep the table they started with.
+
+Jobs train in their own process (`python -m training.ptune_job DIR`, see training/ptune_job.py),
+never in a serving replica's event loop or engine thread. A job's folder under
+`ptuning/.jobs/<id>/` holds its request, dataset and state.json, which any replica can read;
+cancelling writes a `cancel` file the job polls every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engines.ptuning import (
+    TASK_NAME_RE,
+    DatasetError,
+    TaskError,
+    TaskRegistry,
+    check_task_name,
+    read_dataset,
+    read_task_dir,
+)
+from serving.wire import ErrorInfo
+
+log = logging.getLogger("shardserve.ptuning")
+
+WATCH_INTERVAL_S = 1.0
+DEFAULT_MAX_EXAMPLES = 50_000
+JOB_ID_PREFIX = "ptj-"
+RECIPE_KEYS = ("num_virtual_tokens", "encoder", "encoder_hidden_size", "template", "lr", "batch_size", "max_steps",
+               "eval_every", "patience", "val_fraction", "max_examples", "time_budget_s", "seed")
+"""training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
+
+
+class AdminError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.info = ErrorInfo(status, "invalid_request_error", message, param, code)
+
+
+def _task_error(exc: TaskError) -> AdminError:
+    status = 404 if exc.code in ("task_not_found", "task_path_not_found") else 400
+    return AdminError(status, str(exc), exc.param, exc.code)
+
+
+def _signature(d: Path) -> tuple:
+    return tuple(((d / f).stat().st_mtime_ns, (d / f).stat().st_size) if (d / f).is_file() else None
+                 for f in ("adapter_model.safetensors", "adapter_config.json", "task.json"))
+
+
+class PtuningAdmin:
+    def __init__(self, model_name: str, model_dir: str | Path, registry: TaskRegistry):
+        self.model_name = model_name
+        self.root = Path(model_dir) / "ptuning"
+        self.jobs_dir = self.root / ".jobs"
+        self.registry = registry
+        self._seen: dict[str, tuple] = {}
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._watch: asyncio.Task | None = None
+        self._lock = threading.Lock()
+        self.sync()
+
+    # tasks
+    def sync(self) -> list[str]:
+        """Load new or changed task folders, unload removed ones; returns the loaded names."""
+        with self._lock:
+            return self._sync()
+
+    def _sync(self) -> list[str]:
+        present: dict[str, tuple] = {}
+        if self.root.is_dir():
+            for d in self.root.iterdir():
+                if d.is_dir() and TASK_NAME_RE.match(d.name) and ".." not in d.name \
+                        and (d / "adapter_model.safetensors").is_file():
+                    present[d.name] = _signature(d)
+        for name, sig in present.items():
+            if self._seen.get(name) != sig:
+                try:
+                    self.registry.load(name, self.root / name)
+                except TaskError as exc:  # a bad folder never takes the replica down
+                    log.warning("model %s: task %s not loaded: %s", self.model_name, name, exc)
+                self._seen[name] = sig
+        for name in set(self._seen) - set(present):
+            self.registry.unload(name)
+            del self._seen[name]
+        return self.registry.names()
+
+    def ensure_watch(self) -> None:
+        """Start re-scanning in the background (once, from within the replica's event loop)."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._run_watch())
+
+    async def _run_watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            try:
+                await asyncio.to_thread(self.sync)
+            except Exception:
+                log.exception("model %s: scanning %s failed", self.model_name, self.root)
+
+    def _task_info(self, name: str) -> dict:
+        t = self.registry.get(name)
+        return {"object": "ptuning.task", "name": name, "model": self.model_name,
+                "num_virtual_tokens": t.num_virtual_tokens, "template": t.meta.get("template"),
+                "metrics": t.meta.get("metrics")}
+
+    def list_tasks(self) -> list[dict]:
+        self.sync()
+        return [self._task_info(n) for n in self.registry.names()]
+
+    def add_task(self, name: Any, path: Any) -> dict:
+        """Validate the adapter at `path` against this model, copy it into ptuning/<name>, load it."""
+        try:
+            check_task_name(name)
+            if not isinstance(path, str) or not path:
+                raise TaskError("path: a directory holding a PEFT prompt adapter is required", param="path",
+                                code="missing_required_parameter")
+            read_task_dir(path, hidden=self.registry.hidden, expect=self.registry.hashes, name=name)
+        except TaskError as exc:
+            raise _task_error(exc) from None
+        src, dst = Path(path).resolve(), self.root / name
+        if src != dst.resolve():
+            tmp = self.root / f".{name}.copy"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.bin", "*.pt", "*.pkl"))
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp.rename(dst)
+        self.sync()
+        return self._task_info(name)
+
+    def delete_task(self, name: Any) -> dict:
+        try:
+            check_task_name(name)
+        except TaskError as exc:
+            raise _task_error(exc) from None
+        d = self.root / name
+        if not d.is_dir():
+            raise AdminError(404, f"task: {name!r} does not exist for model {self.model_name!r}", "task",
+                             "task_not_found")
+        shutil.rmtree(d)
+        self.sync()
+        return {"object": "ptuning.task", "name": name, "model": self.model_name, "deleted": True}
+
+    # jobs
+    def start_job(self, task: Any, data: Any, dataset_path: Any, recipe: Any) -> dict:
+        try:
+            check_task_name(task)
+        except TaskError as exc:
+            raise _task_error(exc) from None
+        if recipe is None:
+            recipe = {}
+        if not isinstance(recipe, dict):
+            raise AdminError(400, "recipe: must be an object of p-tuning recipe keys", "recipe", "invalid_type")
+        unknown = sorted(set(recipe) - set(RECIPE_KEYS))
+        if unknown:
+            raise AdminError(400, f"recipe.{unknown[0]}: unknown key; recipe accepts: {', '.join(RECIPE_KEYS)}",
+                             f"recipe.{unknown[0]}", "unknown_parameter")
+        if (data is None) == (dataset_path is None):
+            raise AdminError(400, "data: give exactly one of data (inline JSONL) and dataset_path", "data",
+                             "missing_required_parameter")
+        if data is not None and (not isinstance(data, str) or not data.strip()):
+            raise AdminError(400, "data: must be a non-empty string of JSONL lines", "data", "invalid_type")
+        if dataset_path is not None and not isinstance(dataset_path, str):
+            raise AdminError(400, "dataset_path: must be a string", "dataset_path", "invalid_type")
+        max_examples = recipe.get("max_examples", DEFAULT_MAX_EXAMPLES)
+        if not isinstance(max_examples, int) or isinstance(max_examples, bool) or max_examples < 1:
+            raise AdminError(400, "recipe.max_examples: must be a positive integer", "recipe.max_examples")
+        try:
+            read_dataset(data if data is not None else Path(dataset_path), max_examples)
+        except DatasetError as exc:
+            raise AdminError(413 if "more than" in str(exc) else 400, str(exc), exc.param, exc.code) from None
+        for job in self.list_jobs():
+            if job["task"] == task and job["state"] in ("queued", "running"):
+                raise AdminError(409, f"task: job {job['id']} is already training {task!r}", "task", "job_conflict")
+        job_id = f"{JOB_ID_PREFIX}{uuid.uuid4().hex[:16]}"
+        d = self.jobs_dir / job_id
+        d.mkdir(parents=True)
+        if data is not None:
+            (d / "data.jsonl").write_text(data)
+        else:
+            shutil.copyfile(dataset_path, d / "data.jsonl")
+        (d / "request.json").write_text(json.dumps({"model": str(self.root.parent), "task": task, "recipe": recipe}))
+        state = {"id": job_id, "object": "ptuning.job", "model": self.model_name, "task": task, "state": "queued",
+                 "created_at": time.time(), "recipe": recipe, "progress": None, "metrics": None, "error": None}
+        (d / "state.json").write_text(json.dumps(state))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
+        with open(d / "log.txt", "wb") as logf:
+            self._procs[job_id] = subprocess.Popen([sys.executable, "-m", "training.ptune_job", str(d)], env=env,
+                                                   stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        return state
+
+    def _job_dir(self, job_id: Any) -> Path:
+        if not isinstance(job_id, str) or not job_id.startswith(JOB_ID_PREFIX) or not job_id[4:].isalnum():
+            raise AdminError(404, f"job {job_id!r} does not exist", "id", "job_not_found")
+        d = self.jobs_dir / job_id
+        if not (d / "state.json").is_file():
+            raise AdminError(404, f"job {job_id!r} does not exist", "id", "job_not_found")
+        return d
+
+    def get_job(self, job_id: Any) -> dict:
+        d = self._job_dir(job_id)
+        state = json.loads((d / "state.json").read_text())
+        proc = self._procs.get(job_id)
+        if state["state"] in ("queued", "running") and proc is not None and proc.poll() is not None:
+            state = json.loads((d / "state.json").read_text())  # it may have finished just now
+            if state["state"] in ("queued", "running"):
+                tail = (d / "log.txt").read_text(errors="replace")[-2000:] if (d / "log.txt").is_file() else ""
+                state.update(state="failed", error=f"the job process exited with status {proc.returncode}: {tail}")
+                (d / "state.json").write_text(json.dumps(state))
+        if state["state"] in ("queued", "running") and proc is None and not _pid_alive(state.get("pid")) \
+                and time.time() - state.get("created_at", 0) > 60:
+            state.update(state="failed", error="the job's process is gone (the server restarted while it ran)")
+            (d / "state.json").write_text(json.dumps(state))
+        if state["state"] == "succeeded":
+            self.sync()  # hot-load now rather than at the next scan
+        p = state.get("progress") or {}
+        state["progress"] = p or None
+        return state
+
+    def list_jobs(self) -> list[dict]:
+        if not self.jobs_dir.is_dir():
+            return []
+        return sorted((self.get_job(d.name) for d in self.jobs_dir.iterdir() if (d / "state.json").is_file()),
+                      key=lambda j: j["created_at"])
+
+    def cancel_job(self, job_id: Any) -> dict:
+        d = self._job_dir(job_id)
+        state = self.get_job(job_id)
+        if state["state"] not in ("queued", "running"):
+            raise AdminError(409, f"job {job_id} has already {state['state']}", "id", "job_finished")
+        (d / "cancel").write_text("")
+        proc = self._procs.get(job_id)
+        if proc is not None:  # ours: wait a little for it to stop at its next step
+            deadline = time.monotonic() + 30
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if proc.poll() is None:
+                proc.terminate()
+        return self.get_job(job_id)
+
+    def call(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
+        """Run an admin operation; errors come back as data (they cross Ray as values)."""
+        ops = {"list_tasks": self.list_tasks, "add_task": self.add_task, "delete_task": self.delete_task,
+               "start_job": self.start_job, "get_job": self.get_job, "list_jobs": self.list_jobs,
+               "cancel_job": self.cancel_job}
+        try:
+            return None, ops[op](**args)
+        except AdminError as exc:
+            return exc.info, None
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

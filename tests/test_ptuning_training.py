@@ -1,0 +1,108 @@
+"""P-tuning training: a frozen base, answer-only loss, files that the engine (and PEFT) serve."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from engines import LLM, SamplingParams
+from engines.checkpoint import load_model
+from engines.config import ConfigError
+from training.ptune import DatasetError, train_task
+from training.ptune_recipe import PtuneRecipe, ptune_recipe_from_dict
+
+WORDS = ["the", "king", "queen", "lord", "lady", "sword", "love", "heart", "war", "blood", "night", "day", "fair", "foul"]
+
+
+def _dataset(path, n: int = 48) -> None:
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"input": " ".join(rng.choices(WORDS, k=5)), "output": " yes"}) + "\n" for _ in range(n))
+
+
+@pytest.fixture()
+def model_copy(gpt2_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(gpt2_dir, d)
+    return d
+
+
+def test_trained_task_is_served_as_trained(model_copy, tmp_path):
+    _dataset(tmp_path / "d.jsonl")
+    recipe = PtuneRecipe(num_virtual_tokens=4, lr=0.05, max_steps=40, eval_every=10, batch_size=8,
+                         template="Q: {input} A:")
+    seen = []
+    m = train_task(model_copy, "yes", tmp_path / "d.jsonl", recipe, progress=False, on_progress=seen.append)
+    assert m["base_grad_bytes"] == 0 and m["trainable_param_bytes"] < m["base_param_bytes"]
+    assert seen[-1]["step"] == m["steps"] and seen[0]["total"] == 40
+    losses = [json.loads(x)["loss"] for x in (model_copy / "ptuning/yes/metrics.jsonl").read_text().splitlines()]
+    assert min(losses[-5:]) < 0.9 * losses[0]
+    d = model_copy / "ptuning" / "yes"
+    for f in ("adapter_config.json", "adapter_model.safetensors", "task.json", "prompt_encoder.safetensors",
+              "loss_curve.png"):
+        assert (d / f).is_file(), f
+    meta = json.loads((d / "task.json").read_text())
+    assert meta["template"] == "Q: {input} A:" and meta["num_virtual_tokens"] == 4 and "base_model_sha256" in meta
+    llm = LLM(model_copy)
+    assert llm.engine.tasks.load_dir() == ["yes"]
+    prompts = ["Q: war and blood A:", "Q: fair lady night A:", "Q: the king A:"]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    served = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, params, task="yes")]
+    # the training forward (dense causal attention, table prepended as embeddings) predicts the same
+    model, _ = load_model(model_copy)
+    table = torch.from_numpy(load_file(d / "adapter_model.safetensors")["prompt_embeddings"])
+    with torch.no_grad():
+        for p, tok in zip(prompts, served):
+            ids = torch.tensor([llm.tokenizer.encode(p)])
+            x = torch.cat([table[None], model.wte(ids)], 1)
+            assert model.logits(model(torch.zeros(x.shape[:2], dtype=torch.long), inputs_embeds=x))[0, -1].argmax() == tok
+    plain = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, params)]
+    assert plain != served
+
+
+def test_bad_datasets_and_recipes_are_refused(model_copy, tmp_path):
+    bad = {"notjson": "{\"input\": \"a\", \"output\": \"b\"}\nnot json\n",
+           "nofield": "{\"input\": \"a\", \"output\": \"b\"}\n{\"input\": \"a\"}\n",
+           "one": "{\"input\": \"a\", \"output\": \"b\"}\n"}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(DatasetError, match="line 2: not JSON"):
+        train_task(model_copy, "t", tmp_path / "notjson", progress=False)
+    with pytest.raises(DatasetError, match="line 2: needs string fields"):
+        train_task(model_copy, "t", tmp_path / "nofield", progress=False)
+    with pytest.raises(DatasetError, match="at least 2"):
+        train_task(model_copy, "t", tmp_path / "one", progress=False)
+    _dataset(tmp_path / "d.jsonl", n=12)
+    with pytest.raises(DatasetError, match="more than max_examples=10"):
+        train_task(model_copy, "t", tmp_path / "d.jsonl", PtuneRecipe(max_examples=10), progress=False)
+    with pytest.raises(ConfigError, match="ptune.lrr: unknown key"):
+        ptune_recipe_from_dict({"lrr": 1})
+    with pytest.raises(ConfigError, match="template"):
+        PtuneRecipe(template="no slot")
+    assert not (model_copy / "ptuning").exists() or not any((model_copy / "ptuning").iterdir())
+
+
+def test_cli_and_cancel(model_copy, tmp_path):
+    from shardserve.cli import app
+
+    _dataset(tmp_path / "d.jsonl", n=12)
+    r = CliRunner().invoke(app, ["ptune", "--model", str(model_copy), "--task", "c", "--data", str(tmp_path / "d.jsonl"),
+                                 "--set", "max_steps=3", "--set", "encoder=lstm", "--set", "eval_every=2",
+                                 "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((model_copy / "ptuning/c/task.json").read_text())["metrics"]["steps"] == 3
+    r = CliRunner().invoke(app, ["ptune", "--model", str(model_copy), "--task", "../x", "--data",
+                                 str(tmp_path / "d.jsonl"), "--no-progress"])
+    assert r.exit_code == 2 and "not a valid task name" in r.output
+    with pytest.raises(InterruptedError):
+        train_task(model_copy, "c", tmp_path / "d.jsonl", PtuneRecipe(max_steps=50), progress=False,
+                   should_stop=lambda: True)
+    # the cancelled run left the earlier task as it was, and no staging folder
+    assert sorted(p.name for p in (model_copy / "ptuning").iterdir()) == ["c"]
+    assert json.loads((model_copy / "ptuning/c/task.json").read_text())["metrics"]["steps"] == 3

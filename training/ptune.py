@@ -1,0 +1,230 @@
+"""P-tuning: train a prompt encoder on a frozen base model; save the task PEFT-compatibly.
+
+The base model's parameters have requires_grad=False, so autograd stores no gradient for them
+and the optimizer holds state for the encoder only; the metrics report both sizes. Only the
+answer tokens carry loss. The best table by validation loss (early stopping) is written as
+`<model>/ptuning/<task>/` (adapter_config.json, adapter_model.safetensors, task.json); the
+encoder's own weights sit beside it (prompt_encoder.safetensors) so a run can be resumed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engines.checkpoint import load_model
+from engines.ptuning import DatasetError, base_model_hashes, check_task_name, read_dataset, write_task_dir
+from engines.tokenizer import Tokenizer
+from training.metrics import MetricsLog, Progress, plot_loss_curve
+from training.ptune_recipe import PtuneRecipe
+
+
+class PromptEncoder(nn.Module):
+    """N learned inputs -> (N, hidden) virtual-token embeddings (PEFT's PromptEncoder layouts)."""
+
+    def __init__(self, kind: str, n: int, hidden: int, enc_hidden: int, init: torch.Tensor | None = None):
+        super().__init__()
+        self.kind = kind
+        self.embedding = nn.Embedding(n, hidden)
+        if init is not None:
+            with torch.no_grad():
+                self.embedding.weight.copy_(init)
+        h = enc_hidden or hidden
+        if kind == "mlp":
+            self.mlp = nn.Sequential(nn.Linear(hidden, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, hidden))
+        elif kind == "lstm":
+            self.lstm = nn.LSTM(hidden, h, num_layers=2, bidirectional=True, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(2 * h, 2 * h), nn.ReLU(), nn.Linear(2 * h, hidden))
+
+    def forward(self) -> torch.Tensor:
+        x = self.embedding.weight  # (N, C)
+        if self.kind == "lstm":
+            x = self.mlp(self.lstm(x[None])[0][0])  # (1, N, 2h) -> (N, C)
+        elif self.kind == "mlp":
+            x = self.mlp(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: list[int]
+    output_ids: list[int]
+
+
+def tokenize_examples(records: list[dict], tok: Tokenizer, template: str, eos: int | None,
+                      max_len: int) -> list[Example]:
+    out = []
+    for i, rec in enumerate(records, 1):
+        ids = tok.encode(template.replace("{input}", rec["input"]))
+        ans = tok.encode(rec["output"], add_special_tokens=False) + ([eos] if eos is not None else [])  # no BOS
+        if not ids:
+            raise DatasetError(f"data example {i}: the prompt encodes to no tokens")
+        if len(ids) + len(ans) > max_len:
+            raise DatasetError(f"data example {i}: {len(ids)} prompt + {len(ans)} answer tokens exceed the "
+                               f"{max_len} the context leaves after the virtual tokens")
+        out.append(Example(ids, ans))
+    return out
+
+
+def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch.Tensor, int, int]:
+    """Mean answer-token cross-entropy of a batch, and (answers fully right by argmax, count)."""
+    n = table.shape[0]
+    seqs = [e.input_ids + e.output_ids[:-1] for e in batch]  # the last answer token is only a target
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = torch.tensor(s)
+    embeds = torch.cat([table[None].expand(len(batch), -1, -1), model.wte(ids)], 1)  # (B, N+T, C)
+    # right padding is harmless under causal attention: no real token attends to a later pad
+    hidden = model(torch.zeros(embeds.shape[:2], dtype=torch.long), inputs_embeds=embeds)  # (B, N+T, C)
+    rows_b, rows_t, targets = [], [], []
+    for b, e in enumerate(batch):
+        first = n + len(e.input_ids) - 1  # the row that predicts the first answer token
+        rows_b += [b] * len(e.output_ids)
+        rows_t += range(first, first + len(e.output_ids))
+        targets += e.output_ids
+    logits = model.logits(hidden[rows_b, rows_t])  # (answer tokens, V)
+    tgt = torch.tensor(targets)
+    loss = nn.functional.cross_entropy(logits, tgt)
+    right = (logits.argmax(-1) == tgt).tolist()
+    k, exact = 0, 0
+    for e in batch:
+        exact += all(right[k:k + len(e.output_ids)])
+        k += len(e.output_ids)
+    return loss, exact, len(batch)
+
+
+@torch.no_grad()
+def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: int) -> tuple[float, float]:
+    """(mean answer loss, exact-match accuracy by teacher-forced argmax) over `examples`."""
+    tot, exact = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        loss, ex, _ = _batch_loss(model, table, chunk)
+        tot += loss.item() * len(chunk)
+        exact += ex
+    return tot / len(examples), exact / len(examples)
+
+
+ProgressFn = Callable[[dict], None]
+
+
+def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: PtuneRecipe | None = None,
+               out_dir: str | Path | None = None, progress: bool = True, resume: bool = False,
+               on_progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
+    """Train `task` on `data` (JSONL path or inline JSONL); returns the final metrics.
+
+    on_progress gets {"step", "total", "loss", "elapsed_s", "eta_s"} after every step;
+    should_stop() -> True cancels (nothing is written then). The task lands in out_dir,
+    by default <model_dir>/ptuning/<task>/."""
+    recipe = recipe or PtuneRecipe()
+    check_task_name(task)
+    model_dir = Path(model_dir)
+    out = Path(out_dir) if out_dir is not None else model_dir / "ptuning" / task
+    torch.manual_seed(recipe.seed)
+    model, cfg = load_model(model_dir)
+    model.eval().requires_grad_(False)  # frozen: autograd keeps no gradient for the base
+    tok = Tokenizer.from_dir(model_dir)
+    if tok is None:
+        raise DatasetError(f"model: {str(model_dir)!r} has no tokenizer.json; p-tuning needs text")
+    n = recipe.num_virtual_tokens
+    ctx = cfg.max_position_embeddings
+    if n >= ctx:
+        raise DatasetError(f"num_virtual_tokens: {n} leaves no room in the {ctx}-token context")
+    records = read_dataset(data, recipe.max_examples)
+    eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
+    examples = tokenize_examples(records, tok, recipe.template, eos, ctx - n)
+    rng = random.Random(recipe.seed)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
+    val = [examples[i] for i in order[:n_val]]
+    train = [examples[i] for i in order[n_val:]]
+    # initialise from embeddings of random vocabulary tokens (PEFT's RANDOM init is similar in scale)
+    init = model.wte.weight[torch.randint(0, cfg.vocab_size, (n,))].detach().clone()
+    enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init)
+    if resume and (out / "prompt_encoder.safetensors").is_file():
+        enc.load_state_dict(load_file(out / "prompt_encoder.safetensors"))
+    # everything is written to a hidden staging folder first: a cancelled or failed run leaves the
+    # served task (and the registry's load_dir) untouched
+    final, out = out, out.with_name(f".{out.name}.partial")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    enc_path = out / "prompt_encoder.safetensors"
+    opt = torch.optim.AdamW(enc.parameters(), lr=recipe.lr, weight_decay=0.0)
+    log = MetricsLog(out / "metrics.jsonl")
+    bar = Progress(recipe.max_steps, 0, progress, desc=f"ptune {task}")
+    best = (math.inf, None, 0.0)  # (val loss, table, val accuracy)
+    bad_evals, step, t0 = 0, 0, time.perf_counter()
+    stopped = "max_steps"
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    enc_bytes = sum(p.numel() * p.element_size() for p in enc.parameters())
+    try:
+        while step < recipe.max_steps:
+            if should_stop is not None and should_stop():
+                raise InterruptedError("cancelled")
+            batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
+            loss, _, _ = _batch_loss(model, enc(), batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            elapsed = time.perf_counter() - t0
+            rec = {"step": step, "loss": loss.item(), "elapsed_s": elapsed}
+            if step % recipe.eval_every == 0 or step == recipe.max_steps:
+                with torch.no_grad():
+                    table = enc().detach().clone()
+                vl, va = evaluate(model, table, val, recipe.batch_size)
+                rec.update(val_loss=vl, val_accuracy=va)
+                if vl < best[0]:
+                    best, bad_evals = (vl, table, va), 0
+                    save_file(enc.state_dict(), str(enc_path))
+                else:
+                    bad_evals += 1
+            log.write(rec)
+            bar.update(1, loss=rec["loss"], val=rec.get("val_loss"))
+            if on_progress is not None:
+                on_progress({"step": step, "total": recipe.max_steps, "loss": rec["loss"], "elapsed_s": elapsed,
+                             "eta_s": elapsed / step * (recipe.max_steps - step)})
+            if recipe.patience and bad_evals >= recipe.patience:
+                stopped = "early_stopping"
+                break
+            if recipe.time_budget_s and elapsed >= recipe.time_budget_s:
+                stopped = "time_budget"
+                break
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+        log.close()
+    if best[1] is None:  # ended before the first evaluation
+        with torch.no_grad():
+            table = enc().detach().clone()
+        vl, va = evaluate(model, table, val, recipe.batch_size)
+        best = (vl, table, va)
+        save_file(enc.state_dict(), str(enc_path))
+    metrics = {"steps": step, "stopped": stopped, "train_seconds": round(time.perf_counter() - t0, 2),
+               "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
+               "val_examples": len(val), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
+               "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                                      if p.grad is not None)}
+    write_task_dir(out, task, best[1], base_model=str(model_dir),
+                   peft_type="PROMPT_TUNING" if recipe.encoder == "embedding" else "P_TUNING",
+                   encoder_hidden_size=recipe.encoder_hidden_size or cfg.n_embd,
+                   meta={**base_model_hashes(model_dir), "template": recipe.template, "metrics": metrics,
+                         "recipe": recipe.to_dict()})
+    plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=f"p-tuning {task}")
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
+    return metrics

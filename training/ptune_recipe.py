@@ -1,0 +1,79 @@
+"""The p-tuning recipe: one flat section of typed keys (unknown keys and wrong types are errors).
+
+    shardserve ptune --model DIR --task NAME --data FILE --set lr=0.01 --set encoder=lstm
+
+A recipe is frozen; the REST job API takes the same keys as `recipe` overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engines.config import ConfigError
+from training.recipe import _build, _require
+
+
+@dataclass(frozen=True)
+class PtuneRecipe:
+    num_virtual_tokens: int = 16
+    """N: virtual tokens prepended to every input (they count against the context window)."""
+    encoder: Literal["mlp", "lstm", "embedding"] = "mlp"
+    """Reparameterisation of the table while training: mlp (PEFT's PromptEncoder default), lstm
+    (bidirectional, as in the p-tuning paper), or embedding (plain prompt tuning)."""
+    encoder_hidden_size: int = 0
+    """Width of the encoder's hidden layers; 0: the model's hidden size."""
+    template: str = "{input}"
+    """How an example's `input` becomes the prompt; exactly one {input} slot. Saved in task.json."""
+    lr: float = 3e-3
+    """AdamW learning rate of the encoder (no weight decay)."""
+    batch_size: int = 16
+    max_steps: int = 300
+    """Optimizer steps at most (early stopping may end sooner)."""
+    eval_every: int = 20
+    """Steps between validation passes."""
+    patience: int = 5
+    """Validation passes without a lower validation loss before stopping early; 0 disables."""
+    val_fraction: float = 0.1
+    """Share of the examples held out (at least one, and at least one left to train on)."""
+    max_examples: int = 50_000
+    """Datasets with more examples are refused (a REST job's upload is bounded by this)."""
+    time_budget_s: float = 0.0
+    """Stop after this many seconds of training; 0: no limit."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("num_virtual_tokens", "batch_size", "max_steps", "eval_every", "max_examples"):
+            v = getattr(self, key)
+            _require(isinstance(v, int) and v > 0, key, f"must be a positive integer, got {v!r}")
+        _require(self.num_virtual_tokens <= 512, "num_virtual_tokens", "must be at most 512")
+        _require(self.encoder_hidden_size >= 0, "encoder_hidden_size", "must be >= 0")
+        _require(self.patience >= 0, "patience", "must be >= 0")
+        _require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.time_budget_s >= 0, "time_budget_s", "must be >= 0")
+        _require(self.template.count("{input}") == 1, "template",
+                 f"must contain exactly one {{input}} slot, got {self.template!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def ptune_recipe_from_dict(d: Any) -> PtuneRecipe:
+    """A recipe from a mapping of overrides; ConfigError names a bad key (e.g. `ptune.lrr: unknown key`)."""
+    recipe = _build("ptune", PtuneRecipe, d)
+    return recipe
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """`key=value` strings (values parsed as YAML scalars) -> a mapping."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
