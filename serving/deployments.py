@@ -262,3 +262,14 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str]):
         name="Gateway", num_replicas=cfg.server.gateway_replicas, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
     ).bind(models, server, sorted(api_key_hashes), hub)
+
+
+def app_builder(args: dict[str, Any]):
+    """Ray Serve application builder (`import_path: serving.deployments:app_builder`, as rendered by
+    `shardserve deploy render --target ray-serve|kuberay`): `args.config` is a deployment config;
+    API keys come from the config's api_keys_file / api_keys_env on the node that builds it."""
+    from deploy.schema import read_api_keys, validate_config
+    from serving.gateway import hash_key
+
+    cfg = validate_config(args.get("config"), source="args.config")
+    return build_application(cfg, [hash_key(k) for k in read_api_keys(cfg.server)])

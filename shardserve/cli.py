@@ -44,6 +44,9 @@ def _register() -> None:
         for name in names:
             if hasattr(mod, name):
                 app.command(name)(getattr(mod, name))
+    from deploy.cli import app as deploy_app  # `shardserve deploy render ...`
+
+    app.add_typer(deploy_app, name="deploy")
 
 
 _register()
