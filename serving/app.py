@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 access_log = logging.getLogger("shardserve.access")
 log = logging.getLogger("shardserve.gateway")
-HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
+HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready", "/openapi.json"})  # no key needed
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -57,6 +57,16 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(await gateway_of(request).metrics_text(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        from serving.openapi import build_openapi
+
+        if app.state.openapi is None:
+            app.state.openapi = build_openapi(app, list(gateway.backends))
+        return JSONResponse(app.state.openapi)
+
+    app.state.openapi = None
 
     @app.get("/health")
     async def health(request: Request) -> Response:

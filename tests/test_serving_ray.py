@@ -260,8 +260,11 @@ def test_grafana_dashboard_queries_name_exported_metrics(url):
     """Every metric and label the Grafana dashboard queries exists on this live server's /metrics."""
     from test_deploy_files import dashboard_exprs
 
-    m = wait_for(url, lambda m: metric(m, "shardserve_http_requests_total", status="429") >= 1
-                 and metric(m, "shardserve_time_to_first_token_seconds_count") > 0, "no metrics yet")
+    r = httpx.post(f"{url}/v1/completions", json={"model": "gpt2", "prompt": "dashboard", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    m = wait_for(url, lambda m: metric(m, "shardserve_http_requests_total", status="200") >= 1
+                 and metric(m, "shardserve_time_to_first_token_seconds_count", model="gpt2") > 0, "no metrics yet")
     labels: dict[str, set[str]] = {}
     for name, ls in m:
         labels.setdefault(name, set()).update(k for k, _ in ls)
