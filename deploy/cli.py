@@ -12,7 +12,7 @@ app = typer.Typer(name="deploy", help="Deployment files from a deployment config
 
 @app.command("render")
 def render(
-    config: Path = typer.Option(..., "--config", "-c", help="Deployment config (YAML), e.g. deploy/examples/compose.yaml."),
+    config: Path = typer.Option(..., "--config", "-c", help="Deployment config (YAML), e.g. deploy/compose/config.yaml."),
     target: str = typer.Option(..., "--target", "-t", help="kuberay (RayService), compose (docker-compose.yml) "
                                "or ray-serve (a `serve deploy` config)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="File to write (default: standard output)."),

@@ -162,6 +162,13 @@ class ServerSpec(_Strict):
     """Environment variable with comma-separated API keys (added to the file's); None ignores it."""
     log_requests: bool = True
     """One structured (JSON) log line per request."""
+    rate_limit_rps: float | None = Field(None, gt=0)
+    """Generation requests per second per API key (per client address without keys), sustained;
+    429 with Retry-After beyond. None: no rate limit. Per gateway replica."""
+    rate_limit_burst: int = Field(10, ge=1)
+    """Requests a key may send at once after being idle (the token bucket's size)."""
+    max_concurrent_per_key: int | None = Field(None, ge=1)
+    """Generation requests (streams included) one key may have in flight; 429 beyond. None: no limit."""
     metrics_push_interval_s: float = Field(1.0, gt=0, le=60)
     """How often Ray Serve replicas publish their metrics for /metrics (the staleness bound)."""
 

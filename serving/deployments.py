@@ -187,7 +187,7 @@ class GatewayDeployment:
     async def __init__(self, models: dict[str, Any], server: dict, api_key_hashes: list[str], hub: Any):
         from serving.app import build_app
         from serving.backends import RayBackend
-        from serving.gateway import Gateway, GatewayOptions
+        from serving.gateway import Gateway, GatewayOptions, rate_limits
 
         server_spec = ServerSpec.model_validate(server)
         _configure_logging(server_spec)
@@ -197,7 +197,7 @@ class GatewayDeployment:
         direct = server_spec.ingress == "direct"
         options = GatewayOptions(max_body_bytes=server_spec.max_body_bytes,
                                  api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
-                                 replica=replica, behind_ray_proxy=not direct)
+                                 replica=replica, behind_ray_proxy=not direct, **rate_limits(server_spec))
         self.gateway = Gateway({name: RayBackend(h) for name, h in models.items()}, options, self._remote_metrics)
         # not `self.app`: the ingress wrapper owns that name
         self.fastapi_app = build_app(self.gateway, on_startup=_answer_ray_errors_as_json)

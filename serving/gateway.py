@@ -36,6 +36,10 @@ def hash_key(key: str) -> str:
 @dataclass(frozen=True)
 class GatewayOptions:
     max_body_bytes: int = 1 << 20
+    rate_limit_rps: float | None = None
+    rate_limit_burst: int = 10
+    max_concurrent_per_key: int | None = None
+    """Per-key limits (deploy/schema.py ServerSpec; serving/ratelimit.py)."""
     api_key_hashes: frozenset[str] = frozenset()
     """sha256 of each accepted API key; empty disables auth (the gateway never holds the keys)."""
     log_requests: bool = True
@@ -47,7 +51,13 @@ class GatewayOptions:
     @classmethod
     def from_server(cls, server: Any, api_keys: list[str], replica: str = "gateway") -> GatewayOptions:
         return cls(max_body_bytes=server.max_body_bytes, api_key_hashes=frozenset(hash_key(k) for k in api_keys),
-                   log_requests=server.log_requests, replica=replica)
+                   log_requests=server.log_requests, replica=replica, **rate_limits(server))
+
+
+def rate_limits(server: Any) -> dict[str, Any]:
+    """The per-key limits of a ServerSpec, as GatewayOptions fields."""
+    return {"rate_limit_rps": server.rate_limit_rps, "rate_limit_burst": server.rate_limit_burst,
+            "max_concurrent_per_key": server.max_concurrent_per_key}
 
 
 @dataclass

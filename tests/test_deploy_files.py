@@ -24,7 +24,8 @@ from deploy.render import TARGETS, config_of, render
 from deploy.schema import ConfigFileError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
+EXAMPLES = sorted([*(ROOT / "deploy" / "examples").glob("*.yaml"), ROOT / "deploy/compose/config.yaml",
+                   ROOT / "deploy/kuberay/config.yaml"])
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "shardserve.json"
 CRD_SCHEMA = ROOT / "deploy" / "kuberay" / "rayservice.crd-schema.json"
 PROMTOOL = shutil.which("promtool")
@@ -54,8 +55,8 @@ def rayservice_validator():
 
 # the committed files are the renderer's output (so they never drift from the schema)
 @pytest.mark.parametrize(("config", "target", "path"), [
-    ("deploy/examples/compose.yaml", "compose", "docker-compose.yml"),
-    ("deploy/examples/kuberay.yaml", "kuberay", "deploy/kuberay/rayservice.yaml")])
+    ("deploy/compose/config.yaml", "compose", "docker-compose.yml"),
+    ("deploy/kuberay/config.yaml", "kuberay", "deploy/kuberay/rayservice.yaml")])
 def test_committed_files_are_rendered_from_their_config(config, target, path):
     assert (ROOT / path).read_text() == rendered(config, target), \
         f"{path} is stale: shardserve deploy render --config {config} --target {target} -o {path}"
@@ -87,7 +88,7 @@ def test_every_example_renders_and_round_trips_through_every_target_it_allows(ra
 
 
 def test_the_crd_schema_rejects_what_kubernetes_would(rayservice_validator):
-    doc = yaml.safe_load(rendered("deploy/examples/kuberay.yaml", "kuberay"))
+    doc = yaml.safe_load(rendered("deploy/kuberay/config.yaml", "kuberay"))
     assert rayservice_validator.is_valid(doc)
     for mutate in (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].pop("groupName"),
                    lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"].update(rayStartParams={"num-cpus": 0}),
@@ -99,8 +100,8 @@ def test_the_crd_schema_rejects_what_kubernetes_would(rayservice_validator):
 
 
 def test_kuberay_worker_pods_hold_one_whole_model_copy():
-    cfg = load_config(ROOT / "deploy/examples/kuberay.yaml")
-    doc = yaml.safe_load(rendered("deploy/examples/kuberay.yaml", "kuberay"))
+    cfg = load_config(ROOT / "deploy/kuberay/config.yaml")
+    doc = yaml.safe_load(rendered("deploy/kuberay/config.yaml", "kuberay"))
     groups = {g["groupName"]: g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     tp2 = cfg.model("default-tp2")
     g = groups["default-tp2"]
@@ -187,7 +188,7 @@ def test_deploy_render_cli(tmp_path):
                               capture_output=True, text=True, env=env, cwd=ROOT)
 
     out = tmp_path / "rs.yaml"
-    r = cli("--config", "deploy/examples/kuberay.yaml", "--target", "kuberay", "-o", str(out))
+    r = cli("--config", "deploy/kuberay/config.yaml", "--target", "kuberay", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_text() == (ROOT / "deploy/kuberay/rayservice.yaml").read_text()
     r = cli("--config", "deploy/examples/default.yaml", "--target", "kuberay")
