@@ -137,6 +137,24 @@ class ModelSpec(_Strict):
         return v
 
 
+class RequestLimits(_Strict):
+    """Per-request limits the gateway enforces (400 naming the field beyond them); the ceilings are
+    the API's own (n <= 128, 16 stop sequences, 20 logprobs)."""
+
+    max_n: int = Field(128, ge=1, le=128)
+    """Completions per prompt (n, best_of)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Tokens of one prompt; None: up to the model's max_model_len."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Tokens generated per completion (max_tokens); None: up to the model's max_model_len."""
+    max_stop: int = Field(16, ge=0, le=16)
+    """Stop sequences per request."""
+    max_stop_chars: int = Field(256, ge=1)
+    """Characters of one stop sequence."""
+    max_logprobs: int = Field(20, ge=0, le=20)
+    """Alternatives per token in logprobs / top_logprobs (completions also stop at 5, as OpenAI)."""
+
+
 class ServerSpec(_Strict):
     """The HTTP gateway and its limits."""
 
@@ -151,6 +169,7 @@ class ServerSpec(_Strict):
     gateway_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(1 << 20, gt=0)
     """Largest request body accepted (413 beyond)."""
+    limits: RequestLimits = RequestLimits()
     request_timeout_s: float = Field(600.0, gt=0)
     """A request still running after this long is aborted (408)."""
     drain_timeout_s: float = Field(30.0, ge=0)

@@ -65,7 +65,7 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
         from serving.openapi import build_openapi
 
         if app.state.openapi is None:
-            app.state.openapi = build_openapi(app, list(gateway.backends))
+            app.state.openapi = build_openapi(app, list(gateway.backends), gateway.options.limits)
         return JSONResponse(app.state.openapi)
 
     app.state.openapi = None

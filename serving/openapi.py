@@ -10,11 +10,13 @@ accepts.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from deploy.schema import RequestLimits
 from serving.kserve_api import VERSION, GenerateParams
 from serving.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
@@ -80,7 +82,18 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def build_openapi(app: FastAPI, models: list[str]) -> dict[str, Any]:
+def _tighten(schema: dict[str, Any], field: str, key: str, value: int | None) -> None:
+    """Lower the `key` bound (maximum, maxItems, ...) of a field to the server's limit."""
+    if value is None or field not in schema["properties"]:
+        return
+    prop = schema["properties"][field]
+    for sub in prop.get("anyOf", [prop]):
+        if sub.get("type") in ("integer", "array") and key in ("maximum", "maxItems") and (
+                sub.get("type") == "integer") == (key == "maximum"):
+            sub[key] = min(sub.get(key, value), value)
+
+
+def build_openapi(app: FastAPI, models: list[str], limits: RequestLimits | None = None) -> dict[str, Any]:
     """The document for `app` serving `models` (call once the routes are registered; the caller caches
     it). The served model names are enumerated: other names are answered 404, as documented."""
     doc = get_openapi(title="shardserve", version="1", routes=app.routes,
@@ -91,6 +104,19 @@ def build_openapi(app: FastAPI, models: list[str]) -> dict[str, Any]:
     components["ChatCompletionRequest"] = _model_schema(ChatCompletionRequest, {"stop": STOP}, defs)
     components["GenerateParams"] = _model_schema(GenerateParams, {"stop": STOP}, defs)
     served = {"type": "string", "enum": sorted(models)}
+    lim = limits or RequestLimits()
+    for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateParams"):
+        c = components[name]
+        c["properties"]["stop"] = copy.deepcopy(STOP)
+        _tighten(c, "stop", "maxItems", lim.max_stop)
+        c["properties"]["stop"]["anyOf"][0]["maxLength"] = lim.max_stop_chars
+        c["properties"]["stop"]["anyOf"][1]["items"]["maxLength"] = lim.max_stop_chars
+        for field in ("n", "best_of"):
+            _tighten(c, field, "maximum", lim.max_n)
+        for field in ("logprobs", "top_logprobs"):
+            _tighten(c, field, "maximum", lim.max_logprobs)
+        _tighten(c, "max_tokens", "maximum", lim.max_tokens)
+        _tighten(c, "max_completion_tokens", "maximum", lim.max_tokens)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         components[name]["properties"]["model"] = served
     if "ChatMessage" in defs:
