@@ -58,16 +58,16 @@ class Cluster:
         p.wait(30)
 
     def alive_nodes(self) -> int:
-        code = ("import ray; ray.init(address='%s', logging_level='ERROR'); "
-                "print(sum(n['Alive'] for n in ray.nodes()))" % self.address)
+        code = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
+                "print(sum(n['Alive'] for n in ray.nodes()))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
         return int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else 0
 
     def shard_nodes(self) -> list[str]:
         """Node ids of the alive ShardWorker actors (from the GCS actor table: no dashboard here)."""
-        code = ("import ray, ray._private.state as st; ray.init(address='%s', logging_level='ERROR'); "
+        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR'); "
                 "print(' '.join(a['Address']['NodeID'] for a in st.actors().values() "
-                "if a['ActorClassName'].endswith('ShardWorker') and a['State'] == 'ALIVE'))" % self.address)
+                "if a['ActorClassName'].endswith('ShardWorker') and a['State'] == 'ALIVE'))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.split()
