@@ -197,3 +197,18 @@ def test_deploy_render_cli(tmp_path):
     assert r.returncode == 2 and "--target: must be one of ray-serve, kuberay, compose" in r.stderr
     r = cli("--config", "deploy/examples/default.yaml", "--target", "ray-serve")
     assert r.returncode == 0 and config_of(r.stdout, "ray-serve") == load_config(ROOT / "deploy/examples/default.yaml")
+
+
+def test_the_rendered_import_path_builds_the_application():
+    """What `serve deploy` / KubeRay runs: the import_path's builder, given the rendered args."""
+    import importlib
+
+    from ray.serve import Application
+
+    doc = yaml.safe_load(rendered("deploy/kuberay/config.yaml", "ray-serve"))
+    (app,) = doc["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    built = getattr(importlib.import_module(module), attr)(app["args"])
+    assert isinstance(built, Application)
+    with pytest.raises(ConfigFileError, match="args.config"):
+        getattr(importlib.import_module(module), attr)({"config": {"models": []}})
