@@ -32,8 +32,15 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in load_file(run / "checkpoint.safetensors").items() if k.startswith(("model.", "optim."))}
 
 
-def test_sigkill_then_resume_equals_the_uninterrupted_run(data_dir, tmp_path):  # noqa: F811
-    full = train(make_recipe(data_dir, tmp_path / "full", **COMMON), progress=False, log=quiet)
+@pytest.fixture(scope="module")
+def full(data_dir, tmp_path_factory):  # noqa: F811
+    """The uninterrupted run both tests compare with."""
+    run = tmp_path_factory.mktemp("full") / "run"
+    return run, train(make_recipe(data_dir, run, **COMMON), progress=False, log=quiet)
+
+
+def test_sigkill_then_resume_equals_the_uninterrupted_run(data_dir, tmp_path, full):  # noqa: F811
+    full_dir, full = full
     code = f"""
 import os, signal, sys
 sys.path.insert(0, {str(ROOT / 'tests')!r})
@@ -56,14 +63,15 @@ train(make_recipe(Path({str(data_dir)!r}), Path({str(tmp_path / 'part')!r}), **{
     resumed = train(make_recipe(data_dir, tmp_path / "part", **COMMON), resume=True, progress=False, log=quiet)
     assert resumed.state.step == 8
     after = {s: v for s, v in losses(tmp_path / "part").items() if s >= KILL_AT}
-    assert after == {s: v for s, v in losses(tmp_path / "full").items() if s >= KILL_AT}
-    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+    assert after == {s: v for s, v in losses(full_dir).items() if s >= KILL_AT}
+    assert losses(tmp_path / "part") == losses(full_dir)
     assert resumed.val_loss == full.val_loss
-    a, b = weights(tmp_path / "full"), weights(tmp_path / "part")
+    a, b = weights(full_dir), weights(tmp_path / "part")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch, full):  # noqa: F811
+    full_dir, full = full
     real = training.state.save_file
     calls = {"n": 0}
 
@@ -85,6 +93,5 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path
     assert not list(run.glob(".*.tmp"))  # the partial file is gone
     monkeypatch.setattr(training.state, "save_file", real)  # space again: resume from step 2
     resumed = train(make_recipe(data_dir, run, **COMMON), resume=True, progress=False, log=quiet)
-    full = train(make_recipe(data_dir, tmp_path / "full", **COMMON), progress=False, log=quiet)
     assert resumed.state.step == 8 and resumed.val_loss == full.val_loss
-    assert losses(run) == losses(tmp_path / "full")
+    assert losses(run) == losses(full_dir)
