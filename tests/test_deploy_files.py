@@ -113,6 +113,21 @@ def test_kuberay_worker_pods_hold_one_whole_model_copy():
 
 
 # docker-compose.yml
+COMPOSE_SCHEMA = ROOT / "deploy" / "compose" / "compose-spec.schema.json"
+"""The Compose Specification's JSON schema, unchanged, from github.com/compose-spec/compose-spec
+schema/compose-spec.json at commit 170098ba07d9f53c383a41bfd4c5166b0a4529a6 (Apache-2.0)."""
+
+
+def test_compose_file_is_valid_by_the_compose_specification():
+    v = jsonschema.Draft7Validator(json.loads(COMPOSE_SCHEMA.read_text()))
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in v.iter_errors(doc)]
+    assert not errors, errors[:5]
+    bad = copy.deepcopy(doc)
+    bad["services"]["grafana"]["portz"] = ["3000:3000"]  # a misspelt key is caught
+    assert not v.is_valid(bad)
+
+
 def test_compose_references_files_that_exist_and_ports_that_match():
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     svc = doc["services"]
