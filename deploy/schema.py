@@ -146,6 +146,24 @@ class ModelSpec(_Strict):
         return v
 
 
+class RequestLimits(_Strict):
+    """Per-request limits the gateway enforces (400 naming the field beyond them); the ceilings are
+    the API's own (n <= 128, 16 stop sequences, 20 logprobs)."""
+
+    max_n: int = Field(128, ge=1, le=128)
+    """Completions per prompt (n, best_of)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Tokens of one prompt; None: up to the model's max_model_len."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Tokens generated per completion (max_tokens); None: up to the model's max_model_len."""
+    max_stop: int = Field(16, ge=0, le=16)
+    """Stop sequences per request."""
+    max_stop_chars: int = Field(256, ge=1)
+    """Characters of one stop sequence."""
+    max_logprobs: int = Field(20, ge=0, le=20)
+    """Alternatives per token in logprobs / top_logprobs (completions also stop at 5, as OpenAI)."""
+
+
 class ServerSpec(_Strict):
     """The HTTP gateway and its limits."""
 
@@ -160,6 +178,7 @@ class ServerSpec(_Strict):
     gateway_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(1 << 20, gt=0)
     """Largest request body accepted (413 beyond)."""
+    limits: RequestLimits = RequestLimits()
     request_timeout_s: float = Field(600.0, gt=0)
     """A request still running after this long is aborted (408)."""
     drain_timeout_s: float = Field(30.0, ge=0)
@@ -177,6 +196,13 @@ class ServerSpec(_Strict):
     """Environment variable with comma-separated admin keys (added to the file's); None ignores it."""
     log_requests: bool = True
     """One structured (JSON) log line per request."""
+    rate_limit_rps: float | None = Field(None, gt=0)
+    """Generation requests per second per API key (per client address without keys), sustained;
+    429 with Retry-After beyond. None: no rate limit. Per gateway replica."""
+    rate_limit_burst: int = Field(10, ge=1)
+    """Requests a key may send at once after being idle (the token bucket's size)."""
+    max_concurrent_per_key: int | None = Field(None, ge=1)
+    """Generation requests (streams included) one key may have in flight; 429 beyond. None: no limit."""
     metrics_push_interval_s: float = Field(1.0, gt=0, le=60)
     """How often Ray Serve replicas publish their metrics for /metrics (the staleness bound)."""
 

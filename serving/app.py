@@ -27,6 +27,7 @@ from serving import errors, kserve_api, openai_api, ptuning_api
 from serving.errors import APIError
 from serving.gateway import Gateway, GatewayOptions, gateway_of, hash_key, new_request_id
 from serving.metrics import CONTENT_TYPE
+from serving.ratelimit import KeyLimiter
 from serving.wire import ErrorInfo
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ access_log = logging.getLogger("shardserve.access")
 log = logging.getLogger("shardserve.gateway")
 ADMIN_PREFIX = "/v1/ptuning/"
 """Routes that need an admin key instead (serving/ptuning_api.py)."""
-HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
+HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready", "/openapi.json"})  # no key needed
+GENERATE_PATH = re.compile(r"^/v1/(chat/)?completions$|^/v2/models/.+/(generate|generate_stream|infer)$")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -60,6 +62,16 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(await gateway_of(request).metrics_text(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        from serving.openapi import build_openapi
+
+        if app.state.openapi is None:
+            app.state.openapi = build_openapi(app, list(gateway.backends), gateway.options.limits)
+        return JSONResponse(app.state.openapi)
+
+    app.state.openapi = None
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -95,6 +107,8 @@ class GatewayMiddleware:
         self.app = app
         self.gateway = gateway
         self.keys = gateway.options.api_key_hashes
+        o = gateway.options
+        self.limiter = KeyLimiter(o.rate_limit_rps, o.rate_limit_burst, o.max_concurrent_per_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,6 +135,8 @@ class GatewayMiddleware:
                 await error_response(ErrorInfo(
                     401, "invalid_request_error", "a valid API key is required: send `Authorization: Bearer <key>`",
                     None, "invalid_api_key"))(scope, receive, _with_auth_challenge(send_with_id))
+            elif self.limiter.enabled and scope["method"] == "POST" and GENERATE_PATH.search(scope["path"]):
+                await self._limited(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
         except Exception as exc:  # the error boundary: answer 500 if nothing was sent yet
@@ -133,6 +149,20 @@ class GatewayMiddleware:
                 state["stream_error"] = "disconnected"
         finally:
             self._finish(scope, state, rid, status["code"] or 499, time.monotonic() - t0)
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        auth = (_header(scope, b"authorization") or "").partition(" ")[2].strip()
+        key = hash_key(auth) if self.keys and auth else "client:" + str((scope.get("client") or ("?",))[0])
+        refused = self.limiter.acquire(key)
+        if refused is not None:
+            reason, retry = refused
+            await error_response(ErrorInfo(429, "rate_limit_error", f"rate limit: {reason}; retry after {retry} s",
+                                           None, "rate_limit_exceeded", retry))(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limiter.release(key)
 
     def _authorized(self, scope: Scope) -> bool:
         auth = _header(scope, b"authorization") or ""

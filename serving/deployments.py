@@ -192,7 +192,7 @@ class GatewayDeployment:
                        admin_key_hashes: list[str] = ()):
         from serving.app import build_app
         from serving.backends import RayBackend
-        from serving.gateway import Gateway, GatewayOptions
+        from serving.gateway import Gateway, GatewayOptions, rate_limits
 
         server_spec = ServerSpec.model_validate(server)
         _configure_logging(server_spec)
@@ -203,7 +203,7 @@ class GatewayDeployment:
         options = GatewayOptions(max_body_bytes=server_spec.max_body_bytes,
                                  api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
                                  replica=replica, behind_ray_proxy=not direct,
-                                 admin_key_hashes=frozenset(admin_key_hashes))
+                                 admin_key_hashes=frozenset(admin_key_hashes), **rate_limits(server_spec))
         self.gateway = Gateway({name: RayBackend(h) for name, h in models.items()}, options, self._remote_metrics)
         # not `self.app`: the ingress wrapper owns that name
         self.fastapi_app = build_app(self.gateway, on_startup=_answer_ray_errors_as_json)
@@ -268,3 +268,15 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_ke
         name="Gateway", num_replicas=cfg.server.gateway_replicas, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
     ).bind(models, server, sorted(api_key_hashes), hub, sorted(admin_key_hashes))
+
+
+def app_builder(args: dict[str, Any]):
+    """Ray Serve application builder (`import_path: serving.deployments:app_builder`, as rendered by
+    `shardserve deploy render --target ray-serve|kuberay`): `args.config` is a deployment config;
+    API and admin keys come from the config's key files / environment on the node that builds it."""
+    from deploy.schema import read_api_keys, validate_config
+    from serving.gateway import hash_key
+
+    cfg = validate_config(args.get("config"), source="args.config")
+    return build_application(cfg, [hash_key(k) for k in read_api_keys(cfg.server)],
+                             [hash_key(k) for k in read_api_keys(cfg.server, admin=True)])

@@ -18,11 +18,13 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from deploy.schema import RequestLimits
 from engines.sampling_params import RequestError, SamplingParams
 from engines.tokenizer import Tokenizer
 from serving import errors
 from serving.backends import ModelBackend
 from serving.errors import APIError
+from serving.limits import check_limits
 from serving.metrics import GatewayMetrics, Metric, merge, render
 from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
@@ -36,6 +38,12 @@ def hash_key(key: str) -> str:
 @dataclass(frozen=True)
 class GatewayOptions:
     max_body_bytes: int = 1 << 20
+    rate_limit_rps: float | None = None
+    rate_limit_burst: int = 10
+    max_concurrent_per_key: int | None = None
+    """Per-key limits (deploy/schema.py ServerSpec; serving/ratelimit.py)."""
+    limits: RequestLimits = RequestLimits()
+    """Per-request limits (n, prompt and output tokens, stop, logprobs), checked in `open`."""
     api_key_hashes: frozenset[str] = frozenset()
     """sha256 of each accepted API key; empty disables auth (the gateway never holds the keys)."""
     admin_key_hashes: frozenset[str] = frozenset()
@@ -52,7 +60,13 @@ class GatewayOptions:
                     admin_keys: list[str] = ()) -> GatewayOptions:
         return cls(max_body_bytes=server.max_body_bytes, api_key_hashes=frozenset(hash_key(k) for k in api_keys),
                    log_requests=server.log_requests, replica=replica,
-                   admin_key_hashes=frozenset(hash_key(k) for k in admin_keys))
+                   admin_key_hashes=frozenset(hash_key(k) for k in admin_keys), **rate_limits(server))
+
+
+def rate_limits(server: Any) -> dict[str, Any]:
+    """The per-key limits of a ServerSpec, as GatewayOptions fields."""
+    return {"limits": server.limits, "rate_limit_rps": server.rate_limit_rps, "rate_limit_burst": server.rate_limit_burst,
+            "max_concurrent_per_key": server.max_concurrent_per_key}
 
 
 @dataclass
@@ -146,6 +160,7 @@ class Gateway:
         The first chunk tells success from failure (admission, validation), so errors become
         proper HTTP statuses before any streamed byte is sent.
         """
+        check_limits(req, self.options.limits)
         stream = model.backend.generate(req)
         try:
             first = await stream.__anext__()

@@ -58,6 +58,11 @@ class ReplicaMetrics:
                                  "(stop, length, abort, timeout, error).", [*names, "finish_reason"], registry=r)
         self._rejected = Counter(PREFIX + "requests_rejected", "Requests refused before they ran, by reason "
                                  "(overloaded, invalid, unavailable).", [*names, "reason"], registry=r)
+        # every reason exported from the start at 0, so rate() and dashboards see a series before the first event
+        for reason in ("stop", "length", "abort", "timeout", "error"):
+            self._finished.labels(**self.labels, finish_reason=reason)
+        for reason in ("overloaded", "invalid", "unavailable"):
+            self._rejected.labels(**self.labels, reason=reason)
         self.registry.register(_EngineGauges(self.labels, stats))
 
     def finished(self, reason: str, count: int = 1) -> None:

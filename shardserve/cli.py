@@ -49,6 +49,9 @@ def _register() -> None:
     from tuner import train_search
 
     tuner_cli.tune.command("train")(train_search.tune_train)  # `shardserve tune train`: a training layout
+    from deploy.cli import app as deploy_app  # `shardserve deploy render ...`
+
+    app.add_typer(deploy_app, name="deploy")
 
 
 _register()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 
 import httpx
@@ -253,3 +254,34 @@ def test_metrics_report_every_replica_and_gateway(url):
         assert any(n == "shardserve_kv_cache_usage_ratio" and dict(ls)["model"] == model for n, ls in m), model
     assert metric(m, "shardserve_http_requests_total", route="/v1/completions", status="429") >= 1
     assert metric(m, "shardserve_http_requests_total", route="/v1/completions", status="200") >= 100
+
+
+def test_grafana_dashboard_queries_name_exported_metrics(url):
+    """Every metric and label the Grafana dashboard queries exists on this live server's /metrics."""
+    from test_deploy_files import dashboard_exprs
+
+    r = httpx.post(f"{url}/v1/completions", json={"model": "gpt2", "prompt": "dashboard", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    m = wait_for(url, lambda m: metric(m, "shardserve_http_requests_total", status="200") >= 1
+                 and metric(m, "shardserve_time_to_first_token_seconds_count", model="gpt2") > 0, "no metrics yet")
+    labels: dict[str, set[str]] = {}
+    for name, ls in m:
+        labels.setdefault(name, set()).update(k for k, _ in ls)
+    checked = set()
+    for expr in dashboard_exprs():
+        selectors = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", expr)
+        bare = re.findall(r"\b(shardserve_[a-zA-Z0-9_]+)\b", expr)
+        assert bare and {n for n, _ in selectors} <= set(bare), expr  # no selector outside our metrics
+        seen = set()
+        for name in bare:
+            assert name in labels, f"{name} (in {expr!r}) is not exported"
+            seen |= labels[name]
+            checked.add(name)
+        for _, matchers in selectors:
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                assert label in seen, (label, expr)
+        for group in re.findall(r"\bby \(([^)]*)\)", expr):
+            for label in (g.strip() for g in group.split(",")):
+                assert label in seen, (label, expr)
+    assert len(checked) >= 10, checked

@@ -1,0 +1,171 @@
+"""A real two-node Ray cluster on one machine: `ray start --head` and `ray start --address` in their
+own process groups (a private --temp-dir, so no other Ray session joins them), `shardserve serve
+--address` with a TP=2 model whose two shard workers must land on different nodes (the head has
+room for the replica and one shard only), then the worker node is killed (SIGKILL of its process
+group): its in-flight request fails with 503, new requests fail fast with 5xx, and when a new node
+joins, Ray Serve brings the replica back and requests succeed again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import make_checkpoint
+
+from training.distributed import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+SHARDSERVE = str(Path(sys.executable).with_name("shardserve"))
+
+
+class Cluster:
+    """Ray nodes as process groups of `ray start --block`; `kill` is SIGKILL of a whole node."""
+
+    def __init__(self, temp_dir: Path):
+        self.temp_dir = temp_dir
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_AUTH_MODE": "disabled"}  # a throwaway local cluster: no token files to share
+
+    def start(self, name: str, cpus: int, head: bool = False) -> None:
+        args = [RAY, "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
+                f"--resources={{\"node_{name}\": 1}}", "--disable-usage-stats"]
+        args += ([ "--head", f"--port={self.port}", "--include-dashboard=false", "--node-ip-address=127.0.0.1"]
+                 if head else [f"--address={self.address}", "--node-ip-address=127.0.0.1"])
+        log = open(self.temp_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the node
+        self.nodes[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+
+    def kill(self, name: str) -> None:
+        p = self.nodes.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+
+    def alive_nodes(self) -> int:
+        code = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
+                "print(sum(n['Alive'] for n in ray.nodes()))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
+        return int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else 0
+
+    def shard_nodes(self) -> list[str]:
+        """Node ids of the alive ShardWorker actors (from the GCS actor table: no dashboard here)."""
+        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR'); "
+                "print(' '.join(a['Address']['NodeID'] for a in st.actors().values() "
+                "if a['ActorClassName'].endswith('ShardWorker') and a['State'] == 'ALIVE'))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    def stop(self) -> None:
+        for name in list(self.nodes):
+            self.kill(name)
+
+
+def wait_until(cond, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.5)
+    raise AssertionError(f"{what} (after {timeout} s)")
+
+
+def complete(url: str, max_tokens: int = 4, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=timeout,
+                      json={"model": "tp2", "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
+    temp = Path(f"/tmp/w17-deploy-ray/{uuid.uuid4().hex[:8]}")  # short: Ray's socket paths have a length limit
+    temp.mkdir(parents=True)
+    model = make_checkpoint(tmp_path_factory.mktemp("gpt2-long"), "gpt2", n_positions=2048)
+    cluster = Cluster(temp)
+    port = free_port()
+    cfg = tmp_path_factory.mktemp("cfg") / "tp2.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "models": [{"name": "tp2", "path": str(model), "num_cpus": 1, "shard_num_cpus": 1,
+                    "engine": {"tensor_parallel_size": 2, "worker_threads": 1, "num_kv_blocks": 256,
+                               "cpu_linear_autotune": False, "dist_timeout_s": 20}}],
+        "server": {"port": port, "log_requests": False, "drain_timeout_s": 2}}))
+    url = f"http://127.0.0.1:{port}"
+    server = None
+    passed = False
+    try:
+        cluster.start("head", cpus=2, head=True)  # the replica's bundle + one shard
+        wait_until(lambda: cluster.alive_nodes() == 1, "the head node did not start", 60)
+        cluster.start("worker1", cpus=1)  # the other shard
+        wait_until(lambda: cluster.alive_nodes() == 2, "the worker node did not join", 60)
+        server = subprocess.Popen([SHARDSERVE, "serve", "--config", str(cfg), "--address", cluster.address],
+                                  stdout=open(temp / "serve.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                  env=cluster.env, start_new_session=True)
+        wait_until(lambda: server.poll() is None and _ok(url), "the server did not become ready", 120)
+        assert complete(url).status_code == 200
+        nodes = cluster.shard_nodes()
+        assert len(nodes) == 2 and len(set(nodes)) == 2, f"both shards on one node: {nodes}"
+
+        # a long request in flight while the worker node dies
+        result: dict = {}
+
+        def long_request():
+            t0 = time.monotonic()
+            try:
+                result["r"] = complete(url, max_tokens=1900, timeout=120)
+            except httpx.HTTPError as exc:  # a cut stream is also a failure the client sees
+                result["exc"] = exc
+            result["s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)
+        killed = time.monotonic()
+        cluster.kill("worker1")
+        t.join(120)
+        failed_after = time.monotonic() - killed
+        assert "r" in result, result
+        assert result["r"].status_code == 503, (result["r"].status_code, result["r"].text[:300])
+        assert result["r"].json()["error"]["type"] == "service_unavailable"
+
+        # a node joins again: Ray Serve replaces the replica and its placement group lands on it
+        joined = time.monotonic()
+        cluster.start("worker2", cpus=1)
+        wait_until(lambda: _ok(url) and complete(url).status_code == 200, "the replica did not recover", 150)
+        assert len(set(cluster.shard_nodes())) == 2
+        print(f"\ntwo-node: in-flight request failed with 503 {failed_after:.1f} s after the node was killed; "
+              f"served again {time.monotonic() - joined:.1f} s after a new node was started")
+        passed = True
+    finally:
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+        cluster.stop()
+        if passed:
+            shutil.rmtree(temp, ignore_errors=True)
+        else:
+            print(f"node and server logs kept in {temp}", file=sys.stderr)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,88 @@
+"""Overload: an open-loop arrival rate of about twice the measured capacity, over real HTTP
+(uvicorn, the real engine on a tiny model, a fixed 10 ms per step so the run means the same on any
+machine). The admitted requests all complete, the rest get 429 with Retry-After, nothing else is
+answered, the replica never holds more than max_num_seqs + max_waiting sequences (bounded memory),
+and it is healthy and empty afterwards. Prints the figures RELIABILITY.md quotes."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+
+import httpx
+import numpy as np
+from test_serving_app import MODEL, metric
+from test_serving_faults import make_core, scrape, serve_http
+
+RUNNING, WAITING, RETRY_AFTER = 4, 4, 2
+BODY = {"model": MODEL, "prompt": "To be", "max_tokens": 16, "ignore_eos": True, "stream": True}
+
+
+async def one(client: httpx.AsyncClient) -> tuple[int, float | None, str | None]:
+    """(status, TTFT in seconds or None, Retry-After header)."""
+    t0 = time.monotonic()
+    async with client.stream("POST", "/v1/completions", json=BODY) as r:
+        ttft = None
+        if r.status_code == 200:
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {") and '"text": ""' not in line:
+                    ttft = time.monotonic() - t0
+        else:
+            await r.aread()
+        return r.status_code, ttft, r.headers.get("retry-after")
+
+
+async def run(url: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=200)) as c:
+        # capacity: a closed loop that keeps every running slot busy, no queue
+        t0 = time.monotonic()
+        warm = await asyncio.gather(*(one(c) for _ in range(2 * RUNNING)))
+        capacity = len(warm) / (time.monotonic() - t0)
+        assert all(s == 200 for s, _, _ in warm)
+        rate = 2 * capacity
+        peak = {"admitted": 0.0}
+        done = asyncio.Event()
+
+        async def watch():
+            while not done.is_set():
+                peak["admitted"] = max(peak["admitted"], metric(await scrape(c), "shardserve_num_sequences_admitted"))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        tasks, start = [], time.monotonic()
+        n = int(rate * 3.0)  # three seconds of arrivals at twice the capacity
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+            tasks.append(asyncio.create_task(one(c)))
+        results = await asyncio.gather(*tasks)
+        done.set()
+        await watcher
+        after = await scrape(c)
+        health = (await c.get("/health")).status_code
+    return {"capacity": capacity, "rate": rate, "results": results, "peak": peak["admitted"], "after": after,
+            "health": health}
+
+
+def test_twice_capacity_admits_what_fits_and_refuses_the_rest(gpt2_dir):
+    core = make_core(gpt2_dir, step_delay_s=0.01, engine={"num_kv_blocks": 128, "max_num_seqs": RUNNING,
+                                                           "cpu_linear_autotune": False},
+                     max_waiting=WAITING, retry_after_s=RETRY_AFTER)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with serve_http(core) as (url, _):
+        out = asyncio.run(run(url))
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    statuses = [s for s, _, _ in out["results"]]
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    ok = [t for s, t, _ in out["results"] if s == 200]
+    refused = [ra for s, _, ra in out["results"] if s == 429]
+    assert ok and refused, statuses
+    assert all(t is not None for t in ok)  # every admitted request streamed its tokens
+    assert all(ra == str(RETRY_AFTER) for ra in refused)
+    assert out["peak"] <= RUNNING + WAITING, out["peak"]
+    assert metric(out["after"], "shardserve_num_sequences_admitted") == 0 and out["health"] == 200
+    p99 = float(np.percentile(ok, 99))
+    print(f"\noverload: capacity {out['capacity']:.1f} req/s, offered {out['rate']:.1f} req/s x 3 s = "
+          f"{len(statuses)} requests; admitted {len(ok)}, 429 {len(refused)}; TTFT of admitted p50 "
+          f"{np.percentile(ok, 50) * 1000:.0f} ms p99 {p99 * 1000:.0f} ms; peak sequences held "
+          f"{out['peak']:.0f} (bound {RUNNING + WAITING}); max RSS {rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB")
