@@ -110,6 +110,10 @@ class PtuningAdmin:
             await asyncio.sleep(WATCH_INTERVAL_S)
             try:
                 await asyncio.to_thread(self.sync)
+            except RuntimeError as exc:  # the replica is shutting down: its executor takes no more work
+                if "after shutdown" in str(exc):
+                    return
+                log.exception("model %s: scanning %s failed", self.model_name, self.root)
             except Exception:
                 log.exception("model %s: scanning %s failed", self.model_name, self.root)
 

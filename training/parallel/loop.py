@@ -94,7 +94,8 @@ def _evaluate(stage, data, starts, recipe, ctx, dp_rank, dp, shape, amp) -> floa
 
 
 def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, on_step, log):
-    from training.trainer import TrainResult, autocast
+    from training.precision import autocast, choose_precision, describe, detect
+    from training.trainer import TrainResult
 
     t = recipe.train
     tp, pp = t.tensor_parallel_size, t.pipeline_parallel_size
@@ -116,7 +117,11 @@ def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress
     if resume:
         log(f"resuming {run_dir / SHARDS} at step {state.step}")
     shape = (seq_len // tp if t.sequence_parallel else seq_len, mb, recipe.model.n_embd)
-    amp = lambda: autocast(recipe, ctx.device)
+    # precision auto on a parallel layout: the hardware rule (bf16 only on bf16 hardware), no probe: a
+    # stage is not the whole model the probe times
+    choice = choose_precision(t.precision, detect(ctx.device))
+    log(describe(choice))
+    amp = lambda: autocast(choice.precision, ctx.device)
     bubble = ideal_bubble(pp, accum)
     log(f"layout: TP {tp} x PP {pp} x DP {layout.dp}" + (" + SP" if t.sequence_parallel else "") +
         f", recompute {t.recompute}; {accum} micro-batch(es) of {mb} x {seq_len} per step, schedule "
