@@ -103,7 +103,9 @@ def test_mixed_batch_invariance_with_chunked_prefill_and_preemption(gpt2_dir, tm
     alone = {(p, t): llm.generate(p, GREEDY, task=t)[0].outputs[0].token_ids for p, t in reqs}
     assert len({tuple(v) for v in alone.values()}) > len(PROMPTS)  # tasks change the outputs
     # small token budget (chunked prefill, chunks ending inside the virtual tokens) and few KV blocks
-    eng = LLMEngine(d, EngineConfig(block_size=4, num_kv_blocks=18, max_num_batched_tokens=7))
+    # admission_reserves_growth off: admit on what a request needs now, so the pool runs dry (preemption)
+    eng = LLMEngine(d, EngineConfig(block_size=4, num_kv_blocks=18, max_num_batched_tokens=7,
+                                    admission_reserves_growth=False))
     eng.tasks.load_dir()
     got: dict[int, list[int]] = {}
     pending = list(enumerate(reqs))
