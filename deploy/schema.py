@@ -173,7 +173,7 @@ class ServerSpec(_Strict):
     ingress: Literal["direct", "ray-proxy"] = "direct"
     """direct: each Gateway replica serves HTTP itself on host:port (SO_REUSEPORT: a node's gateway
     replicas share the port) and Ray Serve's HTTP proxy is off, one process hop less per request
-    and per streamed chunk. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
+    and per streamed chunk; in a cluster they run on the head node. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
     gateway replicas (a multi-node cluster where clients reach every node's proxy)."""
     gateway_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(1 << 20, gt=0)
