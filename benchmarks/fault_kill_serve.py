@@ -11,6 +11,7 @@ Without MODEL_DIR a tiny random checkpoint is written (tests/conftest.py). Ray's
 private RAY_TMPDIR under /tmp, so no other Ray session is joined; prints what in-flight requests got,
 how long the restart took, and how many processes were left behind.
 """
+import json
 import os
 import signal
 import subprocess
@@ -38,8 +39,10 @@ URL = f"http://127.0.0.1:{PORT}"
 env = {**os.environ, "PYTHONPATH": ROOT, "RAY_TMPDIR": f"{TMP}/ray", "SHARDSERVE_API_KEYS": "usr",
        "SHARDSERVE_ADMIN_KEYS": "adm"}
 USER, ADMIN = {"Authorization": "Bearer usr"}, {"Authorization": "Bearer adm"}
-JOB = {"model": "m", "data": "".join('{"input": "%s", "output": " yes"}\n' % w for w in ["king", "love", "war"] * 8),
+JOB = {"model": "m", "data": "".join(json.dumps({"input": w, "output": " yes"}) + "\n" for w in ["king", "love", "war"] * 8),
        "recipe": {"num_virtual_tokens": 4, "max_steps": 12, "eval_every": 4, "lr": 0.05, "batch_size": 8}}
+
+
 def start():
     return subprocess.Popen([f"{ROOT}/.venv/bin/shardserve", "serve", "--model", MODEL, "--name", "m",
                              "--port", str(PORT)], env=env, stdout=open(f"{TMP}/serve.log", "a"), stderr=subprocess.STDOUT,
