@@ -8,6 +8,11 @@ keep their TTFT. The prediction is Little's law on what the replica measured its
 admitted ahead of the request that have no first token yet, divided by the rate at which sequences
 got their first token over the last few seconds. Nothing is predicted while the replica has a free
 running slot and an empty queue, or before it has seen enough first tokens to know its rate.
+
+Little's law gives the mean; the SLO is on the tail, and a request admitted just before a slow step
+waits for it. So the replica also compares, for each admitted request, the TTFT it got with the wait
+it was predicted, and scales predictions by the 90th percentile of that ratio over the window: a
+replica that keeps under-predicting refuses earlier, one that over-predicts admits more.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ WINDOW_S = 10.0
 """First tokens older than this do not count towards the rate."""
 MIN_EVENTS = 4
 """Fewer first tokens than this in the window: no rate yet, admit on the count bound alone."""
+MIN_PREDICTED_S = 0.05
+"""Predicted waits shorter than this are one engine step: their error ratio is noise, not kept."""
+CORRECTION_QUANTILE = 0.9
+CORRECTION_RANGE = (0.5, 4.0)
+"""Bounds of the correction factor (a few wild ratios must not close or open the door entirely)."""
 
 
 class TtftAdmission:
@@ -31,6 +41,8 @@ class TtftAdmission:
         self.queued = 0
         """Sequences admitted that have not produced a first token yet."""
         self.first_tokens: collections.deque[float] = collections.deque(maxlen=512)
+        self.ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
+        """(time, measured TTFT / predicted wait) of recently started requests."""
 
     def rate(self) -> float | None:
         """First tokens per second over the window (None: too few to tell)."""
@@ -42,6 +54,17 @@ class TtftAdmission:
         span = max(now - self.first_tokens[0], 1e-3)
         return len(self.first_tokens) / span
 
+    def correction(self) -> float:
+        """Factor applied to predictions: the 90th percentile of measured / predicted (1.0: too few)."""
+        now = self.clock()
+        while self.ratios and now - self.ratios[0][0] > WINDOW_S:
+            self.ratios.popleft()
+        if len(self.ratios) < MIN_EVENTS:
+            return 1.0
+        r = sorted(x for _, x in self.ratios)
+        q = r[min(len(r) - 1, int(CORRECTION_QUANTILE * len(r)))]
+        return min(CORRECTION_RANGE[1], max(CORRECTION_RANGE[0], q))
+
     def predicted_wait_s(self, num_seqs: int, running: int) -> float:
         """Seconds a request of `num_seqs` sequences would wait for its first token (0: starts now)."""
         if self.queued == 0 and running + num_seqs <= self.max_running:
@@ -50,17 +73,23 @@ class TtftAdmission:
         return 0.0 if r is None else (self.queued + num_seqs) / r
 
     def admits(self, num_seqs: int, running: int) -> bool:
-        return self.slo_s is None or self.predicted_wait_s(num_seqs, running) <= self.slo_s
+        return self.slo_s is None or self.predicted_wait_s(num_seqs, running) * self.correction() <= self.slo_s
 
     # bookkeeping, called by the replica
-    def admitted(self, num_seqs: int) -> None:
+    def admitted(self, num_seqs: int, running: int) -> float:
+        """Count an admitted request in the queue; returns its predicted wait (for `first_token`)."""
+        predicted = self.predicted_wait_s(num_seqs, running)
         self.queued += num_seqs
+        return predicted
 
-    def first_token(self, num_seqs: int) -> None:
-        """An admitted request of `num_seqs` sequences produced its first token (they start together)."""
+    def first_token(self, num_seqs: int, predicted_s: float = 0.0, measured_s: float = 0.0) -> None:
+        """An admitted request of `num_seqs` sequences produced its first token (they start together)
+        `measured_s` after it arrived, against the `predicted_s` that `admitted` returned."""
         self.queued = max(0, self.queued - num_seqs)
         now = self.clock()
         self.first_tokens.extend([now] * num_seqs)
+        if predicted_s >= MIN_PREDICTED_S:
+            self.ratios.append((now, measured_s / predicted_s))
 
     def left(self, num_seqs: int) -> None:
         """An admitted request ended (failed, aborted, refused) before its first token."""

@@ -54,8 +54,8 @@ class ModelCore:
         self.ttft_admission = TtftAdmission(None if spec.ttft_slo_ms is None else spec.ttft_slo_ms / 1000.0,
                                             cfg.max_num_seqs)
         """Refuses what would wait past spec.ttft_slo_ms for a first token (serving/admission.py)."""
-        self._started: set[str] = set()
-        """Ids of admitted requests that have their first token."""
+        self._awaiting_first: dict[str, float] = {}
+        """Admitted requests with no first token yet: id -> the wait predicted for it (seconds)."""
         self.active_requests = 0
         self.draining = False
         self.metrics = ReplicaMetrics(spec.name, replica, self.stats)
@@ -127,8 +127,9 @@ class ModelCore:
                              f"at most {self.capacity}", "n", "invalid_value")
         if self.admitted + num_seqs > self.capacity:
             return errors.overloaded(self.spec.name, self.spec.retry_after_s)
-        if not self.ttft_admission.admits(num_seqs, int(self.engine.stats()["num_running"])):
-            wait = self.ttft_admission.predicted_wait_s(num_seqs, int(self.engine.stats()["num_running"]))
+        running = int(self.engine.stats()["num_running"])
+        if not self.ttft_admission.admits(num_seqs, running):
+            wait = self.ttft_admission.predicted_wait_s(num_seqs, running) * self.ttft_admission.correction()
             return errors.overloaded(self.spec.name, self.spec.retry_after_s,
                                      f"its first token would come in ~{wait * 1000:.0f} ms, past the "
                                      f"{self.spec.ttft_slo_ms:g} ms TTFT SLO")
@@ -147,7 +148,8 @@ class ModelCore:
             return
         self.admitted += num_seqs
         self.active_requests += 1
-        self.ttft_admission.admitted(num_seqs)
+        self._awaiting_first[req.request_id] = self.ttft_admission.admitted(
+            num_seqs, int(self.engine.stats()["num_running"]))
         try:
             err = self._validate(req)
             if err is not None:
@@ -162,9 +164,7 @@ class ModelCore:
         finally:
             self.admitted -= num_seqs
             self.active_requests -= 1
-            if req.request_id in self._started:
-                self._started.discard(req.request_id)
-            else:
+            if self._awaiting_first.pop(req.request_id, None) is not None:
                 self.ttft_admission.left(num_seqs)
 
     def _validate(self, req: GenerateRequest) -> ErrorInfo | None:
@@ -199,8 +199,8 @@ class ModelCore:
                     if state.first_token_time is None and state.generated:
                         state.first_token_time = now
                         m.ttft.observe(now - t0)
-                        self._started.add(req.request_id)
-                        self.ttft_admission.first_token(len(req.prompts) * n)
+                        self.ttft_admission.first_token(len(req.prompts) * n,
+                                                        self._awaiting_first.pop(req.request_id, 0.0), now - t0)
                     if pending is None:
                         pending = chunk
                     else:
