@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +43,11 @@ log = logging.getLogger("shardserve.ptuning")
 WATCH_INTERVAL_S = 1.0
 DEFAULT_MAX_EXAMPLES = 50_000
 JOB_ID_PREFIX = "ptj-"
+MAX_RESTARTS = 3
+"""A job whose process dies without a word (server killed, OOM) is started again this many times."""
+LAUNCH_GRACE_S = 60.0
+"""A launched job that has not written its pid within this is taken as lost."""
+HOST = socket.gethostname()
 RECIPE_KEYS = ("num_virtual_tokens", "encoder", "encoder_hidden_size", "template", "lr", "batch_size", "max_steps",
                "eval_every", "patience", "val_fraction", "max_examples", "time_budget_s", "seed")
 """training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
@@ -74,6 +80,7 @@ class PtuningAdmin:
         self._watch: asyncio.Task | None = None
         self._lock = threading.Lock()
         self.sync()
+        self.list_jobs()  # restarts the jobs a killed server left half-done (see get_job)
 
     # tasks
     def sync(self) -> list[str]:
@@ -199,13 +206,52 @@ class PtuningAdmin:
         else:
             shutil.copyfile(dataset_path, d / "data.jsonl")
         (d / "request.json").write_text(json.dumps({"model": str(self.root.parent), "task": task, "recipe": recipe}))
+        now = time.time()
         state = {"id": job_id, "object": "ptuning.job", "model": self.model_name, "task": task, "state": "queued",
-                 "created_at": time.time(), "recipe": recipe, "progress": None, "metrics": None, "error": None}
+                 "created_at": now, "launched_at": now, "host": HOST, "restarts": 0, "recipe": recipe, "progress": None, "metrics": None, "error": None}
         (d / "state.json").write_text(json.dumps(state))
+        self._launch(d)
+        return state
+
+    def _launch(self, d: Path) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
-        with open(d / "log.txt", "wb") as logf:
-            self._procs[job_id] = subprocess.Popen([sys.executable, "-m", "training.ptune_job", str(d)], env=env,
+        with open(d / "log.txt", "ab") as logf:
+            self._procs[d.name] = subprocess.Popen([sys.executable, "-m", "training.ptune_job", str(d)], env=env,
                                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _orphaned(self, state: dict) -> bool:
+        """Queued or running on this host, but no process of ours or anyone's is running it."""
+        if state["state"] not in ("queued", "running") or state["id"] in self._procs:
+            return False
+        if state.get("host", HOST) != HOST:
+            return False  # another node's replica runs it; its pid means nothing here
+        if state.get("pid") is not None and state.get("launched_at", 0) <= state.get("started_at", 0):
+            return not _job_alive(state["pid"])  # it started: its process is the truth
+        return time.time() - state.get("launched_at", state.get("created_at", 0)) > LAUNCH_GRACE_S
+
+    def _restart(self, d: Path, state: dict) -> dict:
+        """Start an orphaned job again from its first step (a p-tuning job is minutes long); once
+        per restart count across replicas (the marker file is created exclusively)."""
+        n = state.get("restarts", 0) + 1
+        try:
+            os.close(os.open(d / f"restart.{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:  # another replica is restarting it
+            return json.loads((d / "state.json").read_text())
+        if (d / "cancel").exists():
+            state.update(state="cancelled", finished_at=time.time())
+        elif n > MAX_RESTARTS:
+            state.update(state="failed", error=f"the job's process died {n} times without a word "
+                                               f"(server restarts or out of memory); see its log.txt")
+        else:
+            log.warning("model %s: p-tuning job %s lost its process; starting it again (restart %d)",
+                        self.model_name, d.name, n)
+            state.update(state="queued", restarts=n, launched_at=time.time(), host=HOST, pid=None,
+                         progress=None, error=None)
+        tmp = d / "state.json.restart.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(d / "state.json")
+        if state["state"] == "queued":
+            self._launch(d)
         return state
 
     def _job_dir(self, job_id: Any) -> Path:
@@ -226,10 +272,8 @@ class PtuningAdmin:
                 tail = (d / "log.txt").read_text(errors="replace")[-2000:] if (d / "log.txt").is_file() else ""
                 state.update(state="failed", error=f"the job process exited with status {proc.returncode}: {tail}")
                 (d / "state.json").write_text(json.dumps(state))
-        if state["state"] in ("queued", "running") and proc is None and not _pid_alive(state.get("pid")) \
-                and time.time() - state.get("created_at", 0) > 60:
-            state.update(state="failed", error="the job's process is gone (the server restarted while it ran)")
-            (d / "state.json").write_text(json.dumps(state))
+        if self._orphaned(state):
+            state = self._restart(d, state)
         if state["state"] == "succeeded":
             self.sync()  # hot-load now rather than at the next scan
         p = state.get("progress") or {}
@@ -268,10 +312,15 @@ class PtuningAdmin:
             return exc.info, None
 
 
-def _pid_alive(pid: Any) -> bool:
+def _job_alive(pid: Any) -> bool:
+    """A live process with this pid that is a p-tuning job (not a reused pid)."""
     if not isinstance(pid, int):
         return False
     try:
+        return b"training.ptune_job" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        pass
+    try:  # no /proc (macOS): liveness only
         os.kill(pid, 0)
     except OSError:
         return False

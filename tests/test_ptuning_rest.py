@@ -127,6 +127,36 @@ def test_job_trains_registers_and_serves_then_restart_keeps_it(model_dir):
         assert r.json()["choices"][0]["text"] == want[1]
 
 
+def test_a_job_killed_with_its_server_runs_again_on_restart(model_dir):
+    import os
+    import signal
+
+    body = {"model": "m", "task": "again", "data": _jsonl(16),
+            "recipe": {"num_virtual_tokens": 4, "max_steps": 16, "eval_every": 8, "lr": 0.05, "batch_size": 8}}
+    with _client(model_dir) as c:
+        r = c.post("/v1/ptuning/jobs", json=body, headers=ADMIN)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        job = _wait(c, job_id, ("running", "succeeded", "failed"))
+        assert job["state"] == "running", job
+    # what a kill -9 of the server does to a job it started (Ray reaps the replica's children)
+    state_file = model_dir / "ptuning" / ".jobs" / job_id / "state.json"
+    pid = json.loads(state_file.read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and b"ptune_job" in open(f"/proc/{pid}/cmdline", "rb").read() \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if json.loads(state_file.read_text())["state"] != "running":
+        pytest.skip("the job finished before it could be killed")
+    with _client(model_dir) as c:  # the restarted server starts the job again, once
+        job = _wait(c, job_id, ("succeeded", "failed", "cancelled"))
+        assert job["state"] == "succeeded" and job["restarts"] == 1, job
+        assert job["progress"]["step"] == 16
+        assert "again" in [t["name"] for t in c.get("/v1/ptuning/tasks", headers=ADMIN).json()["data"]]
+        assert c.delete("/v1/ptuning/tasks/again", headers=ADMIN).status_code == 200
+
+
 def test_bad_jobs_change_nothing(model_dir):
     with _client(model_dir) as c:
         before = sorted(p.name for p in (model_dir / "ptuning").iterdir()) if (model_dir / "ptuning").exists() else []
