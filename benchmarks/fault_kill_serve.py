@@ -2,8 +2,8 @@
 
 Before the kill a p-tuning task is trained over REST (a finished job) and a second job is left
 training; after the restart the task is listed and served with the same greedy tokens, the finished
-job is still `succeeded`, and the job that was training when the server died is reported (it runs in
-its own process, so it either finished and registered its task or is still running): no state lost.
+job is still `succeeded`, and the job that was queued or training when the server died (Ray reaps
+its process with the replica) is started again by the new replica and finishes: no state lost.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/fault_kill_serve.py [MODEL_DIR]
 
