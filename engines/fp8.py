@@ -166,11 +166,14 @@ def convert_to_storage(model: nn.Module, quantized: set[str], dynamic_activation
     return model
 
 
-def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, dtype: torch.dtype) -> Fp8Report:
+def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, dtype: torch.dtype,
+              force_w8a8: bool = False) -> Fp8Report:
     """Make the model's FP8 layers run on `device` in compute `dtype` (see the module docstring).
 
     weight_dtype "auto" runs what the checkpoint holds; "fp8" also quantizes float block Linears.
-    Returns what was done; a model without FP8 layers and weight_dtype "auto" is left as it is.
+    force_w8a8 takes the W8A8 path where the hardware rule would not (torch 2.13 has a CPU
+    _scaled_mm: slow, but it lets a CPU check the W8A8 numerics). Returns what was done; a model
+    without FP8 layers and weight_dtype "auto" is left as it is.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
@@ -182,7 +185,7 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
             if type(mod) in (nn.Linear, RowParallelLinear):
                 setattr(parent, attr, Fp8Linear.quantize(mod, getattr(mod, "comm", None)))
                 at_load += 1
-    fast = w8a8_supported(device)
+    fast = force_w8a8 or w8a8_supported(device)
     n_mm = n_deq = 0
     for parent, attr, mod in _block_linears(model):
         if not isinstance(mod, Fp8Linear):

@@ -69,10 +69,10 @@ class Fp8Scheme:
 
 def quantization_config(ignore: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
     """The config.json `quantization_config` we write (compressed-tensors FP8 dynamic layout)."""
-    def args(strategy: str, dynamic: bool, observer: str | None) -> dict[str, Any]:
+    def args(strategy: str, dynamic: bool) -> dict[str, Any]:
+        # the keys compressed-tensors 0.20 itself writes for this scheme (its unset fields are left out)
         return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
-                "strategy": strategy, "block_structure": None, "dynamic": dynamic, "actorder": None,
-                "observer": observer, "observer_kwargs": {}}
+                "strategy": strategy, "dynamic": dynamic}
 
     return {
         "quant_method": "compressed-tensors",
@@ -81,8 +81,8 @@ def quantization_config(ignore: tuple[str, ...] = ("lm_head",)) -> dict[str, Any
         "version": COMPRESSED_TENSORS_VERSION,
         "config_groups": {"group_0": {
             "targets": ["Linear"],
-            "weights": args("channel", False, "minmax"),
-            "input_activations": args("token", True, None),
+            "weights": args("channel", False),
+            "input_activations": args("token", True),
             "output_activations": None,
             "format": "float-quantized",
         }},
@@ -91,6 +91,7 @@ def quantization_config(ignore: tuple[str, ...] = ("lm_head",)) -> dict[str, Any
         "sparsity_config": {},
         "transform_config": {},
         "global_compression_ratio": None,
+        "moe_sparsity_config": None,
     }
 
 
