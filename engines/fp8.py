@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.config import WEIGHT_DTYPES
 from engines.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
 
-WEIGHT_DTYPES = ("auto", "fp8")
 BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
 """Our names of the Linear layers of a block: the ones FP8 quantizes."""
 
