@@ -117,6 +117,16 @@ class ScaledMMLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def served_weight_dtype(model_dir, weight_dtype: str, dtype: str) -> str:
+    """The weight storage a model is served with, for metadata: "fp8" when weight_dtype is fp8 or the
+    checkpoint is an FP8 one, else the compute dtype `dtype` (a resolved EngineConfig.dtype)."""
+    if weight_dtype == "fp8":
+        return "fp8"
+    from engines.checkpoint import fp8_scheme
+
+    return "fp8" if fp8_scheme(model_dir) is not None else dtype
+
+
 def w8a8_supported(device: torch.device | str) -> bool:
     """FP8 tensor-core matmul: CUDA with compute capability >= 8.9 (Ada, Hopper, Blackwell)."""
     device = torch.device(device)
