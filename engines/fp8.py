@@ -111,10 +111,11 @@ class ScaledMMLinear(nn.Module):
         xq, xs = quantize_tokens(x2)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale_row,
                              out_dtype=torch.bfloat16)  # (M, N)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
         if self.comm is not None:
             y = self.comm.all_reduce(y, "tp_layer")
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def served_weight_dtype(model_dir, weight_dtype: str, dtype: str) -> str:

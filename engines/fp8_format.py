@@ -37,7 +37,8 @@ def quantize_rows(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, 
     """w (out, in) float -> (e4m3 weight (out, in), fp32 scale (out, 1)), one scale per row.
 
     The division is done in fp32 and clamped to [-448, 448] before the cast: e4m3fn has no
-    infinity, and a value past 448 would otherwise round to NaN.
+    infinity, and what an out-of-range cast gives is the kernel's choice (torch 2.13's CPU cast
+    saturates; a non-saturating conversion gives NaN), so nothing out of range reaches it.
     """
     if w.dim() != 2:
         raise Fp8FormatError(f"{name}: only 2-D Linear weights are quantized, got shape {tuple(w.shape)}")
