@@ -185,8 +185,13 @@ def _their_fp8_file(out: Path, strategy: str = "channel", seed: int = 0) -> tupl
     """An FP8 llama written by compressed-tensors itself: scales from its own calculate_qparams,
     compressed by its ModelCompressor, saved by transformers. Returns (dir, ids, their logits)."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 QuantizationStatus, apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -222,7 +227,7 @@ def _their_fp8_file(out: Path, strategy: str = "channel", seed: int = 0) -> tupl
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_their_file_loads_in_ours(tmp_path, strategy):
-    d, ids, theirs = _their_fp8_file(tmp_path / "theirs", strategy)
+    d, ids, _ = _their_fp8_file(tmp_path / "theirs", strategy)
     with safe_open(d / "model.safetensors", "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == FP8_DTYPE
     _check_against_transformers(d, ids)
