@@ -328,7 +328,7 @@ def _generate(model_dir: Path, cfg: EngineConfig, model=None) -> list[list[int]]
     return [out[i] for i in range(len(prompts))]
 
 
-BASE = EngineConfig(num_kv_blocks=48, cpu_linear_autotune=False)
+BASE = EngineConfig(dtype="float32", num_kv_blocks=48, cpu_linear_autotune=False)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
