@@ -341,18 +341,68 @@ def test_engine_runs_fp8_and_online_quantization_matches(family, gpt2_dir, llama
     assert all(type(b.attn.qkv) is torch.nn.Linear for b in eng.executor.runner.model.blocks)  # CPU: dequantized
 
 
-def test_static_decode_runner_accepts_fp8_layers(llama_fp8):
-    """The padded decode runner with W8A8 layers (CPU _scaled_mm) gives the eager path's tokens."""
-    outs = []
+def _engine_on(model_dir: Path, cfg: EngineConfig, force_w8a8: bool):
+    """An engine on model_dir; force_w8a8 hands it a model whose FP8 layers are already W8A8
+    (CPU _scaled_mm), which the runner's apply_fp8 then leaves as they are."""
+    if not force_w8a8:
+        return LLMEngine(model_dir, cfg)
+    m, _ = load_model(model_dir)
+    apply_fp8(m, cfg.weight_dtype, "cpu", torch.float32, force_w8a8=True)
+    return LLMEngine(model_dir, cfg, executor_factory=lambda d, c: InProcessExecutor(d, c, model=m))
+
+
+@pytest.mark.parametrize("source, weight_dtype, force_w8a8", [
+    ("float", "fp8", False),   # quantized at load, dequantized (the CPU serving path)
+    ("fp8", "auto", False),    # the FP8 file, dequantized at load
+    ("fp8", "auto", True),     # the FP8 file through ScaledMMLinear (what sm89+ GPUs run)
+], ids=["online-weight-only", "file-weight-only", "file-w8a8"])
+def test_static_decode_runner_accepts_fp8_layers(llama_dir, llama_fp8, source, weight_dtype, force_w8a8):
+    """static_decode="on" with FP8 weights gives the eager FP8 path's tokens, and its padded
+    batches really ran (requests of different lengths, so batches shrink through the buckets)."""
+    model_dir = llama_fp8 if source == "fp8" else llama_dir
+    outs, used = [], []
     for static in ("off", "on"):
-        m, _ = load_model(llama_fp8)
-        apply_fp8(m, "auto", "cpu", torch.float32, force_w8a8=True)
-        cfg = BASE.replace(static_decode=static)
-        eng = LLMEngine(llama_fp8, cfg, executor_factory=lambda d, c, m=m: InProcessExecutor(d, c, model=m))
-        assert (eng.executor.runner.decode_runner is not None) == (static == "on")
-        assert isinstance(eng.executor.runner.model.blocks[0].mlp.down, ScaledMMLinear)
-        outs.append(_generate(llama_fp8, cfg, model=m))
+        cfg = BASE.replace(static_decode=static, weight_dtype=weight_dtype)
+        eng = _engine_on(model_dir, cfg, force_w8a8)
+        runner = eng.executor.runner
+        kind = ScaledMMLinear if force_w8a8 else torch.nn.Linear
+        assert all(type(b.mlp.down) is kind and type(b.attn.qkv) is kind for b in runner.model.blocks)
+        assert (runner.decode_runner is not None) == (static == "on")
+        if runner.decode_runner is not None:
+            real = runner.decode_runner.run
+            runner.decode_runner.run = lambda decode, real=real: used.append(len(decode)) or real(decode)
+        prompts = [[5, 17, 42, 9, 77, 3], [101, 7, 7, 230, 12], list(range(20, 50)), [8, 9]]
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True))
+        out = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+        outs.append(out)
     assert outs[0] == outs[1]
+    assert used and max(used) == 4 and min(used) == 1, f"decode runner batches: {used}"
+
+
+def test_w8a8_decode_step_has_no_host_sync(llama_fp8):
+    """The W8A8 layers inside the padded step (what a CUDA graph captures) never read a value back
+    to the host: per-token activation scales stay on the device."""
+    from test_engine_decode_runner import _OpLog
+
+    from engines.plan import SeqWork
+
+    eng = _engine_on(llama_fp8, BASE.replace(static_decode="on", block_size=4), force_w8a8=True)
+    dr = eng.executor.runner.decode_runner
+    work = [SeqWork(seq_id=i, token_ids=[5 + i], start_pos=6 + i, block_ids=[2 * i, 2 * i + 1], sample=True)
+            for i in range(3)]
+    B = dr.bucket_for(work)
+    dr._fill(work, B)
+    with torch.inference_mode(), _OpLog() as log:
+        dr._step(B)
+    assert any("_scaled_mm" in op for op in log.ops)
+    syncs = [op for op in log.ops if any(s in op for s in ("_local_scalar_dense", "item", "nonzero",
+                                                           "masked_select", "unique"))]
+    assert not syncs, f"host syncs inside the W8A8 decode step: {syncs}"
 
 
 def test_weight_dtype_is_validated():
