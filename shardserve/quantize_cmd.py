@@ -68,6 +68,11 @@ def quantize(
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
                f"weight files: {total_in:,} -> {total_out:,} bytes ({total_out / max(total_in, 1):.3f}x)")
+    if cfg.model_type == "gpt2":
+        typer.echo("note: model_type gpt2: shardserve and vLLM read this file; transformers does not run it "
+                   "correctly (its GPT-2 layers are Conv1D, which compressed-tensors does not quantize, so it "
+                   "loads the e4m3 values without their scales). Llama-family files load in all three. "
+                   "See docs/fp8.md.")
 
 
 def _linear_bytes(reader, cfg) -> int:
