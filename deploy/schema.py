@@ -39,6 +39,9 @@ class EngineOptions(_Strict):
     """auto (the engine's default): bfloat16 on bf16 hardware (AMX, AVX512-BF16, CUDA), else float32."""
     device: str | None = None
     """torch device string: cpu, cuda, cuda:1."""
+    weight_dtype: Literal["auto", "fp8"] | None = None
+    """Linear weights of the blocks: auto (what the checkpoint holds; an FP8 checkpoint serves FP8) or
+    fp8 (e4m3 per-channel, quantized at load if the checkpoint is float). W8A8 on CUDA >= 8.9."""
     block_size: int | None = Field(None, gt=0)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int | None = Field(None, ge=0)

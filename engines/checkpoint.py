@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engines.config import ConfigError, ModelConfig
+from engines.fp8_format import (
+    FP8_DTYPE,
+    Fp8FormatError,
+    Fp8Scheme,
+    check_scale,
+    check_weight,
+    dequantize,
+    quantization_config,
+    quantize_rows,
+    scheme_from_hf,
+)
 from engines.hf_config import model_config_to_hf
 
 
@@ -70,6 +81,48 @@ def weight_plan(cfg: ModelConfig) -> dict[str, tuple[Source, ...]]:
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = (Source("lm_head.weight"),)
     return plan
+
+
+QUANTIZABLE = (".attn.qkv.weight", ".attn.proj.weight", ".mlp.up.weight", ".mlp.down.weight")
+"""Our block Linear weights: the ones an FP8 checkpoint stores as F8_E4M3 + weight_scale."""
+
+
+def scale_name(weight_name: str) -> str:
+    """HF name of a weight's per-channel scale: "<...>.weight" -> "<...>.weight_scale"."""
+    return weight_name + "_scale"
+
+
+def fp8_scheme(model_dir: str | Path) -> Fp8Scheme | None:
+    """The FP8 scheme of a checkpoint's config.json (None: not quantized); CheckpointError if unsupported."""
+    path = Path(model_dir) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+        return scheme_from_hf(data) if isinstance(data, dict) else None
+    except (OSError, json.JSONDecodeError):
+        return None  # ModelConfig.from_dir reports a missing or malformed config.json
+    except Fp8FormatError as exc:
+        raise CheckpointError(f"{path.name}: {exc}") from exc
+
+
+def quantized_params(cfg: ModelConfig, reader: TensorReader, scheme: Fp8Scheme | None) -> set[str]:
+    """Our block Linear weights stored as FP8 (their sources have weight_scale companions).
+
+    Every source of a fused parameter must agree; an F8 tensor without a scale, or a scale
+    without a quantization_config, is an error naming the tensor.
+    """
+    out: set[str] = set()
+    for ours, sources in weight_plan(cfg).items():
+        has = [reader.has(scale_name(s.name)) for s in sources]
+        if any(has) and scheme is None:
+            raise CheckpointError(f"tensor {scale_name(sources[0].name)!r} is present but config.json has no "
+                                  "quantization_config")
+        if any(has) and not all(has):
+            missing = [scale_name(s.name) for s, h in zip(sources, has) if not h]
+            raise CheckpointError(f"{ours}: fused from {', '.join(s.name for s in sources)}, but "
+                                  f"{', '.join(missing)} is missing (all parts must be FP8 or none)")
+        if all(has) and ours.endswith(QUANTIZABLE):
+            out.add(ours)
+    return out
 
 
 class TensorReader:
@@ -160,20 +213,64 @@ class TensorReader:
             return False
 
 
+def read_float(reader: TensorReader, src: Source, dtype: torch.dtype, rows: slice | None = None,
+               cols: slice | None = None) -> torch.Tensor:
+    """A source tensor (or its slice) as `dtype`; an F8 one with a weight_scale (say a quantized
+    tensor we keep in float, such as an FP8 LM head) is dequantized, one without is an error."""
+    t = reader.get(src.name, rows=rows, cols=cols)
+    if t.dtype != FP8_DTYPE:
+        return t.to(dtype)
+    if not reader.has(scale_name(src.name)):
+        raise CheckpointError(f"tensor {src.name!r} is F8_E4M3 but the checkpoint has no "
+                              f"{scale_name(src.name)!r} to dequantize it with")
+    full = reader.get(src.name)
+    out_dim = 1 if src.transpose else 0
+    try:
+        scale = check_scale(scale_name(src.name), reader.get(scale_name(src.name)), full.shape[out_dim])
+    except Fp8FormatError as exc:
+        raise CheckpointError(str(exc)) from exc
+    w = dequantize(full.t() if src.transpose else full, scale, dtype)
+    w = w.t() if src.transpose else w
+    r = rows if rows is not None else slice(None)
+    return w[r, cols] if cols is not None else w[r]
+
+
+def read_fp8(reader: TensorReader, src: Source, rows: slice | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 source in our orientation: (e4m3 weight (out, in), fp32 scale (out, 1)), optionally
+    only output channels `rows` (a column-parallel shard's part)."""
+    full = reader.get(src.name)
+    try:
+        check_weight(src.name, full)
+        w = full.t() if src.transpose else full  # GPT-2's Conv1D stores (in, out)
+        scale = check_scale(scale_name(src.name), reader.get(scale_name(src.name)), w.shape[0])
+    except Fp8FormatError as exc:
+        raise CheckpointError(str(exc)) from exc
+    if rows is not None:
+        w, scale = w[rows], scale[rows]
+    return w.contiguous(), scale
+
+
 def load_state_dict(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                    select: Callable[[str, Source, TensorReader], torch.Tensor] | None = None,
-                    ) -> dict[str, torch.Tensor]:
-    """Our state dict from an HF directory. `select` lets a sharded loader read a slice of a source."""
+                    quantized: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Our state dict from an HF directory, in `dtype`. Parameters in `quantized` (FP8 block
+    weights, see quantized_params) stay e4m3 and bring "<name>_scale" (out, 1) fp32 entries,
+    the scales of a fused parameter concatenated like its rows."""
     reader = TensorReader(model_dir)
     out: dict[str, torch.Tensor] = {}
     for ours, sources in weight_plan(cfg).items():
         if ours == "lm_head.weight" and not reader.has(sources[0].name):
             raise CheckpointError("checkpoint has tie_word_embeddings=false but no lm_head.weight")
+        if quantized and ours in quantized:
+            pairs = [read_fp8(reader, src) for src in sources]
+            out[ours] = torch.cat([w for w, _ in pairs], 0) if len(pairs) > 1 else pairs[0][0]
+            out[scale_name(ours)] = torch.cat([s for _, s in pairs], 0)
+            continue
         parts = []
         for src in sources:
-            t = select(ours, src, reader) if select is not None else reader.get(src.name)
+            t = read_float(reader, src, dtype)
             parts.append(t.t() if src.transpose else t)
-        out[ours] = (torch.cat(parts, 0) if len(parts) > 1 else parts[0]).to(dtype).contiguous()
+        out[ours] = (torch.cat(parts, 0) if len(parts) > 1 else parts[0]).contiguous()
     return out
 
 
@@ -199,9 +296,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         cfg = ModelConfig.from_dir(d)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
-    state = load_state_dict(d, cfg, dtype)
+    scheme = fp8_scheme(d)
+    quantized = quantized_params(cfg, TensorReader(d), scheme)
+    state = load_state_dict(d, cfg, dtype, quantized)
     with torch.device("meta"):
         model = GPT(cfg)
+    if quantized:  # FP8 block Linears load as engines.fp8.Fp8Linear; apply_fp8 picks their kernel
+        from engines.fp8 import convert_to_storage
+
+        convert_to_storage(model, {n.removesuffix(".weight") for n in quantized}, scheme.dynamic_activations)
     check_shapes(model, state)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -212,35 +315,59 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device).eval(), cfg
 
 
-def _hf_state(model: torch.nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_sizes(name: str, cfg: ModelConfig) -> list[int]:
+    """Rows of each HF source of a fused parameter (q, k, v or gate, up)."""
+    if name.endswith(("qkv.weight", "qkv.bias")):
+        return [cfg.n_head * cfg.hd, cfg.kv_heads * cfg.hd, cfg.kv_heads * cfg.hd]
+    return [cfg.ffn_dim, cfg.ffn_dim]
+
+
+def _hf_state(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | None = None, fp8: bool = False
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of our model; with fp8 the block Linears are quantized per output
+    channel (a fused weight is quantized as a whole: per-row scales are the same either way) and
+    each weight is followed by its "<name>_scale" (rows, 1) fp32."""
+    from engines.fp8 import Fp8Linear
+
     ours = dict(model.state_dict())
+    modules = dict(model.named_modules())
     for name, sources in weight_plan(cfg).items():
-        t = ours[name].detach().cpu()
+        module = modules.get(name.rpartition(".")[0])
+        if isinstance(module, Fp8Linear) and name.endswith(".weight"):  # already FP8: keep its values
+            t, scale = module.weight.detach().cpu(), module.weight_scale.detach().float().cpu()
+        elif fp8 and name.endswith(QUANTIZABLE):
+            t, scale = quantize_rows(ours[name].detach().cpu(), name)
+        else:
+            t, scale = ours[name].detach().cpu(), None
+            t = t.to(dtype) if dtype is not None else t
         if len(sources) == 1:
-            parts = [t]
+            parts, scales = [t], [scale]
         else:  # split along dim 0 by the sizes the config implies
-            if name.endswith(("qkv.weight", "qkv.bias")):
-                sizes = [cfg.n_head * cfg.hd, cfg.kv_heads * cfg.hd, cfg.kv_heads * cfg.hd]
-            else:
-                sizes = [cfg.ffn_dim, cfg.ffn_dim]
+            sizes = _split_sizes(name, cfg)
             parts = list(t.split(sizes, 0))
-        for src, part in zip(sources, parts):
+            scales = list(scale.split(sizes, 0)) if scale is not None else [None] * len(parts)
+        for src, part, sc in zip(sources, parts, scales):
             yield src.name, (part.t() if src.transpose else part).contiguous().clone()
+            if sc is not None:
+                yield scale_name(src.name), sc.contiguous().clone()
 
 
 def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path,
                     dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30,
-                    tokenizer_dir: str | Path | None = None) -> Path:
+                    tokenizer_dir: str | Path | None = None, fp8: bool = False) -> Path:
     """Write an HF-compatible directory that transformers' AutoModelForCausalLM can load.
 
+    fp8 (or a model holding engines.fp8.Fp8Linear layers) writes the block Linears as FP8 in the
+    compressed-tensors scheme (engines/fp8_format.py); everything else is written in `dtype`.
     Files are written to a temporary directory beside `out_dir` and renamed into place, so a
     crash never leaves a half-written checkpoint.
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tensors = {k: (v.to(dtype) if dtype is not None else v) for k, v in _hf_state(model, cfg)}
-    dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    tensors = dict(_hf_state(model, cfg, dtype, fp8))
+    quantized = any(v.dtype == FP8_DTYPE for v in tensors.values())
+    dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # the embedding's
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in tensors.items():
@@ -265,6 +392,8 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pat
     hf = model_config_to_hf(cfg)
     hf.pop("torch_dtype", None)
     hf["dtype"] = dtype_name
+    if quantized:
+        hf["quantization_config"] = quantization_config()
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     gen = {k: v for k, v in (("bos_token_id", hf["bos_token_id"]), ("eos_token_id", hf["eos_token_id"]))
            if v is not None}

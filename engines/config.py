@@ -16,6 +16,7 @@ from typing import Any, Literal
 MODEL_TYPES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_DTYPES = ("auto", *DTYPES)
+WEIGHT_DTYPES = ("auto", "fp8")
 
 
 class ConfigError(ValueError):
@@ -144,6 +145,11 @@ class EngineConfig:
     (engines/hardware.py). The engine resolves it once, when it is built, into a new config with
     the concrete dtype, and logs why; `resolved_dtype` gives it for a config not yet resolved."""
     device: str = "cpu"
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """Storage of the blocks' Linear weights. auto: what the checkpoint holds (FP8 for a
+    compressed-tensors FP8 file, else `dtype`). fp8: FP8 e4m3 with per-channel scales, quantizing
+    a float checkpoint at load. FP8 runs W8A8 (torch._scaled_mm) on CUDA with compute capability
+    >= 8.9 and is dequantized to `dtype` at load elsewhere (engines/fp8.py)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = 0
@@ -199,6 +205,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in ENGINE_DTYPES, "dtype", f"must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
+        _require(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype",
+                 f"must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")

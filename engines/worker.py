@@ -30,6 +30,9 @@ class ModelRunner:
             model, cfg = load_model(model_dir, dtype=self.dtype, device=self.device)
         else:
             cfg = model.cfg
+        from engines.fp8 import apply_fp8  # FP8 block Linears: W8A8 or dequantized, chosen once here
+
+        self.fp8 = apply_fp8(model, engine_cfg.weight_dtype, self.device, self.dtype)
         if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
             from engines.fast_linear import apply_fast_linear
 

@@ -128,6 +128,11 @@ class Gateway:
         m = self._models.get(name)
         return m.info.created if m is not None else 0
 
+    def weight_dtype(self, name: str) -> str | None:
+        """Weight storage (fp8, bfloat16, ...) of a model whose replicas have answered already."""
+        m = self._models.get(name)
+        return (m.info.weight_dtype or None) if m is not None else None
+
     async def model(self, name: Any, param: str = "model") -> ServedModel:
         """The served model called `name`: 404 if unknown, 503 if no replica can describe it."""
         if not isinstance(name, str):

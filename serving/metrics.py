@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -34,11 +34,16 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.
 class ReplicaMetrics:
     """Metrics of one ModelServer replica (or of the in-process model backend)."""
 
-    def __init__(self, model: str, replica: str, stats: Callable[[], dict[str, float]]):
+    def __init__(self, model: str, replica: str, stats: Callable[[], dict[str, float]], weight_dtype: str = "",
+                 dtype: str = ""):
         self.labels = {"model": model, "replica": replica}
         self.registry = CollectorRegistry(auto_describe=False)
         names = ["model", "replica"]
         r = self.registry
+        # an info series (always 1) carries what describes the replica, so the other series keep their labels
+        Gauge(PREFIX + "model_info", "The replica's model: weight storage (fp8 or the compute dtype) and compute "
+              "dtype, as labels.", [*names, "weight_dtype", "dtype"], registry=r).labels(
+            **self.labels, weight_dtype=weight_dtype or "unknown", dtype=dtype or "unknown").set(1)
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, names, registry=r, buckets=buckets).labels(**self.labels)

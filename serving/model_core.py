@@ -58,7 +58,10 @@ class ModelCore:
         """Admitted requests with no first token yet: id -> the wait predicted for it (seconds)."""
         self.active_requests = 0
         self.draining = False
-        self.metrics = ReplicaMetrics(spec.name, replica, self.stats)
+        from engines.fp8 import served_weight_dtype
+
+        weight_dtype = served_weight_dtype(spec.path, cfg.weight_dtype, cfg.dtype)
+        self.metrics = ReplicaMetrics(spec.name, replica, self.stats, weight_dtype=weight_dtype, dtype=cfg.dtype)
         tk = engine.tokenizer
         self.info = ModelInfo(
             name=spec.name, max_model_len=engine.engine.max_model_len,
@@ -66,7 +69,7 @@ class ModelCore:
             max_seqs_per_request=self.capacity, tokenizer_json=tk.tk.to_str() if tk is not None else None,
             chat_template=tk.chat_template if tk is not None else None,
             bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
-            created=int(time.time()))
+            created=int(time.time()), weight_dtype=weight_dtype)
         from serving.ptuning_admin import PtuningAdmin
 
         self.ptuning = PtuningAdmin(spec.name, spec.path, engine.engine.tasks)

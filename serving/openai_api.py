@@ -27,15 +27,16 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     gw = gateway_of(request)
-    data = [{"id": name, "object": "model", "created": gw.created(name), "owned_by": "shardserve"}
-            for name in gw.names]
+    data = [{"id": name, "object": "model", "created": gw.created(name), "owned_by": "shardserve",
+             **({"weight_dtype": gw.weight_dtype(name)} if gw.weight_dtype(name) else {})} for name in gw.names]
     return JSONResponse({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request) -> JSONResponse:
     m = await gateway_of(request).model(name)
-    return JSONResponse({"id": m.name, "object": "model", "created": m.info.created, "owned_by": "shardserve"})
+    return JSONResponse({"id": m.name, "object": "model", "created": m.info.created, "owned_by": "shardserve",
+                         "max_model_len": m.info.max_model_len, "weight_dtype": m.info.weight_dtype})
 
 
 def _sse(obj: Any) -> str:

@@ -53,8 +53,11 @@ CHAT = {"type": "object", "required": ["id", "object", "created", "model", "choi
         "properties": {"index": {"type": "integer"}, "finish_reason": FINISH, "message": {
             "type": "object", "required": ["role", "content"],
             "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}}}}}}
-MODEL = {"type": "object", "required": ["id", "object"], "properties": {"id": {"type": "string"},
-                                                                      "object": {"const": "model"}}}
+MODEL = {"type": "object", "required": ["id", "object"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"},
+    "weight_dtype": {"type": "string", "description": "Storage of the blocks' Linear weights as served: fp8, "
+                     "or the compute dtype (float32, bfloat16, float16); absent from the list until a "
+                     "replica has described the model."}}}
 INFER_TENSOR = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
     "name": {"type": "string"}, "datatype": {"type": "string"},
     "shape": {"type": "array", "items": {"type": "integer"}}, "data": {},

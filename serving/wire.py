@@ -46,6 +46,8 @@ class ModelInfo:
     eos_token: str | None = None
     created: int = 0
     """Unix time the model was loaded."""
+    weight_dtype: str = ""
+    """Storage of the blocks' Linear weights as served: fp8, or the compute dtype (float32, bfloat16...)."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ def _register() -> None:
     from shardserve import generate_cmd
 
     app.command("generate")(generate_cmd.generate)
+    from shardserve import quantize_cmd  # `shardserve quantize`, `shardserve eval ppl` (FP8, issue 13)
+
+    app.command("quantize")(quantize_cmd.quantize)
+    app.add_typer(quantize_cmd.eval_app, name="eval")
     for module, names in (
         ("training.cli", ("data", "train", "export", "check-model")),
         ("training.ptune_cli", ("ptune",)),

@@ -60,7 +60,10 @@ class ShardRunner:
         start, end = layout.stages[self.pp_rank]
         if stage is None:
             cfg = ModelConfig.from_dir(model_dir)
-            stage = load_shard(model_dir, cfg, start, end, comm, self.dtype, self.device)
+            stage = load_shard(model_dir, cfg, start, end, comm, self.dtype, self.device, engine_cfg.weight_dtype)
+        from engines.fp8 import apply_fp8  # FP8 block Linears: W8A8 or dequantized, chosen once here
+
+        self.fp8 = apply_fp8(stage, engine_cfg.weight_dtype, self.device, self.dtype)
         self.stage, self.cfg = stage, stage.cfg
         self.first, self.last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
         self.num_blocks = shard_num_blocks(self.cfg, engine_cfg, layout)

@@ -4,6 +4,12 @@ The model is built on the meta device, cut to the stage's layers (pp.py) and sha
 no full-size tensor is ever allocated; then every parameter of the shard is read from the
 safetensors files as exactly the slice `tp.shard_spec` names: rows of an HF tensor, or columns
 of GPT-2's transposed Conv1D weights (a column of ours is a row of theirs and vice versa).
+
+FP8 block Linears (engines/fp8.py) load as e4m3 slices with their per-channel scales: a
+column-parallel shard keeps the scales of its rows, a row-parallel shard all of them (its output
+channels are whole). With weight_dtype "fp8" on a float checkpoint the shard quantizes as it
+loads, a row-parallel layer with the absmax of its full rows, so every layout holds the same
+FP8 values as TP=1.
 """
 
 from __future__ import annotations
@@ -14,8 +20,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.checkpoint import CheckpointError, Source, TensorReader, weight_plan
+from engines.checkpoint import (
+    QUANTIZABLE,
+    CheckpointError,
+    Source,
+    TensorReader,
+    fp8_scheme,
+    quantized_params,
+    read_float,
+    scale_name,
+    weight_plan,
+)
 from engines.config import ConfigError, ModelConfig
+from engines.fp8_format import FP8_DTYPE, FP8_MAX, Fp8FormatError, check_scale, quantize_rows
 from engines.parallel.comm import Comm
 from engines.parallel.pp import StageModel, split_stage
 from engines.parallel.tp import ShardSpec, apply_tp, shard_spec
@@ -82,9 +99,40 @@ def meta_device():
         nn.init.normal_ = orig
 
 
+def _read_scales(reader: TensorReader, name: str, sources: tuple[Source, ...], cfg: ModelConfig,
+                 spec: ShardSpec | None, full_rows: int) -> torch.Tensor:
+    """fp32 (rows, 1) scales of FP8 weight `name` for this shard: the rows of a column-parallel
+    slice, all of them otherwise (scales are tiny: each source's is read whole and checked)."""
+    parts = []
+    for src, rows in zip(sources, _source_rows(name, cfg, len(sources), full_rows)):
+        try:
+            parts.append(check_scale(scale_name(src.name), reader.get(scale_name(src.name)), rows))
+        except Fp8FormatError as exc:
+            raise CheckpointError(str(exc)) from exc
+    full = torch.cat(parts, 0) if len(parts) > 1 else parts[0]  # (out, 1)
+    return spec.take(full) if spec is not None and spec.dim == 0 else full
+
+
+def _quantize_slice(reader: TensorReader, name: str, sources: tuple[Source, ...], cfg: ModelConfig,
+                    spec: ShardSpec | None, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online FP8 of a float slice: per-row scales of the full rows. A column-parallel slice has
+    full rows already; a row-parallel one takes each row's absmax from the whole tensor."""
+    if spec is None or spec.dim == 0:
+        return quantize_rows(t, name)
+    full = read_sharded(reader, name, sources, cfg, None, _full_shape(name, cfg)).float()  # (out, in)
+    scale = (full.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).eps)
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, comm: Comm,
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StageModel:
-    """The shard of layers [start, end) for TP rank comm.tp_rank, its weights read as slices."""
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               weight_dtype: str = "auto") -> StageModel:
+    """The shard of layers [start, end) for TP rank comm.tp_rank, its weights read as slices.
+
+    FP8 block Linears load as engines.fp8.Fp8Linear (weight_dtype "fp8" quantizes a float
+    checkpoint's as they load); engines.fp8.apply_fp8 then picks their kernel.
+    """
+    from engines.fp8 import convert_to_storage
     from engines.model import GPT
 
     with meta_device():
@@ -95,8 +143,17 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, co
     reader = TensorReader(model_dir)
     if "lm_head.weight" in plan and not reader.has(plan["lm_head.weight"][0].name):
         raise CheckpointError("checkpoint has tie_word_embeddings=false but no lm_head.weight")
+    scheme = fp8_scheme(model_dir)
+    quantized = quantized_params(cfg, reader, scheme)
+    online = weight_dtype == "fp8" and not quantized
+    modules = dict(stage.named_modules())
+    fp8_layers = {n.removesuffix(".weight") for n in plan if n.endswith(QUANTIZABLE)
+                  and (n in quantized or online)} & set(modules)
+    convert_to_storage(stage, fp8_layers, scheme.dynamic_activations if scheme else True)
     state: dict[str, torch.Tensor] = {}
     for name, param in stage.named_parameters():  # a tied head is listed once, as wte.weight
+        if name.endswith(".weight_scale"):
+            continue  # read with its weight
         sources = plan.get(name)
         if sources is None:
             raise CheckpointError(f"no checkpoint source for parameter {name!r}")
@@ -106,9 +163,24 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, co
         if tuple(t.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {name!r}: read shape {tuple(t.shape)}, the shard expects "
                                   f"{tuple(param.shape)}")
+        target = dtype
+        if name.removesuffix(".weight") in fp8_layers:
+            if online:
+                t, state[scale_name(name)] = _quantize_slice(reader, name, sources, cfg, spec, t)
+            else:
+                if t.dtype != FP8_DTYPE:
+                    raise CheckpointError(f"tensor {sources[0].name!r}: has a weight_scale but dtype {t.dtype}; "
+                                          "expected F8_E4M3 (float8_e4m3fn)")
+                state[scale_name(name)] = _read_scales(reader, name, sources, cfg, spec, full_shape[0])
+            target = FP8_DTYPE
+        elif t.dtype == FP8_DTYPE:  # an FP8 tensor kept in float (say a quantized LM head): dequantized
+            parts = [read_float(reader, s, dtype) for s in sources]
+            parts = [p.t() if s.transpose else p for s, p in zip(sources, parts)]
+            full = torch.cat(parts, 0)
+            t = spec.take(full) if spec is not None else full
         # an owned copy: a tensor read whole may share the file's mmap, which would keep every page
         # of the checkpoint this rank touched mapped (and counted) for the life of the shard
-        state[name] = torch.empty(t.shape, dtype=dtype).copy_(t)
+        state[name] = torch.empty(t.shape, dtype=target).copy_(t)
     del reader
     stage.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings and stage.wte is not None and stage.lm_head is not None:

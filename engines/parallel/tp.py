@@ -127,7 +127,15 @@ class VocabParallelHead(nn.Module):
         return logits
 
 
-def _column(linear: nn.Linear, spec: ShardSpec) -> nn.Linear:
+def _column(linear: nn.Module, spec: ShardSpec) -> nn.Module:
+    from engines.fp8 import Fp8Linear
+
+    if isinstance(linear, Fp8Linear):  # FP8: the shard keeps the scales of its rows
+        out = Fp8Linear(linear.in_features, spec.size, linear.bias is not None,
+                        device=linear.weight.device, dynamic_activations=linear.dynamic_activations)
+        out.weight.data, out.weight_scale.data = spec.take(linear.weight.detach()), spec.take(linear.weight_scale.detach())
+        out.bias = nn.Parameter(spec.take(linear.bias.detach()), requires_grad=False) if linear.bias is not None else None
+        return out
     w = spec.take(linear.weight.detach())
     out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     out.weight = nn.Parameter(w, requires_grad=False)
@@ -136,8 +144,16 @@ def _column(linear: nn.Linear, spec: ShardSpec) -> nn.Linear:
     return out
 
 
-def _row(linear: nn.Linear, spec: ShardSpec, comm: Comm) -> RowParallelLinear:
+def _row(linear: nn.Module, spec: ShardSpec, comm: Comm) -> nn.Module:
+    from engines.fp8 import Fp8Linear
+
     bias = linear.bias.detach() if linear.bias is not None else None
+    if isinstance(linear, Fp8Linear):  # FP8: output channels stay whole, so do their scales
+        out = Fp8Linear(spec.size, linear.out_features, bias is not None, comm, device=linear.weight.device,
+                        dynamic_activations=linear.dynamic_activations)
+        out.weight.data, out.weight_scale.data = spec.take(linear.weight.detach()), linear.weight_scale.detach()
+        out.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        return out
     return RowParallelLinear(spec.take(linear.weight.detach()), bias, comm)
 
 

@@ -1,0 +1,220 @@
+"""FP8 weights at run time: a load-time transformation of the blocks' Linear layers.
+
+A checkpoint in the compressed-tensors FP8 scheme (engines/fp8_format.py) loads into
+`Fp8Linear` modules: e4m3 weight (out, in), fp32 weight_scale (out, 1), bias in the compute
+dtype. `apply_fp8` then picks, once per model at load (never inside a captured or compiled
+step), how each layer runs:
+
+- "w8a8" (CUDA, compute capability >= 8.9, the file's scheme has dynamic activations):
+  `ScaledMMLinear`, x quantized per token on the fly (absmax / 448 per row, fp32), then
+  torch._scaled_mm(x_fp8 (M, K) row-major, W_fp8^T (K, N) column-major, scale_a (M, 1),
+  scale_b (1, N)) with a bf16 result: half the weight bytes of bf16 and the FP8 tensor cores.
+  Layers whose K or N is not a multiple of 16 (a _scaled_mm rule) run "dequant" instead.
+- "dequant" (CPU, pre-8.9 GPUs, weight-only files): the weight is dequantized once to the compute
+  dtype and the layer becomes a plain nn.Linear (or RowParallelLinear). CPUs have no FP8 matmul
+  fast path, and on a GPU without FP8 tensor cores a per-step dequantize reads 1 byte and writes
+  and re-reads 2 per weight, so it is always slower than reading the 2 bytes once.
+
+`weight_dtype="fp8"` on a checkpoint that is not quantized quantizes the same layers at load
+(per-channel absmax, as `shardserve quantize` does), so a bf16 file can be served as FP8.
+Tensor parallel shards carry their slices: a column-parallel layer keeps the scales of its rows,
+a row-parallel one keeps all its output channels' scales and all-reduces after the matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.config import WEIGHT_DTYPES
+from engines.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
+
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
+"""Our names of the Linear layers of a block: the ones FP8 quantizes."""
+
+
+class Fp8Linear(nn.Module):
+    """Storage form of an FP8 Linear; its forward dequantizes per call (correct on any device).
+
+    comm set: a row-parallel shard (input features split), all-reduced before the bias is added.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm=None,
+                 bias_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 dynamic_activations: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
+                                 requires_grad=False) if bias else None
+        self.comm = comm
+        self.dynamic_activations = dynamic_activations
+
+    @classmethod
+    def quantize(cls, linear: nn.Module, comm=None, dynamic_activations: bool = True) -> Fp8Linear:
+        """From a float nn.Linear / RowParallelLinear (online quantization at load)."""
+        w = linear.weight.detach()
+        out = cls(w.shape[1], w.shape[0], linear.bias is not None, comm,
+                  linear.bias.dtype if linear.bias is not None else w.dtype, w.device, dynamic_activations)
+        q, s = quantize_rows(w)
+        out.weight.data, out.weight_scale.data = q, s
+        if linear.bias is not None:
+            out.bias.data = linear.bias.detach()
+        return out
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        if self.comm is not None:
+            y = self.comm.all_reduce(y, "tp_layer")
+        return y + self.bias if self.bias is not None else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._finish(F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype)))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, row_parallel={self.comm is not None}")
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (e4m3 (M, K), fp32 scales (M, 1)): one dynamic scale per token (row)."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()  # (M, 1)
+    scale = (amax / FP8_MAX).clamp_min(SCALE_EPS)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def scaled_mm_shape_ok(in_features: int, out_features: int) -> bool:
+    """_scaled_mm needs K (in) and N (out) to be multiples of 16."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+class ScaledMMLinear(nn.Module):
+    """W8A8: y = (x_q W_q^T) * (s_x s_w^T), one torch._scaled_mm per call, bf16 out."""
+
+    def __init__(self, src: Fp8Linear):
+        super().__init__()
+        self.in_features, self.out_features = src.in_features, src.out_features
+        # (out, in) row-major transposed is (in, out) column-major: the layout _scaled_mm's
+        # second operand must have, with no copy
+        self.weight = src.weight
+        self.weight_scale_row = nn.Parameter(src.weight_scale.detach().float().reshape(1, -1),
+                                             requires_grad=False)  # (1, N) fp32
+        self.bias, self.comm = src.bias, src.comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        xq, xs = quantize_tokens(x2)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale_row,
+                             out_dtype=torch.bfloat16)  # (M, N)
+        y = y.view(*x.shape[:-1], self.out_features)
+        if self.comm is not None:
+            y = self.comm.all_reduce(y, "tp_layer")
+        y = y + self.bias if self.bias is not None else y
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def served_weight_dtype(model_dir, weight_dtype: str, dtype: str) -> str:
+    """The weight storage a model is served with, for metadata: "fp8" when weight_dtype is fp8 or the
+    checkpoint is an FP8 one, else the compute dtype `dtype` (a resolved EngineConfig.dtype)."""
+    if weight_dtype == "fp8":
+        return "fp8"
+    from engines.checkpoint import fp8_scheme
+
+    return "fp8" if fp8_scheme(model_dir) is not None else dtype
+
+
+def w8a8_supported(device: torch.device | str) -> bool:
+    """FP8 tensor-core matmul: CUDA with compute capability >= 8.9 (Ada, Hopper, Blackwell)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclass(frozen=True)
+class Fp8Report:
+    """What apply_fp8 did: layers quantized at load, layers per kernel, and the kernel rule."""
+
+    quantized_at_load: int
+    w8a8: int
+    dequant: int
+    backend: str
+
+    @property
+    def fp8(self) -> bool:
+        return self.w8a8 + self.dequant > 0
+
+
+def _block_linears(model: nn.Module):
+    """(parent, attribute, module) of each Linear-like layer of the blocks."""
+    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    for block in blocks:
+        for path in BLOCK_LINEARS:
+            owner_name, attr = path.split(".")
+            parent = getattr(block, owner_name)
+            yield parent, attr, getattr(parent, attr)
+
+
+def convert_to_storage(model: nn.Module, quantized: set[str], dynamic_activations: bool = True) -> nn.Module:
+    """Swap the block Linears named in `quantized` (e.g. "blocks.0.attn.qkv") for empty Fp8Linear
+    modules of the same shape (and the same row-parallel comm), on the layer's device: a loader
+    builds the model on the meta device, calls this, then assigns the tensors read from the file."""
+    for name, module in list(model.named_modules()):
+        if name not in quantized:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        w = module.weight
+        fp8 = Fp8Linear(w.shape[1], w.shape[0], module.bias is not None, getattr(module, "comm", None),
+                        module.bias.dtype if module.bias is not None else torch.float32, w.device,
+                        dynamic_activations)
+        setattr(parent, attr, fp8)
+    return model
+
+
+def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, dtype: torch.dtype,
+              force_w8a8: bool = False) -> Fp8Report:
+    """Make the model's FP8 layers run on `device` in compute `dtype` (see the module docstring).
+
+    weight_dtype "auto" runs what the checkpoint holds; "fp8" also quantizes float block Linears.
+    force_w8a8 takes the W8A8 path where the hardware rule would not (torch 2.13 has a CPU
+    _scaled_mm: slow, but it lets a CPU check the W8A8 numerics). Returns what was done; a model
+    without FP8 layers and weight_dtype "auto" is left as it is.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    from engines.parallel.tp import RowParallelLinear
+
+    at_load = 0
+    if weight_dtype == "fp8":
+        for parent, attr, mod in _block_linears(model):
+            if type(mod) in (nn.Linear, RowParallelLinear):
+                setattr(parent, attr, Fp8Linear.quantize(mod, getattr(mod, "comm", None)))
+                at_load += 1
+    fast = force_w8a8 or w8a8_supported(device)
+    n_mm = n_deq = 0
+    for parent, attr, mod in _block_linears(model):
+        if not isinstance(mod, Fp8Linear):
+            continue
+        if fast and mod.dynamic_activations and scaled_mm_shape_ok(mod.in_features, mod.out_features):
+            setattr(parent, attr, ScaledMMLinear(mod))
+            n_mm += 1
+            continue
+        w = dequantize(mod.weight, mod.weight_scale, dtype)  # (out, in)
+        bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
+        if mod.comm is not None:
+            new = RowParallelLinear(w, bias, mod.comm)
+        else:
+            new = nn.Linear(mod.in_features, mod.out_features, bias=bias is not None, device=w.device, dtype=dtype)
+            new.weight = nn.Parameter(w, requires_grad=False)
+            if bias is not None:
+                new.bias = nn.Parameter(bias, requires_grad=False)
+        setattr(parent, attr, new)
+        n_deq += 1
+    backend = "w8a8 (torch._scaled_mm, row-wise scales)" if fast else "weight-only (dequantized at load)"
+    return Fp8Report(quantized_at_load=at_load, w8a8=n_mm, dequant=n_deq, backend=backend)

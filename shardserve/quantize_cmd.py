@@ -1,0 +1,184 @@
+"""`shardserve quantize` (FP8 checkpoints) and `shardserve eval ppl` (what quantization cost)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+
+FORMATS = ("fp8",)
+
+eval_app = typer.Typer(help="Evaluate a checkpoint.", no_args_is_help=True)
+
+
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def quantize(
+    model: Path = typer.Option(..., "--model", help="Source checkpoint directory (float weights)."),
+    out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
+    format: str = typer.Option("fp8", "--format", help="Quantization format: fp8 (e4m3, per-channel scales)."),
+) -> None:
+    """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
+
+    fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
+    compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
+    embeddings, norms and the LM head keep the source dtype.
+    """
+    from engines.checkpoint import (
+        QUANTIZABLE,
+        CheckpointError,
+        TensorReader,
+        fp8_scheme,
+        load_model,
+        quantized_params,
+        weight_plan,
+    )
+    from engines.config import ConfigError, ModelConfig
+    from engines.fp8_format import Fp8FormatError
+
+    if format not in FORMATS:
+        raise _fail(f"--format: {format!r} is not supported; supported: {', '.join(FORMATS)}")
+    if out.resolve() == model.resolve():
+        raise _fail("--out: must differ from --model (the source is read while the output is written)")
+    try:
+        cfg = ModelConfig.from_dir(model)
+        reader = TensorReader(model)
+        if quantized_params(cfg, reader, fp8_scheme(model)):
+            raise _fail(f"--model: {str(model)!r} is already an FP8 checkpoint")
+        src_dtype = reader.get(next(iter(weight_plan(cfg).values()))[0].name).dtype
+        if not src_dtype.is_floating_point:
+            raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
+        net, cfg = load_model(model, dtype=src_dtype)
+        before = _linear_bytes(reader, cfg)
+        from engines.checkpoint import save_checkpoint
+
+        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=True, tokenizer_dir=model)
+    except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from exc
+    after = _linear_bytes(TensorReader(out), cfg)
+    n = sum(len(sources) for name, sources in weight_plan(cfg).items() if name.endswith(QUANTIZABLE))
+    total_in = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales), the rest kept in "
+               f"{str(src_dtype).removeprefix('torch.')} -> {out}")
+    typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
+               f"weight files: {total_in:,} -> {total_out:,} bytes ({total_out / max(total_in, 1):.3f}x)")
+    if cfg.model_type == "gpt2":
+        typer.echo("note: model_type gpt2: shardserve and vLLM read this file; transformers does not run it "
+                   "correctly (its GPT-2 layers are Conv1D, which compressed-tensors does not quantize, so it "
+                   "loads the e4m3 values without their scales). Llama-family files load in all three. "
+                   "See docs/fp8.md.")
+
+
+def _linear_bytes(reader, cfg) -> int:
+    """Bytes of the block Linear weights (and their scales, when present) in a checkpoint."""
+    from engines.checkpoint import QUANTIZABLE, scale_name, weight_plan
+
+    total = 0
+    for ours, sources in weight_plan(cfg).items():
+        if not ours.endswith(QUANTIZABLE):
+            continue
+        for src in sources:
+            for name in (src.name, scale_name(src.name)):
+                if reader.has(name):
+                    t = reader.get(name)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def _token_file(tokens: Path | None) -> tuple[Path, str]:
+    """The token file and its dtype (meta.json beside it, as training's data folder writes)."""
+    path = tokens or Path("data/shakespeare/val.bin")
+    if not path.is_file():
+        hint = " (prepare the default corpus with `shardserve data`)" if tokens is None else ""
+        raise _fail(f"--tokens: {str(path)!r} is not a file{hint}")
+    meta = path.parent / "meta.json"
+    dtype = "uint16"
+    if meta.is_file():
+        try:
+            dtype = json.loads(meta.read_text()).get("dtype", dtype)
+        except json.JSONDecodeError as exc:
+            raise _fail(f"{meta}: not valid JSON ({exc})") from exc
+    return path, dtype
+
+
+def perplexity(model_dir: Path, tokens: Path | None = None, window: int = 0, max_tokens: int = 0,
+               weight_dtype: str = "auto", dtype: str = "float32", batch: int = 8) -> dict:
+    """Validation perplexity of a checkpoint over a token file, through the engine's model and
+    its FP8 transformation (the same layers `shardserve serve` runs).
+
+    The file is cut into non-overlapping windows of `window` tokens (default: the model's
+    context); every token but each window's first is predicted from the ones before it in its
+    window. Returns {"ppl", "nll", "tokens", ...}.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    from engines.checkpoint import load_model
+    from engines.fp8 import apply_fp8
+
+    path, tdtype = _token_file(tokens)
+    data = np.memmap(path, dtype=np.dtype(tdtype), mode="r")
+    if max_tokens:
+        data = data[:max_tokens]
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model, cfg = load_model(model_dir, dtype=torch_dtype)
+    report = apply_fp8(model, weight_dtype, "cpu", torch_dtype)
+    w = window or cfg.max_position_embeddings
+    if not 2 <= w <= cfg.max_position_embeddings:
+        raise ValueError(f"window: must be in [2, {cfg.max_position_embeddings}] (the model's context), got {w}")
+    n_win = len(data) // w
+    if n_win == 0:
+        raise ValueError(f"tokens: {path} holds {len(data)} tokens, fewer than one window of {w}")
+    if int(data[:n_win * w].max()) >= cfg.vocab_size:
+        raise ValueError(f"tokens: {path} holds ids >= the model's vocab_size {cfg.vocab_size} "
+                         f"(dtype {tdtype} from meta.json); wrong file or model")
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for i in tqdm(range(0, n_win, batch), desc="eval ppl", unit="batch", leave=False):
+            k = min(batch, n_win - i)
+            x = torch.from_numpy(np.asarray(data[i * w:(i + k) * w], dtype=np.int64)).view(k, w)  # (B, T)
+            logits = model.logits(model(x[:, :-1]))  # (B, T-1, V) fp32
+            nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                   reduction="sum").item()
+            count += k * (w - 1)
+    return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": n_win, "window": w,
+            "weight_dtype": "fp8" if report.fp8 else dtype, "fp8_backend": report.backend if report.fp8 else None,
+            "model": str(model_dir), "token_file": str(path)}
+
+
+@eval_app.command("ppl")
+def ppl(
+    model: Path = typer.Option(..., "--model", help="Checkpoint directory."),
+    tokens: Path | None = typer.Option(None, "--tokens", help="Token file (raw uint16/uint32, dtype from a "
+                                       "meta.json beside it); default data/shakespeare/val.bin."),
+    window: int = typer.Option(0, help="Tokens per window; 0 uses the model's context length."),
+    max_tokens: int = typer.Option(0, help="Evaluate only the first N tokens of the file; 0 = all."),
+    weight_dtype: str = typer.Option("auto", help="auto (what the checkpoint holds) | fp8 (quantize at load)."),
+    dtype: str = typer.Option("float32", help="Compute dtype: float32 | bfloat16 | float16."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a line."),
+) -> None:
+    """Validation perplexity of MODEL on a token file, so a user sees what quantization cost."""
+    from engines.checkpoint import CheckpointError
+    from engines.config import WEIGHT_DTYPES, ConfigError
+
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise _fail(f"--weight-dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise _fail(f"--dtype: must be float32, bfloat16 or float16, got {dtype!r}")
+    try:
+        r = perplexity(model, tokens, window, max_tokens, weight_dtype, dtype)
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    if as_json:
+        typer.echo(json.dumps(r))
+    else:
+        typer.echo(f"ppl {r['ppl']:.4f}  (nll {r['nll']:.5f} nats/token over {r['tokens']:,} tokens, "
+                   f"{r['windows']} windows of {r['window']}; weights {r['weight_dtype']})")
