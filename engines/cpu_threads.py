@@ -1,0 +1,53 @@
+"""CPU threading for the engine: how idle OpenMP threads wait, and single-threaded tiny ops.
+
+Two measured facts on a 2-core AMD EPYC shared with other processes (load average 4-8,
+torch 2.13+cpu, libgomp), see BENCHMARKS.md, "Peer benchmark against vLLM's CPU build":
+
+- libgomp's default lets a thread that finished its share of a parallel region spin for a while
+  before it sleeps. When the machine is oversubscribed, the spinning thread burns the time slice
+  its partner (or the Python thread that would issue the next op) needs, and every op with a
+  parallel region waits for the scheduler: the decode step's per-sequence attention loop took
+  123-916 ms per layer with 2 threads against 16 ms with idle threads sleeping
+  (OMP_WAIT_POLICY=PASSIVE), and a (57 x 768) @ (768 x 2304) matmul 22.6 ms against 6.4 ms.
+  On an idle machine a sleeping thread costs a futex wake-up (microseconds) per region.
+  `configure_openmp_env` makes PASSIVE the default of a process that imports `engines` before
+  torch; a user's own OMP_WAIT_POLICY always wins.
+- Decode attention issues one small op per sequence and layer (a context of a few hundred keys:
+  ~1 MFLOP). Splitting such an op over threads buys little and costs a fork/join each time;
+  `single_threaded()` runs such a loop on the calling thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
+
+
+def configure_openmp_env(environ: dict[str, str] | None = None) -> bool:
+    """Set OMP_WAIT_POLICY=PASSIVE unless the user set it or torch (hence libgomp, which reads it
+    once at load) is already imported. Returns whether it set it."""
+    env = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in env or "torch" in sys.modules:
+        return False
+    env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_DEFAULT
+    return True
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run the block's torch ops with one intra-op thread, then restore the count (~0.2 us)."""
+    import torch
+
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
