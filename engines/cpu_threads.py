@@ -12,6 +12,12 @@ torch 2.13+cpu, libgomp), see BENCHMARKS.md, "Peer benchmark against vLLM's CPU 
   On an idle machine a sleeping thread costs a futex wake-up (microseconds) per region.
   `configure_openmp_env` makes PASSIVE the default of a process that imports `engines` before
   torch; a user's own OMP_WAIT_POLICY always wins.
+- With two threads on two cores shared with other work, every parallel region of the step waits
+  for both threads to be scheduled: a batch-57 decode step took 1,860 ms on 2 threads against
+  875 ms on 1 (load average 4.2-4.6), and prefill 67 s against 52 s. `engine_threads` leaves one
+  core to the rest of the process and the host (scheduler, tokenizer, HTTP front end, neighbours)
+  when there is more than one, as vLLM's CPU build does (it binds its model to all cores but
+  one); OMP_NUM_THREADS or EngineConfig.worker_threads override it.
 - Decode attention issues one small op per sequence and layer (a context of a few hundred keys:
   ~1 MFLOP). Splitting such an op over threads buys little and costs a fork/join each time;
   `single_threaded()` runs such a loop on the calling thread only.
@@ -35,6 +41,20 @@ def configure_openmp_env(environ: dict[str, str] | None = None) -> bool:
         return False
     env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_DEFAULT
     return True
+
+
+def engine_threads(worker_threads: int = 0, cpu_count: int | None = None,
+                   environ: dict[str, str] | None = None) -> int:
+    """torch intra-op threads of an in-process engine: worker_threads when > 0, else
+    OMP_NUM_THREADS when set, else all cores but one (at least one)."""
+    if worker_threads > 0:
+        return worker_threads
+    env = os.environ if environ is None else environ
+    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    n = cpu_count if cpu_count is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    return max(1, n - 1)
 
 
 @contextlib.contextmanager

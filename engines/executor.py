@@ -37,6 +37,12 @@ class InProcessExecutor(Executor):
     def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, model=None):
         from engines.worker import ModelRunner
 
+        if engine_cfg.device == "cpu":
+            import torch
+
+            from engines.cpu_threads import engine_threads
+
+            torch.set_num_threads(engine_threads(engine_cfg.worker_threads))
         self.runner = ModelRunner(model_dir, engine_cfg, model=model)
         self.num_blocks = self.runner.num_blocks
         self.model_config = self.runner.model_config
