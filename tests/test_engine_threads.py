@@ -88,3 +88,28 @@ def test_engine_threads_leave_one_core():
     assert engine_threads(0, cpu_count=1, environ={}) == 1
     assert engine_threads(0, cpu_count=16, environ={"OMP_NUM_THREADS": "4"}) == 4
     assert engine_threads(3, cpu_count=16, environ={"OMP_NUM_THREADS": "4"}) == 3
+
+
+def test_engine_steps_run_on_engine_threads_and_leave_the_callers_count(model_dir, monkeypatch):
+    from engines import EngineConfig, LLMEngine, SamplingParams
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = LLMEngine(model_dir, EngineConfig(num_kv_blocks=64, worker_threads=1))
+        assert torch.get_num_threads() == 2
+        seen = []
+        execute = eng.executor.runner.execute
+
+        def spy(plan):
+            seen.append(torch.get_num_threads())
+            return execute(plan)
+
+        monkeypatch.setattr(eng.executor.runner, "execute", spy)
+        eng.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
