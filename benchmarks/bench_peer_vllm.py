@@ -192,7 +192,8 @@ def http_mix(server: str, vllm_py: Path | None, model: Path, kv_bytes: int, n: i
         s = s.get("summary", s)
         return {"tok_s": s["output_throughput"], "ttft_p50_s": s["ttft_ms"]["p50"] / 1e3,
                 "ttft_p90_s": s["ttft_ms"]["p90"] / 1e3, "itl_p99_s": s["itl_ms"]["p99"] / 1e3,
-                "itl_max_s": s["itl_ms"]["max"] / 1e3, "failed": s["failed"], "start_s": start_s}
+                "itl_max_s": s["itl_ms"]["max"] / 1e3, "failed": s["failed"], "start_s": start_s,
+                "load": os.getloadavg()[0]}
     except (RuntimeError, OSError, KeyError, ValueError, subprocess.SubprocessError) as exc:  # a server that fails is a result to report, not a crash of the benchmark
         return {"error": f"{type(exc).__name__}: {exc} (log: {log.name})"}
     finally:
@@ -273,7 +274,7 @@ def main() -> None:
             if "ours" in tps and task == "mix":
                 line += (f" | {mix_flops(n) / res['ours']['seconds'] / peak:.0%} of the fp32 compute ceiling"
                          if dt == "float32" else "")
-            print(line, flush=True)
+            print(line + f" | load {os.getloadavg()[0]:.1f}", flush=True)
             rows.append((task, dt, res))
     if "http" not in skip:
         with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
@@ -286,7 +287,7 @@ def main() -> None:
                 else:
                     print(f"http {eng}: {r['tok_s']:.1f} output tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s p90 "
                           f"{r['ttft_p90_s']:.2f} s, ITL p99 {r['itl_p99_s']:.2f} s max {r['itl_max_s']:.2f} s, "
-                          f"{r['failed']} failed, server ready in {r['start_s']:.0f} s")
+                          f"{r['failed']} failed, server ready in {r['start_s']:.0f} s, load {r['load']:.1f}")
             if all("error" not in r for r in http.values()) and len(http) == 2:
                 o, v = http["ours"], http["vllm"]
                 print(f"http ours/vLLM: tok/s {o['tok_s'] / v['tok_s']:.2f}x, TTFT p50 "

@@ -3,6 +3,10 @@
 Imports torch, safetensors, tokenizers and numpy only, so it runs on a bare GPU host.
 """
 
+from engines.cpu_threads import configure_openmp_env
+
+configure_openmp_env()  # before anything imports torch: libgomp reads it once, at load
+
 from engines.config import ConfigError, EngineConfig, ModelConfig
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import TokenLogprob

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engines.cpu_threads import single_threaded
 from engines.plan import SeqWork
 
 
@@ -157,8 +158,10 @@ class PagedAttention:
             y = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=self.dec_mask, enable_gqa=gqa)
             return y.view(S, q.shape[1], q.shape[2])
         out = torch.empty_like(q)
-        for i, runs in enumerate(self.dec_runs):
-            ks = read_runs(k_cache, runs).transpose(0, 1)[None]  # (1, nkv, L, hd), a view for one run
-            vs = read_runs(v_cache, runs).transpose(0, 1)[None]
-            out[i] = F.scaled_dot_product_attention(qd[i:i + 1], ks, vs, enable_gqa=gqa)[0, :, 0]
+        # one small op per sequence (~1 MFLOP): no fork/join of the thread team for each
+        with single_threaded():
+            for i, runs in enumerate(self.dec_runs):
+                ks = read_runs(k_cache, runs).transpose(0, 1)[None]  # (1, nkv, L, hd), a view for one run
+                vs = read_runs(v_cache, runs).transpose(0, 1)[None]
+                out[i] = F.scaled_dot_product_attention(qd[i:i + 1], ks, vs, enable_gqa=gqa)[0, :, 0]
         return out

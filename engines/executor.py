@@ -8,9 +8,11 @@ implement the same three methods, so the engine never knows which one it drives.
 from __future__ import annotations
 
 import abc
+import contextlib
 from pathlib import Path
 
 from engines.config import EngineConfig, ModelConfig
+from engines.cpu_threads import engine_threads, intra_op_threads
 from engines.plan import StepPlan, StepResult
 
 
@@ -37,12 +39,20 @@ class InProcessExecutor(Executor):
     def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, model=None):
         from engines.worker import ModelRunner
 
-        self.runner = ModelRunner(model_dir, engine_cfg, model=model)
+        # CPU: load (the kernel timing of engines.fast_linear included) and every step run on
+        # engine_threads() intra-op threads; the caller's own setting is restored after each
+        self.threads = engine_threads(engine_cfg.worker_threads) if engine_cfg.device == "cpu" else 0
+        with self._threads():
+            self.runner = ModelRunner(model_dir, engine_cfg, model=model)
         self.num_blocks = self.runner.num_blocks
         self.model_config = self.runner.model_config
 
+    def _threads(self) -> contextlib.AbstractContextManager[None]:
+        return intra_op_threads(self.threads) if self.threads else contextlib.nullcontext()
+
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.runner.execute(plan)
+        with self._threads():
+            return self.runner.execute(plan)
 
     def shutdown(self) -> None:
         self.runner = None  # type: ignore[assignment]
