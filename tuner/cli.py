@@ -234,13 +234,20 @@ def _pareto(ranked, path: Path) -> None:
 def profile_cmd(
     out: Path = typer.Option(Path("results/tune/this-machine.yaml"), "--out", help="Where the profile YAML goes."),
     name: str = typer.Option("this-machine", "--name", help="Profile name."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Also time requests through a real "
+                               "`shardserve serve` (gateway + Ray overhead per request and per token)."),
 ) -> None:
-    """Measure this machine (matmul rate per dtype, read bandwidth, memory) into a profile YAML
-    that --hardware accepts."""
+    """Measure this machine (matmul rate per dtype, row count and threads; read bandwidth; the
+    engine's per-step, per-layer, per-sequence and attention costs; gloo all-reduce and send;
+    gateway + Ray overhead) into a profile YAML that --hardware accepts."""
+    import time
+
     from tuner.measure import measure
 
-    prof = measure(name)
+    t0 = time.perf_counter()
+    prof = measure(name, serve=serve, progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}",
+                                                                      err=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
     typer.echo(json.dumps(prof.to_dict()))
-    typer.echo(f"saved {out}")
+    typer.echo(f"saved {out} in {time.perf_counter() - t0:.1f} s")
