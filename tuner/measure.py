@@ -166,9 +166,9 @@ def measure_serving(model_dir: Path, work_dir: Path, prefill_s: float, decode_s:
 
     args = ["--model", str(model_dir), "--name", "probe"]
     with Server(args, work_dir / "serve.log") as url:
-        base = dict(url=url, model="probe", backend="openai-completions", arrival="constant", request_rate=4.0,
-                    random_input_len=16, tokenizer=model_dir / "tokenizer.json", ignore_eos=True, progress=False,
-                    seed=1)
+        base = {"url": url, "model": "probe", "backend": "openai-completions", "arrival": "constant", "request_rate": 4.0,
+                    "random_input_len": 16, "tokenizer": model_dir / "tokenizer.json", "ignore_eos": True, "progress": False,
+                    "seed": 1}
         run(LoadTestConfig(**base, num_prompts=4, random_output_len=8))  # warm-up
         rep = run(LoadTestConfig(**base, num_prompts=16, random_output_len=17))
     s = rep.summary
