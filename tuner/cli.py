@@ -276,6 +276,8 @@ def profile_cmd(
     name: str = typer.Option("this-machine", "--name", help="Profile name."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Also time requests through a real "
                                "`shardserve serve` (gateway + Ray overhead per request and per token)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Engine dtype the step constants are fitted in: auto (what "
+                              "the engine picks here), bfloat16 or float32."),
 ) -> None:
     """Measure this machine (matmul rate per dtype, row count and threads; read bandwidth; the
     engine's per-step, per-layer, per-sequence and attention costs; gloo all-reduce and send;
@@ -284,8 +286,10 @@ def profile_cmd(
 
     from tuner.measure import measure
 
+    if dtype not in ("auto", "bfloat16", "float32"):
+        _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
     t0 = time.perf_counter()
-    prof = measure(name, serve=serve, progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}",
+    prof = measure(name, serve=serve, dtype=dtype, progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}",
                                                                       err=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)

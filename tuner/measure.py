@@ -96,13 +96,15 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def _engine_steps(model_dir: Path, scenarios: list[tuple[int, int, int]]) -> list[tuple[object, float]]:
-    """Run the engine itself on (batch, prompt_len, max_tokens) scenarios; (StepWork, seconds) per step."""
+def _engine_steps(model_dir: Path, scenarios: list[tuple[int, int, int]], dtype: str = "float32"
+                  ) -> list[tuple[object, float]]:
+    """Run the engine itself (weights and activations in `dtype`) on (batch, prompt_len, max_tokens)
+    scenarios; (StepWork, seconds) per step."""
     from engines import EngineConfig, SamplingParams
     from engines.llm_engine import LLMEngine
     from tuner.simulate import work_of
 
-    eng = LLMEngine(model_dir, EngineConfig(dtype="float32", kv_cache_bytes=256 * 2**20, max_num_seqs=64,
+    eng = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_bytes=256 * 2**20, max_num_seqs=64,
                                             max_num_batched_tokens=4096))
     works: list = []
     orig = eng.scheduler.schedule
@@ -157,15 +159,19 @@ def fit_engine_constants(steps: list[tuple[object, float, object]]) -> dict[str,
             "attention_kv_gb_s": 1 / x[5] / 1e9 if x[5] > 0 else 1e4}
 
 
-def measure_serving(model_dir: Path, work_dir: Path, prefill_s: float, decode_s: float) -> dict[str, float]:
+def measure_serving(model_dir: Path, work_dir: Path, prefill_s: float, decode_s: float,
+                    dtype: str = "float32") -> dict[str, float]:
     """Serve the probe with `shardserve serve` and time requests through the gateway with the load
     tester: what TTFT and TPOT add beyond the engine's own prefill and decode steps."""
+    import yaml
+
     from loadtest.config import LoadTestConfig
     from loadtest.runner import run
     from tuner.server import Server
 
-    args = ["--model", str(model_dir), "--name", "probe"]
-    with Server(args, work_dir / "serve.log") as url:
+    conf = work_dir / "probe.yaml"
+    conf.write_text(yaml.safe_dump({"models": [{"name": "probe", "path": str(model_dir), "engine": {"dtype": dtype}}]}))
+    with Server(["--config", str(conf)], work_dir / "serve.log") as url:
         base = {"url": url, "model": "probe", "backend": "openai-completions", "arrival": "constant", "request_rate": 4.0,
                     "random_input_len": 16, "tokenizer": model_dir / "tokenizer.json", "ignore_eos": True, "progress": False,
                     "seed": 1}
@@ -176,10 +182,16 @@ def measure_serving(model_dir: Path, work_dir: Path, prefill_s: float, decode_s:
             "token_overhead_us": max(s.tpot_ms.p50 - decode_s * 1e3, 0.0) * 1e3}
 
 
-def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print
-            ) -> HardwareProfile:
-    """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0)."""
+def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
+            dtype: str = "auto") -> HardwareProfile:
+    """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0).
+    The engine constants are fitted on steps in `dtype` ("auto": what the engine picks here, bf16
+    on CPUs with AMX or AVX512-BF16, else float32), the dtype the profile's configs should serve in."""
     import torch
+
+    from engines.config import EngineConfig, resolved_dtype
+
+    dtype = resolved_dtype(EngineConfig(dtype=dtype))
 
     from tuner.cost import CostModel
     from tuner.measure_comm import measure_gloo
@@ -210,27 +222,27 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         for layers in PROBE_LAYERS:
             cfg = gpt2_shape(layers, PROBE["n_head"], PROBE["n_embd"], PROBE["vocab_size"], PROBE["positions"])
             dirs[layers] = write_random_checkpoint(Path(tmp) / f"probe{layers}", cfg)
-            cost = CostModel(cfg, base, weight_dtype="float32")
+            cost = CostModel(cfg, base, weight_dtype=dtype)
             # (batch, prompt tokens, output tokens): decode at 3 batch sizes and 2 contexts, 2 prefills
             scenarios = [(1, 16, 12), (16, 16, 8), (48, 16, 4), (4, 400, 6), (1, 700, 2)]
-            steps += [(w, dt, cost) for w, dt in _engine_steps(dirs[layers], scenarios)]
+            steps += [(w, dt, cost) for w, dt in _engine_steps(dirs[layers], scenarios, dtype)]
         fit = fit_engine_constants(steps)
         prof = base.replace(**{k: round(float(v), 4) for k, v in fit.items()})
         served = {"request_overhead_ms": 0.0, "token_overhead_us": 0.0}
         if serve:
             progress("gateway + Ray overhead: `shardserve serve` of the 1-layer probe, load tester requests")
             cost1 = CostModel(gpt2_shape(1, PROBE["n_head"], PROBE["n_embd"], PROBE["vocab_size"], PROBE["positions"]),
-                              prof, weight_dtype="float32")
+                              prof, weight_dtype=dtype)
             from tuner.cost import StepWork
 
             pre = cost1.step_time(StepWork(tokens=16, sampled=1, prefill_attn_pairs=16 * 17 // 2))
             dec = cost1.step_time(StepWork(tokens=1, sampled=1, decode_context=24))
-            served = measure_serving(dirs[1], Path(tmp), pre, dec)
+            served = measure_serving(dirs[1], Path(tmp), pre, dec, dtype)
     prof = prof.replace(request_overhead_ms=round(float(served["request_overhead_ms"]), 3),
                         seq_overhead_us=round(float(prof.seq_overhead_us + served["token_overhead_us"]), 3),
                         fit_notes=(f"measured by `shardserve tune profile` in {time.perf_counter() - t_start:.0f} s "
                                    f"on {cores} CPUs (torch {torch.__version__}); engine constants fitted on "
-                                   f"{len(steps)} probe steps; seq_overhead_us includes "
+                                   f"{len(steps)} {dtype} probe steps (serve in {dtype}); seq_overhead_us includes "
                                    f"{served['token_overhead_us']:.0f} us of streaming per token through the "
                                    f"gateway{'' if serve else ' (not measured: --no-serve)'}"))
     return prof
