@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
+from loadtest.config import SLO
 from shardserve.cli import app
 from tuner.emit import deployment
 from tuner.profiles import HardwareProfile, load_profile
@@ -118,3 +119,17 @@ def test_search_validate_closed_loop(tmp_path):
     assert load_profile(str(out / "refit.yaml")).kind == "measured"
     assert (out / "validation.png").stat().st_size > 1000
     assert "predicted / measured" in run.output
+
+
+def test_cpu_host_is_one_device():
+    """On a CPU profile the grid keeps layouts within the host's cores, one replica each, and
+    goodput per device is per host (TP does not divide it)."""
+    from tuner.search import Workload, evaluate, grid
+
+    cands = grid(TINY, devices=8, tps=(1, 2, 4), pps=(1, 2), seqs=(4,), tokens=(256,), dtypes=("float32",), cores=2)
+    assert {(c.tp, c.pp, c.replicas) for c in cands} == {(1, 1, 1), (2, 1, 1), (1, 2, 1)}
+    slo = (SLO("ttft", 5000.0, "p99"),)
+    done = evaluate(TINY, _cpu_profile(), cands, Workload(8, 4, 20), slo)
+    for c in done:
+        assert c.metrics["devices"] == 1
+        assert c.metrics["goodput_per_device"] == pytest.approx(c.metrics["goodput_req_s"])
