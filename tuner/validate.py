@@ -37,7 +37,7 @@ class ValidateSettings:
     warmup: int = 4
     accuracy_load: float = 0.6
     """The accuracy run offers this share of the predicted goodput (below saturation)."""
-    sweep_steps: int = 6
+    sweep_steps: int = 10
     sweep_tolerance: float = 0.05
     startup_timeout_s: float = 240.0
     seed: int = 0
