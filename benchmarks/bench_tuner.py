@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import subprocess
 import time
@@ -106,8 +107,12 @@ def main() -> None:
               f"worst |error| " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
     print(f"# load after {env['load_after']}, {env['elapsed_s']:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
-    for r in rows:
-        del r["_run"]
+    for r in rows:  # the measured requests, so that a refit can be redone offline
+        run = r.pop("_run")
+        r["requests"] = {k: [None if math.isnan(v) else float(v) for v in getattr(run, k)]
+                         for k in ("arrivals", "input_lens", "output_lens", "ttft_s", "tpot_s")}
+        r["scheduler"] = {k: getattr(run.sched, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                             "num_blocks", "max_model_len")}
     (args.out / "accuracy.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
 
