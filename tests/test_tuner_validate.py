@@ -71,6 +71,20 @@ def test_refit_recovers_scaled_coefficients():
     assert fitted.kind == "measured"
     with pytest.raises(ValueError, match="unknown coefficient"):
         refit(start, runs, free=("warp",))
+    # a CPU profile with rate tables: a 2-thread shard's matmuls have their own factor (matmul_mt)
+    tables = {1: {"float32": {1: 0.002, 64: 0.004}}, 2: {"float32": {1: 0.001, 64: 0.002}}}
+    slow = {1: tables[1], 2: {"float32": {1: 0.0005, 64: 0.001}}}
+    truth_mt, start_mt = _cpu_profile(matmul_tflops=slow), _cpu_profile(matmul_tflops=tables)
+    runs_mt = []
+    for run in runs:
+        cost = CostModel(TINY, truth_mt, weight_dtype="float32")
+        tr = simulate(cost.step_time, sched, run.arrivals, run.input_lens, run.output_lens,
+                      request_overhead=truth_mt.request_overhead_ms * 1e-3)
+        runs_mt.append(Run(TINY, 1, 1, "float32", sched, run.arrivals, run.input_lens, run.output_lens,
+                           np.array([t.ttft for t in tr]), np.array([t.tpot for t in tr])))
+    fitted, factors = refit(start_mt, runs_mt, free=("matmul_mt", "step", "request"))
+    assert factors["matmul_mt"] == pytest.approx(2.0, rel=0.1)
+    assert fitted.matmul_rate("float32", 64, 1) == pytest.approx(truth_mt.matmul_rate("float32", 64, 1), rel=0.1)
 
 
 def test_validate_rejects_bad_input(tmp_path):

@@ -19,8 +19,10 @@ from tuner.profiles import HardwareProfile
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8")
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 GIB = 2**30
-COMPONENTS = ("matmul", "attention", "comm", "layer", "seq_layer", "seq", "step")
-"""The parts of a step's time, one per profile coefficient (CostModel.components)."""
+COMPONENTS = ("matmul", "matmul_mt", "attention", "comm", "layer", "seq_layer", "seq", "step")
+"""The parts of a step's time, one per profile coefficient (CostModel.components). matmul_mt is
+the matmul time of a CPU shard that runs several threads (its own rate table, the one other
+processes on a shared host slow most); matmul is every other matmul."""
 
 
 class LayoutError(ValueError):
@@ -150,9 +152,11 @@ class CostModel:
                 + 2 * self.kv_heads_per_device * m.hd * self.kv_bytes * w.decode_context / kv_rate)
         head_comm = self._allreduce(w.sampled * m.vocab_size * 4 / self.tp)
         send_lat = (p.send_latency_us or p.collective_latency_us) * 1e-6
+        mm = layers * matmul(self.layer_params / self.tp, w.tokens) + matmul(m.vocab_size * m.n_embd / self.tp, w.sampled)
+        multi = bool(p.cores and p.matmul_tflops and p.threads(shards) > 1)
         return {
-            "matmul": layers * matmul(self.layer_params / self.tp, w.tokens)
-            + matmul(m.vocab_size * m.n_embd / self.tp, w.sampled),
+            "matmul": 0.0 if multi else mm,
+            "matmul_mt": mm if multi else 0.0,
             "attention": layers * attn,
             "comm": layers * 2 * self._allreduce(act) + head_comm + (self.pp - 1) * (send_lat + act / self._link()),
             "layer": layers * p.layer_overhead_us * 1e-6,

@@ -147,7 +147,8 @@ def fit_engine_constants(steps: list[tuple[object, float, object]]) -> dict[str,
         pre_flops = 4 * m.n_head * m.hd * w.prefill_attn_pairs
         kv_bytes = 2 * m.kv_heads * m.hd * cost.kv_bytes * w.decode_context
         feats.append([1.0, layers, layers * seqs, w.sampled, layers * pre_flops, layers * kv_bytes])
-        ys.append(dt - cost.components(w)["matmul"])
+        parts = cost.components(w)
+        ys.append(dt - parts["matmul"] - parts["matmul_mt"])
     a, y = np.array(feats), np.array(ys)
     # relative errors: every step counts alike, long prefills do not drown the decode steps
     wgt = 1.0 / np.maximum(np.array([dt for _, dt, _ in steps]), 1e-6)

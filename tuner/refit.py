@@ -62,6 +62,10 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
     changes = {f: getattr(p, f) * t[c] for c, f in _FIELD.items()}
     changes["flops_efficiency"] = min(p.flops_efficiency / t["matmul"], 4.0)
     changes["bw_efficiency"] = min(p.bw_efficiency / t["matmul"], 4.0)
+    if p.matmul_tflops:  # multi-thread rate tables move by matmul_mt (relative to the shared efficiency)
+        rel = t["matmul"] / t["matmul_mt"]
+        changes["matmul_tflops"] = {th: ({d: {r: round(v * rel, 6) for r, v in rows.items()} for d, rows in tab.items()}
+                                         if int(th) > 1 else tab) for th, tab in p.matmul_tflops.items()}
     if p.attention_kv_gb_s:
         changes["attention_kv_gb_s"] = p.attention_kv_gb_s / t["attention"]
     if p.attention_prefill_tflops:
@@ -70,7 +74,8 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
     changes["send_latency_us"] = (p.send_latency_us or p.collective_latency_us) * t["comm"]
     changes["intra_node_bandwidth_gb_s"] = p.intra_node_bandwidth_gb_s / t["comm"]
     changes["inter_node_bandwidth_gb_s"] = p.inter_node_bandwidth_gb_s / t["comm"]
-    return p.replace(**{k: round(float(v), 6) for k, v in changes.items()}, kind="measured")
+    return p.replace(**{k: v if isinstance(v, dict) else round(float(v), 6) for k, v in changes.items()},
+                     kind="measured")
 
 
 def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray], list[float]]:
