@@ -185,9 +185,24 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
 
 
 def test_measured_profile_round_trips(tmp_path):
-    from tuner.measure import measure
+    """The measuring pieces of `tune profile` (small sizes) give a profile that loads back unchanged."""
+    from tuner.cost import CostModel
+    from tuner.measure import PROBE, _engine_steps, fit_engine_constants, measure_bandwidth, measure_matmul
+    from tuner.probe_model import gpt2_shape, write_random_checkpoint
 
-    prof = measure("unit-machine", size=128, rows=(4, 64))
-    assert prof.kind == "measured" and prof.flops("float32") > 0 and prof.hbm_bandwidth_gb_s > 0
+    rates = measure_matmul((1,), rows=(4, 64))
+    assert set(rates[1]) == {"float32", "bfloat16"} and all(v > 0 for v in rates[1]["float32"].values())
+    bw = measure_bandwidth(mib=64)
+    base = HardwareProfile(name="unit-machine", kind="measured", memory_gib=8.0, hbm_bandwidth_gb_s=round(bw, 2),
+                           flops_tflops={"float32": rates[1]["float32"][64]}, matmul_tflops=rates, cores=1,
+                           intra_node_bandwidth_gb_s=1.0, inter_node_bandwidth_gb_s=1.0, bw_efficiency=1.0,
+                           flops_efficiency=1.0)
+    cfg = gpt2_shape(1, PROBE["n_head"], PROBE["n_embd"], PROBE["vocab_size"], PROBE["positions"])
+    ckpt = write_random_checkpoint(tmp_path / "probe", cfg)
+    cost = CostModel(cfg, base, weight_dtype="float32")
+    steps = [(w, dt, cost) for w, dt in _engine_steps(ckpt, [(1, 8, 4), (4, 8, 3), (1, 200, 2)], "float32")]
+    assert len(steps) >= 5 and all(dt > 0 for _, dt, _ in steps)
+    prof = base.replace(**{k: round(float(v), 4) for k, v in fit_engine_constants(steps).items()})
+    assert prof.step_overhead_ms + prof.layer_overhead_us + prof.seq_layer_overhead_us > 0
     prof.save(tmp_path / "p.yaml")
     assert load_profile(str(tmp_path / "p.yaml")) == prof

@@ -132,17 +132,27 @@ def search_cmd(
     input_len: int = typer.Option(128, "--input-len"),
     output_len: int = typer.Option(128, "--output-len"),
     num_prompts: int = typer.Option(150, "--num-prompts", help="Simulated requests per rate probe."),
-    model_path: str = typer.Option("models/default", "--model-path", help="Checkpoint path in the emitted YAML."),
+    model_path: str = typer.Option("", "--model-path", help="Checkpoint in the emitted YAML (and served by "
+                                   "--validate); empty: models/default in the YAML, and --validate serves a "
+                                   "random-weight checkpoint of --model's shape (timing does not depend on weights)."),
     out: Path = typer.Option(Path("results/tune"), "--out", help="Result directory (table JSON, Pareto PNG, YAML)."),
     top: int = typer.Option(10, "--top", help="Rows of the ranked table to print."),
     weight_dtype: list[str] = typer.Option(["bfloat16", "fp8"], "--weight-dtype",
                                            help="Weight dtypes to search (repeatable): bfloat16, float16, float32, fp8."),
+    tp: list[int] = typer.Option([1, 2, 4, 8], "--tp", help="Tensor-parallel sizes to search (repeatable)."),
+    pp: list[int] = typer.Option([1, 2, 4], "--pp", help="Pipeline stages to search (repeatable)."),
+    max_num_seqs: list[int] = typer.Option([64, 256], "--max-num-seqs", help="Batch limits to search (repeatable)."),
+    max_num_batched_tokens: list[int] = typer.Option([2048, 8192], "--max-num-batched-tokens",
+                                                     help="Per-step token budgets to search (repeatable)."),
+    validate: int = typer.Option(0, "--validate", help="Serve the top K configs with `shardserve serve`, "
+                                 "load-test them, print predicted against measured, refit and re-rank."),
+    validate_prompts: int = typer.Option(40, "--validate-prompts", help="Requests per validation load test."),
 ) -> None:
     """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
-    ranked table, write results.json, pareto.png and the chosen config as deployment YAML."""
-    import time
+    ranked table, write results.json, pareto.png and the chosen config as deployment YAML.
 
-    import yaml
+    On a measured CPU profile the host is one device: its shards share its cores, one replica."""
+    import time
 
     from loadtest.config import ConfigError as LoadConfigError
     from loadtest.config import parse_slo
@@ -157,6 +167,12 @@ def search_cmd(
         _fail(f"--objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if devices < 1 or input_len < 1 or output_len < 1 or num_prompts < 1:
         _fail("--devices, --input-len, --output-len and --num-prompts must be >= 1")
+    for flag, vals in (("--tp", tp), ("--pp", pp), ("--max-num-seqs", max_num_seqs),
+                       ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if not vals or min(vals) < 1:
+            _fail(f"{flag}: every value must be >= 1, got {vals}")
+    if validate < 0 or validate_prompts < 4:
+        _fail(f"--validate must be >= 0 and --validate-prompts >= 4, got {validate} and {validate_prompts}")
     try:
         slos = tuple(parse_slo(s) for s in slo)
     except LoadConfigError as exc:
@@ -167,7 +183,9 @@ def search_cmd(
     except ProfileError as exc:
         _fail(str(exc))
     t0 = time.perf_counter()
-    cands = evaluate(m, profile, grid(m, devices, dtypes=tuple(dict.fromkeys(weight_dtype))), Workload(input_len, output_len, num_prompts), slos)
+    cands = evaluate(m, profile, grid(m, devices, tps=tuple(tp), pps=tuple(pp), seqs=tuple(max_num_seqs),
+                                      tokens=tuple(max_num_batched_tokens), dtypes=tuple(dict.fromkeys(weight_dtype)),
+                                      cores=profile.cores), Workload(input_len, output_len, num_prompts), slos)
     elapsed = time.perf_counter() - t0
     ranked = rank(cands, objective)
     pruned = [c for c in cands if c.pruned]
@@ -188,19 +206,41 @@ def search_cmd(
                                                   "slos": [s.key for s in slos], "configs": rows}, indent=1))
     _pareto(ranked, out / "pareto.png")
     best = ranked[0]
-    dtype = "bfloat16" if best.weight_dtype == "fp8" else best.weight_dtype
-    deployment = {"models": [{
-        "name": "default", "path": model_path, "replicas": best.replicas,
-        "engine": {"dtype": dtype, "block_size": 16, "max_num_seqs": best.max_num_seqs,
-                   "max_num_batched_tokens": best.max_num_batched_tokens,
-                   "tensor_parallel_size": best.tp, "pipeline_parallel_size": best.pp},
-        # 16/32-bit weights are the engine's dtype; fp8 needs the FP8 issue's weight_format
-        "weight_format": "fp8" if best.weight_dtype == "fp8" else "auto"}]}
-    from deploy.schema import validate_config
+    from tuner.emit import deployment, write_yaml
 
-    validate_config(deployment, "tuned")  # what `shardserve serve --config` will read
-    (out / "tuned.yaml").write_text("# written by `shardserve tune search`\n" + yaml.safe_dump(deployment, sort_keys=False))
+    write_yaml(deployment(best, model_path or "models/default", profile), out / "tuned.yaml",
+               "written by `shardserve tune search`")
     typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
+    if validate:
+        _validate(ranked, validate, m, profile, Workload(input_len, output_len, num_prompts), slos, objective, out,
+                  model_path, validate_prompts)
+
+
+def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts) -> None:
+    from tuner.closed_loop import closed_loop
+    from tuner.server import ServeError
+    from tuner.validate import METRICS, ValidateSettings
+
+    if profile.kind != "measured":
+        _fail(f"--validate serves on this machine: --hardware must be a profile measured here by "
+              f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
+    try:
+        rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
+                          ValidateSettings(num_prompts=prompts), progress=lambda s: typer.echo(s, err=True))
+    except (ServeError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    typer.echo("\npredicted / measured (error) on each candidate's accuracy run; goodput by rate sweep")
+    for c in rep["candidates"]:
+        cfg = c["config"]
+        cells = "  ".join(f"{key} {c['predicted'][key]:.1f}/{c['measured'][key]:.1f} ({c['error'][key]:+.0%})"
+                          for key in METRICS)
+        typer.echo(f"tp={cfg['tp']} pp={cfg['pp']} seqs={cfg['max_num_seqs']} tokens={cfg['max_num_batched_tokens']} "
+                   f"{cfg['weight_dtype']}: {cells}; goodput/device predicted {c['predicted_goodput_per_device']:.2f} "
+                   f"measured {c['measured_goodput_per_device']:.2f} req/s")
+    typer.echo(f"the pick's measured goodput is {rep['pick_within_pct_of_best']:.1f}% below the best validated "
+               f"({rep['pick_measured_goodput_per_device']:.2f} vs {rep['best_measured_goodput_per_device']:.2f} req/s/device)")
+    typer.echo(f"refit factors: {json.dumps(rep['refit_factors'])}; report: {out / 'validation.json'}, "
+               f"{out / 'validation.png'}, refitted profile {out / 'refit.yaml'}")
 
 
 def _pareto(ranked, path: Path) -> None:
@@ -234,13 +274,24 @@ def _pareto(ranked, path: Path) -> None:
 def profile_cmd(
     out: Path = typer.Option(Path("results/tune/this-machine.yaml"), "--out", help="Where the profile YAML goes."),
     name: str = typer.Option("this-machine", "--name", help="Profile name."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Also time requests through a real "
+                               "`shardserve serve` (gateway + Ray overhead per request and per token)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Engine dtype the step constants are fitted in: auto (what "
+                              "the engine picks here), bfloat16 or float32."),
 ) -> None:
-    """Measure this machine (matmul rate per dtype, read bandwidth, memory) into a profile YAML
-    that --hardware accepts."""
+    """Measure this machine (matmul rate per dtype, row count and threads; read bandwidth; the
+    engine's per-step, per-layer, per-sequence and attention costs; gloo all-reduce and send;
+    gateway + Ray overhead) into a profile YAML that --hardware accepts."""
+    import time
+
     from tuner.measure import measure
 
-    prof = measure(name)
+    if dtype not in ("auto", "bfloat16", "float32"):
+        _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
+    t0 = time.perf_counter()
+    prof = measure(name, serve=serve, dtype=dtype, progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}",
+                                                                      err=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
     typer.echo(json.dumps(prof.to_dict()))
-    typer.echo(f"saved {out}")
+    typer.echo(f"saved {out} in {time.perf_counter() - t0:.1f} s")

@@ -19,6 +19,10 @@ from tuner.profiles import HardwareProfile
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8")
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 GIB = 2**30
+COMPONENTS = ("matmul", "matmul_mt", "attention", "comm", "layer", "seq_layer", "seq", "step")
+"""The parts of a step's time, one per profile coefficient (CostModel.components). matmul_mt is
+the matmul time of a CPU shard that runs several threads (its own rate table, the one other
+processes on a shared host slow most); matmul is every other matmul."""
 
 
 class LayoutError(ValueError):
@@ -52,6 +56,8 @@ class StepWork:
     """Sum over prefill tokens of the context each attends to (query x key pairs)."""
     decode_context: int = 0
     """Sum over decode tokens of their context length (KV tokens read)."""
+    seqs: int = 0
+    """Sequences in the step (a prefill chunk that samples nothing counts); 0 means `sampled`."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,12 @@ class CostModel:
     tp: int = 1
     pp: int = 1
     weight_dtype: str = "bfloat16"
-    kv_dtype_bytes: int = 2
+    kv_dtype_bytes: int = 0
+    """Bytes per KV element; 0: 4 with float32 weights (the engine's cache dtype), else 2."""
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_dtype_bytes or (4 if self.weight_dtype == "float32" else 2)
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -87,7 +98,7 @@ class CostModel:
 
     def kv_bytes_per_token(self) -> float:
         """KV-cache bytes of one token on one device (keys and values, its stage's layers)."""
-        return 2 * self.layers_per_stage * self.kv_heads_per_device * self.model.hd * self.kv_dtype_bytes
+        return 2 * self.layers_per_stage * self.kv_heads_per_device * self.model.hd * self.kv_bytes
 
     def weight_bytes_per_device(self) -> float:
         """Weights of the fullest device: its stage's layers plus embedding and LM head."""
@@ -110,26 +121,55 @@ class CostModel:
             else self.profile.inter_node_bandwidth_gb_s * 1e9
         return self.profile.collective_latency_us * 1e-6 + 2 * (self.tp - 1) / self.tp * nbytes / tp_bw
 
+    def components(self, w: StepWork) -> dict[str, float]:
+        """Seconds of one engine step, split by the profile coefficient each part scales with
+        (the refit in tuner.refit fits one factor per part); step_time is their sum."""
+        if w.tokens <= 0:
+            return dict.fromkeys(COMPONENTS, 0.0)
+        p, m = self.profile, self.model
+        shards = self.tp * self.pp
+        layers = self.pp * self.layers_per_stage  # stages run one after another within a step
+        seqs = w.seqs or w.sampled
+        bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
+        wbytes = _BYTES[self.weight_dtype]
+        act_dtype = "float32" if self.weight_dtype == "float32" else "bfloat16"
+        act = w.tokens * m.n_embd * (4 if act_dtype == "float32" else 2)  # bytes of the step's activations
+
+        def matmul(params: float, rows: int) -> float:
+            """A Linear of `params` weights (this device's shard) over `rows` activation rows."""
+            if rows <= 0:
+                return 0.0
+            rate = p.matmul_rate(self.weight_dtype, rows, shards)
+            rate = p.flops(self.weight_dtype) * p.flops_efficiency if rate is None else rate * p.flops_efficiency
+            return max(2 * params * rows / rate, params * wbytes / bw)
+
+        # CPU rates were measured with every core; a shard of a TP x PP layout has cores // shards
+        share = p.threads(shards) / p.cores if p.cores else 1.0
+        kv_rate = (p.attention_kv_gb_s * 1e9 * share) if p.attention_kv_gb_s else bw
+        pre_rate = (p.attention_prefill_tflops * 1e12 * share) if p.attention_prefill_tflops \
+            else p.flops(act_dtype) * p.flops_efficiency
+        attn = (4 * m.n_head // self.tp * m.hd * w.prefill_attn_pairs / pre_rate
+                + 2 * self.kv_heads_per_device * m.hd * self.kv_bytes * w.decode_context / kv_rate)
+        head_comm = self._allreduce(w.sampled * m.vocab_size * 4 / self.tp)
+        send_lat = (p.send_latency_us or p.collective_latency_us) * 1e-6
+        mm = layers * matmul(self.layer_params / self.tp, w.tokens) + matmul(m.vocab_size * m.n_embd / self.tp, w.sampled)
+        multi = bool(p.cores and p.matmul_tflops and p.threads(shards) > 1)
+        return {
+            "matmul": 0.0 if multi else mm,
+            "matmul_mt": mm if multi else 0.0,
+            "attention": layers * attn,
+            "comm": layers * 2 * self._allreduce(act) + head_comm + (self.pp - 1) * (send_lat + act / self._link()),
+            "layer": layers * p.layer_overhead_us * 1e-6,
+            "seq_layer": layers * seqs * p.seq_layer_overhead_us * 1e-6,
+            "seq": w.sampled * p.seq_overhead_us * 1e-6,
+            "step": p.step_overhead_ms * 1e-3,
+        }
+
     def step_time(self, w: StepWork) -> float:
         """Seconds of one engine step."""
         if w.tokens <= 0:
             return 0.0
-        p, m = self.profile, self.model
-        flops = p.flops(self.weight_dtype) * p.flops_efficiency  # fp8 falls back where unsupported
-        act_dtype = "float32" if self.weight_dtype == "float32" else "bfloat16"
-        attn_flops_rate = p.flops(act_dtype) * p.flops_efficiency
-        bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
-        wbytes = _BYTES[self.weight_dtype]
-        act = w.tokens * m.n_embd * 2  # bytes of the step's activations (16-bit)
-        matmul = max(2 * self.layer_params / self.tp * w.tokens / flops,
-                     self.layer_params / self.tp * wbytes / bw)
-        attn = (4 * m.n_head // self.tp * m.hd * w.prefill_attn_pairs / attn_flops_rate
-                + 2 * self.kv_heads_per_device * m.hd * self.kv_dtype_bytes * w.decode_context / bw)
-        layer = matmul + attn + p.layer_overhead_us * 1e-6 + 2 * self._allreduce(act)
-        head = max(2 * m.vocab_size * m.n_embd / self.tp * w.sampled / flops,
-                   m.vocab_size * m.n_embd / self.tp * wbytes / bw) + self._allreduce(w.sampled * m.vocab_size * 4 / self.tp)
-        sends = (self.pp - 1) * (p.collective_latency_us * 1e-6 + act / self._link())
-        return self.pp * self.layers_per_stage * layer + head + sends + p.step_overhead_ms * 1e-3
+        return sum(self.components(w).values())
 
     # memory ----------------------------------------------------------------------------------
     def kv_budget_bytes(self, gpu_memory_utilization: float = 0.9) -> float:

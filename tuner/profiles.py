@@ -6,6 +6,8 @@ name or the path of a YAML file of the same shape.
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,24 @@ class HardwareProfile:
     """Start-up cost of one all-reduce or one pipeline send (fitted)."""
     reserved_memory_gib: float = 2.0
     """Device memory kept for activations, workspace and the runtime."""
+    cores: int = 0
+    """CPU profiles: host cores that the shards of one model copy share (a TP x PP layout gives
+    each shard cores // (tp * pp) threads, as the engine does); 0 for devices with their own compute."""
+    matmul_tflops: dict[int, dict[str, dict[int, float]]] = field(default_factory=dict)
+    """Measured dense matmul rate (1e12 FLOP/s) by threads -> dtype -> rows of the activation;
+    interpolated in log(rows). Empty: flops_tflops x flops_efficiency with the bandwidth roofline."""
+    seq_overhead_us: float = 0.0
+    """Fixed cost per sequence in a step (sampling, bookkeeping, streaming its token; fitted)."""
+    seq_layer_overhead_us: float = 0.0
+    """Fixed cost per sequence per layer (per-sequence attention calls on CPU; fitted)."""
+    attention_kv_gb_s: float = 0.0
+    """Rate at which decode attention reads its KV context (GB/s); 0 uses the memory bandwidth."""
+    attention_prefill_tflops: float = 0.0
+    """Rate of prefill attention FLOPs (query x key, both matmuls); 0 uses the matmul peak."""
+    send_latency_us: float = 0.0
+    """Start-up cost of one pipeline send; 0 uses collective_latency_us."""
+    request_overhead_ms: float = 0.0
+    """Gateway + Ray cost per request, outside the engine (adds to TTFT and E2E; fitted)."""
     fit_notes: str = ""
     """What the efficiency factors were fitted on."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -67,13 +87,48 @@ class HardwareProfile:
         for k, v in self.flops_tflops.items():
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ProfileError(f"flops_tflops.{k}: must be a positive number, got {v!r}")
+        # measured profiles carry refitted correction factors, which may exceed 1
+        top = 1.0 if self.kind == "analytic" else 4.0
         for name in ("bw_efficiency", "flops_efficiency"):
             v = getattr(self, name)
-            if not 0 < v <= 1:
-                raise ProfileError(f"{name}: must be in (0, 1], got {v!r}")
-        for name in ("layer_overhead_us", "step_overhead_ms", "collective_latency_us", "reserved_memory_gib"):
-            if getattr(self, name) < 0:
-                raise ProfileError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+            if not (isinstance(v, (int, float)) and 0 < v <= top):
+                raise ProfileError(f"{name}: must be in (0, {top:g}], got {v!r}")
+        for name in ("layer_overhead_us", "step_overhead_ms", "collective_latency_us", "reserved_memory_gib",
+                     "seq_overhead_us", "seq_layer_overhead_us", "attention_kv_gb_s", "attention_prefill_tflops",
+                     "send_latency_us", "request_overhead_ms"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ProfileError(f"{name}: must be a number >= 0, got {v!r}")
+        if not isinstance(self.cores, int) or self.cores < 0:
+            raise ProfileError(f"cores: must be an integer >= 0, got {self.cores!r}")
+        if self.kind not in ("analytic", "measured"):
+            raise ProfileError(f"kind: must be analytic or measured, got {self.kind!r}")
+        _check_rate_table(self.matmul_tflops)
+
+    def threads(self, shards: int) -> int:
+        """Threads of one shard when `shards` processes share the host (CPU profiles)."""
+        return max(1, self.cores // max(1, shards)) if self.cores else 1
+
+    def matmul_rate(self, dtype: str, rows: float, shards: int = 1) -> float | None:
+        """Measured matmul FLOP/s for `rows` activation rows, interpolated in log(rows) between
+        the measured row counts and the nearest measured thread count; None without a table."""
+        if not self.matmul_tflops:
+            return None
+        want = self.threads(shards)
+        th = min(self.matmul_tflops, key=lambda t: (abs(int(t) - want), -int(t)))
+        table = self.matmul_tflops[th]
+        key = dtype if dtype in table else ("float32" if "float32" in table else next(iter(table)))
+        pts = sorted((int(r), float(v)) for r, v in table[key].items())
+        rows = max(1.0, float(rows))
+        if rows <= pts[0][0]:
+            return pts[0][1] * 1e12
+        if rows >= pts[-1][0]:
+            return pts[-1][1] * 1e12
+        for (r0, v0), (r1, v1) in itertools.pairwise(pts):
+            if r0 <= rows <= r1:
+                f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return (v0 + f * (v1 - v0)) * 1e12
+        return pts[-1][1] * 1e12  # unreachable: the row counts are sorted
 
     def flops(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` before efficiency; fp8 falls back to the 16-bit rate
@@ -97,6 +152,21 @@ class HardwareProfile:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _check_rate_table(table: Any) -> None:
+    where = "matmul_tflops"
+    if not isinstance(table, dict):
+        raise ProfileError(f"{where}: must map threads -> dtype -> rows -> TFLOP/s")
+    for th, by_dtype in table.items():
+        if not isinstance(th, int) or th < 1 or not isinstance(by_dtype, dict) or not by_dtype:
+            raise ProfileError(f"{where}: keys must be thread counts >= 1 mapping to dtypes, got {th!r}")
+        for dt, by_rows in by_dtype.items():
+            if not isinstance(by_rows, dict) or not by_rows:
+                raise ProfileError(f"{where}.{th}.{dt}: must map rows -> TFLOP/s")
+            for r, v in by_rows.items():
+                if not (isinstance(r, int) and r >= 1 and isinstance(v, (int, float)) and v > 0):
+                    raise ProfileError(f"{where}.{th}.{dt}: rows must be integers >= 1 and rates > 0, got {r!r}: {v!r}")
 
 
 def profile_from_dict(data: Any, source: str) -> HardwareProfile:

@@ -57,7 +57,8 @@ def _metric(stats: dict, slo: SLO) -> float:
 def _run(cost: CostModel, cfg: SchedulerConfig, w: Workload, rate: float) -> dict:
     times = schedule(w.arrival, rate, w.burstiness, count=w.num_prompts, seed=w.seed)
     n = w.num_prompts
-    return summarize(simulate(cost.step_time, cfg, times, np.full(n, w.input_len), np.full(n, w.output_len)))
+    return summarize(simulate(cost.step_time, cfg, times, np.full(n, w.input_len), np.full(n, w.output_len),
+                              request_overhead=cost.profile.request_overhead_ms * 1e-3))
 
 
 def goodput(cost: CostModel, cfg: SchedulerConfig, w: Workload, slos: tuple[SLO, ...],
@@ -84,13 +85,27 @@ def goodput(cost: CostModel, cfg: SchedulerConfig, w: Workload, slos: tuple[SLO,
 
 
 def grid(model: ModelConfig, devices: int, tps=(1, 2, 4, 8), pps=(1, 2, 4), seqs=(64, 256),
-         tokens=(2048, 8192), dtypes=("bfloat16", "fp8")) -> list[Candidate]:
+         tokens=(2048, 8192), dtypes=("bfloat16", "fp8"), cores: int = 0) -> list[Candidate]:
+    """Every layout that fits the budget. With `cores` (a CPU profile) the host is one device whose
+    cores the shards of one copy share: tp * pp <= cores and one replica (more would share the cores)."""
     out = []
     for tp, pp, s, t, d in itertools.product(tps, pps, seqs, tokens, dtypes):
-        if tp * pp > devices:
+        if tp * pp > (cores or devices):
             continue
-        out.append(Candidate(tp, pp, devices // (tp * pp), s, t, d, layout_problem(model, tp, pp) or ""))
+        replicas = 1 if cores else devices // (tp * pp)
+        out.append(Candidate(tp, pp, replicas, s, t, d, layout_problem(model, tp, pp) or ""))
     return out
+
+
+def scheduler_config(c: Candidate, model: ModelConfig, cost: CostModel, w: Workload,
+                     block_size: int = 16) -> SchedulerConfig:
+    """The engine scheduler's limits for candidate `c` (KV blocks: what memory leaves, capped at
+    max_num_seqs full-length requests, as more never changes the schedule)."""
+    need_blocks = math.ceil((w.input_len + w.output_len) / block_size)
+    blocks = int(max(cost.kv_budget_bytes(), 0) // (cost.kv_bytes_per_token() * block_size))
+    return SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                           block_size=block_size, num_blocks=min(blocks, c.max_num_seqs * need_blocks),
+                           max_model_len=min(model.max_position_embeddings, w.input_len + w.output_len + 1))
 
 
 def evaluate(model: ModelConfig, profile: HardwareProfile, cands: list[Candidate], w: Workload,
@@ -114,15 +129,14 @@ def evaluate(model: ModelConfig, profile: HardwareProfile, cands: list[Candidate
                    f"less than one request ({need_blocks} blocks)")
             done.append(Candidate(**{**c.__dict__, "pruned": why, "metrics": {}}))
             continue
-        blocks = min(blocks, c.max_num_seqs * need_blocks)  # more never changes the schedule
-        cfg = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                              block_size=block_size, num_blocks=blocks,
-                              max_model_len=min(model.max_position_embeddings, w.input_len + w.output_len + 1))
+        cfg = scheduler_config(c, model, cost, w, block_size)
+        blocks = cfg.num_blocks
         rate, stats = goodput(cost, cfg, w, slos)
         alone = static_batch(cost, 1, w.input_len, w.output_len)
-        m = {"goodput_req_s": rate * c.replicas, "goodput_per_device": rate * c.replicas / c.devices,
+        dev = 1 if profile.cores else c.devices  # a CPU host is one device, whatever its layout
+        m = {"goodput_req_s": rate * c.replicas, "goodput_per_device": rate * c.replicas / dev, "devices": dev,
              "latency_ms": alone["latency_ms"], "ttft_alone_ms": alone["ttft_ms"], "tpot_alone_ms": alone["tpot_ms"],
-             "throughput_tok_s_per_device": stats.get("output_throughput_tok_s", 0.0) / (c.tp * c.pp),
+             "throughput_tok_s_per_device": stats.get("output_throughput_tok_s", 0.0) * c.replicas / dev,
              "kv_blocks": blocks, "memory_gib_per_device": cost.weight_bytes_per_device() / GIB
              + blocks * block_size * cost.kv_bytes_per_token() / GIB,
              **{k: v for k, v in stats.items() if k.endswith("_ms")}}

@@ -33,7 +33,8 @@ def work_of(plan: StepPlan) -> StepWork:
         tokens += 1
         ctx += w.start_pos + 1
         sampled += w.sample
-    return StepWork(tokens=tokens, sampled=sampled, prefill_attn_pairs=pairs, decode_context=ctx)
+    return StepWork(tokens=tokens, sampled=sampled, prefill_attn_pairs=pairs, decode_context=ctx,
+                    seqs=len(plan.prefill) + len(plan.decode))
 
 
 @dataclass
@@ -57,17 +58,34 @@ class RequestTrace:
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One simulated step: when it ran, what it computed, which sequences got a token."""
+
+    start: float
+    end: float
+    work: StepWork
+    sampled_ids: tuple[int, ...]
+
+
 def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arrivals: np.ndarray,
-             input_lens: np.ndarray, output_lens: np.ndarray, max_steps: int = 10_000_000) -> list[RequestTrace]:
-    """Run every request to its last token; returns one trace per request, in arrival order."""
+             input_lens: np.ndarray, output_lens: np.ndarray, max_steps: int = 10_000_000,
+             request_overhead: float = 0.0, steps_out: list[StepRecord] | None = None) -> list[RequestTrace]:
+    """Run every request to its last token; returns one trace per request, in input order.
+
+    `request_overhead` (s) is spent outside the engine (gateway, Ray) before a request reaches
+    the scheduler; its trace still starts at `arrivals`. `steps_out`, when given, receives every
+    step (for the refit)."""
     sched = Scheduler(cfg)
+    arrivals = np.asarray(arrivals, dtype=float)
+    engine_at = arrivals + request_overhead
     seqs: dict[int, Sequence] = {}
     token_times: dict[int, list[float]] = {}
     order = np.argsort(arrivals, kind="stable")
     now, nxt, steps = 0.0, 0, 0
     n = len(order)
     while nxt < n or sched.has_work:
-        while nxt < n and arrivals[order[nxt]] <= now:
+        while nxt < n and engine_at[order[nxt]] <= now:
             i = int(order[nxt])
             params = SamplingParams(max_tokens=int(output_lens[i]), ignore_eos=True)
             seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[_TOKEN] * int(input_lens[i]),
@@ -77,14 +95,17 @@ def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arriv
             sched.add(seq)
             nxt += 1
         if not sched.has_work:
-            now = float(arrivals[order[nxt]])
+            now = float(engine_at[order[nxt]])
             continue
         plan = sched.schedule()
         if plan.empty:
             raise RuntimeError("the scheduler made no progress (KV cache too small for one request)")
-        now += step_cost(work_of(plan))
+        work = work_of(plan)
+        start, now = now, now + step_cost(work)
         result = StepResult(step=plan.step, seqs={w.seq_id: SeqResult(token_id=_TOKEN)
                                                   for w in (*plan.decode, *plan.prefill) if w.sample})
+        if steps_out is not None:
+            steps_out.append(StepRecord(start, now, work, tuple(result.seqs)))
         for seq in sched.update(plan, result, seqs):
             token_times.setdefault(seq.seq_id, []).append(now)
         steps += 1

@@ -1,0 +1,120 @@
+"""Tuner accuracy on this machine: predicted against measured TTFT p50, TPOT p50 and output
+throughput for layouts of the default model's shape and a GPT-2-124M-shaped model.
+
+Each layout is served by `shardserve serve --config` with the YAML the tuner emits (random
+weights of the model's shape: requests ask for a fixed number of tokens, so timing does not
+depend on the weights) and load-tested open loop at shares of its predicted saturation rate; the
+simulator replays the schedule actually sent. Prints one markdown row per (layout, rate), each
+metric as predicted / measured (error), and how many are within the target.
+
+    flock /tmp/shardserve-bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py \\
+        --hardware results/tune/this-machine.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from engines.config import ModelConfig
+from tuner.cost import CostModel, static_batch
+from tuner.probe_model import gpt2_shape
+from tuner.profiles import load_profile
+from tuner.refit import refit
+from tuner.search import Candidate, Workload
+from tuner.validate import ValidateSettings, checkpoint_for, errors, measure, predict_run
+
+MODELS = {
+    # the default model (recipes/default.yaml; vocabulary of `shardserve data`'s tokenizer)
+    "default": gpt2_shape(4, 6, 384, vocab_size=8192, positions=256),
+    "gpt2-124m": gpt2_shape(12, 12, 768, vocab_size=50257, positions=1024),
+}
+# (model, tp, pp, max_num_seqs, shares of the predicted saturation rate)
+LAYOUTS = [
+    ("default", 1, 1, 16, (0.3, 0.7)),
+    ("default", 2, 1, 16, (0.5,)),
+    ("default", 1, 2, 16, (0.5,)),
+    ("gpt2-124m", 1, 1, 8, (0.3, 0.7)),
+    ("gpt2-124m", 2, 1, 8, (0.5,)),
+    ("gpt2-124m", 1, 2, 4, (0.5,)),
+]
+METRICS = ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", required=True, help="profile measured here by `shardserve tune profile`")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--dtype", default="bfloat16", help="engine dtype (the profile's rates for it are used)")
+    ap.add_argument("--only", default="", help="comma-separated layout indexes to run (default: all)")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_tuner"))
+    ap.add_argument("--target", type=float, default=0.10)
+    args = ap.parse_args()
+    profile = load_profile(args.hardware)
+    w = Workload(args.input_len, args.output_len, args.num_prompts)
+    layouts = [x for i, x in enumerate(LAYOUTS) if not args.only or str(i) in args.only.split(",")]
+    cpu = subprocess.run(["bash", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    env = {"cpu": cpu.stdout.strip() or platform.processor(), "avx512_bf16": "avx512_bf16" in flags,
+           "load_before": Path("/proc/loadavg").read_text().split()[:3], "dtype": args.dtype}
+    print(f"# {env}")
+    rows, t0 = [], time.perf_counter()
+    for name, tp, pp, seqs, shares in tqdm(layouts, desc="layouts"):
+        model: ModelConfig = MODELS[name]
+        cand = Candidate(tp, pp, 1, seqs, max(seqs * args.input_len, 512), args.dtype)
+        cost = CostModel(model, profile, tp=tp, pp=pp, weight_dtype=args.dtype)
+        # predicted saturation: a full batch of max_num_seqs requests, start to last token
+        sat = seqs / (static_batch(cost, seqs, args.input_len, args.output_len)["latency_ms"] / 1e3)
+        ckpt = checkpoint_for(model, None, args.out / f"ckpt-{name}")
+        res = measure(cand, model, profile, w, (), ckpt, args.out / f"{name}-tp{tp}-pp{pp}-s{seqs}",
+                      [s * sat for s in shares], ValidateSettings(num_prompts=args.num_prompts),
+                      progress=lambda m: tqdm.write(m))
+        for pt, run in zip(res["points"], res["_runs"], strict=False):
+            rows.append({"model": name, "tp": tp, "pp": pp, "max_num_seqs": seqs, "layout": (name, tp, pp), **pt,
+                         "_run": run})
+    # the closed loop's refit, held out: each layout predicted by a profile refitted on the others
+    for r in tqdm(rows, desc="held-out refits"):
+        others = [o["_run"] for o in rows if o["layout"] != r["layout"]]
+        if others:
+            fitted, _ = refit(profile, others, polish=40)
+            r["refit_predicted"] = predict_run(fitted, r["_run"], ())
+            r["refit_error"] = errors(r["refit_predicted"], r["measured"])
+    env["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    env["elapsed_s"] = time.perf_counter() - t0
+    for pred, err, title in (("predicted", "error", "profile as measured by `tune profile`"),
+                             ("refit_predicted", "refit_error", "refitted on the other layouts' runs (held out)")):
+        sel = [r for r in rows if err in r]
+        if not sel:
+            continue
+        ok = [all(abs(r[err][k]) <= args.target for k in METRICS) for r in sel]
+        print(f"\n{title}: predicted / measured (error)\n")
+        print(f"| model | TP | PP | max_num_seqs | rate req/s | {' | '.join(METRICS)} |")
+        print("|---|---|---|---|---|" + "---|" * len(METRICS))
+        for r in sel:
+            cells = " | ".join(f"{r[pred][k]:.1f} / {r['measured'][k]:.1f} ({r[err][k]:+.1%})" for k in METRICS)
+            print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} | {cells} |")
+        worst = {k: max(abs(r[err][k]) for r in sel) for k in METRICS}
+        print(f"\n{sum(ok)}/{len(sel)} configurations within {args.target:.0%} on all three metrics; "
+              f"worst |error| " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
+    print(f"# load after {env['load_after']}, {env['elapsed_s']:.0f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for r in rows:  # the measured requests, so that a refit can be redone offline
+        run = r.pop("_run")
+        r["requests"] = {k: [None if math.isnan(v) else float(v) for v in getattr(run, k)]
+                         for k in ("arrivals", "input_lens", "output_lens", "ttft_s", "tpot_s")}
+        r["scheduler"] = {k: getattr(run.sched, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                             "num_blocks", "max_model_len")}
+    (args.out / "accuracy.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The tuner's closed loop: emitted YAML served for real, predicted against measured, the refit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from engines.config import ModelConfig
+from engines.scheduler import SchedulerConfig
+from loadtest.config import SLO
+from shardserve.cli import app
+from tuner.emit import deployment
+from tuner.profiles import HardwareProfile, load_profile
+from tuner.refit import Run, refit
+from tuner.search import Candidate
+from tuner.simulate import simulate
+
+TINY = ModelConfig(model_type="gpt2", vocab_size=256, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128,
+                   bos_token_id=0, eos_token_id=(0,))
+
+
+def _cpu_profile(**kw) -> HardwareProfile:
+    """A measured-kind CPU profile with plausible 2-core constants (the test checks the loop, not accuracy)."""
+    base = {"name": "unit-cpu", "kind": "measured", "memory_gib": 8.0, "hbm_bandwidth_gb_s": 10.0,
+            "flops_tflops": {"float32": 0.05, "bfloat16": 0.05}, "intra_node_bandwidth_gb_s": 1.0,
+            "inter_node_bandwidth_gb_s": 1.0, "devices_per_node": 2, "cores": 2, "bw_efficiency": 1.0,
+            "flops_efficiency": 1.0, "reserved_memory_gib": 1.0, "step_overhead_ms": 2.0, "layer_overhead_us": 200.0,
+            "collective_latency_us": 300.0, "request_overhead_ms": 5.0}
+    return HardwareProfile(**{**base, **kw})
+
+
+def test_emit_cpu_layouts_validate():
+    """TP/PP layouts on a CPU profile split the host's cores between shards, as the cost model assumes."""
+    prof = _cpu_profile()
+    one = deployment(Candidate(1, 1, 1, 8, 512, "float32"), "models/x", prof)["models"][0]
+    assert one["num_cpus"] == 2 and "shard_num_cpus" not in one and one["engine"]["dtype"] == "float32"
+    two = deployment(Candidate(2, 1, 1, 8, 512, "bfloat16"), "models/x", prof)["models"][0]
+    assert two["shard_num_cpus"] == 1 and two["engine"]["worker_threads"] == 1
+    assert two["engine"]["tensor_parallel_size"] == 2
+    pp = deployment(Candidate(1, 2, 1, 8, 512, "bfloat16"), "models/x", prof)["models"][0]
+    assert pp["engine"]["pipeline_parallel_size"] == 2 and pp["engine"]["pipeline_microbatches"] == 1
+
+
+def test_refit_recovers_scaled_coefficients():
+    """Requests 'measured' with a profile whose step overhead and matmul are scaled: the refit
+    finds the factors from their TTFT and TPOT alone (schedules simulated, as in the closed loop)."""
+    from tuner.cost import CostModel
+
+    # matmuls compute-bound and a good share of each step, so that their factor is visible
+    truth = _cpu_profile(step_overhead_ms=6.0, flops_tflops={"float32": 0.001})
+    start = _cpu_profile(flops_tflops={"float32": 0.002})
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64,
+                            max_model_len=100)
+    rng = np.random.default_rng(0)
+    runs = []
+    for rate in (5.0, 20.0):
+        arr = np.cumsum(rng.exponential(1 / rate, 30))
+        ins, outs = rng.integers(8, 40, 30), rng.integers(4, 20, 30)
+        cost = CostModel(TINY, truth, weight_dtype="float32")
+        tr = simulate(cost.step_time, sched, arr, ins, outs, request_overhead=truth.request_overhead_ms * 1e-3)
+        runs.append(Run(TINY, 1, 1, "float32", sched, arr, ins, outs, np.array([t.ttft for t in tr]),
+                        np.array([t.tpot for t in tr])))
+    fitted, factors = refit(start, runs, free=("matmul", "step", "request"))
+    assert factors["step"] == pytest.approx(3.0, rel=0.1)
+    assert factors["matmul"] == pytest.approx(2.0, rel=0.1)
+    assert fitted.kind == "measured"
+    with pytest.raises(ValueError, match="unknown coefficient"):
+        refit(start, runs, free=("warp",))
+    # a CPU profile with rate tables: a 2-thread shard's matmuls have their own factor (matmul_mt)
+    tables = {1: {"float32": {1: 0.002, 64: 0.004}}, 2: {"float32": {1: 0.001, 64: 0.002}}}
+    slow = {1: tables[1], 2: {"float32": {1: 0.0005, 64: 0.001}}}
+    truth_mt, start_mt = _cpu_profile(matmul_tflops=slow), _cpu_profile(matmul_tflops=tables)
+    runs_mt = []
+    for run in runs:
+        cost = CostModel(TINY, truth_mt, weight_dtype="float32")
+        tr = simulate(cost.step_time, sched, run.arrivals, run.input_lens, run.output_lens,
+                      request_overhead=truth_mt.request_overhead_ms * 1e-3)
+        runs_mt.append(Run(TINY, 1, 1, "float32", sched, run.arrivals, run.input_lens, run.output_lens,
+                           np.array([t.ttft for t in tr]), np.array([t.tpot for t in tr])))
+    fitted, factors = refit(start_mt, runs_mt, free=("matmul_mt", "step", "request"))
+    assert factors["matmul_mt"] == pytest.approx(2.0, rel=0.1)
+    assert fitted.matmul_rate("float32", 64, 1) == pytest.approx(truth_mt.matmul_rate("float32", 64, 1), rel=0.1)
+
+
+def test_validate_rejects_bad_input(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY.to_hf()))
+    base = ["tune", "search", "--model", str(cfg), "--input-len", "8", "--output-len", "4", "--num-prompts", "10",
+            "--out", str(tmp_path / "o"), "--slo", "ttft_p99_ms=1000"]
+    run = CliRunner().invoke(app, [*base, "--hardware", "a100-80gb", "--validate", "1"])
+    assert run.exit_code == 2 and "--validate serves on this machine" in run.output, run.output
+    bad = tmp_path / "p.yaml"
+    bad.write_text("name: x\nmemory_gib: 8\n")
+    run = CliRunner().invoke(app, [*base, "--hardware", str(bad)])
+    assert run.exit_code == 2 and "missing field(s) hbm_bandwidth_gb_s" in run.output, run.output
+    bad.write_text(yaml.safe_dump({**_cpu_profile().to_dict(), "memory_gib": "lots"}))
+    run = CliRunner().invoke(app, [*base, "--hardware", str(bad)])
+    assert run.exit_code == 2 and "memory_gib" in run.output, run.output
+    run = CliRunner().invoke(app, [*base, "--hardware", "a100-80gb", "--tp", "0"])
+    assert run.exit_code == 2 and "--tp" in run.output, run.output
+    _cpu_profile().save(tmp_path / "cpu.yaml")
+    run = CliRunner().invoke(app, [*base, "--hardware", str(tmp_path / "cpu.yaml"), "--validate", "1",
+                                   "--model-path", str(tmp_path / "nowhere")])
+    assert run.exit_code == 2 and "no config.json" in run.output, run.output
+
+
+def test_search_validate_closed_loop(tmp_path):
+    """`tune search --validate 1` serves the pick with its emitted YAML on 127.0.0.1, load-tests it,
+    and reports predicted against measured, the goodput sweep and a refitted profile."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY.to_hf()))
+    _cpu_profile().save(tmp_path / "cpu.yaml")
+    out = tmp_path / "out"
+    run = CliRunner().invoke(app, ["tune", "search", "--model", str(cfg), "--hardware", str(tmp_path / "cpu.yaml"),
+                                   "--input-len", "8", "--output-len", "6", "--num-prompts", "20",
+                                   "--slo", "ttft_p99_ms=2000", "--slo", "tpot_p99_ms=500", "--tp", "1", "--pp", "1",
+                                   "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+                                   "--weight-dtype", "float32", "--validate", "1", "--validate-prompts", "6",
+                                   "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    rep = json.loads((out / "validation.json").read_text())
+    (c,) = rep["candidates"]
+    for key in ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s", "goodput_req_s"):
+        assert c["measured"][key] > 0 and c["predicted"][key] > 0
+        assert math.isfinite(c["error"][key])
+    assert c["measured_goodput_req_s"] > 0 and c["sweep"]
+    assert rep["pick_within_pct_of_best"] == pytest.approx(0.0)
+    assert load_profile(str(out / "refit.yaml")).kind == "measured"
+    assert (out / "validation.png").stat().st_size > 1000
+    assert "predicted / measured" in run.output
+
+
+def test_cpu_host_is_one_device():
+    """On a CPU profile the grid keeps layouts within the host's cores, one replica each, and
+    goodput per device is per host (TP does not divide it)."""
+    from tuner.search import Workload, evaluate, grid
+
+    cands = grid(TINY, devices=8, tps=(1, 2, 4), pps=(1, 2), seqs=(4,), tokens=(256,), dtypes=("float32",), cores=2)
+    assert {(c.tp, c.pp, c.replicas) for c in cands} == {(1, 1, 1), (2, 1, 1), (1, 2, 1)}
+    slo = (SLO("ttft", 5000.0, "p99"),)
+    done = evaluate(TINY, _cpu_profile(), cands, Workload(8, 4, 20), slo)
+    for c in done:
+        assert c.metrics["devices"] == 1
+        assert c.metrics["goodput_per_device"] == pytest.approx(c.metrics["goodput_req_s"])

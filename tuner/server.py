@@ -1,0 +1,88 @@
+"""`shardserve serve` as a subprocess on 127.0.0.1, for measurements and validation runs.
+
+The tuner never imports serving/: it starts the same command a user would, waits for /health,
+and stops the whole process group (gateway, Ray, shard workers) when done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class ServeError(RuntimeError):
+    """The server did not come up; the message ends with the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`with Server(["--config", path], log) as url:` serves until the block ends."""
+
+    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 240.0,
+                 cwd: str | Path | None = None):
+        self.port = free_port()
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # the checkout this code runs from wins over an installed copy, in the server too
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "serve", *self.args],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServeError(f"shardserve serve exited with {self.proc.returncode} before it was ready:\n"
+                                 + self.log_tail())
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServeError(f"shardserve serve was not ready within {self.startup_timeout_s:.0f} s:\n" + self.log_tail())
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)  # the CLI drains and shuts Ray down on SIGINT
+            self.proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

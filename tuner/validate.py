@@ -1,0 +1,176 @@
+"""The closed loop: serve a candidate with its emitted YAML, load-test it, compare with the prediction.
+
+For each candidate: write its deployment YAML, start `shardserve serve --config` on 127.0.0.1
+(tuner.server), warm it up, run one open-loop load test at a fixed share of the predicted
+goodput (the accuracy run: predicted and measured TTFT p50, TPOT p50, output throughput and
+goodput on the very schedule that was sent), then sweep the request rate with the load tester
+(bisection, bounded steps) for the measured goodput. Predictions replay the measured schedule
+(scheduled send times, prompt and output lengths) through the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engines.config import ModelConfig
+from engines.scheduler import SchedulerConfig
+from loadtest.config import SLO
+from tuner.cost import CostModel
+from tuner.profiles import HardwareProfile
+from tuner.refit import Run
+from tuner.search import Candidate, Workload, scheduler_config
+from tuner.simulate import simulate
+
+METRICS = ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s", "goodput_req_s")
+
+
+@dataclass(frozen=True)
+class ValidateSettings:
+    """Bounds of one candidate's measurements (each load test is short)."""
+
+    num_prompts: int = 40
+    """Requests of the accuracy run and of each sweep step."""
+    warmup: int = 4
+    accuracy_load: float = 0.6
+    """The accuracy run offers this share of the predicted goodput (below saturation)."""
+    sweep_steps: int = 10
+    sweep_tolerance: float = 0.05
+    startup_timeout_s: float = 240.0
+    seed: int = 0
+
+
+def checkpoint_for(model: ModelConfig, model_path: str | None, work_dir: Path) -> Path:
+    """`model_path` if given, else a random-weight checkpoint of `model`'s shape in work_dir
+    (timing does not depend on weight values: every request asks for a fixed output length)."""
+    if model_path:
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model-path: {path} has no config.json (a shardserve checkpoint directory)")
+        return path
+    from tuner.probe_model import write_random_checkpoint
+
+    out = work_dir / "checkpoint"
+    if not (out / "config.json").is_file():
+        write_random_checkpoint(out, model)
+    return out
+
+
+def _records(report) -> list:
+    return [r for r in report.records if not r.warmup]
+
+
+def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report) -> Run:
+    """A measured load-test run as the refit and the replay need it."""
+    recs = _records(report)
+    return Run(model=model, tp=cand.tp, pp=cand.pp, weight_dtype=cand.weight_dtype, sched=sched,
+               arrivals=np.array([r.sent_s for r in recs]),
+               input_lens=np.array([max(r.input_tokens, 1) for r in recs]),
+               output_lens=np.array([r.requested_output_tokens for r in recs]),
+               ttft_s=np.array([r.ttft_s if r.ok else math.nan for r in recs]),
+               tpot_s=np.array([r.tpot_s if r.ok else math.nan for r in recs]))
+
+
+def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...]) -> dict[str, float]:
+    """The simulator's TTFT p50, TPOT p50, output throughput and goodput on a measured schedule."""
+    cost = CostModel(run.model, profile, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
+    traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
+                      request_overhead=profile.request_overhead_ms * 1e-3)
+    return _stats([t.ttft for t in traces], [t.tpot for t in traces],
+                  [len(t.token_times) for t in traces], run.arrivals, [t.token_times[-1] for t in traces], slos)
+
+
+def measured_run(run: Run, report, slos: tuple[SLO, ...]) -> dict[str, float]:
+    recs = _records(report)
+    ok = [r.ok for r in recs]
+    ends = [r.done_s if r.ok else math.nan for r in recs]
+    return _stats(list(run.ttft_s), list(run.tpot_s), [r.output_tokens if o else 0 for r, o in zip(recs, ok, strict=True)],
+                  run.arrivals, ends, slos)
+
+
+def _stats(ttft, tpot, tokens, arrivals, ends, slos) -> dict[str, float]:
+    """Seconds in, ms and per-second out; goodput counts requests within every SLO's bound."""
+    ttft, tpot, ends = np.asarray(ttft, float), np.asarray(tpot, float), np.asarray(ends, float)
+    dur = np.nanmax(ends) - np.min(arrivals)
+    lim = {s.metric: s.threshold_ms * 1e-3 for s in slos}
+    good = np.isfinite(ttft) & (ttft <= lim.get("ttft", math.inf)) & (np.nan_to_num(tpot, nan=math.inf) <= lim.get("tpot", math.inf))
+    if "e2el" in lim:
+        good &= (ends - np.asarray(arrivals)) <= lim["e2el"]
+    return {"ttft_p50_ms": float(np.nanpercentile(ttft, 50) * 1e3),
+            "tpot_p50_ms": float(np.nanpercentile(tpot, 50) * 1e3),
+            "output_throughput_tok_s": float(np.sum(tokens) / dur),
+            "goodput_req_s": float(good.sum() / dur)}
+
+
+def errors(pred: dict[str, float], meas: dict[str, float]) -> dict[str, float]:
+    """Relative error of each prediction against its measurement."""
+    return {k: (pred[k] / meas[k] - 1.0) if meas.get(k) else math.nan for k in METRICS}
+
+
+def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Workload, slos: tuple[SLO, ...],
+            checkpoint: Path, out_dir: Path, rates: list[float], settings: ValidateSettings | None = None,
+            sweep_from: float | None = None, progress=print) -> dict:
+    """Serve `cand` from its emitted YAML; one load test per rate in `rates` (each compared with
+    the simulator on the schedule actually sent) and, with `sweep_from`, a goodput sweep from there."""
+    from loadtest.config import LoadTestConfig, SweepConfig
+    from loadtest.runner import run as loadtest_run
+    from loadtest.slo_sweep import sweep
+    from tuner.emit import deployment, write_yaml
+    from tuner.server import Server
+
+    settings = settings or ValidateSettings()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    yaml_path = write_yaml(deployment(cand, str(checkpoint.resolve()), profile, name="tuned"),
+                           out_dir / "deployment.yaml", "written by `shardserve tune search --validate`")
+    sched = scheduler_config(cand, model, CostModel(model, profile, tp=cand.tp, pp=cand.pp,
+                                                    weight_dtype=cand.weight_dtype), w)
+    tok = checkpoint / "tokenizer.json"
+    points, runs, sw = [], [], None
+    with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
+        base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
+                "burstiness": w.burstiness, "random_input_len": w.input_len, "random_output_len": w.output_len,
+                "ignore_eos": True, "progress": False, "tokenizer": tok if tok.is_file() else None, "slos": slos,
+                "seed": settings.seed}
+        loadtest_run(LoadTestConfig(**base, request_rate=math.inf, num_prompts=settings.warmup))  # warm-up
+        for rate in rates:
+            progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
+            rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
+            run = run_of(model, cand, sched, rep)
+            pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
+            points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
+                           "error": errors(pred, meas)})
+            runs.append(run)
+        if sweep_from:
+            progress(f"  sweeping the rate from {sweep_from:.2f} req/s for the measured goodput")
+            sw = sweep(LoadTestConfig(**base, request_rate=1.0, num_prompts=settings.num_prompts),
+                       SweepConfig(start_rate=max(sweep_from, 0.05), tolerance=settings.sweep_tolerance,
+                                   max_steps=settings.sweep_steps, min_rate=0.02))
+    out = {"config": {k: v for k, v in cand.__dict__.items() if k != "metrics"},
+           "deployment_yaml": str(yaml_path), "points": points}
+    if sw is not None:
+        out["sweep"] = [{"rate": s.rate, "meets_slo": s.meets_slo, "stopped_early": bool(s.stop_reason),
+                         "ttft_p50_ms": s.summary.ttft_ms.p50, "tpot_p50_ms": s.summary.tpot_ms.p50} for s in sw.steps]
+        out["measured_goodput_req_s"] = sw.best_rate or 0.0
+        runs += [run_of(model, cand, sched, r) for r, s in zip(sw.reports, sw.steps, strict=True)
+                 if not s.stop_reason and all(x.ok for x in _records(r))]
+    out["n_runs"], out["_runs"] = len(runs), runs
+    return out
+
+
+def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Workload,
+                       slos: tuple[SLO, ...], checkpoint: Path, out_dir: Path,
+                       settings: ValidateSettings | None = None, progress=print) -> dict:
+    """Serve `cand`: an accuracy run at accuracy_load x its predicted goodput and a goodput sweep."""
+    settings = settings or ValidateSettings()
+    rate = max(cand.metrics["goodput_req_s"] * settings.accuracy_load, 0.05)
+    res = measure(cand, model, profile, w, slos, checkpoint, out_dir, [rate], settings,
+                  sweep_from=cand.metrics["goodput_req_s"], progress=progress)
+    acc = res.pop("points")[0]
+    measured_goodput = res["measured_goodput_req_s"]
+    return {**res, "accuracy_rate_req_s": rate, "predicted": acc["predicted"], "measured": acc["measured"],
+            "error": acc["error"], "predicted_goodput_req_s": cand.metrics["goodput_req_s"],
+            "predicted_goodput_per_device": cand.metrics["goodput_per_device"],
+            "measured_goodput_per_device": measured_goodput / cand.metrics["devices"]}
