@@ -29,11 +29,17 @@ from training.ptune_recipe import PtuneRecipe
 
 
 class PromptEncoder(nn.Module):
-    """N learned inputs -> (N, hidden) virtual-token embeddings (PEFT's PromptEncoder layouts)."""
+    """N learned inputs -> (N, hidden) virtual-token embeddings (PEFT's PromptEncoder layouts).
 
-    def __init__(self, kind: str, n: int, hidden: int, enc_hidden: int, init: torch.Tensor | None = None):
+    residual=True adds the input to the mlp/lstm output and zero-initialises the last layer, so
+    training starts exactly at the init embeddings (a text init then means its text) and the
+    reparameterisation learns a correction; PEFT's layout (residual=False) starts from the
+    encoder's random output whatever the init."""
+
+    def __init__(self, kind: str, n: int, hidden: int, enc_hidden: int, init: torch.Tensor | None = None,
+                 residual: bool = False):
         super().__init__()
-        self.kind = kind
+        self.kind, self.residual = kind, residual and kind != "embedding"
         self.embedding = nn.Embedding(n, hidden)
         if init is not None:
             with torch.no_grad():
@@ -44,14 +50,19 @@ class PromptEncoder(nn.Module):
         elif kind == "lstm":
             self.lstm = nn.LSTM(hidden, h, num_layers=2, bidirectional=True, batch_first=True)
             self.mlp = nn.Sequential(nn.Linear(2 * h, 2 * h), nn.ReLU(), nn.Linear(2 * h, hidden))
+        if self.residual:
+            nn.init.zeros_(self.mlp[-1].weight)
+            nn.init.zeros_(self.mlp[-1].bias)
 
     def forward(self) -> torch.Tensor:
-        x = self.embedding.weight  # (N, C)
+        e = self.embedding.weight  # (N, C)
         if self.kind == "lstm":
-            x = self.mlp(self.lstm(x[None])[0][0])  # (1, N, 2h) -> (N, C)
+            x = self.mlp(self.lstm(e[None])[0][0])  # (1, N, 2h) -> (N, C)
         elif self.kind == "mlp":
-            x = self.mlp(x)
-        return x
+            x = self.mlp(e)
+        else:
+            return e
+        return e + x if self.residual else x
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,28 @@ def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: in
     return tot / len(examples), exact / len(examples)
 
 
+def init_token_ids(recipe: PtuneRecipe, tok: Tokenizer, vocab_size: int) -> torch.Tensor:
+    """(N,) token ids whose embeddings start the virtual tokens: recipe.init_text's tokens repeated
+    or cut to N (PEFT's TEXT init), else N random vocabulary tokens (PEFT's SAMPLE_VOCAB)."""
+    n = recipe.num_virtual_tokens
+    if recipe.init_text:
+        ids = tok.encode(recipe.init_text, add_special_tokens=False)
+        if not ids:
+            raise DatasetError(f"init_text: {recipe.init_text!r} encodes to no tokens")
+        return torch.tensor((ids * (n // len(ids) + 1))[:n])
+    return torch.randint(0, vocab_size, (n,))
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Learning-rate multiplier before optimizer step `step` (0-based): linear warm-up from 0.1 to 1
+    over `warmup` steps, then cosine decay to 0.1 at `total` (a constant rate either jumps around
+    the optimum at the end or is too slow at the start; the decay lets a short run settle)."""
+    if step < warmup:
+        return 0.1 + 0.9 * step / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
 ProgressFn = Callable[[dict], None]
 
 
@@ -142,16 +175,15 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
         raise DatasetError(f"num_virtual_tokens: {n} leaves no room in the {ctx}-token context")
     records = read_dataset(data, recipe.max_examples)
     eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
-    examples = tokenize_examples(records, tok, recipe.template, eos, ctx - n)
+    examples = tokenize_examples(records, tok, recipe.template, eos if recipe.append_eos else None, ctx - n)
     rng = random.Random(recipe.seed)
     order = list(range(len(examples)))
     rng.shuffle(order)
     n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
     val = [examples[i] for i in order[:n_val]]
     train = [examples[i] for i in order[n_val:]]
-    # initialise from embeddings of random vocabulary tokens (PEFT's RANDOM init is similar in scale)
-    init = model.wte.weight[torch.randint(0, cfg.vocab_size, (n,))].detach().clone()
-    enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init)
+    init = model.wte.weight[init_token_ids(recipe, tok, cfg.vocab_size)].detach().clone()  # (N, C)
+    enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init, recipe.encoder_residual)
     if resume and (out / "prompt_encoder.safetensors").is_file():
         enc.load_state_dict(load_file(out / "prompt_encoder.safetensors"))
     # everything is written to a hidden staging folder first: a cancelled or failed run leaves the
@@ -161,6 +193,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     out.mkdir(parents=True)
     enc_path = out / "prompt_encoder.safetensors"
     opt = torch.optim.AdamW(enc.parameters(), lr=recipe.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, recipe.warmup_steps, recipe.max_steps))
     log = MetricsLog(out / "metrics.jsonl")
     bar = Progress(recipe.max_steps, 0, progress, desc=f"ptune {task}")
     best = (math.inf, None, 0.0)  # (val loss, table, val accuracy)
@@ -177,6 +210,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            sched.step()
             step += 1
             elapsed = time.perf_counter() - t0
             rec = {"step": step, "loss": loss.item(), "elapsed_s": elapsed}

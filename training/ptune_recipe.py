@@ -24,10 +24,22 @@ class PtuneRecipe:
     (bidirectional, as in the p-tuning paper), or embedding (plain prompt tuning)."""
     encoder_hidden_size: int = 0
     """Width of the encoder's hidden layers; 0: the model's hidden size."""
+    encoder_residual: bool = False
+    """mlp/lstm: output = input + encoder(input) with the last layer zero-initialised, so training
+    starts at the init embeddings; False is PEFT's layout (the encoder's output alone)."""
+    init_text: str = ""
+    """Start the virtual tokens from the embeddings of this text's tokens, repeated or cut to N (PEFT's
+    TEXT init; a task description such as "Classify the topic: love or war" gives the optimizer a
+    prompt that already means something). Empty: embeddings of N random vocabulary tokens."""
+    append_eos: bool = True
+    """Append EOS to every answer, so the task learns to stop after it. Off for a label or a prefix
+    that the caller reads with a fixed max_tokens: then the loss is on the answer tokens alone."""
     template: str = "{input}"
     """How an example's `input` becomes the prompt; exactly one {input} slot. Saved in task.json."""
     lr: float = 3e-3
-    """AdamW learning rate of the encoder (no weight decay)."""
+    """Peak AdamW learning rate of the encoder (no weight decay)."""
+    warmup_steps: int = 10
+    """Linear warm-up from lr/10 to lr over these steps, then cosine decay to lr/10 at max_steps."""
     batch_size: int = 16
     max_steps: int = 300
     """Optimizer steps at most (early stopping may end sooner)."""
@@ -50,6 +62,8 @@ class PtuneRecipe:
         _require(self.num_virtual_tokens <= 512, "num_virtual_tokens", "must be at most 512")
         _require(self.encoder_hidden_size >= 0, "encoder_hidden_size", "must be >= 0")
         _require(self.patience >= 0, "patience", "must be >= 0")
+        _require(0 <= self.warmup_steps <= self.max_steps, "warmup_steps",
+                 f"must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(self.time_budget_s >= 0, "time_budget_s", "must be >= 0")
