@@ -110,6 +110,10 @@ class ModelSpec(_Strict):
     """Sequences a replica queues beyond engine.max_num_seqs running ones; past it, 429."""
     retry_after_s: int = Field(1, ge=1)
     """Retry-After sent with a 429."""
+    ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
+    """Time-to-first-token SLO for admission: a replica refuses (429) a request it predicts would
+    wait longer than this for its first token (queue ahead / measured start rate,
+    serving/admission.py), so admitted requests keep it under overload. None: count bound only."""
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
     """Least time between two streamed chunks of one request; tokens in between are sent together.
     0 adapts it to load (see docs/serving.md)."""
@@ -173,7 +177,7 @@ class ServerSpec(_Strict):
     ingress: Literal["direct", "ray-proxy"] = "direct"
     """direct: each Gateway replica serves HTTP itself on host:port (SO_REUSEPORT: a node's gateway
     replicas share the port) and Ray Serve's HTTP proxy is off, one process hop less per request
-    and per streamed chunk. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
+    and per streamed chunk; in a cluster they run on the head node. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
     gateway replicas (a multi-node cluster where clients reach every node's proxy)."""
     gateway_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(1 << 20, gt=0)

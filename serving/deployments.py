@@ -233,14 +233,19 @@ class GatewayDeployment:
             await self.publisher.stop()
 
 
+HEAD_NODE = "node:__internal_head__"  # Ray's resource on the head node only
+
+
 def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_key_hashes: list[str] = ()):
     """The bound Ray Serve application of a deployment config (run it with serve.run)."""
     from engines.config import EngineConfig
 
     server = cfg.server.model_dump()
-    # the hub always has publish calls in flight, and losing one at shutdown costs nothing
+    # the hub always has publish calls in flight, and losing one at shutdown costs nothing; it holds
+    # every replica's metrics, so it lives on the head node, which a cluster does not lose
     hub = MetricsHubDeployment.options(name="MetricsHub", num_replicas=1, graceful_shutdown_timeout_s=0.5,
-                                       graceful_shutdown_wait_loop_s=0.1).bind(
+                                       graceful_shutdown_wait_loop_s=0.1,
+                                       ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}).bind(
         max(30.0, 10 * cfg.server.metrics_push_interval_s))
     models = {}
     for spec in cfg.models:
@@ -264,9 +269,15 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_ke
         else:
             options["num_replicas"] = spec.replicas
         models[spec.name] = ModelServer.options(**options).bind(spec.model_dump(), server, hub)
+    gateway_actor: dict[str, Any] = {"num_cpus": 0}
+    if cfg.server.ingress == "direct":
+        # the replicas own host:port, so they run where `shardserve serve` binds it: on the head node.
+        # Spread over a cluster, a replica on a worker node would listen on that node, and losing
+        # the node would cut every connection it held (not answer them with 503).
+        gateway_actor["resources"] = {HEAD_NODE: 0.001}
     return GatewayDeployment.options(
         name="Gateway", num_replicas=cfg.server.gateway_replicas, max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
+        ray_actor_options=gateway_actor, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
     ).bind(models, server, sorted(api_key_hashes), hub, sorted(admin_key_hashes))
 
 

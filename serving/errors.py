@@ -29,9 +29,8 @@ def model_not_found(name: object, known: list[str]) -> APIError:
                      code="model_not_found", param="model")
 
 
-def overloaded(model: str, retry_after_s: int) -> ErrorInfo:
-    return ErrorInfo(429, "rate_limit_error",
-                     f"model {model!r} is at its admission limit (too many waiting requests); retry later",
+def overloaded(model: str, retry_after_s: int, why: str = "too many waiting requests") -> ErrorInfo:
+    return ErrorInfo(429, "rate_limit_error", f"model {model!r} is at its admission limit ({why}); retry later",
                      None, "server_overloaded", retry_after_s)
 
 

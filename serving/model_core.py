@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from engines.sampling_params import RequestError
 from serving import errors
+from serving.admission import TtftAdmission
 from serving.metrics import ReplicaMetrics
 from serving.wire import Delta, ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
@@ -50,6 +51,11 @@ class ModelCore:
         self.capacity = cfg.max_num_seqs + spec.max_waiting
         """Sequences admitted at once (running + waiting)."""
         self.admitted = 0
+        self.ttft_admission = TtftAdmission(None if spec.ttft_slo_ms is None else spec.ttft_slo_ms / 1000.0,
+                                            cfg.max_num_seqs)
+        """Refuses what would wait past spec.ttft_slo_ms for a first token (serving/admission.py)."""
+        self._started: set[str] = set()
+        """Ids of admitted requests that have their first token."""
         self.active_requests = 0
         self.draining = False
         self.metrics = ReplicaMetrics(spec.name, replica, self.stats)
@@ -121,6 +127,11 @@ class ModelCore:
                              f"at most {self.capacity}", "n", "invalid_value")
         if self.admitted + num_seqs > self.capacity:
             return errors.overloaded(self.spec.name, self.spec.retry_after_s)
+        if not self.ttft_admission.admits(num_seqs, int(self.engine.stats()["num_running"])):
+            wait = self.ttft_admission.predicted_wait_s(num_seqs, int(self.engine.stats()["num_running"]))
+            return errors.overloaded(self.spec.name, self.spec.retry_after_s,
+                                     f"its first token would come in ~{wait * 1000:.0f} ms, past the "
+                                     f"{self.spec.ttft_slo_ms:g} ms TTFT SLO")
         return None
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -136,6 +147,7 @@ class ModelCore:
             return
         self.admitted += num_seqs
         self.active_requests += 1
+        self.ttft_admission.admitted(num_seqs)
         try:
             err = self._validate(req)
             if err is not None:
@@ -150,6 +162,10 @@ class ModelCore:
         finally:
             self.admitted -= num_seqs
             self.active_requests -= 1
+            if req.request_id in self._started:
+                self._started.discard(req.request_id)
+            else:
+                self.ttft_admission.left(num_seqs)
 
     def _validate(self, req: GenerateRequest) -> ErrorInfo | None:
         # all prompts before any starts: a request is admitted whole or not at all
@@ -183,6 +199,8 @@ class ModelCore:
                     if state.first_token_time is None and state.generated:
                         state.first_token_time = now
                         m.ttft.observe(now - t0)
+                        self._started.add(req.request_id)
+                        self.ttft_admission.first_token(len(req.prompts) * n)
                     if pending is None:
                         pending = chunk
                     else:

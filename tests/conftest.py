@@ -75,11 +75,15 @@ def model_dir(request, gpt2_dir, llama_dir) -> Path:
     return gpt2_dir if request.param == "gpt2" else llama_dir
 
 
-@pytest.fixture(autouse=True)
-def _cpu_without_bf16(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_without_bf16():
     """Engine tests compare fp32 numerics (1e-4); dtype="auto" (the default) would pick bf16 on an
     AMX or AVX512-BF16 machine. Every test poses as a CPU without bf16 unless it poses its own
-    flags (tests/test_hardware_dtype.py). Shard workers get the resolved config from the parent."""
+    flags (tests/test_hardware_dtype.py). Shard workers get the resolved config from the parent.
+    Session-scoped, so that module- and session-scoped engines (built before any function-scoped
+    fixture runs) are posed too."""
     from engines import hardware
 
-    monkeypatch.setattr(hardware, "read_cpu_flags", lambda *a, **k: frozenset({"avx2"}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hardware, "read_cpu_flags", lambda *a, **k: frozenset({"avx2"}))
+        yield

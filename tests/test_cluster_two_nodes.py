@@ -72,6 +72,17 @@ class Cluster:
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.split()
 
+    def gateway_on_head(self) -> bool:
+        """Whether every alive Gateway replica runs on the head node (it owns the HTTP port)."""
+        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR'); "
+                "head = [n['NodeID'] for n in ray.nodes() if 'node:__internal_head__' in n['Resources']]; "
+                "gw = [a['Address']['NodeID'] for a in st.actors().values() "
+                "if a['ActorClassName'].endswith('Gateway') and a['State'] == 'ALIVE']; "
+                "print(bool(gw) and all(g in head for g in gw))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()[-1] == "True"
+
     def stop(self) -> None:
         for name in list(self.nodes):
             self.kill(name)
@@ -119,6 +130,7 @@ def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
         assert complete(url).status_code == 200
         nodes = cluster.shard_nodes()
         assert len(nodes) == 2 and len(set(nodes)) == 2, f"both shards on one node: {nodes}"
+        assert cluster.gateway_on_head(), "a Gateway replica (it owns the port) is not on the head node"
 
         # a long request in flight while the worker node dies
         result: dict = {}
