@@ -193,7 +193,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     out.mkdir(parents=True)
     enc_path = out / "prompt_encoder.safetensors"
     opt = torch.optim.AdamW(enc.parameters(), lr=recipe.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, recipe.warmup_steps, recipe.max_steps))
+    warmup = min(recipe.warmup_steps, recipe.max_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup, recipe.max_steps))
     log = MetricsLog(out / "metrics.jsonl")
     bar = Progress(recipe.max_steps, 0, progress, desc=f"ptune {task}")
     best = (math.inf, None, 0.0)  # (val loss, table, val accuracy)

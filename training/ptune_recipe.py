@@ -39,7 +39,8 @@ class PtuneRecipe:
     lr: float = 3e-3
     """Peak AdamW learning rate of the encoder (no weight decay)."""
     warmup_steps: int = 10
-    """Linear warm-up from lr/10 to lr over these steps, then cosine decay to lr/10 at max_steps."""
+    """Linear warm-up from lr/10 to lr over these steps (at most max_steps), then cosine decay to
+    lr/10 at max_steps; 0: start at lr."""
     batch_size: int = 16
     max_steps: int = 300
     """Optimizer steps at most (early stopping may end sooner)."""
@@ -62,8 +63,8 @@ class PtuneRecipe:
         _require(self.num_virtual_tokens <= 512, "num_virtual_tokens", "must be at most 512")
         _require(self.encoder_hidden_size >= 0, "encoder_hidden_size", "must be >= 0")
         _require(self.patience >= 0, "patience", "must be >= 0")
-        _require(0 <= self.warmup_steps <= self.max_steps, "warmup_steps",
-                 f"must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
+        _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
+                 f"must be an integer >= 0, got {self.warmup_steps!r}")
         _require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(self.time_budget_s >= 0, "time_budget_s", "must be >= 0")
