@@ -44,7 +44,7 @@ DEFAULT_MAX_EXAMPLES = 50_000
 JOB_ID_PREFIX = "ptj-"
 RECIPE_KEYS = ("num_virtual_tokens", "encoder", "encoder_hidden_size", "encoder_residual", "init_text", "append_eos",
                "template", "lr", "warmup_steps", "batch_size", "max_steps", "eval_every", "patience", "val_fraction",
-               "max_examples", "time_budget_s", "seed")
+               "max_examples", "precision", "time_budget_s", "seed")
 """training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
 
 

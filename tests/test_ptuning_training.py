@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 
@@ -147,3 +148,27 @@ def test_text_init_residual_encoder_schedule_and_answer_only_loss(model_copy, tm
         ptune_recipe_from_dict({"warmup_steps": -1})
     with pytest.raises(ConfigError, match="append_eos"):
         ptune_recipe_from_dict({"append_eos": "maybe"})
+    with pytest.raises(ConfigError, match="precision"):
+        ptune_recipe_from_dict({"precision": "fp16"})
+
+
+def test_bf16_autocast_training_matches_fp32(model_copy, tmp_path):
+    from engines.tokenizer import Tokenizer
+    from training.ptune import evaluate, resolve_precision, tokenize_examples
+
+    assert resolve_precision("fp32") == "fp32" and resolve_precision("auto") in ("bf16", "fp32")
+    model, _ = load_model(model_copy)
+    tok = Tokenizer.from_dir(model_copy)
+    _dataset(tmp_path / "d.jsonl", n=8)
+    rows = [json.loads(ln) for ln in (tmp_path / "d.jsonl").read_text().splitlines()]
+    ex = tokenize_examples(rows, tok, "{input}", None, 64)
+    table = model.wte.weight[:4].detach().clone()
+    lf, _ = evaluate(model, table, ex, 4, "fp32")
+    lb, _ = evaluate(model, table, ex, 4, "bf16")
+    assert lb != lf and lb == pytest.approx(lf, rel=0.03)  # autocast ran, and computes the same loss
+    _dataset(tmp_path / "d.jsonl", n=24)
+    for prec in ("bf16", "fp32"):
+        m = train_task(model_copy, f"p{prec}", tmp_path / "d.jsonl",
+                       ptune_recipe_from_dict({"precision": prec, "max_steps": 2, "eval_every": 2, "batch_size": 4}),
+                       progress=False)
+        assert m["precision"] == prec and math.isfinite(m["best_val_loss"])

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engines.checkpoint import load_model
+from engines.hardware import detect
 from engines.ptuning import DatasetError, base_model_hashes, check_task_name, read_dataset, write_task_dir
 from engines.tokenizer import Tokenizer
 from training.metrics import MetricsLog, Progress, plot_loss_curve
@@ -103,7 +104,7 @@ def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch
         rows_b += [b] * len(e.output_ids)
         rows_t += range(first, first + len(e.output_ids))
         targets += e.output_ids
-    logits = model.logits(hidden[rows_b, rows_t])  # (answer tokens, V)
+    logits = model.logits(hidden[rows_b, rows_t]).float()  # (answer tokens, V); fp32 loss under autocast
     tgt = torch.tensor(targets)
     loss = nn.functional.cross_entropy(logits, tgt)
     right = (logits.argmax(-1) == tgt).tolist()
@@ -114,13 +115,27 @@ def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch
     return loss, exact, len(batch)
 
 
+def resolve_precision(requested: str) -> str:
+    """auto -> bf16 where the CPU has native bf16 matmuls (measured ~2x faster per p-tuning step on
+    AVX512-BF16 than fp32), else fp32."""
+    if requested != "auto":
+        return requested
+    return "bf16" if detect("cpu").bf16 else "fp32"
+
+
+def _autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 @torch.no_grad()
-def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: int) -> tuple[float, float]:
+def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: int,
+             precision: str = "fp32") -> tuple[float, float]:
     """(mean answer loss, exact-match accuracy by teacher-forced argmax) over `examples`."""
     tot, exact = 0.0, 0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        loss, ex, _ = _batch_loss(model, table, chunk)
+        with _autocast(precision):
+            loss, ex, _ = _batch_loss(model, table, chunk)
         tot += loss.item() * len(chunk)
         exact += ex
     return tot / len(examples), exact / len(examples)
@@ -170,6 +185,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     if tok is None:
         raise DatasetError(f"model: {str(model_dir)!r} has no tokenizer.json; p-tuning needs text")
     n = recipe.num_virtual_tokens
+    precision = resolve_precision(recipe.precision)
     ctx = cfg.max_position_embeddings
     if n >= ctx:
         raise DatasetError(f"num_virtual_tokens: {n} leaves no room in the {ctx}-token context")
@@ -207,7 +223,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             if should_stop is not None and should_stop():
                 raise InterruptedError("cancelled")
             batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
-            loss, _, _ = _batch_loss(model, enc(), batch)
+            with _autocast(precision):
+                loss, _, _ = _batch_loss(model, enc(), batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -218,7 +235,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             if step % recipe.eval_every == 0 or step == recipe.max_steps:
                 with torch.no_grad():
                     table = enc().detach().clone()
-                vl, va = evaluate(model, table, val, recipe.batch_size)
+                vl, va = evaluate(model, table, val, recipe.batch_size, precision)
                 rec.update(val_loss=vl, val_accuracy=va)
                 if vl < best[0]:
                     best, bad_evals = (vl, table, va), 0
@@ -245,10 +262,10 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     if best[1] is None:  # ended before the first evaluation
         with torch.no_grad():
             table = enc().detach().clone()
-        vl, va = evaluate(model, table, val, recipe.batch_size)
+        vl, va = evaluate(model, table, val, recipe.batch_size, precision)
         best = (vl, table, va)
         save_file(enc.state_dict(), str(enc_path))
-    metrics = {"steps": step, "stopped": stopped, "train_seconds": round(time.perf_counter() - t0, 2),
+    metrics = {"steps": step, "stopped": stopped, "precision": precision, "train_seconds": round(time.perf_counter() - t0, 2),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
                "val_examples": len(val), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
                "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
