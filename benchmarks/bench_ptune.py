@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--set", dest="set_", action="append", default=[],
                     help="recipe override for every task, e.g. --set lr=0.01 (repeatable)")
     ap.add_argument("--kw-set", action="append", default=[], help="recipe override for the keyword task only")
-    ap.add_argument("--fmt-set", action="append", default=[], help="recipe override for the format tasks only")
+    ap.add_argument("--fmt-set", action="append", default=[],
+                    help="recipe override for the format tasks only; {tag} in init_text is the task's tag")
     args = ap.parse_args()
     model = Path(args.model)
     tok = Tokenizer.from_dir(model)
@@ -116,9 +117,12 @@ def main() -> None:
         inputs = [ln for ln in lines if not LOVE.search(ln)][:1200]
         fmt_train, fmt_test = split(inputs, args.n_test, seed=1)
         fprompts = [x + "\n" for x in fmt_test]
-        recipe = ptune_recipe_from_dict({"template": "{input}\n", **common, **parse_overrides(args.fmt_set)})
+        fmt_over = {"template": "{input}\n", **common, **parse_overrides(args.fmt_set)}
         for tag in TAGS:
             name = tag.strip(".").lower()
+            # "{tag}" in an init_text override becomes this task's tag (a task description per task)
+            recipe = ptune_recipe_from_dict({**fmt_over, "init_text": str(fmt_over.get("init_text", "")).replace(
+                "{tag}", tag)})
             m, train_s = train(model, name, [{"input": x, "output": tag} for x in fmt_train], recipe, work)
             llm.load_task(name, work / name)
 
