@@ -48,8 +48,9 @@ MAX_RESTARTS = 3
 LAUNCH_GRACE_S = 60.0
 """A launched job that has not written its pid within this is taken as lost."""
 HOST = socket.gethostname()
-RECIPE_KEYS = ("num_virtual_tokens", "encoder", "encoder_hidden_size", "template", "lr", "batch_size", "max_steps",
-               "eval_every", "patience", "val_fraction", "max_examples", "time_budget_s", "seed")
+RECIPE_KEYS = ("num_virtual_tokens", "encoder", "encoder_hidden_size", "encoder_residual", "init_text", "append_eos",
+               "template", "lr", "warmup_steps", "batch_size", "max_steps", "eval_every", "patience", "val_fraction",
+               "max_examples", "precision", "time_budget_s", "seed")
 """training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
 
 

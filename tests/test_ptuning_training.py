@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 
@@ -106,3 +107,68 @@ def test_cli_and_cancel(model_copy, tmp_path):
     # the cancelled run left the earlier task as it was, and no staging folder
     assert sorted(p.name for p in (model_copy / "ptuning").iterdir()) == ["c"]
     assert json.loads((model_copy / "ptuning/c/task.json").read_text())["metrics"]["steps"] == 3
+
+
+def test_text_init_residual_encoder_schedule_and_answer_only_loss(model_copy, tmp_path):
+    from engines.tokenizer import Tokenizer
+    from training.ptune import PromptEncoder, init_token_ids, lr_factor, tokenize_examples
+
+    tok = Tokenizer.from_dir(model_copy)
+    # PEFT's TEXT init: the text's tokens repeated, then cut, to N
+    text_ids = tok.encode("the king", add_special_tokens=False)
+    ids = init_token_ids(PtuneRecipe(num_virtual_tokens=5, init_text="the king"), tok, 1000).tolist()
+    assert ids == (text_ids * 5)[:5]
+    with pytest.raises(DatasetError, match="init_text"):
+        init_token_ids(PtuneRecipe(init_text=" "), type("T", (), {"encode": lambda *a, **k: []})(), 1000)
+    # a residual encoder starts exactly at its init embeddings (PEFT's layout does not) and still trains
+    init = torch.randn(5, 64)
+    for kind in ("mlp", "lstm"):
+        enc = PromptEncoder(kind, 5, 64, 32, init, residual=True)
+        torch.testing.assert_close(enc(), init)
+        enc().sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in enc.parameters() if p is not enc.embedding.weight)
+        assert not torch.allclose(PromptEncoder(kind, 5, 64, 32, init)(), init)
+    # warm-up from lr/10 to lr, cosine back to lr/10
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1) and lr_factor(10, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100) == pytest.approx(0.55) and lr_factor(100, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(0, 0, 10) == pytest.approx(1.0)
+    # append_eos=False: the loss is on the answer tokens alone
+    rec = [{"input": "a b", "output": " yes"}]
+    assert tokenize_examples(rec, tok, "{input}", 2, 64)[0].output_ids == tok.encode(" yes", add_special_tokens=False) + [2]
+    assert tokenize_examples(rec, tok, "{input}", None, 64)[0].output_ids == tok.encode(" yes", add_special_tokens=False)
+    _dataset(tmp_path / "d.jsonl", n=24)
+    recipe = ptune_recipe_from_dict({"num_virtual_tokens": 3, "encoder": "mlp", "encoder_residual": True,
+                                     "init_text": "the king", "append_eos": False, "warmup_steps": 2,
+                                     "max_steps": 6, "eval_every": 3, "batch_size": 4})
+    m = train_task(model_copy, "ti", tmp_path / "d.jsonl", recipe, progress=False)
+    assert m["steps"] == 6
+    saved = json.loads((model_copy / "ptuning/ti/task.json").read_text())["recipe"]
+    assert saved["init_text"] == "the king" and saved["append_eos"] is False and saved["encoder_residual"] is True
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        ptune_recipe_from_dict({"warmup_steps": -1})
+    with pytest.raises(ConfigError, match="append_eos"):
+        ptune_recipe_from_dict({"append_eos": "maybe"})
+    with pytest.raises(ConfigError, match="precision"):
+        ptune_recipe_from_dict({"precision": "fp16"})
+
+
+def test_bf16_autocast_training_matches_fp32(model_copy, tmp_path):
+    from engines.tokenizer import Tokenizer
+    from training.ptune import evaluate, resolve_precision, tokenize_examples
+
+    assert resolve_precision("fp32") == "fp32" and resolve_precision("auto") in ("bf16", "fp32")
+    model, _ = load_model(model_copy)
+    tok = Tokenizer.from_dir(model_copy)
+    _dataset(tmp_path / "d.jsonl", n=8)
+    rows = [json.loads(ln) for ln in (tmp_path / "d.jsonl").read_text().splitlines()]
+    ex = tokenize_examples(rows, tok, "{input}", None, 64)
+    table = model.wte.weight[:4].detach().clone()
+    lf, _ = evaluate(model, table, ex, 4, "fp32")
+    lb, _ = evaluate(model, table, ex, 4, "bf16")
+    assert lb != lf and lb == pytest.approx(lf, rel=0.03)  # autocast ran, and computes the same loss
+    _dataset(tmp_path / "d.jsonl", n=24)
+    for prec in ("bf16", "fp32"):
+        m = train_task(model_copy, f"p{prec}", tmp_path / "d.jsonl",
+                       ptune_recipe_from_dict({"precision": prec, "max_steps": 2, "eval_every": 2, "batch_size": 4}),
+                       progress=False)
+        assert m["precision"] == prec and math.isfinite(m["best_val_loss"])

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engines.checkpoint import load_model
+from engines.hardware import detect
 from engines.ptuning import DatasetError, base_model_hashes, check_task_name, read_dataset, write_task_dir
 from engines.tokenizer import Tokenizer
 from training.metrics import MetricsLog, Progress, plot_loss_curve
@@ -29,11 +30,17 @@ from training.ptune_recipe import PtuneRecipe
 
 
 class PromptEncoder(nn.Module):
-    """N learned inputs -> (N, hidden) virtual-token embeddings (PEFT's PromptEncoder layouts)."""
+    """N learned inputs -> (N, hidden) virtual-token embeddings (PEFT's PromptEncoder layouts).
 
-    def __init__(self, kind: str, n: int, hidden: int, enc_hidden: int, init: torch.Tensor | None = None):
+    residual=True adds the input to the mlp/lstm output and zero-initialises the last layer, so
+    training starts exactly at the init embeddings (a text init then means its text) and the
+    reparameterisation learns a correction; PEFT's layout (residual=False) starts from the
+    encoder's random output whatever the init."""
+
+    def __init__(self, kind: str, n: int, hidden: int, enc_hidden: int, init: torch.Tensor | None = None,
+                 residual: bool = False):
         super().__init__()
-        self.kind = kind
+        self.kind, self.residual = kind, residual and kind != "embedding"
         self.embedding = nn.Embedding(n, hidden)
         if init is not None:
             with torch.no_grad():
@@ -44,14 +51,19 @@ class PromptEncoder(nn.Module):
         elif kind == "lstm":
             self.lstm = nn.LSTM(hidden, h, num_layers=2, bidirectional=True, batch_first=True)
             self.mlp = nn.Sequential(nn.Linear(2 * h, 2 * h), nn.ReLU(), nn.Linear(2 * h, hidden))
+        if self.residual:
+            nn.init.zeros_(self.mlp[-1].weight)
+            nn.init.zeros_(self.mlp[-1].bias)
 
     def forward(self) -> torch.Tensor:
-        x = self.embedding.weight  # (N, C)
+        e = self.embedding.weight  # (N, C)
         if self.kind == "lstm":
-            x = self.mlp(self.lstm(x[None])[0][0])  # (1, N, 2h) -> (N, C)
+            x = self.mlp(self.lstm(e[None])[0][0])  # (1, N, 2h) -> (N, C)
         elif self.kind == "mlp":
-            x = self.mlp(x)
-        return x
+            x = self.mlp(e)
+        else:
+            return e
+        return e + x if self.residual else x
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch
         rows_b += [b] * len(e.output_ids)
         rows_t += range(first, first + len(e.output_ids))
         targets += e.output_ids
-    logits = model.logits(hidden[rows_b, rows_t])  # (answer tokens, V)
+    logits = model.logits(hidden[rows_b, rows_t]).float()  # (answer tokens, V); fp32 loss under autocast
     tgt = torch.tensor(targets)
     loss = nn.functional.cross_entropy(logits, tgt)
     right = (logits.argmax(-1) == tgt).tolist()
@@ -103,16 +115,52 @@ def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch
     return loss, exact, len(batch)
 
 
+def resolve_precision(requested: str) -> str:
+    """auto -> bf16 where the CPU has native bf16 matmuls (measured ~2x faster per p-tuning step on
+    AVX512-BF16 than fp32), else fp32."""
+    if requested != "auto":
+        return requested
+    return "bf16" if detect("cpu").bf16 else "fp32"
+
+
+def _autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 @torch.no_grad()
-def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: int) -> tuple[float, float]:
+def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: int,
+             precision: str = "fp32") -> tuple[float, float]:
     """(mean answer loss, exact-match accuracy by teacher-forced argmax) over `examples`."""
     tot, exact = 0.0, 0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        loss, ex, _ = _batch_loss(model, table, chunk)
+        with _autocast(precision):
+            loss, ex, _ = _batch_loss(model, table, chunk)
         tot += loss.item() * len(chunk)
         exact += ex
     return tot / len(examples), exact / len(examples)
+
+
+def init_token_ids(recipe: PtuneRecipe, tok: Tokenizer, vocab_size: int) -> torch.Tensor:
+    """(N,) token ids whose embeddings start the virtual tokens: recipe.init_text's tokens repeated
+    or cut to N (PEFT's TEXT init), else N random vocabulary tokens (PEFT's SAMPLE_VOCAB)."""
+    n = recipe.num_virtual_tokens
+    if recipe.init_text:
+        ids = tok.encode(recipe.init_text, add_special_tokens=False)
+        if not ids:
+            raise DatasetError(f"init_text: {recipe.init_text!r} encodes to no tokens")
+        return torch.tensor((ids * (n // len(ids) + 1))[:n])
+    return torch.randint(0, vocab_size, (n,))
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Learning-rate multiplier before optimizer step `step` (0-based): linear warm-up from 0.1 to 1
+    over `warmup` steps, then cosine decay to 0.1 at `total` (a constant rate either jumps around
+    the optimum at the end or is too slow at the start; the decay lets a short run settle)."""
+    if step < warmup:
+        return 0.1 + 0.9 * step / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
 
 ProgressFn = Callable[[dict], None]
@@ -137,21 +185,21 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     if tok is None:
         raise DatasetError(f"model: {str(model_dir)!r} has no tokenizer.json; p-tuning needs text")
     n = recipe.num_virtual_tokens
+    precision = resolve_precision(recipe.precision)
     ctx = cfg.max_position_embeddings
     if n >= ctx:
         raise DatasetError(f"num_virtual_tokens: {n} leaves no room in the {ctx}-token context")
     records = read_dataset(data, recipe.max_examples)
     eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
-    examples = tokenize_examples(records, tok, recipe.template, eos, ctx - n)
+    examples = tokenize_examples(records, tok, recipe.template, eos if recipe.append_eos else None, ctx - n)
     rng = random.Random(recipe.seed)
     order = list(range(len(examples)))
     rng.shuffle(order)
     n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
     val = [examples[i] for i in order[:n_val]]
     train = [examples[i] for i in order[n_val:]]
-    # initialise from embeddings of random vocabulary tokens (PEFT's RANDOM init is similar in scale)
-    init = model.wte.weight[torch.randint(0, cfg.vocab_size, (n,))].detach().clone()
-    enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init)
+    init = model.wte.weight[init_token_ids(recipe, tok, cfg.vocab_size)].detach().clone()  # (N, C)
+    enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init, recipe.encoder_residual)
     if resume and (out / "prompt_encoder.safetensors").is_file():
         enc.load_state_dict(load_file(out / "prompt_encoder.safetensors"))
     # everything is written to a hidden staging folder first: a cancelled or failed run leaves the
@@ -161,6 +209,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     out.mkdir(parents=True)
     enc_path = out / "prompt_encoder.safetensors"
     opt = torch.optim.AdamW(enc.parameters(), lr=recipe.lr, weight_decay=0.0)
+    warmup = min(recipe.warmup_steps, recipe.max_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup, recipe.max_steps))
     log = MetricsLog(out / "metrics.jsonl")
     bar = Progress(recipe.max_steps, 0, progress, desc=f"ptune {task}")
     best = (math.inf, None, 0.0)  # (val loss, table, val accuracy)
@@ -173,17 +223,19 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             if should_stop is not None and should_stop():
                 raise InterruptedError("cancelled")
             batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
-            loss, _, _ = _batch_loss(model, enc(), batch)
+            with _autocast(precision):
+                loss, _, _ = _batch_loss(model, enc(), batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            sched.step()
             step += 1
             elapsed = time.perf_counter() - t0
             rec = {"step": step, "loss": loss.item(), "elapsed_s": elapsed}
             if step % recipe.eval_every == 0 or step == recipe.max_steps:
                 with torch.no_grad():
                     table = enc().detach().clone()
-                vl, va = evaluate(model, table, val, recipe.batch_size)
+                vl, va = evaluate(model, table, val, recipe.batch_size, precision)
                 rec.update(val_loss=vl, val_accuracy=va)
                 if vl < best[0]:
                     best, bad_evals = (vl, table, va), 0
@@ -210,10 +262,10 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     if best[1] is None:  # ended before the first evaluation
         with torch.no_grad():
             table = enc().detach().clone()
-        vl, va = evaluate(model, table, val, recipe.batch_size)
+        vl, va = evaluate(model, table, val, recipe.batch_size, precision)
         best = (vl, table, va)
         save_file(enc.state_dict(), str(enc_path))
-    metrics = {"steps": step, "stopped": stopped, "train_seconds": round(time.perf_counter() - t0, 2),
+    metrics = {"steps": step, "stopped": stopped, "precision": precision, "train_seconds": round(time.perf_counter() - t0, 2),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
                "val_examples": len(val), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
                "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()

@@ -24,10 +24,23 @@ class PtuneRecipe:
     (bidirectional, as in the p-tuning paper), or embedding (plain prompt tuning)."""
     encoder_hidden_size: int = 0
     """Width of the encoder's hidden layers; 0: the model's hidden size."""
+    encoder_residual: bool = False
+    """mlp/lstm: output = input + encoder(input) with the last layer zero-initialised, so training
+    starts at the init embeddings; False is PEFT's layout (the encoder's output alone)."""
+    init_text: str = ""
+    """Start the virtual tokens from the embeddings of this text's tokens, repeated or cut to N (PEFT's
+    TEXT init; a task description such as "Classify the topic: love or war" gives the optimizer a
+    prompt that already means something). Empty: embeddings of N random vocabulary tokens."""
+    append_eos: bool = True
+    """Append EOS to every answer, so the task learns to stop after it. Off for a label or a prefix
+    that the caller reads with a fixed max_tokens: then the loss is on the answer tokens alone."""
     template: str = "{input}"
     """How an example's `input` becomes the prompt; exactly one {input} slot. Saved in task.json."""
     lr: float = 3e-3
-    """AdamW learning rate of the encoder (no weight decay)."""
+    """Peak AdamW learning rate of the encoder (no weight decay)."""
+    warmup_steps: int = 10
+    """Linear warm-up from lr/10 to lr over these steps (at most max_steps), then cosine decay to
+    lr/10 at max_steps; 0: start at lr."""
     batch_size: int = 16
     max_steps: int = 300
     """Optimizer steps at most (early stopping may end sooner)."""
@@ -39,6 +52,10 @@ class PtuneRecipe:
     """Share of the examples held out (at least one, and at least one left to train on)."""
     max_examples: int = 50_000
     """Datasets with more examples are refused (a REST job's upload is bounded by this)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """The frozen base's forward/backward: bf16 autocast or fp32. auto: bf16 where the CPU/GPU has
+    native bf16 matmuls (AMX, AVX512-BF16, CUDA; engines.hardware.detect), else fp32 (emulated bf16
+    is slower). The table and encoder stay fp32 either way."""
     time_budget_s: float = 0.0
     """Stop after this many seconds of training; 0: no limit."""
     seed: int = 0
@@ -50,6 +67,8 @@ class PtuneRecipe:
         _require(self.num_virtual_tokens <= 512, "num_virtual_tokens", "must be at most 512")
         _require(self.encoder_hidden_size >= 0, "encoder_hidden_size", "must be >= 0")
         _require(self.patience >= 0, "patience", "must be >= 0")
+        _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
+                 f"must be an integer >= 0, got {self.warmup_steps!r}")
         _require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(self.time_budget_s >= 0, "time_budget_s", "must be >= 0")
