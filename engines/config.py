@@ -197,7 +197,7 @@ class EngineConfig:
     than the bubble it removes."""
     worker_threads: int = 0
     """torch threads per shard worker; 0 shares the host's cores evenly among the shards (in
-    process on CPU: OMP_NUM_THREADS when set, else all cores but one, see engines.cpu_threads)."""
+    process on CPU: OMP_NUM_THREADS when set, else every core, see engines.cpu_threads)."""
     dist_timeout_s: float = 120.0
     """Deadline of one step (and of collectives) in a multi-process executor: a hung or dead shard
     worker fails the step with ExecutorError instead of hanging it."""

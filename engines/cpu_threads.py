@@ -14,10 +14,12 @@ torch 2.13+cpu, libgomp), see BENCHMARKS.md, "Peer benchmark against vLLM's CPU 
   torch; a user's own OMP_WAIT_POLICY always wins.
 - With two threads on two cores shared with other work, every parallel region of the step waits
   for both threads to be scheduled: a batch-57 decode step took 1,860 ms on 2 threads against
-  875 ms on 1 (load average 4.2-4.6), and prefill 67 s against 52 s. `engine_threads` leaves one
-  core to the rest of the process and the host (scheduler, tokenizer, HTTP front end, neighbours)
-  when there is more than one, as vLLM's CPU build does (it binds its model to all cores but
-  one); OMP_NUM_THREADS or EngineConfig.worker_threads override it.
+  875 ms on 1 (load average 4.2-4.6). On the same machine idle (load ~1) it is the other way round:
+  an offline mix of 24 requests ran at 94 / 73 tok/s on 2 threads against 71 / 66 on 1, batch-1
+  decode level (BENCHMARKS.md). vLLM's CPU build binds its model to all cores but one (its scheduler
+  runs beside the model); ours schedules on the same thread between steps, so a reserved core would
+  sit idle. `engine_threads` therefore uses all cores of the process's affinity; on a shared or
+  oversubscribed host set OMP_NUM_THREADS or EngineConfig.worker_threads.
 - Decode attention issues one small op per sequence and layer (a context of a few hundred keys:
   ~1 MFLOP). Splitting such an op over threads buys little and costs a fork/join each time;
   `single_threaded()` runs such a loop on the calling thread only.
@@ -46,7 +48,7 @@ def configure_openmp_env(environ: dict[str, str] | None = None) -> bool:
 def engine_threads(worker_threads: int = 0, cpu_count: int | None = None,
                    environ: dict[str, str] | None = None) -> int:
     """torch intra-op threads of an in-process engine: worker_threads when > 0, else
-    OMP_NUM_THREADS when set, else all cores but one (at least one)."""
+    OMP_NUM_THREADS when set, else every core this process may run on."""
     if worker_threads > 0:
         return worker_threads
     env = os.environ if environ is None else environ
@@ -54,7 +56,7 @@ def engine_threads(worker_threads: int = 0, cpu_count: int | None = None,
         return int(env["OMP_NUM_THREADS"])
     n = cpu_count if cpu_count is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else (os.cpu_count() or 1)
-    return max(1, n - 1)
+    return max(1, n)
 
 
 @contextlib.contextmanager

@@ -80,11 +80,11 @@ def test_decode_attention_is_the_same_on_one_thread_and_on_two():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_engine_threads_leave_one_core():
+def test_engine_threads_default_to_every_core_unless_told():
     from engines.cpu_threads import engine_threads
 
-    assert engine_threads(0, cpu_count=2, environ={}) == 1
-    assert engine_threads(0, cpu_count=16, environ={}) == 15
+    assert engine_threads(0, cpu_count=2, environ={}) == 2
+    assert engine_threads(0, cpu_count=16, environ={}) == 16
     assert engine_threads(0, cpu_count=1, environ={}) == 1
     assert engine_threads(0, cpu_count=16, environ={"OMP_NUM_THREADS": "4"}) == 4
     assert engine_threads(3, cpu_count=16, environ={"OMP_NUM_THREADS": "4"}) == 3
