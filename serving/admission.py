@@ -13,6 +13,16 @@ Little's law gives the mean; the SLO is on the tail, and a request admitted just
 waits for it. So the replica also compares, for each admitted request, the TTFT it got with the wait
 it was predicted, and scales predictions by the 90th percentile of that ratio over the window: a
 replica that keeps under-predicting refuses earlier, one that over-predicts admits more.
+
+A prediction at the door is still a guess, and the SLO is a promise. So an admitted request that
+has no first token yet is judged again while it waits (`late`, every few milliseconds): once the
+time it has waited plus what it still needs (its place in the queue over the start rate, and at
+least one engine step for its own prefill) passes the SLO, the replica gives it up and answers 429
+with Retry-After, before any token or stream header was sent, rather than a first token it knows
+will be late. The client learns that early (not at the SLO), and the requests that do get a first
+token get it within the SLO whatever the predictor missed. Steps are timed from the engine's own
+counters (`observe_steps`): the median step of the last seconds, and the slow tail of them for
+the step a request still needs.
 """
 
 from __future__ import annotations
@@ -29,6 +39,11 @@ MIN_PREDICTED_S = 0.05
 CORRECTION_QUANTILE = 0.9
 CORRECTION_RANGE = (0.5, 4.0)
 """Bounds of the correction factor (a few wild ratios must not close or open the door entirely)."""
+STEP_WINDOW = 64
+"""Engine step-time samples kept (each one the mean step between two looks at the counters)."""
+STEP_QUANTILE = 0.9
+"""The step a waiting request still needs is priced at this quantile of recent steps (prefill
+steps are the long ones, and a request's first token comes from one)."""
 
 
 class TtftAdmission:
@@ -43,6 +58,9 @@ class TtftAdmission:
         self.first_tokens: collections.deque[float] = collections.deque(maxlen=512)
         self.ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         """(time, measured TTFT / predicted wait) of recently started requests."""
+        self.steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        """Seconds per engine step, recent samples."""
+        self._last_counters: tuple[int, float] | None = None
 
     def rate(self) -> float | None:
         """First tokens per second over the window (None: too few to tell)."""
@@ -65,12 +83,40 @@ class TtftAdmission:
         q = r[min(len(r) - 1, int(CORRECTION_QUANTILE * len(r)))]
         return min(CORRECTION_RANGE[1], max(CORRECTION_RANGE[0], q))
 
-    def predicted_wait_s(self, num_seqs: int, running: int) -> float:
-        """Seconds a request of `num_seqs` sequences would wait for its first token (0: starts now)."""
-        if self.queued == 0 and running + num_seqs <= self.max_running:
+    def observe_steps(self, num_steps: int, busy_s: float) -> None:
+        """Feed the engine's cumulative step count and busy seconds (called every few milliseconds)."""
+        if self._last_counters is not None:
+            d_steps, d_busy = num_steps - self._last_counters[0], busy_s - self._last_counters[1]
+            if d_steps > 0 and d_busy >= 0:
+                self.steps.append(d_busy / d_steps)
+        self._last_counters = (num_steps, busy_s)
+
+    def step_s(self, quantile: float = 0.5) -> float:
+        """Recent engine step time at `quantile` (0.0 before any step was seen)."""
+        if not self.steps:
             return 0.0
+        r = sorted(self.steps)
+        return r[min(len(r) - 1, int(quantile * len(r)))]
+
+    def predicted_wait_s(self, num_seqs: int, running: int) -> float:
+        """Seconds a request of `num_seqs` sequences would wait for its first token, before the
+        correction: one engine step when a running slot is free and nobody queues ahead."""
+        if self.queued == 0 and running + num_seqs <= self.max_running:
+            return self.step_s()
         r = self.rate()
-        return 0.0 if r is None else (self.queued + num_seqs) / r
+        return self.step_s() if r is None else max(self.step_s(), (self.queued + num_seqs) / r)
+
+    def remaining_s(self, ahead: int, num_seqs: int) -> float:
+        """Seconds an admitted request still waiting, with `ahead` sequences admitted before it and
+        no first token yet, needs for its own: its turn by the start rate (corrected), and at
+        least one slow engine step."""
+        floor = self.step_s(STEP_QUANTILE)
+        r = self.rate()
+        return floor if r is None else max(floor, (ahead + num_seqs) / r * self.correction())
+
+    def late(self, waited_s: float, ahead: int, num_seqs: int) -> bool:
+        """Whether a waiting request can no longer get its first token within the SLO."""
+        return self.slo_s is not None and waited_s + self.remaining_s(ahead, num_seqs) > self.slo_s
 
     def admits(self, num_seqs: int, running: int) -> bool:
         return self.slo_s is None or self.predicted_wait_s(num_seqs, running) * self.correction() <= self.slo_s
@@ -94,3 +140,10 @@ class TtftAdmission:
     def left(self, num_seqs: int) -> None:
         """An admitted request ended (failed, aborted, refused) before its first token."""
         self.queued = max(0, self.queued - num_seqs)
+
+    def given_up(self, predicted_s: float, expected_s: float) -> None:
+        """A waiting request was given up (`late`); `expected_s`: the TTFT it was heading for.
+        Kept as a ratio like a measured one, so the door learns from the requests it misjudged
+        (those never reach a first token to be measured by). Call `left` as well."""
+        if predicted_s >= MIN_PREDICTED_S:
+            self.ratios.append((self.clock(), expected_s / predicted_s))

@@ -62,11 +62,12 @@ class ReplicaMetrics:
         self._finished = Counter(PREFIX + "requests_finished", "Finished completions by finish reason "
                                  "(stop, length, abort, timeout, error).", [*names, "finish_reason"], registry=r)
         self._rejected = Counter(PREFIX + "requests_rejected", "Requests refused before they ran, by reason "
-                                 "(overloaded, invalid, unavailable).", [*names, "reason"], registry=r)
+                                 "(overloaded, ttft_slo: given up waiting for a first token that could "
+                                 "not come within the SLO, invalid, unavailable).", [*names, "reason"], registry=r)
         # every reason exported from the start at 0, so rate() and dashboards see a series before the first event
         for reason in ("stop", "length", "abort", "timeout", "error"):
             self._finished.labels(**self.labels, finish_reason=reason)
-        for reason in ("overloaded", "invalid", "unavailable"):
+        for reason in ("overloaded", "ttft_slo", "invalid", "unavailable"):
             self._rejected.labels(**self.labels, reason=reason)
         self.registry.register(_EngineGauges(self.labels, stats))
 

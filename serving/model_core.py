@@ -39,6 +39,9 @@ together, and the first chunk of a request is never held."""
 MIN_ADAPTIVE_INTERVAL_S = 0.02
 """50 chunks/s for a lone request: smooth to read, and a fraction of the engine's step rate."""
 MAX_ADAPTIVE_INTERVAL_S = 0.25
+WATCH_INTERVAL_S = 0.01
+"""With a TTFT SLO, how often requests still waiting for a first token are judged again (a fraction
+of an engine step on a small machine; the check is a walk over the waiting requests)."""
 
 
 class ModelCore:
@@ -54,8 +57,9 @@ class ModelCore:
         self.ttft_admission = TtftAdmission(None if spec.ttft_slo_ms is None else spec.ttft_slo_ms / 1000.0,
                                             cfg.max_num_seqs)
         """Refuses what would wait past spec.ttft_slo_ms for a first token (serving/admission.py)."""
-        self._awaiting_first: dict[str, float] = {}
-        """Admitted requests with no first token yet: id -> the wait predicted for it (seconds)."""
+        self._awaiting_first: dict[str, _Waiting] = {}
+        """Admitted requests with no first token yet, in admission order."""
+        self._watcher: asyncio.Task | None = None
         self.active_requests = 0
         self.draining = False
         from engines.fp8 import served_weight_dtype
@@ -151,8 +155,10 @@ class ModelCore:
             return
         self.admitted += num_seqs
         self.active_requests += 1
-        self._awaiting_first[req.request_id] = self.ttft_admission.admitted(
-            num_seqs, int(self.engine.stats()["num_running"]))
+        self._awaiting_first[req.request_id] = _Waiting(t0, num_seqs, self.ttft_admission.admitted(
+            num_seqs, int(self.engine.stats()["num_running"])))
+        if self.ttft_admission.slo_s is not None and self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch_waiting())
         try:
             err = self._validate(req)
             if err is not None:
@@ -160,8 +166,10 @@ class ModelCore:
                 yield GenerateChunk(error=err, finished=True)
                 return
             self.metrics.prompt_tokens.inc(sum(len(p) for p in req.prompts))
-            if req.stream:
-                yield GenerateChunk()  # admitted
+            if req.stream and self.ttft_admission.slo_s is None:
+                # admitted: the stream opens now; with a TTFT SLO it opens with the first token,
+                # since until then the request may still be given up with a 429
+                yield GenerateChunk()
             async for chunk in self._stream(req, t0):
                 yield chunk
         finally:
@@ -192,18 +200,24 @@ class ModelCore:
         state = _Progress(len(req.prompts), n)
         loop = asyncio.get_running_loop()
         timer = loop.call_later(self.request_timeout_s, self._on_timeout, ids, state)
+        waiting = self._awaiting_first.get(req.request_id)
+        if waiting is not None:
+            waiting.give_up = lambda: self._on_late(ids, state)
         pending: GenerateChunk | None = None
         last_sent = 0.0
         try:
             async with contextlib.aclosing(self._outputs(req, ids)) as outputs:
                 async for j, out in outputs:
+                    if state.late:  # given up before its first token: nothing of it is sent
+                        break
                     now = time.monotonic()
                     chunk = state.chunk(j, out, now, m)
                     if state.first_token_time is None and state.generated:
                         state.first_token_time = now
                         m.ttft.observe(now - t0)
+                        waiting = self._awaiting_first.pop(req.request_id, None)
                         self.ttft_admission.first_token(len(req.prompts) * n,
-                                                        self._awaiting_first.pop(req.request_id, 0.0), now - t0)
+                                                        0.0 if waiting is None else waiting.predicted, now - t0)
                     if pending is None:
                         pending = chunk
                     else:
@@ -236,6 +250,12 @@ class ModelCore:
             raise
         finally:
             timer.cancel()
+        if state.late:
+            m.rejected("ttft_slo")
+            yield GenerateChunk(error=errors.overloaded(
+                self.spec.name, self.spec.retry_after_s,
+                f"its first token could not come within the {self.spec.ttft_slo_ms:g} ms TTFT SLO"), finished=True)
+            return
         final = pending or GenerateChunk()
         final.finished = True
         final.usage = (sum(len(p) for p in req.prompts), state.generated)
@@ -295,6 +315,44 @@ class ModelCore:
         for rid in ids:
             asyncio.ensure_future(self.engine.abort(rid))
 
+    def _on_late(self, ids: list[str], state: _Progress) -> None:
+        state.late = True
+        for rid in ids:
+            asyncio.ensure_future(self.engine.abort(rid))
+
+    async def _watch_waiting(self) -> None:
+        """While requests wait for a first token under a TTFT SLO: give up those that can no longer
+        make it (serving/admission.py), oldest first, each seeing the sequences still ahead of it."""
+        adm = self.ttft_admission
+        try:
+            while self._awaiting_first and not self.draining:
+                st = self.engine.stats()
+                adm.observe_steps(int(st["num_steps"]), float(st["busy_seconds"]))
+                now, ahead = time.monotonic(), 0
+                for rid, w in list(self._awaiting_first.items()):
+                    if w.give_up is not None and adm.late(now - w.t0, ahead, w.num_seqs):
+                        adm.given_up(w.predicted, now - w.t0 + adm.remaining_s(ahead, w.num_seqs))
+                        del self._awaiting_first[rid]
+                        adm.left(w.num_seqs)
+                        w.give_up()
+                        continue
+                    ahead += w.num_seqs
+                await asyncio.sleep(WATCH_INTERVAL_S)
+        finally:
+            self._watcher = None
+
+
+class _Waiting:
+    """An admitted request with no first token yet (TTFT admission's bookkeeping)."""
+
+    __slots__ = ("give_up", "num_seqs", "predicted", "t0")
+
+    def __init__(self, t0: float, num_seqs: int, predicted: float):
+        self.t0, self.num_seqs, self.predicted = t0, num_seqs, predicted
+        """Arrival (monotonic s), sequences, and the wait predicted at the door (s)."""
+        self.give_up: Callable[[], None] | None = None
+        """Set once its engine requests exist: aborts them and answers 429."""
+
 
 class _Progress:
     """Bookkeeping of one request's completions while it streams."""
@@ -313,6 +371,8 @@ class _Progress:
         self.reasons: dict[str, int] = {}
         self.first_token_time: float | None = None
         self.timed_out = False
+        self.late = False
+        """Given up before a first token (TTFT SLO): answered 429, nothing else sent."""
 
     @property
     def virtual_tokens(self) -> int:

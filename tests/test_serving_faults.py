@@ -29,12 +29,13 @@ def make_core(model_dir, step_delay_s: float = 0.0, request_timeout_s: float = 6
     cfg = validate_config({"models": [{"name": MODEL, "path": str(model_dir), **spec}]})
     core = ModelCore.load(cfg.models[0], request_timeout_s=request_timeout_s)
     if step_delay_s:
-        step = core.engine.engine.step
+        executor = core.engine.engine.executor
+        execute = executor.execute
 
-        def slow_step():
+        def slow_execute(plan):
             time.sleep(step_delay_s)  # a slower model: makes timings deterministic on any machine
-            return step()
-        core.engine.engine.step = slow_step
+            return execute(plan)
+        executor.execute = slow_execute
     return core
 
 

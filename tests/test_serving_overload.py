@@ -7,6 +7,7 @@ and it is healthy and empty afterwards. Prints the figures RELIABILITY.md quotes
 from __future__ import annotations
 
 import asyncio
+import json
 import resource
 import time
 
@@ -88,7 +89,7 @@ def test_twice_capacity_admits_what_fits_and_refuses_the_rest(gpt2_dir):
           f"{out['peak']:.0f} (bound {RUNNING + WAITING}); max RSS {rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB")
 
 
-SLO_MS = 600.0
+SLO_MS = 500.0
 
 
 def test_ttft_slo_admission_keeps_admitted_requests_within_the_slo(gpt2_dir):
@@ -111,9 +112,16 @@ def test_ttft_slo_admission_keeps_admitted_requests_within_the_slo(gpt2_dir):
     # the count bound was never what refused: the SLO predictor was
     assert out["peak"] < RUNNING + 64, out["peak"]
     p99 = float(np.percentile(ok, 99))
+    given_up = metric(out["after"], "shardserve_requests_rejected_total", reason="ttft_slo")
+    at_door = metric(out["after"], "shardserve_requests_rejected_total", reason="overloaded")
+    assert given_up + at_door == refused, (given_up, at_door, refused)
+    replica_ttft = metric(out["after"], "shardserve_time_to_first_token_seconds_count")
+    late = replica_ttft - metric(out["after"], "shardserve_time_to_first_token_seconds_bucket", le=_le(SLO_MS / 1000))
     print(f"\nttft slo {SLO_MS:.0f} ms: capacity {out['capacity']:.1f} req/s, offered {out['rate']:.1f} req/s x 3 s "
-          f"= {len(statuses)} requests; admitted {len(ok)}, 429 {refused}; TTFT of admitted p50 "
-          f"{np.percentile(ok, 50) * 1000:.0f} ms p99 {p99 * 1000:.0f} ms; peak sequences held {out['peak']:.0f}")
+          f"= {len(statuses)} requests; admitted {len(ok)}, 429 {refused} ({at_door:.0f} at the door, "
+          f"{given_up:.0f} given up while waiting); TTFT of admitted p50 {np.percentile(ok, 50) * 1000:.0f} ms "
+          f"p99 {p99 * 1000:.0f} ms, max {max(ok) * 1000:.0f} ms; replica-side first tokens {replica_ttft:.0f}, "
+          f"{late:.0f} past the SLO; peak sequences held {out['peak']:.0f}")
     assert metric(out["after"], "shardserve_num_sequences_admitted") == 0 and out["health"] == 200
 
 
@@ -163,3 +171,81 @@ def test_ttft_admission_corrects_predictions_by_the_measured_tail():
     for _ in range(20):  # measured far beyond predicted: the factor is capped, not unbounded
         a.first_token(0, predicted_s=0.1, measured_s=10.0)
     assert a.correction() == 4.0
+
+
+def _le(seconds: float) -> str:
+    """The TTFT histogram's bucket label at `seconds` (the SLO is chosen on a bucket edge)."""
+    from serving.metrics import TTFT_BUCKETS
+
+    assert seconds in TTFT_BUCKETS, (seconds, TTFT_BUCKETS)
+    return repr(float(seconds))
+
+
+def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_slo():
+    from serving.admission import TtftAdmission
+
+    now = [0.0]
+    a = TtftAdmission(0.5, max_running=2, clock=lambda: now[0])
+    assert a.step_s() == 0.0 and a.remaining_s(0, 1) == 0.0
+    a.observe_steps(10, 1.0)  # the first look only sets the baseline
+    assert not a.steps
+    for i in range(1, 11):  # steps of 20 ms, and two slow ones of 200 ms
+        a.observe_steps(10 + i, 1.0 + 0.02 * i)
+    a.observe_steps(21, 1.2 + 0.2)
+    a.observe_steps(22, 1.4 + 0.2)
+    assert abs(a.step_s() - 0.02) < 1e-9 and abs(a.step_s(0.9) - 0.2) < 1e-9
+    # a free slot is one (median) step away, not zero
+    assert abs(a.predicted_wait_s(1, running=0) - 0.02) < 1e-9
+    # no start rate yet: what is left is at least one slow step
+    assert not a.late(0.25, ahead=0, num_seqs=1) and a.late(0.31, ahead=0, num_seqs=1)
+    for _ in range(5):  # 10 first tokens per second
+        now[0] += 0.1
+        a.first_token(1)
+    # 3 sequences ahead + its own at 12.5/s = 0.32 s still to wait
+    assert abs(a.remaining_s(3, 1) - 4 / 12.5) < 1e-9
+    assert not a.late(0.17, ahead=3, num_seqs=1) and a.late(0.19, ahead=3, num_seqs=1)
+    # a given-up request teaches the door: its expected TTFT against what was predicted
+    for _ in range(5):
+        a.given_up(predicted_s=0.2, expected_s=0.5)
+    assert a.correction() == 2.5
+    assert not TtftAdmission(None, 2).late(100.0, ahead=100, num_seqs=1)
+
+
+def test_a_request_that_cannot_get_its_first_token_within_the_slo_gets_429_not_a_late_stream(gpt2_dir):
+    """One running slot, busy for seconds; a second request is admitted (no rate measured yet, so
+    the door cannot tell) and must be given up while it waits: a 429 with Retry-After and the
+    OpenAI error body, sent before any stream opened, while the first request streams on."""
+    core = make_core(gpt2_dir, step_delay_s=0.05, engine={"num_kv_blocks": 64, "max_num_seqs": 1,
+                                                           "cpu_linear_autotune": False},
+                     max_waiting=8, retry_after_s=RETRY_AFTER, ttft_slo_ms=300)
+    long = {**BODY, "max_tokens": 60}
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            first = asyncio.create_task(one_body(c, long))
+            await asyncio.sleep(0.3)  # the first request runs
+            t0 = time.monotonic()
+            r = await c.post("/v1/completions", json={**BODY, "stream": True})
+            waited = time.monotonic() - t0
+            return await first, r, waited, await scrape(c)
+
+    with serve_http(core) as (url, _):
+        (status1, ntok1), r, waited, after = asyncio.run(go(url))
+    assert status1 == 200 and ntok1 == 60  # the running request was untouched
+    assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER), (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["code"] == "server_overloaded" and "TTFT SLO" in err["message"], err
+    assert waited < 60 * 0.05  # given up while the first request still ran, not after it
+    assert metric(after, "shardserve_requests_rejected_total", reason="ttft_slo") == 1
+    assert metric(after, "shardserve_num_sequences_admitted") == 0
+
+
+async def one_body(client: httpx.AsyncClient, body: dict) -> tuple[int, int]:
+    """(status, completion tokens) of a streamed completion."""
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+        return r.status_code, tokens
