@@ -67,7 +67,9 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        """The engine's counters, plus `num_inbox`: adds and aborts handed to the loop that it has not
+        taken yet (requests about to join num_waiting)."""
+        return {**self.engine.stats(), "num_inbox": len(self._inbox)}
 
     def check_health(self) -> None:
         if self.dead is not None:

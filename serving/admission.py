@@ -2,27 +2,27 @@
 
 The count bound (`max_num_seqs + max_waiting` sequences per replica) keeps memory bounded but not
 latency: at twice the capacity every admitted request waits for the whole queue ahead of it. With
-`ttft_slo_ms` set, a replica also predicts how long a new request would wait for its first token
-and refuses it at once (429 + Retry-After) when that exceeds the SLO, so the requests it does admit
-keep their TTFT. The prediction is Little's law on what the replica measured itself: the sequences
-admitted ahead of the request that have no first token yet, divided by the rate at which sequences
-got their first token over the last few seconds. Nothing is predicted while the replica has a free
-running slot and an empty queue, or before it has seen enough first tokens to know its rate.
+`ttft_slo_ms` set, a replica predicts how long a new request would wait for its first token and
+refuses it at once (429 + Retry-After) when that exceeds the SLO.
 
-Little's law gives the mean; the SLO is on the tail, and a request admitted just before a slow step
-waits for it. So the replica also compares, for each admitted request, the TTFT it got with the wait
-it was predicted, and scales predictions by the 90th percentile of that ratio over the window: a
-replica that keeps under-predicting refuses earlier, one that over-predicts admits more.
+The prediction: a request that finds a free running slot (counting the sequences already queued
+for the slots) starts with the next engine step, so it waits about one step. Otherwise it waits
+until as many running sequences have finished as are queued ahead of it plus its own, at the rate
+at which this replica has been starting sequences over the last seconds (with every slot busy,
+each start is a slot some sequence gave back), and then one step for its prefill.
 
-A prediction at the door is still a guess, and the SLO is a promise. So an admitted request that
-has no first token yet is judged again while it waits (`late`, every few milliseconds): once the
-time it has waited plus what it still needs (its place in the queue over the start rate, and at
-least one engine step for its own prefill) passes the SLO, the replica gives it up and answers 429
-with Retry-After, before any token or stream header was sent, rather than a first token it knows
-will be late. The client learns that early (not at the SLO), and the requests that do get a first
-token get it within the SLO whatever the predictor missed. Steps are timed from the engine's own
-counters (`observe_steps`): the median step of the last seconds, and the slow tail of them for
-the step a request still needs.
+A model is a guess, and the SLO is on the tail. So the replica compares, for each admitted
+request, the TTFT it got with the wait it was predicted and scales predictions by the 90th
+percentile of that ratio over the window: a replica that keeps under-predicting refuses earlier.
+
+And the SLO is a promise: an admitted request that has no first token yet is judged again while it
+waits (`late`, every few milliseconds). Once the time it has waited plus what it still needs (by
+the same model, from its place in the engine's queue, and at least one slow engine step for its
+own prefill) passes the SLO, the replica gives it up and answers 429 with Retry-After, before any
+token or stream header was sent, rather than a first token it knows will be late. The client
+learns that early, not at the SLO, and the requests that do get a first token get it within the
+SLO whatever the door's prediction missed. Steps are timed from the engine's own counters
+(`observe_steps`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import time
 WINDOW_S = 10.0
 """First tokens older than this do not count towards the rate."""
 MIN_EVENTS = 4
-"""Fewer first tokens than this in the window: no rate yet, admit on the count bound alone."""
+"""Fewer first tokens than this in the window: no rate yet (waits beyond free slots unknown)."""
 MIN_PREDICTED_S = 0.05
-"""Predicted waits shorter than this are one engine step: their error ratio is noise, not kept."""
+"""Predicted waits shorter than this are about one engine step: their error ratio is noise, not kept."""
 CORRECTION_QUANTILE = 0.9
 CORRECTION_RANGE = (0.5, 4.0)
 """Bounds of the correction factor (a few wild ratios must not close or open the door entirely)."""
@@ -47,23 +47,22 @@ steps are the long ones, and a request's first token comes from one)."""
 
 
 class TtftAdmission:
-    """Predicted wait for a first token, from the queue ahead and the measured start rate."""
+    """Predicted wait for a first token, from the engine's queue, its start rate and step time."""
 
     def __init__(self, slo_s: float | None, max_running: int, clock=time.monotonic):
         self.slo_s = slo_s
         self.max_running = max_running
         self.clock = clock
-        self.queued = 0
-        """Sequences admitted that have not produced a first token yet."""
         self.first_tokens: collections.deque[float] = collections.deque(maxlen=512)
         self.ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
-        """(time, measured TTFT / predicted wait) of recently started requests."""
+        """(time, measured TTFT / predicted wait) of recently started (or given-up) requests."""
         self.steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
         """Seconds per engine step, recent samples."""
         self._last_counters: tuple[int, float] | None = None
 
+    # what the replica measured
     def rate(self) -> float | None:
-        """First tokens per second over the window (None: too few to tell)."""
+        """Sequences started (first token) per second over the window (None: too few to tell)."""
         now = self.clock()
         while self.first_tokens and now - self.first_tokens[0] > WINDOW_S:
             self.first_tokens.popleft()
@@ -98,52 +97,56 @@ class TtftAdmission:
         r = sorted(self.steps)
         return r[min(len(r) - 1, int(quantile * len(r)))]
 
-    def predicted_wait_s(self, num_seqs: int, running: int) -> float:
-        """Seconds a request of `num_seqs` sequences would wait for its first token, before the
-        correction: one engine step when a running slot is free and nobody queues ahead."""
-        if self.queued == 0 and running + num_seqs <= self.max_running:
-            return self.step_s()
+    # predictions
+    def _beyond_free(self, ahead: int, num_seqs: int, running: int) -> float | None:
+        """Seconds until running sequences free a slot for each of `ahead` queued sequences and
+        `num_seqs` more (0: there are free slots for all; None: no start rate measured yet)."""
+        excess = ahead + num_seqs - max(0, self.max_running - running)
+        if excess <= 0:
+            return 0.0
         r = self.rate()
-        return self.step_s() if r is None else max(self.step_s(), (self.queued + num_seqs) / r)
+        return None if r is None else excess / r
 
-    def remaining_s(self, ahead: int, num_seqs: int) -> float:
-        """Seconds an admitted request still waiting, with `ahead` sequences admitted before it and
-        no first token yet, needs for its own: its turn by the start rate (corrected), and at
-        least one slow engine step."""
+    def predicted_wait_s(self, num_seqs: int, running: int, waiting: int) -> float:
+        """Seconds a new request of `num_seqs` sequences would wait for its first token, before the
+        correction, with `running` sequences in the engine and `waiting` queued for it."""
+        wait = self._beyond_free(waiting, num_seqs, running)
+        return self.step_s() + (wait or 0.0)
+
+    def admits(self, num_seqs: int, running: int, waiting: int) -> bool:
+        if self.slo_s is None:
+            return True
+        wait = self._beyond_free(waiting, num_seqs, running)
+        if wait is None:  # queued past the free slots with no rate yet: only `late` can judge it
+            return True
+        return (self.step_s() + wait * self.correction()) <= self.slo_s
+
+    def remaining_s(self, position: int | None, num_seqs: int, running: int) -> float:
+        """Seconds an admitted request with no first token yet still needs: `position` sequences
+        ahead of it in the engine's queue (None: it is scheduled already, its first token is one
+        step away); at least one slow engine step either way."""
         floor = self.step_s(STEP_QUANTILE)
-        r = self.rate()
-        return floor if r is None else max(floor, (ahead + num_seqs) / r * self.correction())
+        if position is None:
+            return floor
+        wait = self._beyond_free(position, num_seqs, running)
+        return floor + (wait or 0.0) * self.correction()
 
-    def late(self, waited_s: float, ahead: int, num_seqs: int) -> bool:
+    def late(self, waited_s: float, position: int | None, num_seqs: int, running: int) -> bool:
         """Whether a waiting request can no longer get its first token within the SLO."""
-        return self.slo_s is not None and waited_s + self.remaining_s(ahead, num_seqs) > self.slo_s
-
-    def admits(self, num_seqs: int, running: int) -> bool:
-        return self.slo_s is None or self.predicted_wait_s(num_seqs, running) * self.correction() <= self.slo_s
+        return self.slo_s is not None and waited_s + self.remaining_s(position, num_seqs, running) > self.slo_s
 
     # bookkeeping, called by the replica
-    def admitted(self, num_seqs: int, running: int) -> float:
-        """Count an admitted request in the queue; returns its predicted wait (for `first_token`)."""
-        predicted = self.predicted_wait_s(num_seqs, running)
-        self.queued += num_seqs
-        return predicted
-
     def first_token(self, num_seqs: int, predicted_s: float = 0.0, measured_s: float = 0.0) -> None:
         """An admitted request of `num_seqs` sequences produced its first token (they start together)
-        `measured_s` after it arrived, against the `predicted_s` that `admitted` returned."""
-        self.queued = max(0, self.queued - num_seqs)
+        `measured_s` after it arrived, against the `predicted_s` of `predicted_wait_s`."""
         now = self.clock()
         self.first_tokens.extend([now] * num_seqs)
         if predicted_s >= MIN_PREDICTED_S:
             self.ratios.append((now, measured_s / predicted_s))
 
-    def left(self, num_seqs: int) -> None:
-        """An admitted request ended (failed, aborted, refused) before its first token."""
-        self.queued = max(0, self.queued - num_seqs)
-
     def given_up(self, predicted_s: float, expected_s: float) -> None:
         """A waiting request was given up (`late`); `expected_s`: the TTFT it was heading for.
         Kept as a ratio like a measured one, so the door learns from the requests it misjudged
-        (those never reach a first token to be measured by). Call `left` as well."""
+        (those never reach a first token to be measured by)."""
         if predicted_s >= MIN_PREDICTED_S:
             self.ratios.append((self.clock(), expected_s / predicted_s))

@@ -34,6 +34,14 @@ def overloaded(model: str, retry_after_s: int, why: str = "too many waiting requ
                      None, "server_overloaded", retry_after_s)
 
 
+def ttft_slo_unreachable(model: str, retry_after_s: int, slo_ms: float) -> ErrorInfo:
+    """429 for an admitted request given up before its first token (serving/admission.py): its own
+    code, so the gateway does not retry it as it retries a refusal at the door."""
+    return ErrorInfo(429, "rate_limit_error", f"model {model!r} could not give this request its first token "
+                     f"within the {slo_ms:g} ms TTFT SLO (too many requests ahead of it); retry later",
+                     None, "ttft_slo_unreachable", retry_after_s)
+
+
 def engine_unavailable(message: str) -> ErrorInfo:
     return ErrorInfo(503, "service_unavailable", message, None, "engine_unavailable")
 

@@ -134,13 +134,19 @@ class ModelCore:
                              f"at most {self.capacity}", "n", "invalid_value")
         if self.admitted + num_seqs > self.capacity:
             return errors.overloaded(self.spec.name, self.spec.retry_after_s)
-        running = int(self.engine.stats()["num_running"])
-        if not self.ttft_admission.admits(num_seqs, running):
-            wait = self.ttft_admission.predicted_wait_s(num_seqs, running) * self.ttft_admission.correction()
+        running, waiting = self._engine_queue()
+        if not self.ttft_admission.admits(num_seqs, running, waiting):
+            wait = self.ttft_admission.predicted_wait_s(num_seqs, running, waiting)
             return errors.overloaded(self.spec.name, self.spec.retry_after_s,
-                                     f"its first token would come in ~{wait * 1000:.0f} ms, past the "
-                                     f"{self.spec.ttft_slo_ms:g} ms TTFT SLO")
+                                     f"{waiting} sequences wait for {running} running ones, so its first "
+                                     f"token would come past the {self.spec.ttft_slo_ms:g} ms TTFT SLO "
+                                     f"(~{wait * 1000:.0f} ms before the tail correction)")
         return None
+
+    def _engine_queue(self) -> tuple[int, int]:
+        """(sequences running, sequences queued for a slot) in the engine now."""
+        st = self.engine.stats()
+        return int(st["num_running"]), int(st["num_waiting"] + st.get("num_inbox", 0))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Chunks of one request; the last has finished=True (and an error, or usage)."""
@@ -155,8 +161,8 @@ class ModelCore:
             return
         self.admitted += num_seqs
         self.active_requests += 1
-        self._awaiting_first[req.request_id] = _Waiting(t0, num_seqs, self.ttft_admission.admitted(
-            num_seqs, int(self.engine.stats()["num_running"])))
+        self._awaiting_first[req.request_id] = _Waiting(
+            t0, num_seqs, self.ttft_admission.predicted_wait_s(num_seqs, *self._engine_queue()))
         if self.ttft_admission.slo_s is not None and self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch_waiting())
         try:
@@ -175,8 +181,7 @@ class ModelCore:
         finally:
             self.admitted -= num_seqs
             self.active_requests -= 1
-            if self._awaiting_first.pop(req.request_id, None) is not None:
-                self.ttft_admission.left(num_seqs)
+            self._awaiting_first.pop(req.request_id, None)
 
     def _validate(self, req: GenerateRequest) -> ErrorInfo | None:
         # all prompts before any starts: a request is admitted whole or not at all
@@ -252,9 +257,8 @@ class ModelCore:
             timer.cancel()
         if state.late:
             m.rejected("ttft_slo")
-            yield GenerateChunk(error=errors.overloaded(
-                self.spec.name, self.spec.retry_after_s,
-                f"its first token could not come within the {self.spec.ttft_slo_ms:g} ms TTFT SLO"), finished=True)
+            yield GenerateChunk(error=errors.ttft_slo_unreachable(self.spec.name, self.spec.retry_after_s,
+                                                                  self.spec.ttft_slo_ms), finished=True)
             return
         final = pending or GenerateChunk()
         final.finished = True
@@ -322,18 +326,22 @@ class ModelCore:
 
     async def _watch_waiting(self) -> None:
         """While requests wait for a first token under a TTFT SLO: give up those that can no longer
-        make it (serving/admission.py), oldest first, each seeing the sequences still ahead of it."""
+        make it (serving/admission.py). The engine's queue is first come, first served, so of the
+        requests without a first token (in admission order) the last `waiting` sequences are the
+        queued ones and the others are scheduled already."""
         adm = self.ttft_admission
         try:
             while self._awaiting_first and not self.draining:
                 st = self.engine.stats()
                 adm.observe_steps(int(st["num_steps"]), float(st["busy_seconds"]))
+                running, waiting = self._engine_queue()
+                scheduled = sum(w.num_seqs for w in self._awaiting_first.values()) - waiting
                 now, ahead = time.monotonic(), 0
                 for rid, w in list(self._awaiting_first.items()):
-                    if w.give_up is not None and adm.late(now - w.t0, ahead, w.num_seqs):
-                        adm.given_up(w.predicted, now - w.t0 + adm.remaining_s(ahead, w.num_seqs))
+                    position = None if ahead + w.num_seqs <= scheduled else max(0, ahead - scheduled)
+                    if w.give_up is not None and adm.late(now - w.t0, position, w.num_seqs, running):
+                        adm.given_up(w.predicted, now - w.t0 + adm.remaining_s(position, w.num_seqs, running))
                         del self._awaiting_first[rid]
-                        adm.left(w.num_seqs)
                         w.give_up()
                         continue
                     ahead += w.num_seqs

@@ -125,28 +125,27 @@ def test_ttft_slo_admission_keeps_admitted_requests_within_the_slo(gpt2_dir):
     assert metric(out["after"], "shardserve_num_sequences_admitted") == 0 and out["health"] == 200
 
 
-def test_ttft_admission_predicts_from_the_queue_and_the_start_rate():
+def test_ttft_admission_predicts_from_free_slots_the_queue_and_the_start_rate():
     from serving.admission import TtftAdmission
 
     now = [0.0]
     a = TtftAdmission(0.5, max_running=4, clock=lambda: now[0])
-    assert a.admits(4, running=0) and a.predicted_wait_s(4, running=0) == 0.0  # free slots, empty queue
-    assert a.admitted(8, running=0) == 0.0
-    assert a.admits(1, running=4)  # no rate measured yet: the count bound alone decides
-    for _ in range(5):  # 10 first tokens per second, each as predicted (no correction yet)
+    # free slots for it: it starts with the next step (no step seen yet: 0)
+    assert a.admits(4, running=0, waiting=0) and a.predicted_wait_s(4, running=0, waiting=0) == 0.0
+    assert a.admits(1, running=2, waiting=1)  # 1 queued + itself fit the 2 free slots
+    assert a.admits(1, running=4, waiting=30)  # past the free slots with no rate yet: `late` judges it
+    for _ in range(5):  # 10 starts per second, each as predicted (no correction yet)
         now[0] += 0.1
         a.first_token(1)
-    assert a.queued == 3 and a.correction() == 1.0
-    assert abs(a.predicted_wait_s(1, running=4) - (3 + 1) / (5 / 0.4)) < 1e-9
-    assert a.admits(1, running=4)  # 0.32 s
-    assert abs(a.admitted(4, running=4) - (3 + 4) / 12.5) < 1e-9
-    assert not a.admits(1, running=4)  # (7 + 1) / 12.5 = 0.64 s > 0.5 s
-    a.left(7)
-    assert a.queued == 0 and a.admits(1, running=3)
-    now[0] += 60  # old first tokens leave the window: no rate, count bound only
-    a.admitted(50, running=4)
-    assert a.rate() is None and a.admits(1, running=4)
-    assert TtftAdmission(None, 4).admits(10**6, running=4)
+    assert a.correction() == 1.0 and abs(a.rate() - 12.5) < 1e-9  # 5 starts over 0.4 s
+    assert a.predicted_wait_s(1, running=3, waiting=0) == 0.0  # a free slot: no queue to wait for
+    assert abs(a.predicted_wait_s(1, running=4, waiting=3) - 4 / 12.5) < 1e-9
+    assert a.admits(1, running=4, waiting=3)  # 0.32 s
+    assert abs(a.predicted_wait_s(1, running=2, waiting=6) - 5 / 12.5) < 1e-9  # 2 of the 7 fit now
+    assert not a.admits(1, running=4, waiting=7)  # (7 + 1) / 12.5 = 0.64 s > 0.5 s
+    now[0] += 60  # old starts leave the window: no rate
+    assert a.rate() is None and a.admits(1, running=4, waiting=50)
+    assert TtftAdmission(None, 4).admits(10**6, running=4, waiting=10**6)
 
 
 def test_ttft_admission_corrects_predictions_by_the_measured_tail():
@@ -154,20 +153,18 @@ def test_ttft_admission_corrects_predictions_by_the_measured_tail():
 
     now = [0.0]
     a = TtftAdmission(0.5, max_running=1, clock=lambda: now[0])
-    a.admitted(40, running=1)
     for _ in range(10):  # 10 starts/s; each request waited 1.5x what it was predicted
         now[0] += 0.1
         a.first_token(1, predicted_s=0.2, measured_s=0.3)
     a.first_token(1, predicted_s=0.01, measured_s=0.1)  # one-step waits: noise, not counted
     assert abs(a.correction() - 1.5) < 1e-9
     rate = 11 / 0.9  # 11 first tokens between t=0.1 and t=1.0
-    assert abs(a.rate() - rate) < 1e-9 and a.queued == 29
-    assert not a.admits(1, running=1)  # 30 / rate = 2.5 s
-    a.left(25)
+    assert abs(a.rate() - rate) < 1e-9
+    assert not a.admits(1, running=1, waiting=29)  # 30 / rate = 2.5 s
     # 5 / rate = 0.41 s would fit the 0.5 s SLO, but not x1.5
-    assert abs(a.predicted_wait_s(1, running=1) - 5 / rate) < 1e-9 and not a.admits(1, running=1)
-    a.left(2)
-    assert a.admits(1, running=1)  # 3 / rate x 1.5 = 0.37 s
+    assert abs(a.predicted_wait_s(1, running=1, waiting=4) - 5 / rate) < 1e-9
+    assert not a.admits(1, running=1, waiting=4)
+    assert a.admits(1, running=1, waiting=2)  # 3 / rate x 1.5 = 0.37 s
     for _ in range(20):  # measured far beyond predicted: the factor is capped, not unbounded
         a.first_token(0, predicted_s=0.1, measured_s=10.0)
     assert a.correction() == 4.0
@@ -186,7 +183,7 @@ def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_s
 
     now = [0.0]
     a = TtftAdmission(0.5, max_running=2, clock=lambda: now[0])
-    assert a.step_s() == 0.0 and a.remaining_s(0, 1) == 0.0
+    assert a.step_s() == 0.0 and a.remaining_s(0, 1, running=0) == 0.0
     a.observe_steps(10, 1.0)  # the first look only sets the baseline
     assert not a.steps
     for i in range(1, 11):  # steps of 20 ms, and two slow ones of 200 ms
@@ -194,21 +191,24 @@ def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_s
     a.observe_steps(21, 1.2 + 0.2)
     a.observe_steps(22, 1.4 + 0.2)
     assert abs(a.step_s() - 0.02) < 1e-9 and abs(a.step_s(0.9) - 0.2) < 1e-9
-    # a free slot is one (median) step away, not zero
-    assert abs(a.predicted_wait_s(1, running=0) - 0.02) < 1e-9
-    # no start rate yet: what is left is at least one slow step
-    assert not a.late(0.25, ahead=0, num_seqs=1) and a.late(0.31, ahead=0, num_seqs=1)
-    for _ in range(5):  # 10 first tokens per second
+    # a free slot is one (median) step away at the door
+    assert abs(a.predicted_wait_s(1, running=0, waiting=0) - 0.02) < 1e-9
+    # scheduled already, or queued with no rate yet: what is left is one slow step
+    for position in (None, 0, 5):
+        assert abs(a.remaining_s(position, 1, running=2) - 0.2) < 1e-9
+    assert not a.late(0.29, None, 1, running=2) and a.late(0.31, None, 1, running=2)
+    for _ in range(5):  # 12.5 starts per second
         now[0] += 0.1
         a.first_token(1)
-    # 3 sequences ahead + its own at 12.5/s = 0.32 s still to wait
-    assert abs(a.remaining_s(3, 1) - 4 / 12.5) < 1e-9
-    assert not a.late(0.17, ahead=3, num_seqs=1) and a.late(0.19, ahead=3, num_seqs=1)
+    # 3 sequences ahead of it, no free slot: a slow step + 4 / 12.5 s
+    assert abs(a.remaining_s(3, 1, running=2) - (0.2 + 4 / 12.5)) < 1e-9
+    assert not a.late(-0.03, 3, 1, running=2) and a.late(0.0, 3, 1, running=2)
+    assert abs(a.remaining_s(1, 1, running=0) - 0.2) < 1e-9  # two free slots: it starts next step
     # a given-up request teaches the door: its expected TTFT against what was predicted
     for _ in range(5):
         a.given_up(predicted_s=0.2, expected_s=0.5)
     assert a.correction() == 2.5
-    assert not TtftAdmission(None, 2).late(100.0, ahead=100, num_seqs=1)
+    assert not TtftAdmission(None, 2).late(100.0, 100, 1, running=2)
 
 
 def test_a_request_that_cannot_get_its_first_token_within_the_slo_gets_429_not_a_late_stream(gpt2_dir):
@@ -234,7 +234,8 @@ def test_a_request_that_cannot_get_its_first_token_within_the_slo_gets_429_not_a
     assert status1 == 200 and ntok1 == 60  # the running request was untouched
     assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER), (r.status_code, r.text)
     err = r.json()["error"]
-    assert err["code"] == "server_overloaded" and "TTFT SLO" in err["message"], err
+    assert err["code"] == "ttft_slo_unreachable" and err["type"] == "rate_limit_error", err
+    assert "300 ms TTFT SLO" in err["message"], err
     assert waited < 60 * 0.05  # given up while the first request still ran, not after it
     assert metric(after, "shardserve_requests_rejected_total", reason="ttft_slo") == 1
     assert metric(after, "shardserve_num_sequences_admitted") == 0
