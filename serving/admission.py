@@ -6,7 +6,8 @@ latency: at twice the capacity every admitted request waits for the whole queue 
 refuses it at once (429 + Retry-After) when that exceeds the SLO.
 
 The prediction: a request that finds a free running slot (counting the sequences already queued
-for the slots) starts with the next engine step, so it waits about one step. Otherwise it waits
+for the slots) starts with the next engine step, so it is always admitted: refusing it would not
+make anyone faster (and a slow step, say a cold start, must never close the door). Otherwise it waits
 until as many running sequences have finished as are queued ahead of it plus its own, at the rate
 at which this replica has been starting sequences over the last seconds (with every slot busy,
 each start is a slot some sequence gave back), and then one step for its prefill.
@@ -15,14 +16,15 @@ A model is a guess, and the SLO is on the tail. So the replica compares, for eac
 request, the TTFT it got with the wait it was predicted and scales predictions by the 90th
 percentile of that ratio over the window: a replica that keeps under-predicting refuses earlier.
 
-And the SLO is a promise: an admitted request that has no first token yet is judged again while it
+And the SLO is a promise: an admitted request still queued in the engine is judged again while it
 waits (`late`, every few milliseconds). Once the time it has waited plus what it still needs (by
 the same model, from its place in the engine's queue, and at least one slow engine step for its
 own prefill) passes the SLO, the replica gives it up and answers 429 with Retry-After, before any
 token or stream header was sent, rather than a first token it knows will be late. The client
-learns that early, not at the SLO, and the requests that do get a first token get it within the
-SLO whatever the door's prediction missed. Steps are timed from the engine's own counters
-(`observe_steps`).
+learns that early, not at the SLO, and a request that does get scheduled has a slow step's margin
+left for its prefill, whatever the door's prediction missed. A request already scheduled is never
+given up (its first token is the step in flight; dropping it would only waste that work). Steps
+are timed from the engine's own counters (`observe_steps`), over the same window as the rate.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ class TtftAdmission:
         self.first_tokens: collections.deque[float] = collections.deque(maxlen=512)
         self.ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         """(time, measured TTFT / predicted wait) of recently started (or given-up) requests."""
-        self.steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
-        """Seconds per engine step, recent samples."""
+        self.steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=STEP_WINDOW)
+        """(time, seconds per engine step) samples."""
         self._last_counters: tuple[int, float] | None = None
 
     # what the replica measured
@@ -87,14 +89,17 @@ class TtftAdmission:
         if self._last_counters is not None:
             d_steps, d_busy = num_steps - self._last_counters[0], busy_s - self._last_counters[1]
             if d_steps > 0 and d_busy >= 0:
-                self.steps.append(d_busy / d_steps)
+                self.steps.append((self.clock(), d_busy / d_steps))
         self._last_counters = (num_steps, busy_s)
 
     def step_s(self, quantile: float = 0.5) -> float:
-        """Recent engine step time at `quantile` (0.0 before any step was seen)."""
+        """Engine step time at `quantile` over the window (0.0 when no step was seen in it)."""
+        now = self.clock()
+        while self.steps and now - self.steps[0][0] > WINDOW_S:
+            self.steps.popleft()
         if not self.steps:
             return 0.0
-        r = sorted(self.steps)
+        r = sorted(x for _, x in self.steps)
         return r[min(len(r) - 1, int(quantile * len(r)))]
 
     # predictions
@@ -117,7 +122,7 @@ class TtftAdmission:
         if self.slo_s is None:
             return True
         wait = self._beyond_free(waiting, num_seqs, running)
-        if wait is None:  # queued past the free slots with no rate yet: only `late` can judge it
+        if not wait:  # a free slot (starts next step), or queued with no rate yet (`late` judges it)
             return True
         return (self.step_s() + wait * self.correction()) <= self.slo_s
 
@@ -132,8 +137,10 @@ class TtftAdmission:
         return floor + (wait or 0.0) * self.correction()
 
     def late(self, waited_s: float, position: int | None, num_seqs: int, running: int) -> bool:
-        """Whether a waiting request can no longer get its first token within the SLO."""
-        return self.slo_s is not None and waited_s + self.remaining_s(position, num_seqs, running) > self.slo_s
+        """Whether a request queued at `position` can no longer get its first token within the SLO
+        (False once it is scheduled: position None)."""
+        return (self.slo_s is not None and position is not None
+                and waited_s + self.remaining_s(position, num_seqs, running) > self.slo_s)
 
     # bookkeeping, called by the replica
     def first_token(self, num_seqs: int, predicted_s: float = 0.0, measured_s: float = 0.0) -> None:

@@ -135,6 +135,9 @@ class ModelCore:
         if self.admitted + num_seqs > self.capacity:
             return errors.overloaded(self.spec.name, self.spec.retry_after_s)
         running, waiting = self._engine_queue()
+        if self.ttft_admission.slo_s is not None:
+            st = self.engine.stats()
+            self.ttft_admission.observe_steps(int(st["num_steps"]), float(st["busy_seconds"]))
         if not self.ttft_admission.admits(num_seqs, running, waiting):
             wait = self.ttft_admission.predicted_wait_s(num_seqs, running, waiting)
             return errors.overloaded(self.spec.name, self.spec.retry_after_s,

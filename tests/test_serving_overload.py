@@ -196,7 +196,8 @@ def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_s
     # scheduled already, or queued with no rate yet: what is left is one slow step
     for position in (None, 0, 5):
         assert abs(a.remaining_s(position, 1, running=2) - 0.2) < 1e-9
-    assert not a.late(0.29, None, 1, running=2) and a.late(0.31, None, 1, running=2)
+    assert not a.late(0.29, 0, 1, running=2) and a.late(0.31, 0, 1, running=2)
+    assert not a.late(100.0, None, 1, running=2)  # scheduled already: never given up
     for _ in range(5):  # 12.5 starts per second
         now[0] += 0.1
         a.first_token(1)
@@ -209,6 +210,12 @@ def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_s
         a.given_up(predicted_s=0.2, expected_s=0.5)
     assert a.correction() == 2.5
     assert not TtftAdmission(None, 2).late(100.0, 100, 1, running=2)
+    # a cold start's 5 s steps: a free slot is still admitted, and the samples age out of the window
+    a.observe_steps(23, 1.6 + 5.0)
+    a.observe_steps(24, 1.6 + 10.0)
+    assert a.step_s(0.9) >= 5.0 and a.admits(1, running=0, waiting=0)
+    now[0] += 11
+    assert a.step_s() == 0.0 and a.step_s(0.9) == 0.0
 
 
 def test_a_request_that_cannot_get_its_first_token_within_the_slo_gets_429_not_a_late_stream(gpt2_dir):
