@@ -23,7 +23,9 @@ own prefill) passes the SLO, the replica gives it up and answers 429 with Retry-
 token or stream header was sent, rather than a first token it knows will be late. The client
 learns that early, not at the SLO, and a request that does get scheduled has a slow step's margin
 left for its prefill, whatever the door's prediction missed. A request already scheduled is never
-given up (its first token is the step in flight; dropping it would only waste that work). Steps
+given up, nor one that a free slot takes with the next step (its first token is a step or two
+away whatever happens; dropping it would only waste the work, and a cold start's slow steps must
+not make every request late). Steps
 are timed from the engine's own counters (`observe_steps`), over the same window as the rate.
 """
 
@@ -139,8 +141,9 @@ class TtftAdmission:
     def late(self, waited_s: float, position: int | None, num_seqs: int, running: int) -> bool:
         """Whether a request queued at `position` can no longer get its first token within the SLO
         (False once it is scheduled: position None)."""
-        return (self.slo_s is not None and position is not None
-                and waited_s + self.remaining_s(position, num_seqs, running) > self.slo_s)
+        if self.slo_s is None or position is None or self._beyond_free(position, num_seqs, running) == 0.0:
+            return False  # scheduled, or starts with the next step: waiting less is impossible
+        return waited_s + self.remaining_s(position, num_seqs, running) > self.slo_s
 
     # bookkeeping, called by the replica
     def first_token(self, num_seqs: int, predicted_s: float = 0.0, measured_s: float = 0.0) -> None:

@@ -197,6 +197,7 @@ def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_s
     for position in (None, 0, 5):
         assert abs(a.remaining_s(position, 1, running=2) - 0.2) < 1e-9
     assert not a.late(0.29, 0, 1, running=2) and a.late(0.31, 0, 1, running=2)
+    assert not a.late(0.31, 0, 1, running=1)  # a free slot takes it with the next step
     assert not a.late(100.0, None, 1, running=2)  # scheduled already: never given up
     for _ in range(5):  # 12.5 starts per second
         now[0] += 0.1
