@@ -36,14 +36,14 @@ MODELS = {
     "default": gpt2_shape(4, 6, 384, vocab_size=8192, positions=256),
     "gpt2-124m": gpt2_shape(12, 12, 768, vocab_size=50257, positions=1024),
 }
-# (model, tp, pp, max_num_seqs, shares of the predicted saturation rate)
+# (model, tp, pp, max_num_seqs, shares of the predicted saturation rate): below saturation and near it
 LAYOUTS = [
-    ("default", 1, 1, 16, (0.3, 0.7)),
-    ("default", 2, 1, 16, (0.5,)),
-    ("default", 1, 2, 16, (0.5,)),
-    ("gpt2-124m", 1, 1, 8, (0.3, 0.7)),
-    ("gpt2-124m", 2, 1, 8, (0.5,)),
-    ("gpt2-124m", 1, 2, 4, (0.5,)),
+    ("default", 1, 1, 16, (0.4, 0.8)),
+    ("default", 2, 1, 16, (0.6,)),
+    ("default", 1, 2, 16, (0.8,)),
+    ("gpt2-124m", 1, 1, 8, (0.4, 0.8)),
+    ("gpt2-124m", 2, 1, 8, (0.8,)),
+    ("gpt2-124m", 1, 2, 4, (0.6,)),
 ]
 METRICS = ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s")
 
@@ -53,7 +53,9 @@ def main() -> None:
     ap.add_argument("--hardware", required=True, help="profile measured here by `shardserve tune profile`")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--max-run-s", type=float, default=150.0,
+                    help="raise a rate that would make one load test longer than this (s) to num_prompts / max_run_s")
     ap.add_argument("--dtype", default="bfloat16", help="engine dtype (the profile's rates for it are used)")
     ap.add_argument("--only", default="", help="comma-separated layout indexes to run (default: all)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_tuner"))
@@ -75,12 +77,15 @@ def main() -> None:
         # predicted saturation: a full batch of max_num_seqs requests, start to last token
         sat = seqs / (static_batch(cost, seqs, args.input_len, args.output_len)["latency_ms"] / 1e3)
         ckpt = checkpoint_for(model, None, args.out / f"ckpt-{name}")
+        rates = [max(s * sat, args.num_prompts / args.max_run_s) for s in shares]
+        load = Path("/proc/loadavg").read_text().split()[:3]
         res = measure(cand, model, profile, w, (), ckpt, args.out / f"{name}-tp{tp}-pp{pp}-s{seqs}",
-                      [s * sat for s in shares], ValidateSettings(num_prompts=args.num_prompts),
-                      progress=lambda m: tqdm.write(m))
-        for pt, run in zip(res["points"], res["_runs"], strict=False):
+                      rates, ValidateSettings(num_prompts=args.num_prompts), progress=lambda m: tqdm.write(m))
+        load_end = Path("/proc/loadavg").read_text().split()[:3]
+        for pt, run, share in zip(res["points"], res["_runs"], shares, strict=False):
             rows.append({"model": name, "tp": tp, "pp": pp, "max_num_seqs": seqs, "layout": (name, tp, pp), **pt,
-                         "_run": run})
+                         "predicted_saturation_req_s": sat, "share_of_predicted_saturation": pt["rate_req_s"] / sat,
+                         "load_start": load, "load_end": load_end, "_run": run})
     # the closed loop's refit, held out: each layout predicted by a profile refitted on the others
     for r in tqdm(rows, desc="held-out refits"):
         others = [o["_run"] for o in rows if o["layout"] != r["layout"]]
@@ -97,14 +102,17 @@ def main() -> None:
             continue
         ok = [all(abs(r[err][k]) <= args.target for k in METRICS) for r in sel]
         print(f"\n{title}: predicted / measured (error)\n")
-        print(f"| model | TP | PP | max_num_seqs | rate req/s | {' | '.join(METRICS)} |")
-        print("|---|---|---|---|---|" + "---|" * len(METRICS))
+        print(f"| model | TP | PP | max_num_seqs | rate req/s (x pred. sat.) | {' | '.join(METRICS)} | load 1-min |")
+        print("|---|---|---|---|---|" + "---|" * len(METRICS) + "---|")
         for r in sel:
             cells = " | ".join(f"{r[pred][k]:.1f} / {r['measured'][k]:.1f} ({r[err][k]:+.1%})" for k in METRICS)
-            print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} | {cells} |")
+            print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} "
+                  f"({r['share_of_predicted_saturation']:.2f}) | {cells} | {r['load_start'][0]} -> {r['load_end'][0]} |")
         worst = {k: max(abs(r[err][k]) for r in sel) for k in METRICS}
-        print(f"\n{sum(ok)}/{len(sel)} configurations within {args.target:.0%} on all three metrics; "
-              f"worst |error| " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
+        per = {k: sum(abs(r[err][k]) <= args.target for r in sel) for k in METRICS}
+        print(f"\n{sum(ok)}/{len(sel)} configurations within {args.target:.0%} on all three metrics; per metric "
+              + ", ".join(f"{k} {v}/{len(sel)}" for k, v in per.items()) + "; worst |error| "
+              + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
     print(f"# load after {env['load_after']}, {env['elapsed_s']:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     for r in rows:  # the measured requests, so that a refit can be redone offline

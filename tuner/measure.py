@@ -13,9 +13,13 @@ What is measured, and which profile field it becomes:
   table); the one-shard layout's constants are also the global ones;
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
-- a real `shardserve serve` of the shallow probe, requests sent by the load tester: TTFT beyond
-  the engine's prefill step -> request_overhead_ms; TPOT beyond the engine's decode step is the
-  per-token cost of streaming through Ray and the gateway, added to every seq_overhead_us.
+- a real `shardserve serve` of the shallow probe as one in-replica shard and as TP2 over Ray
+  shard actors, requests sent by the load tester: TTFT beyond the engine's prefill step ->
+  request_overhead_ms; TPOT beyond the one-shard decode step is the per-token cost of streaming
+  through Ray and the gateway, added to every layout's seq_overhead_us; TPOT of the TP2 copy
+  beyond its layout's decode step and that streaming cost is what the Ray executor's calls add
+  per step over the multiprocess executor the fit ran on, added to the step_overhead_ms of
+  every layout of several shards.
 """
 
 from __future__ import annotations
@@ -107,27 +111,37 @@ def measure_bandwidth(mib: int = 256) -> float:
     return buf.numel() * 4 / _best(lambda: buf.sum()) / 1e9
 
 
-def measure_serving(model_dir: Path, work_dir: Path, prefill_s: float, decode_s: float,
-                    dtype: str = "float32") -> dict[str, float]:
-    """Serve the probe with `shardserve serve` and time requests through the gateway with the load
-    tester: what TTFT and TPOT add beyond the engine's own prefill and decode steps."""
+def measure_serving(model_dir: Path, work_dir: Path, layouts: dict[str, tuple[int, int, int]],
+                    dtype: str = "float32") -> dict[str, tuple[float, float]]:
+    """Serve the probe once per layout {name: (tp, pp, threads per shard)} in one `shardserve serve`
+    (fractional CPU reservations so that every copy fits; threads set as the tuner's deployments
+    give them) and time requests through the gateway with the load tester, one layout at a time:
+    {name: (TTFT p50, TPOT p50)} in seconds."""
     import yaml
 
     from loadtest.config import LoadTestConfig
     from loadtest.runner import run
     from tuner.server import Server
 
+    models = []
+    for name, (tp, pp, threads) in layouts.items():
+        share = 0.9 / len(layouts) / (tp * pp + 1)  # the probe copies share the host; Ray needs only to place them
+        models.append({"name": name, "path": str(model_dir), "num_cpus": round(share, 3),
+                       **({"shard_num_cpus": round(share, 3)} if tp * pp > 1 else {}),
+                       "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
+                                  "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
     conf = work_dir / "probe.yaml"
-    conf.write_text(yaml.safe_dump({"models": [{"name": "probe", "path": str(model_dir), "engine": {"dtype": dtype}}]}))
+    conf.write_text(yaml.safe_dump({"models": models}))
+    out = {}
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
-        base = {"url": url, "model": "probe", "backend": "openai-completions", "arrival": "constant", "request_rate": 4.0,
-                    "random_input_len": SERVE_PROMPT, "tokenizer": model_dir / "tokenizer.json", "ignore_eos": True, "progress": False,
-                    "seed": 1}
-        run(LoadTestConfig(**base, num_prompts=4, random_output_len=8))  # warm-up
-        rep = run(LoadTestConfig(**base, num_prompts=16, random_output_len=SERVE_OUTPUT))
-    s = rep.summary
-    return {"request_overhead_ms": max(s.ttft_ms.p50 - prefill_s * 1e3, 0.0),
-            "token_overhead_us": max(s.tpot_ms.p50 - decode_s * 1e3, 0.0) * 1e3}
+        for name in layouts:
+            base = {"url": url, "model": name, "backend": "openai-completions", "arrival": "constant",
+                    "request_rate": 4.0, "random_input_len": SERVE_PROMPT, "tokenizer": model_dir / "tokenizer.json",
+                    "ignore_eos": True, "progress": False, "seed": 1}
+            run(LoadTestConfig(**base, num_prompts=4, random_output_len=8))  # warm-up
+            s = run(LoadTestConfig(**base, num_prompts=16, random_output_len=SERVE_OUTPUT)).summary
+            out[name] = (s.ttft_ms.p50 * 1e-3, s.tpot_ms.p50 * 1e-3)
+    return out
 
 
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
@@ -173,28 +187,48 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
                             seq_layer_overhead_us=one["seq_layer_overhead_us"],
                             attention_prefill_tflops=one["attention_prefill_tflops"],
                             attention_kv_gb_s=one["attention_kv_gb_s"])
-        served = {"request_overhead_ms": 0.0, "token_overhead_us": 0.0}
+        request_ms, tok_us, remote_ms = 0.0, 0.0, 0.0
         if serve:
-            progress("gateway + Ray overhead: `shardserve serve` of the shallow probe, load tester requests")
+            # one copy per kind of executor: in the replica (one shard) and Ray shard actors (TP2)
+            served_layouts = {"one": (1, 1, cores), **({"sharded": (2, 1, prof.threads(2))} if cores >= 2 else {})}
+            progress(f"gateway + Ray overhead: `shardserve serve` of the shallow probe as "
+                     f"{', '.join(f'TP{t} PP{p}' for t, p, _ in served_layouts.values())}, load tester requests")
             n_layer, n_head, n_embd, vocab = PROBES[0]
             cfg = gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS)
             probe_dir = Path(tmp) / f"probe-{n_layer}x{n_embd}"
-            cost = CostModel(cfg, prof, weight_dtype=dtype)
+            served = measure_serving(probe_dir, Path(tmp), served_layouts, dtype)
             plen = SERVE_PROMPT + prompt_extra_tokens(probe_dir / "tokenizer.json")  # what the engine prefills
-            pre = cost.step_time(StepWork(tokens=plen, sampled=1, prefill_attn_pairs=plen * (plen + 1) // 2))
-            dec = cost.step_time(StepWork(tokens=1, sampled=1, decode_context=plen + SERVE_OUTPUT // 2))
-            served = measure_serving(probe_dir, Path(tmp), pre, dec, dtype)
-    # streaming a token through Ray and the gateway costs every layout alike: per sampled sequence
-    tok_us = float(served["token_overhead_us"])
-    layouts = {k: {**v, "seq_overhead_us": round(v["seq_overhead_us"] + tok_us, 3)} for k, v in prof.layouts.items()}
+
+            def engine(tp: int, pp: int) -> tuple[float, float]:
+                """The layout's own prefill step and mean decode step for the probe requests (s)."""
+                cost = CostModel(cfg, prof, tp=tp, pp=pp, weight_dtype=dtype)
+                pre = cost.step_time(StepWork(tokens=plen, sampled=1, prefill_attn_pairs=plen * (plen + 1) // 2))
+                dec = cost.step_time(StepWork(tokens=1, sampled=1, decode_context=plen + SERVE_OUTPUT // 2))
+                return pre, dec
+
+            pre, dec = engine(1, 1)
+            request_ms = max(served["one"][0] - pre, 0.0) * 1e3
+            tok_us = max(served["one"][1] - dec, 0.0) * 1e6
+            if "sharded" in served:
+                # per step, what Ray actor calls add over the multiprocess executor's pipes (the layouts'
+                # fits measured the latter), beyond the streaming cost every layout pays
+                _, dec2 = engine(2, 1)
+                remote_ms = max(served["sharded"][1] - dec2 - tok_us * 1e-6, 0.0) * 1e3
+    # streaming a token through Ray and the gateway costs every layout alike (per sampled sequence);
+    # a layout of several shards also pays the Ray executor's calls once per step
+    layouts = {k: {**v, "seq_overhead_us": round(v["seq_overhead_us"] + tok_us, 3),
+                   "step_overhead_ms": round(v["step_overhead_ms"] + (remote_ms if k != "1x1" else 0.0), 4)}
+               for k, v in prof.layouts.items()}
     errs = ", ".join(f"{k} {v['probe_median_error_pct']:.0f}% (max {v['probe_max_error_pct']:.0f}%)"
                      for k, v in layouts.items())
-    prof = prof.replace(layouts=layouts, request_overhead_ms=round(float(served["request_overhead_ms"]), 3),
+    prof = prof.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),
                         seq_overhead_us=round(float(prof.seq_overhead_us + tok_us), 3),
                         fit_notes=(f"measured by `shardserve tune profile` in {time.perf_counter() - t_start:.0f} s "
                                    f"on {cores} CPUs (torch {torch.__version__}); per-layout engine constants "
                                    f"fitted on {dtype} probe steps through each layout's real executor (median / "
                                    f"max error of the fit on its own steps: {errs}); seq_overhead_us includes "
-                                   f"{tok_us:.0f} us of streaming per token through the gateway"
+                                   f"{tok_us:.0f} us of streaming per token through the gateway, and the "
+                                   f"step_overhead_ms of layouts of several shards {remote_ms:.2f} ms of Ray "
+                                   f"executor calls per step"
                                    f"{'' if serve else ' (not measured: --no-serve)'}"))
     return prof

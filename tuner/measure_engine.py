@@ -31,6 +31,7 @@ PROBES = ((2, 6, 384, 8192), (6, 12, 768, 512))
 PROBE_POSITIONS = 1024
 # (batch, prompt tokens, output tokens): decode at 3 batch sizes and 2 contexts, prefills of 3 sizes
 SCENARIOS = ((1, 16, 10), (16, 16, 6), (48, 16, 4), (8, 300, 4), (4, 400, 2), (1, 700, 2))
+ROBUST_ITERATIONS = 6
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -115,9 +116,15 @@ def fit_layout(steps: list[tuple[object, float, object]]) -> dict[str, float]:
     dts = np.array([dt for _, dt, _ in steps])
     if not a[:, 7].any():
         a[:, 7] = 0.0  # one shard: no communication to scale
-    wgt = 1.0 / np.maximum(dts, 1e-6)  # relative errors: long prefills do not drown the decode steps
     scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-    x = nnls(a * wgt[:, None] / scale, dts * wgt) / scale
+    # relative errors (long prefills do not drown the decode steps), iteratively reweighted toward
+    # least absolute deviations: a step that another process on a shared host stretched several-fold
+    # pulls the fit by its count, not by its square
+    robust = np.ones(len(dts))
+    for _ in range(ROBUST_ITERATIONS):
+        wgt = robust / np.maximum(dts, 1e-6)
+        x = nnls(a * wgt[:, None] / scale, dts * wgt) / scale
+        robust = 1.0 / np.sqrt(np.maximum(np.abs(a @ x / dts - 1), 0.02))
     rel = np.abs(a @ x / dts - 1) * 100
     return {"step_overhead_ms": x[0] * 1e3, "layer_overhead_us": x[1] * 1e6, "seq_layer_overhead_us": x[2] * 1e6,
             "seq_overhead_us": x[3] * 1e6,
