@@ -32,6 +32,8 @@ PROBE_POSITIONS = 1024
 # (batch, prompt tokens, output tokens): decode at 3 batch sizes and 2 contexts, prefills of 3 sizes
 SCENARIOS = ((1, 16, 10), (16, 16, 6), (48, 16, 4), (8, 300, 4), (4, 400, 2), (1, 700, 2))
 ROBUST_ITERATIONS = 6
+RETRY_ABOVE_PCT = 15.0
+"""A layout whose fit is off its own steps by more than this (median %) is measured once more."""
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -109,11 +111,14 @@ def _features(w, cost) -> list[float]:
             layers * pre_flops, layers * kv_bytes, cost.comm_time(w)]
 
 
-def fit_layout(steps: list[tuple[object, float, object]]) -> dict[str, float]:
+def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
-    cost models carry the layout's tp and pp and a profile without layout constants."""
+    cost models carry the layout's tp and pp and a profile without layout constants. `threads`
+    per shard bound matmul_scale from below: t threads at best divide the one-thread time by t."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
+    floor = 1.0 / max(threads, 1)  # the fit's matmul coefficient is matmul_scale - floor >= 0
+    dts_fit = dts - floor * a[:, 4]
     if not a[:, 7].any():
         a[:, 7] = 0.0  # one shard: no communication to scale
     scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
@@ -123,12 +128,13 @@ def fit_layout(steps: list[tuple[object, float, object]]) -> dict[str, float]:
     robust = np.ones(len(dts))
     for _ in range(ROBUST_ITERATIONS):
         wgt = robust / np.maximum(dts, 1e-6)
-        x = nnls(a * wgt[:, None] / scale, dts * wgt) / scale
-        robust = 1.0 / np.sqrt(np.maximum(np.abs(a @ x / dts - 1), 0.02))
+        x = nnls(a * wgt[:, None] / scale, dts_fit * wgt) / scale
+        robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
+    x[4] += floor
     rel = np.abs(a @ x / dts - 1) * 100
     return {"step_overhead_ms": x[0] * 1e3, "layer_overhead_us": x[1] * 1e6, "seq_layer_overhead_us": x[2] * 1e6,
             "seq_overhead_us": x[3] * 1e6,
-            "matmul_scale": max(x[4], 1e-3),  # 0 would mean the Linear layers cost nothing: a failed fit
+            "matmul_scale": x[4],
             "comm_scale": x[7] if a[:, 7].any() else 1.0,
             "attention_prefill_tflops": 1 / x[5] / 1e12 if x[5] > 0 else 1e3,  # too cheap to see: effectively free
             "attention_kv_gb_s": 1 / x[6] / 1e9 if x[6] > 0 else 1e4,
@@ -150,14 +156,26 @@ def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, di
     for tp, pp in layouts_for(base.cores):
         shards = tp * pp
         threads = base.threads(shards) if shards > 1 else 0  # one shard: the engine's own choice (every core)
-        steps = []
+        steps, runs = [], []
         for cfg, ckpt in probes:
             if cfg.n_head % tp or cfg.n_layer < pp:
                 continue
             progress(f"engine steps, TP{tp} PP{pp} ({base.threads(shards)} thread(s) per shard), "
                      f"probe {cfg.n_layer} x {cfg.n_embd}")
             cost = CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype)
+            runs.append((cfg, ckpt, cost))
             steps += [(w, dt, cost) for w, dt in engine_steps(ckpt, SCENARIOS, dtype, tp, pp, threads, cfg.vocab_size)]
-        if steps:
-            out[layout_key(tp, pp)] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit_layout(steps).items()}
+        if not steps:
+            continue
+        fit = fit_layout(steps, base.threads(shards))
+        if fit["probe_median_error_pct"] > RETRY_ABOVE_PCT:
+            # another process stretched this layout's steps (a shared host): measure it once more and
+            # keep the pass the formula describes better; the profile's notes report both
+            progress(f"TP{tp} PP{pp}: the fit is {fit['probe_median_error_pct']:.0f}% off its own steps; measuring again")
+            again = [(w, dt, cost) for cfg, ckpt, cost in runs
+                     for w, dt in engine_steps(ckpt, SCENARIOS, dtype, tp, pp, threads, cfg.vocab_size)]
+            fit2 = fit_layout(again, base.threads(shards))
+            fit2["retried_from_median_error_pct"] = fit["probe_median_error_pct"]
+            fit = min(fit, fit2, key=lambda f: f["probe_median_error_pct"])
+        out[layout_key(tp, pp)] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
     return out

@@ -192,7 +192,7 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 """Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
-LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct")
+LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "retried_from_median_error_pct")
 """Diagnostics stored beside them: steps fitted on and the fit's own relative error on them."""
 
 
