@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu_threads) as the served engine has it
 from tuner.profiles import HardwareProfile
 
 ROWS = (1, 4, 16, 64, 256, 1024)
