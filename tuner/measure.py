@@ -221,7 +221,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
                    "step_overhead_ms": round(v["step_overhead_ms"] + (remote_ms if k != "1x1" else 0.0), 4)}
                for k, v in prof.layouts.items()}
     errs = ", ".join(f"{k} {v['probe_median_error_pct']:.0f}% (max {v['probe_max_error_pct']:.0f}%"
-                     + (f"; measured twice, the first pass {v['retried_from_median_error_pct']:.0f}%"
+                     + (f"; measured twice, the other pass {v['retried_from_median_error_pct']:.0f}%"
                         if "retried_from_median_error_pct" in v else "") + ")"
                      for k, v in layouts.items())
     prof = prof.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),

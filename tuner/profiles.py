@@ -193,7 +193,8 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "retried_from_median_error_pct")
-"""Diagnostics stored beside them: steps fitted on and the fit's own relative error on them."""
+"""Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
+layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept."""
 
 
 def layout_key(tp: int, pp: int) -> str:
