@@ -14,11 +14,13 @@ What is measured, and which profile field it becomes:
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
 - a real `shardserve serve` of the shallow probe as one in-replica shard and as TP2 over Ray
-  shard actors, requests sent by the load tester: TTFT beyond the engine's prefill step ->
-  request_overhead_ms; TPOT beyond the one-shard decode step is the per-token cost of streaming
-  through Ray and the gateway, added to every layout's seq_overhead_us; TPOT of the TP2 copy
-  beyond its layout's decode step and that streaming cost is what the Ray executor's calls add
-  per step over the multiprocess executor the fit ran on, added to the step_overhead_ms of
+  shard actors, requests sent by the load tester: TTFT of requests one at a time beyond the
+  engine's prefill step -> request_overhead_ms; a burst of requests all in flight at once, where
+  streaming every token through Ray and the gateway competes with the engine for the cores,
+  calibrates that streaming cost per token (the simulator, on the burst's own schedule, matches
+  its TPOT p50), added to every layout's seq_overhead_us; TPOT of the TP2 copy (one request at a
+  time) beyond its layout's decode step and that streaming cost is what the Ray executor's calls
+  add per step over the multiprocess executor the fit ran on, added to the step_overhead_ms of
   every layout of several shards.
 """
 
@@ -35,6 +37,7 @@ from tuner.profiles import HardwareProfile
 
 ROWS = (1, 4, 16, 64, 256, 1024)
 SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the gateway probe's requests (as the load tester counts them)
+BUSY_RATE, BUSY_PROMPTS = 200.0, 24  # the busy probe run: a burst, ~all 24 in flight at once
 MATMUL_SHAPE = (768, 3072)  # (in, out) of a GPT-2-124M MLP projection: a representative Linear
 
 
@@ -113,11 +116,12 @@ def measure_bandwidth(mib: int = 256) -> float:
 
 
 def measure_serving(model_dir: Path, work_dir: Path, layouts: dict[str, tuple[int, int, int]],
-                    dtype: str = "float32") -> dict[str, tuple[float, float]]:
+                    dtype: str = "float32") -> dict[str, dict[str, object]]:
     """Serve the probe once per layout {name: (tp, pp, threads per shard)} in one `shardserve serve`
     (fractional CPU reservations so that every copy fits; threads set as the tuner's deployments
     give them) and time requests through the gateway with the load tester, one layout at a time:
-    {name: (TTFT p50, TPOT p50)} in seconds."""
+    {name: {"quiet": report, "busy": report}}: requests one at a time, and a burst that keeps
+    BUSY_BATCH or so in flight (the gateway's streaming work then competes with the engine)."""
     import yaml
 
     from loadtest.config import LoadTestConfig
@@ -133,16 +137,49 @@ def measure_serving(model_dir: Path, work_dir: Path, layouts: dict[str, tuple[in
                                   "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
     conf = work_dir / "probe.yaml"
     conf.write_text(yaml.safe_dump({"models": models}))
-    out = {}
+    out: dict[str, dict[str, object]] = {}
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
         for name in layouts:
             base = {"url": url, "model": name, "backend": "openai-completions", "arrival": "constant",
-                    "request_rate": 4.0, "random_input_len": SERVE_PROMPT, "tokenizer": model_dir / "tokenizer.json",
-                    "ignore_eos": True, "progress": False, "seed": 1}
-            run(LoadTestConfig(**base, num_prompts=4, random_output_len=8))  # warm-up
-            s = run(LoadTestConfig(**base, num_prompts=16, random_output_len=SERVE_OUTPUT)).summary
-            out[name] = (s.ttft_ms.p50 * 1e-3, s.tpot_ms.p50 * 1e-3)
+                    "random_input_len": SERVE_PROMPT, "tokenizer": model_dir / "tokenizer.json",
+                    "ignore_eos": True, "progress": False, "seed": 1, "random_output_len": SERVE_OUTPUT}
+            run(LoadTestConfig(**{**base, "random_output_len": 8}, request_rate=4.0, num_prompts=4))  # warm-up
+            out[name] = {"quiet": run(LoadTestConfig(**base, request_rate=4.0, num_prompts=12))}
+            if name == "one":
+                out[name]["busy"] = run(LoadTestConfig(**base, request_rate=BUSY_RATE, num_prompts=BUSY_PROMPTS))
     return out
+
+
+def calibrate_token_overhead(cost, report, extra_tokens: int, request_overhead_s: float) -> float:
+    """Seconds per streamed token that, added to every sequence's share of a step, make the
+    simulator's TPOT p50 on the busy probe run's own schedule equal the measured one (bisection)."""
+    import numpy as np
+
+    from engines.config import EngineConfig
+    from engines.scheduler import SchedulerConfig
+    from tuner.simulate import simulate
+
+    recs = [r for r in report.records if not r.warmup and r.ok]
+    arrivals = np.array([r.sent_s for r in recs])
+    ins = np.array([r.input_tokens + extra_tokens for r in recs])
+    outs = np.array([r.requested_output_tokens for r in recs])
+    target = float(np.percentile([r.tpot_s for r in recs], 50))
+    defaults = EngineConfig()  # the probe is served with the engine's default limits
+    sched = SchedulerConfig(max_num_seqs=defaults.max_num_seqs, max_num_batched_tokens=defaults.max_num_batched_tokens,
+                            block_size=defaults.block_size, num_blocks=4096, max_model_len=int(ins.max() + outs.max() + 1))
+
+    def tpot(extra_s: float) -> float:
+        traces = simulate(lambda w: cost.step_time(w) + extra_s * w.sampled, sched, arrivals, ins, outs,
+                          request_overhead=request_overhead_s)
+        return float(np.percentile([t.tpot for t in traces if len(t.token_times) > 1], 50))
+
+    lo, hi = 0.0, 0.01
+    if tpot(lo) >= target:
+        return 0.0
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
@@ -198,7 +235,8 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
             cfg = gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS)
             probe_dir = Path(tmp) / f"probe-{n_layer}x{n_embd}"
             served = measure_serving(probe_dir, Path(tmp), served_layouts, dtype)
-            plen = SERVE_PROMPT + prompt_extra_tokens(probe_dir / "tokenizer.json")  # what the engine prefills
+            extra = prompt_extra_tokens(probe_dir / "tokenizer.json")
+            plen = SERVE_PROMPT + extra  # what the engine prefills
 
             def engine(tp: int, pp: int) -> tuple[float, float]:
                 """The layout's own prefill step and mean decode step for the probe requests (s)."""
@@ -207,14 +245,18 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
                 dec = cost.step_time(StepWork(tokens=1, sampled=1, decode_context=plen + SERVE_OUTPUT // 2))
                 return pre, dec
 
-            pre, dec = engine(1, 1)
-            request_ms = max(served["one"][0] - pre, 0.0) * 1e3
-            tok_us = max(served["one"][1] - dec, 0.0) * 1e6
+            pre, _ = engine(1, 1)
+            quiet = served["one"]["quiet"].summary
+            request_ms = max(quiet.ttft_ms.p50 * 1e-3 - pre, 0.0) * 1e3
+            # streaming each token through Ray and the gateway: calibrated where it competes with the
+            # engine for the cores (a busy run), on that run's own schedule
+            tok_us = calibrate_token_overhead(CostModel(cfg, prof, weight_dtype=dtype), served["one"]["busy"], extra,
+                                              request_ms * 1e-3) * 1e6
             if "sharded" in served:
                 # per step, what Ray actor calls add over the multiprocess executor's pipes (the layouts'
                 # fits measured the latter), beyond the streaming cost every layout pays
                 _, dec2 = engine(2, 1)
-                remote_ms = max(served["sharded"][1] - dec2 - tok_us * 1e-6, 0.0) * 1e3
+                remote_ms = max(served["sharded"]["quiet"].summary.tpot_ms.p50 * 1e-3 - dec2 - tok_us * 1e-6, 0.0) * 1e3
     # streaming a token through Ray and the gateway costs every layout alike (per sampled sequence);
     # a layout of several shards also pays the Ray executor's calls once per step
     layouts = {k: {**v, "seq_overhead_us": round(v["seq_overhead_us"] + tok_us, 3),
