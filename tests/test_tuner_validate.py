@@ -21,7 +21,7 @@ from tuner.refit import Run, refit
 from tuner.search import Candidate
 from tuner.simulate import simulate
 
-TINY = ModelConfig(model_type="gpt2", vocab_size=256, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128,
+TINY = ModelConfig(model_type="gpt2", vocab_size=320, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128,
                    bos_token_id=0, eos_token_id=(0,))
 
 

@@ -42,7 +42,11 @@ def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0
 
     from engines.checkpoint import save_checkpoint
     from engines.model import GPT
+    from training.tokenizer import min_vocab_size
 
+    if cfg.vocab_size < min_vocab_size():
+        raise ValueError(f"vocab_size: a probe checkpoint needs >= {min_vocab_size()} (the byte-level tokenizer's "
+                         f"256 byte symbols and <|endoftext|>), got {cfg.vocab_size}")
     out = Path(out_dir)
     tok_dir = out.parent / f".{out.name}.tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
