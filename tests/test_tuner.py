@@ -227,13 +227,14 @@ def test_fit_layout_recovers_known_constants():
     """Steps made by the layout formula from known constants fit back to those constants."""
     from tuner.measure_engine import fit_layout
 
-    # two depths and widths, as the profile's two probes: per-step, per-layer and per-FLOP costs apart
+    # depths, widths and vocabularies apart, as the profile's three probes
     models = [ModelConfig(model_type="gpt2", vocab_size=v, n_layer=n, n_head=4, n_embd=c, max_position_embeddings=512)
-              for n, c, v in ((2, 128, 2048), (6, 256, 512))]
+              for n, c, v in ((2, 128, 2048), (6, 256, 512), (4, 64, 8192))]
     prof = _profile(matmul_tflops={1: {"bfloat16": {1: 0.01, 64: 0.1}}, 2: {"bfloat16": {1: 0.02, 64: 0.2}}},
                     cores=2, collective_latency_us=100.0)
     truth = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
-             "matmul_scale": 1.5, "comm_scale": 2.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 3.0}
+             "matmul_scale": 1.5, "comm_scale": 2.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 3.0,
+             "vocab_seq_ns": 4.0}
     works = [StepWork(tokens=b * n, sampled=b, prefill_attn_pairs=b * n * (n + 1) // 2) for b, n in ((1, 16), (4, 64), (1, 300))]
     works += [StepWork(tokens=b, sampled=b, decode_context=b * c) for b in (1, 8, 32) for c in (20, 200)]
     for tp, pp in ((2, 1), (1, 2)):

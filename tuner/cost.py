@@ -161,7 +161,8 @@ class CostModel:
             "comm": comm,
             "layer": layers * const["layer_overhead_us"] * 1e-6,
             "seq_layer": layers * seqs * const["seq_layer_overhead_us"] * 1e-6,
-            "seq": w.sampled * const["seq_overhead_us"] * 1e-6,
+            "seq": w.sampled * (const["seq_overhead_us"] * 1e-6
+                                + (lay.get("vocab_seq_ns", 0.0) * 1e-9 * m.vocab_size / self.tp if lay else 0.0)),
             "step": const["step_overhead_ms"] * 1e-3,
         }
 

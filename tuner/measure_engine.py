@@ -9,14 +9,14 @@ squares on relative errors, as
     step = step_overhead + layers * layer_overhead + layers * seqs * seq_layer_overhead
            + sampled * seq_overhead + matmul_scale * matmul(one-thread rate table, model width)
            + layers * prefill_flops / attention_prefill_rate + layers * kv_bytes / attention_kv_rate
-           + comm_scale * comm(gloo measurement)
+           + comm_scale * comm(gloo measurement) + sampled * vocab / tp * vocab_seq
 
 matmul comes from the profile's one-thread bare-matmul table (its shape in rows and width; the
 multi-thread table moves with whatever else runs on a shared host) and matmul_scale is where the
 engine's Linear layers in that layout land against it (threads per shard, kernel choice, shards
-sharing the cores); comm (TP all-reduces, PP sends) comes from tuner.measure_comm and comm_scale
+sharing the cores); vocab_seq is the LM head's per-sequence work beyond its matmul; comm (TP all-reduces, PP sends) comes from tuner.measure_comm and comm_scale
 is what the executor's real collectives and sends cost against it. Two probe checkpoints of different depth and width (and
-vocabulary) let the fit tell per-step, per-layer and per-FLOP costs apart.
+vocabulary) let the fit tell the terms apart.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-# (n_layer, n_head, n_embd, vocab): a shallow narrow probe and a deep wide one (head size 64 both)
-PROBES = ((2, 6, 384, 8192), (6, 12, 768, 512))
+# (n_layer, n_head, n_embd, vocab), head size 64: depths, widths and vocabularies apart, so that
+# per-step, per-layer, per-FLOP, per-sequence-per-layer, per-sequence and per-sequence-per-
+# vocabulary-entry costs can be told apart (three probes: the last three need three (layers, vocab))
+PROBES = ((2, 6, 384, 8192), (6, 12, 768, 512), (4, 4, 256, 50257))
 PROBE_POSITIONS = 1024
 # (batch, prompt tokens, output tokens): decode at 3 batch sizes and 2 contexts, prefills of 3 sizes
 SCENARIOS = ((1, 16, 10), (16, 16, 6), (48, 16, 4), (8, 300, 4), (4, 400, 2), (1, 700, 2))
@@ -108,7 +110,7 @@ def _features(w, cost) -> list[float]:
     pre_flops = 4 * (m.n_head // cost.tp) * m.hd * w.prefill_attn_pairs  # per shard
     kv_bytes = 2 * cost.kv_heads_per_device * m.hd * cost.kv_bytes * w.decode_context
     return [1.0, layers, layers * (w.seqs or w.sampled), w.sampled, cost.matmul_time(w, threads=1),
-            layers * pre_flops, layers * kv_bytes, cost.comm_time(w)]
+            layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp]
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1) -> dict[str, float]:
@@ -138,6 +140,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1) -> d
             "comm_scale": x[7] if a[:, 7].any() else 1.0,
             "attention_prefill_tflops": 1 / x[5] / 1e12 if x[5] > 0 else 1e3,  # too cheap to see: effectively free
             "attention_kv_gb_s": 1 / x[6] / 1e9 if x[6] > 0 else 1e4,
+            "vocab_seq_ns": x[8] * 1e9,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
             "probe_max_error_pct": float(rel.max())}
 

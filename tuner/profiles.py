@@ -192,6 +192,9 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 """Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
+LAYOUT_OPTIONAL = ("vocab_seq_ns",)
+"""Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
+shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "retried_from_median_error_pct")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
 layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept."""
@@ -211,7 +214,7 @@ def _check_layouts(layouts: Any) -> None:
         if not isinstance(consts, dict):
             raise ProfileError(f"layouts.{key}: must map {', '.join(LAYOUT_KEYS)} to numbers")
         missing = [k for k in LAYOUT_KEYS if k not in consts]
-        unknown = sorted(set(consts) - set(LAYOUT_KEYS) - set(LAYOUT_NOTES))
+        unknown = sorted(set(consts) - set(LAYOUT_KEYS) - set(LAYOUT_OPTIONAL) - set(LAYOUT_NOTES))
         if missing or unknown:
             raise ProfileError(f"layouts.{key}: missing {', '.join(missing) or 'nothing'}, unknown "
                                f"{', '.join(unknown) or 'nothing'}; fields are {', '.join(LAYOUT_KEYS)}")

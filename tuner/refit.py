@@ -73,6 +73,7 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
         changes["layouts"] = {key: {**lay, **{f: round(lay[f] * t[c], 6) for c, f in _FIELD.items() if c != "request"},
                                     "attention_prefill_tflops": round(lay["attention_prefill_tflops"] / t["attention"], 6),
                                     "attention_kv_gb_s": round(lay["attention_kv_gb_s"] / t["attention"], 6),
+                                    "vocab_seq_ns": round(lay.get("vocab_seq_ns", 0.0) * t["seq"], 6),
                                     # a layout's matmul reads the one-thread table: where its shards run
                                     # several threads, it moves by matmul_mt, not by the shared efficiency
                                     "matmul_scale": round(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
