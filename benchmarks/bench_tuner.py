@@ -7,8 +7,11 @@ depend on the weights) and load-tested open loop at shares of its predicted satu
 simulator replays the schedule actually sent. Prints one markdown row per (layout, rate), each
 metric as predicted / measured (error), and how many are within the target.
 
-    flock /tmp/shardserve-bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py \\
-        --hardware results/tune/this-machine.yaml
+    flock /tmp/shardserve-bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py \
+        --hardware results/tune/this-machine.yaml --out /tmp/bench-tuner
+    # the closed loop's refit, held out per layout, from the saved requests (no lock: nothing timed)
+    env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py --hardware results/tune/this-machine.yaml \
+        --from-json /tmp/bench-tuner/accuracy.json --refit --out /tmp/bench-tuner-refit
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from engines.config import ModelConfig
+from engines.scheduler import SchedulerConfig
 from tuner.cost import CostModel, static_batch
 from tuner.probe_model import gpt2_shape
 from tuner.profiles import load_profile
-from tuner.refit import refit
+from tuner.refit import Run, refit
 from tuner.search import Candidate, Workload
 from tuner.validate import ValidateSettings, checkpoint_for, errors, measure, predict_run
 
@@ -36,36 +41,36 @@ MODELS = {
     "default": gpt2_shape(4, 6, 384, vocab_size=8192, positions=256),
     "gpt2-124m": gpt2_shape(12, 12, 768, vocab_size=50257, positions=1024),
 }
-# (model, tp, pp, max_num_seqs, shares of the predicted saturation rate)
+# (model, tp, pp, max_num_seqs, shares of the predicted saturation rate): below saturation and near it
 LAYOUTS = [
-    ("default", 1, 1, 16, (0.3, 0.7)),
-    ("default", 2, 1, 16, (0.5,)),
-    ("default", 1, 2, 16, (0.5,)),
-    ("gpt2-124m", 1, 1, 8, (0.3, 0.7)),
-    ("gpt2-124m", 2, 1, 8, (0.5,)),
-    ("gpt2-124m", 1, 2, 4, (0.5,)),
+    ("default", 1, 1, 16, (0.4, 0.8)),
+    ("default", 2, 1, 16, (0.6,)),
+    ("default", 1, 2, 16, (0.8,)),
+    ("gpt2-124m", 1, 1, 8, (0.4, 0.8)),
+    ("gpt2-124m", 2, 1, 8, (0.8,)),
+    ("gpt2-124m", 1, 2, 4, (0.6,)),
 ]
 METRICS = ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hardware", required=True, help="profile measured here by `shardserve tune profile`")
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--dtype", default="bfloat16", help="engine dtype (the profile's rates for it are used)")
-    ap.add_argument("--only", default="", help="comma-separated layout indexes to run (default: all)")
-    ap.add_argument("--out", type=Path, default=Path("results/bench_tuner"))
-    ap.add_argument("--target", type=float, default=0.10)
-    args = ap.parse_args()
-    profile = load_profile(args.hardware)
+def _run_from_json(r: dict) -> Run:
+    """The measured run of a saved row (accuracy.json), for a refit without serving again."""
+    q = r["requests"]
+    arr = {k: np.array([math.nan if v is None else v for v in q[k]], dtype=float) for k in q}
+    return Run(model=MODELS[r["model"]], tp=r["tp"], pp=r["pp"], weight_dtype=r.get("weight_dtype", "bfloat16"),
+               sched=SchedulerConfig(**r["scheduler"]), arrivals=arr["arrivals"],
+               input_lens=arr["input_lens"].astype(int), output_lens=arr["output_lens"].astype(int),
+               ttft_s=arr["ttft_s"], tpot_s=arr["tpot_s"])
+
+
+def _measure(args, profile) -> tuple[list[dict], dict]:
     w = Workload(args.input_len, args.output_len, args.num_prompts)
     layouts = [x for i, x in enumerate(LAYOUTS) if not args.only or str(i) in args.only.split(",")]
     cpu = subprocess.run(["bash", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     env = {"cpu": cpu.stdout.strip() or platform.processor(), "avx512_bf16": "avx512_bf16" in flags,
-           "load_before": Path("/proc/loadavg").read_text().split()[:3], "dtype": args.dtype}
+           "load_before": Path("/proc/loadavg").read_text().split()[:3], "dtype": args.dtype,
+           "hardware": str(args.hardware), "profile_notes": profile.fit_notes, "num_prompts": args.num_prompts}
     print(f"# {env}")
     rows, t0 = [], time.perf_counter()
     for name, tp, pp, seqs, shares in tqdm(layouts, desc="layouts"):
@@ -75,44 +80,88 @@ def main() -> None:
         # predicted saturation: a full batch of max_num_seqs requests, start to last token
         sat = seqs / (static_batch(cost, seqs, args.input_len, args.output_len)["latency_ms"] / 1e3)
         ckpt = checkpoint_for(model, None, args.out / f"ckpt-{name}")
+        rates = [max(s * sat, args.num_prompts / args.max_run_s) for s in shares]
+        load = Path("/proc/loadavg").read_text().split()[:3]
         res = measure(cand, model, profile, w, (), ckpt, args.out / f"{name}-tp{tp}-pp{pp}-s{seqs}",
-                      [s * sat for s in shares], ValidateSettings(num_prompts=args.num_prompts),
-                      progress=lambda m: tqdm.write(m))
-        for pt, run in zip(res["points"], res["_runs"], strict=False):
-            rows.append({"model": name, "tp": tp, "pp": pp, "max_num_seqs": seqs, "layout": (name, tp, pp), **pt,
-                         "_run": run})
-    # the closed loop's refit, held out: each layout predicted by a profile refitted on the others
-    for r in tqdm(rows, desc="held-out refits"):
-        others = [o["_run"] for o in rows if o["layout"] != r["layout"]]
-        if others:
-            fitted, _ = refit(profile, others, polish=40)
-            r["refit_predicted"] = predict_run(fitted, r["_run"], ())
-            r["refit_error"] = errors(r["refit_predicted"], r["measured"])
+                      rates, ValidateSettings(num_prompts=args.num_prompts), progress=lambda m: tqdm.write(m))
+        load_end = Path("/proc/loadavg").read_text().split()[:3]
+        for pt, run in zip(res["points"], res["_runs"], strict=True):
+            rows.append({"model": name, "tp": tp, "pp": pp, "max_num_seqs": seqs, "weight_dtype": args.dtype, **pt,
+                         "predicted_saturation_req_s": sat, "share_of_predicted_saturation": pt["rate_req_s"] / sat,
+                         "load_start": load, "load_end": load_end, "_run": run})
     env["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
     env["elapsed_s"] = time.perf_counter() - t0
+    for r in rows:  # the measured requests, so that a refit can be redone offline (--from-json)
+        run = r["_run"]
+        r["requests"] = {k: [None if math.isnan(v) else float(v) for v in getattr(run, k)]
+                         for k in ("arrivals", "input_lens", "output_lens", "ttft_s", "tpot_s")}
+        r["scheduler"] = {k: getattr(run.sched, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                             "num_blocks", "max_model_len")}
+    return rows, env
+
+
+def _report(rows: list[dict], target: float) -> None:
     for pred, err, title in (("predicted", "error", "profile as measured by `tune profile`"),
                              ("refit_predicted", "refit_error", "refitted on the other layouts' runs (held out)")):
         sel = [r for r in rows if err in r]
         if not sel:
             continue
-        ok = [all(abs(r[err][k]) <= args.target for k in METRICS) for r in sel]
+        ok = [all(abs(r[err][k]) <= target for k in METRICS) for r in sel]
         print(f"\n{title}: predicted / measured (error)\n")
-        print(f"| model | TP | PP | max_num_seqs | rate req/s | {' | '.join(METRICS)} |")
-        print("|---|---|---|---|---|" + "---|" * len(METRICS))
+        print(f"| model | TP | PP | max_num_seqs | rate req/s (x pred. sat.) | {' | '.join(METRICS)} | load 1-min |")
+        print("|---|---|---|---|---|" + "---|" * len(METRICS) + "---|")
         for r in sel:
             cells = " | ".join(f"{r[pred][k]:.1f} / {r['measured'][k]:.1f} ({r[err][k]:+.1%})" for k in METRICS)
-            print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} | {cells} |")
+            print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} "
+                  f"({r['share_of_predicted_saturation']:.2f}) | {cells} | {r['load_start'][0]} -> {r['load_end'][0]} |")
         worst = {k: max(abs(r[err][k]) for r in sel) for k in METRICS}
-        print(f"\n{sum(ok)}/{len(sel)} configurations within {args.target:.0%} on all three metrics; "
-              f"worst |error| " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
-    print(f"# load after {env['load_after']}, {env['elapsed_s']:.0f} s")
+        per = {k: sum(abs(r[err][k]) <= target for r in sel) for k in METRICS}
+        print(f"\n{sum(ok)}/{len(sel)} configurations within {target:.0%} on all three metrics; per metric "
+              + ", ".join(f"{k} {v}/{len(sel)}" for k, v in per.items()) + "; worst |error| "
+              + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", required=True, help="profile measured here by `shardserve tune profile`")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--max-run-s", type=float, default=150.0,
+                    help="raise a rate that would make one load test longer than this (s) to num_prompts / max_run_s")
+    ap.add_argument("--dtype", default="bfloat16", help="engine dtype (the profile's rates for it are used)")
+    ap.add_argument("--only", default="", help="comma-separated layout indexes to run (default: all)")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_tuner"))
+    ap.add_argument("--target", type=float, default=0.10)
+    ap.add_argument("--refit", action="store_true", help="also the closed loop's refit, held out per layout "
+                    "(CPU work after the measurements: run it with --from-json outside the bench lock)")
+    ap.add_argument("--from-json", type=Path, default=None, help="an accuracy.json of an earlier run: report "
+                    "(and with --refit, refit) without serving anything")
+    args = ap.parse_args()
+    profile = load_profile(args.hardware)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        rows, env = saved["rows"], saved["env"]
+        for r in rows:
+            r["_run"] = _run_from_json(r)
+            for k in ("refit_predicted", "refit_error"):
+                r.pop(k, None)
+        print(f"# {env}")
+    else:
+        rows, env = _measure(args, profile)
+    if args.refit:  # each layout predicted by a profile refitted on the other layouts' runs
+        for r in tqdm(rows, desc="held-out refits"):
+            key = (r["model"], r["tp"], r["pp"])
+            others = [o["_run"] for o in rows if (o["model"], o["tp"], o["pp"]) != key]
+            if others:
+                fitted, _ = refit(profile, others, polish=40)
+                r["refit_predicted"] = predict_run(fitted, r["_run"], ())
+                r["refit_error"] = errors(r["refit_predicted"], r["measured"])
+    _report(rows, args.target)
+    print(f"# load before {env['load_before']}, after {env['load_after']}, {env['elapsed_s']:.0f} s of measurement")
     args.out.mkdir(parents=True, exist_ok=True)
-    for r in rows:  # the measured requests, so that a refit can be redone offline
-        run = r.pop("_run")
-        r["requests"] = {k: [None if math.isnan(v) else float(v) for v in getattr(run, k)]
-                         for k in ("arrivals", "input_lens", "output_lens", "ttft_s", "tpot_s")}
-        r["scheduler"] = {k: getattr(run.sched, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                                                             "num_blocks", "max_model_len")}
+    for r in rows:
+        r.pop("_run")
     (args.out / "accuracy.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
 

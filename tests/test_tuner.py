@@ -185,24 +185,75 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
 
 
 def test_measured_profile_round_trips(tmp_path):
-    """The measuring pieces of `tune profile` (small sizes) give a profile that loads back unchanged."""
-    from tuner.cost import CostModel
-    from tuner.measure import PROBE, _engine_steps, fit_engine_constants, measure_bandwidth, measure_matmul
+    """The measuring pieces of `tune profile` (small sizes; the one-shard and the TP2 layout through
+    their real executors, two shard processes over gloo) give a profile that loads back unchanged
+    and whose layout constants the cost model uses."""
+    from tuner.measure import measure_bandwidth, measure_matmul, measure_width_factor
+    from tuner.measure_engine import engine_steps, fit_layout
     from tuner.probe_model import gpt2_shape, write_random_checkpoint
 
     rates = measure_matmul((1,), rows=(4, 64))
     assert set(rates[1]) == {"float32", "bfloat16"} and all(v > 0 for v in rates[1]["float32"].values())
+    width = measure_width_factor("float32", widths=(64,), rows=(4, 64))
+    assert set(width) == {64, 768} and width[768] == {4: 1.0, 64: 1.0} and all(v > 0 for v in width[64].values())
     bw = measure_bandwidth(mib=64)
     base = HardwareProfile(name="unit-machine", kind="measured", memory_gib=8.0, hbm_bandwidth_gb_s=round(bw, 2),
-                           flops_tflops={"float32": rates[1]["float32"][64]}, matmul_tflops=rates, cores=1,
-                           intra_node_bandwidth_gb_s=1.0, inter_node_bandwidth_gb_s=1.0, bw_efficiency=1.0,
-                           flops_efficiency=1.0)
-    cfg = gpt2_shape(1, PROBE["n_head"], PROBE["n_embd"], PROBE["vocab_size"], PROBE["positions"])
+                           flops_tflops={"float32": rates[1]["float32"][64]}, matmul_tflops=rates, cores=2,
+                           matmul_width_factor=width, intra_node_bandwidth_gb_s=1.0, inter_node_bandwidth_gb_s=1.0,
+                           bw_efficiency=1.0, flops_efficiency=1.0, collective_latency_us=50.0)
+    cfg = gpt2_shape(2, 4, 64, 300, 256)
     ckpt = write_random_checkpoint(tmp_path / "probe", cfg)
-    cost = CostModel(cfg, base, weight_dtype="float32")
-    steps = [(w, dt, cost) for w, dt in _engine_steps(ckpt, [(1, 8, 4), (4, 8, 3), (1, 200, 2)], "float32")]
-    assert len(steps) >= 5 and all(dt > 0 for _, dt, _ in steps)
-    prof = base.replace(**{k: round(float(v), 4) for k, v in fit_engine_constants(steps).items()})
-    assert prof.step_overhead_ms + prof.layer_overhead_us + prof.seq_layer_overhead_us > 0
+    layouts = {}
+    for tp in (1, 2):
+        cost = CostModel(cfg, base, tp=tp, weight_dtype="float32")
+        steps = [(w, dt, cost) for w, dt in engine_steps(ckpt, [(1, 8, 4), (4, 8, 3), (1, 100, 2)], "float32",
+                                                         tp=tp, threads=1 if tp > 1 else 0, vocab=cfg.vocab_size)]
+        assert len(steps) >= 5 and all(dt > 0 for _, dt, _ in steps)
+        assert {w.tokens for w, _, _ in steps} >= {32, 1, 100}  # prefills of both sizes and decode steps
+        layouts[f"{tp}x1"] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit_layout(steps).items()}
+    prof = base.replace(layouts=layouts)
     prof.save(tmp_path / "p.yaml")
     assert load_profile(str(tmp_path / "p.yaml")) == prof
+    w = StepWork(tokens=1, sampled=1, decode_context=20)
+    for tp in (1, 2):
+        lay = prof.layout(tp, 1)
+        assert lay is not None and lay["probe_steps"] >= 5
+        parts = CostModel(cfg, prof, tp=tp, weight_dtype="float32").components(w)
+        assert parts["step"] == pytest.approx(lay["step_overhead_ms"] * 1e-3)
+        assert parts["layer"] == pytest.approx(2 * lay["layer_overhead_us"] * 1e-6)
+
+
+def test_fit_layout_recovers_known_constants():
+    """Steps made by the layout formula from known constants fit back to those constants."""
+    from tuner.measure_engine import fit_layout
+
+    # depths, widths and vocabularies apart, as the profile's three probes
+    models = [ModelConfig(model_type="gpt2", vocab_size=v, n_layer=n, n_head=4, n_embd=c, max_position_embeddings=512)
+              for n, c, v in ((2, 128, 2048), (6, 256, 512), (4, 64, 8192))]
+    prof = _profile(matmul_tflops={1: {"bfloat16": {1: 0.01, 64: 0.1}}, 2: {"bfloat16": {1: 0.02, 64: 0.2}}},
+                    cores=2, collective_latency_us=100.0)
+    truth = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
+             "matmul_scale": 1.5, "comm_scale": 2.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 3.0,
+             "vocab_seq_ns": 4.0}
+    works = [StepWork(tokens=b * n, sampled=b, prefill_attn_pairs=b * n * (n + 1) // 2) for b, n in ((1, 16), (4, 64), (1, 300))]
+    works += [StepWork(tokens=b, sampled=b, decode_context=b * c) for b in (1, 8, 32) for c in (20, 200)]
+    for tp, pp in ((2, 1), (1, 2)):
+        steps = []
+        for model in models:
+            truth_cost = CostModel(model, prof.replace(layouts={f"{tp}x{pp}": truth}), tp=tp, pp=pp)
+            steps += [(w, truth_cost.step_time(w), CostModel(model, prof, tp=tp, pp=pp)) for w in works]
+        fit = fit_layout(steps)
+        for k, v in truth.items():
+            assert fit[k] == pytest.approx(v, rel=1e-3), k
+        assert fit["probe_max_error_pct"] < 1e-3
+
+
+def test_probe_tokenizer_is_the_training_one(tmp_path):
+    """The probe checkpoints' tokenizer is training.tokenizer's (BOS prepended): the validation
+    replay adds what the engine adds to the load tester's prompt counts."""
+    from tuner.probe_model import prompt_extra_tokens, write_tokenizer
+
+    assert write_tokenizer(tmp_path, vocab_size=300) <= 300
+    assert prompt_extra_tokens(tmp_path / "tokenizer.json") == 1
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["bos_token"] == cfg["eos_token"] == "<|endoftext|>"

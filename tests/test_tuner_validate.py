@@ -14,13 +14,14 @@ from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
 from loadtest.config import SLO
 from shardserve.cli import app
+from tuner.cost import StepWork
 from tuner.emit import deployment
 from tuner.profiles import HardwareProfile, load_profile
 from tuner.refit import Run, refit
 from tuner.search import Candidate
 from tuner.simulate import simulate
 
-TINY = ModelConfig(model_type="gpt2", vocab_size=256, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128,
+TINY = ModelConfig(model_type="gpt2", vocab_size=320, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128,
                    bos_token_id=0, eos_token_id=(0,))
 
 
@@ -85,6 +86,37 @@ def test_refit_recovers_scaled_coefficients():
     fitted, factors = refit(start_mt, runs_mt, free=("matmul_mt", "step", "request"))
     assert factors["matmul_mt"] == pytest.approx(2.0, rel=0.1)
     assert fitted.matmul_rate("float32", 64, 1) == pytest.approx(truth_mt.matmul_rate("float32", 64, 1), rel=0.1)
+
+
+def test_refit_moves_layout_constants():
+    """With per-layout constants (measured through each layout's executor), the refit's factors act
+    on the layout's own constants: a TP2 run whose step overhead and matmul are 3x and 2x the
+    profile's is refitted to those factors, and the refitted profile predicts it."""
+    from tuner.cost import CostModel
+
+    lay = {"step_overhead_ms": 2.0, "layer_overhead_us": 100.0, "seq_layer_overhead_us": 10.0, "seq_overhead_us": 50.0,
+           "matmul_scale": 1.0, "comm_scale": 1.0, "attention_prefill_tflops": 0.01, "attention_kv_gb_s": 5.0}
+    tables = {1: {"float32": {1: 0.001, 64: 0.002}}, 2: {"float32": {1: 0.002, 64: 0.004}}}
+    start = _cpu_profile(matmul_tflops=tables, step_overhead_ms=0.0, layouts={"2x1": lay})
+    truth = start.replace(layouts={"2x1": {**lay, "step_overhead_ms": 6.0, "matmul_scale": 2.0}})
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64,
+                            max_model_len=100)
+    rng = np.random.default_rng(1)
+    runs = []
+    for rate in (5.0, 20.0):
+        arr = np.cumsum(rng.exponential(1 / rate, 30))
+        ins, outs = rng.integers(8, 40, 30), rng.integers(4, 20, 30)
+        tr = simulate(CostModel(TINY, truth, tp=2, weight_dtype="float32").step_time, sched, arr, ins, outs,
+                      request_overhead=truth.request_overhead_ms * 1e-3)
+        runs.append(Run(TINY, 2, 1, "float32", sched, arr, ins, outs, np.array([t.ttft for t in tr]),
+                        np.array([t.tpot for t in tr])))
+    fitted, factors = refit(start, runs, free=("matmul", "step", "request"))
+    assert factors["step"] == pytest.approx(3.0, rel=0.1)
+    assert fitted.layouts["2x1"]["step_overhead_ms"] == pytest.approx(6.0, rel=0.1)
+    assert fitted.layouts["2x1"]["layer_overhead_us"] == pytest.approx(100.0)  # not free: unchanged
+    w = StepWork(tokens=40, sampled=1, prefill_attn_pairs=40 * 41 // 2)
+    assert CostModel(TINY, fitted, tp=2, weight_dtype="float32").step_time(w) == pytest.approx(
+        CostModel(TINY, truth, tp=2, weight_dtype="float32").step_time(w), rel=0.1)
 
 
 def test_validate_rejects_bad_input(tmp_path):

@@ -131,39 +131,70 @@ class CostModel:
         layers = self.pp * self.layers_per_stage  # stages run one after another within a step
         seqs = w.seqs or w.sampled
         bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
-        wbytes = _BYTES[self.weight_dtype]
         act_dtype = "float32" if self.weight_dtype == "float32" else "bfloat16"
-        act = w.tokens * m.n_embd * (4 if act_dtype == "float32" else 2)  # bytes of the step's activations
-
-        def matmul(params: float, rows: int) -> float:
-            """A Linear of `params` weights (this device's shard) over `rows` activation rows."""
-            if rows <= 0:
-                return 0.0
-            rate = p.matmul_rate(self.weight_dtype, rows, shards)
-            rate = p.flops(self.weight_dtype) * p.flops_efficiency if rate is None else rate * p.flops_efficiency
-            return max(2 * params * rows / rate, params * wbytes / bw)
-
-        # CPU rates were measured with every core; a shard of a TP x PP layout has cores // shards
-        share = p.threads(shards) / p.cores if p.cores else 1.0
-        kv_rate = (p.attention_kv_gb_s * 1e9 * share) if p.attention_kv_gb_s else bw
-        pre_rate = (p.attention_prefill_tflops * 1e12 * share) if p.attention_prefill_tflops \
-            else p.flops(act_dtype) * p.flops_efficiency
+        lay = p.layout(self.tp, self.pp)
+        if lay is not None:  # fitted on this layout's own engine steps (real executor, its threads)
+            kv_rate, pre_rate = lay["attention_kv_gb_s"] * 1e9, lay["attention_prefill_tflops"] * 1e12
+        else:
+            # CPU rates were measured with every core; a shard of a TP x PP layout has cores // shards
+            share = p.threads(shards) / p.cores if p.cores else 1.0
+            kv_rate = (p.attention_kv_gb_s * 1e9 * share) if p.attention_kv_gb_s else bw
+            pre_rate = (p.attention_prefill_tflops * 1e12 * share) if p.attention_prefill_tflops \
+                else p.flops(act_dtype) * p.flops_efficiency
         attn = (4 * m.n_head // self.tp * m.hd * w.prefill_attn_pairs / pre_rate
                 + 2 * self.kv_heads_per_device * m.hd * self.kv_bytes * w.decode_context / kv_rate)
-        head_comm = self._allreduce(w.sampled * m.vocab_size * 4 / self.tp)
-        send_lat = (p.send_latency_us or p.collective_latency_us) * 1e-6
-        mm = layers * matmul(self.layer_params / self.tp, w.tokens) + matmul(m.vocab_size * m.n_embd / self.tp, w.sampled)
+        const = {k: getattr(p, k) for k in ("layer_overhead_us", "seq_layer_overhead_us", "seq_overhead_us",
+                                             "step_overhead_ms")}
+        comm = self.comm_time(w)
+        if lay is not None:
+            # the one-thread table's shape in rows and width, the level this layout's engine reached
+            mm = self.matmul_time(w, threads=1) * lay["matmul_scale"]
+            comm *= lay["comm_scale"]
+            const = {k: lay[k] for k in const}
+        else:
+            mm = self.matmul_time(w)
         multi = bool(p.cores and p.matmul_tflops and p.threads(shards) > 1)
         return {
             "matmul": 0.0 if multi else mm,
             "matmul_mt": mm if multi else 0.0,
             "attention": layers * attn,
-            "comm": layers * 2 * self._allreduce(act) + head_comm + (self.pp - 1) * (send_lat + act / self._link()),
-            "layer": layers * p.layer_overhead_us * 1e-6,
-            "seq_layer": layers * seqs * p.seq_layer_overhead_us * 1e-6,
-            "seq": w.sampled * p.seq_overhead_us * 1e-6,
-            "step": p.step_overhead_ms * 1e-3,
+            "comm": comm,
+            "layer": layers * const["layer_overhead_us"] * 1e-6,
+            "seq_layer": layers * seqs * const["seq_layer_overhead_us"] * 1e-6,
+            "seq": w.sampled * (const["seq_overhead_us"] * 1e-6
+                                + (lay.get("vocab_seq_ns", 0.0) * 1e-9 * m.vocab_size / self.tp if lay else 0.0)),
+            "step": const["step_overhead_ms"] * 1e-3,
         }
+
+    def matmul_time(self, w: StepWork, threads: int = 0) -> float:
+        """Seconds of a step's Linear layers on one shard (its layers and the LM head): per Linear
+        max(FLOPs / rate, weight bytes / bandwidth), the rate from the profile's table at the
+        shard's threads (or `threads`) and the model's width, else its peak x efficiency."""
+        p, m = self.profile, self.model
+        bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
+        wbytes = _BYTES[self.weight_dtype]
+        shards = self.tp * self.pp
+
+        def matmul(params: float, rows: int) -> float:
+            """A Linear of `params` weights (this device's shard) over `rows` activation rows."""
+            if rows <= 0:
+                return 0.0
+            rate = p.matmul_rate(self.weight_dtype, rows, shards, width=m.n_embd, threads=threads)
+            rate = p.flops(self.weight_dtype) * p.flops_efficiency if rate is None else rate * p.flops_efficiency
+            return max(2 * params * rows / rate, params * wbytes / bw)
+
+        layers = self.pp * self.layers_per_stage
+        return layers * matmul(self.layer_params / self.tp, w.tokens) + matmul(m.vocab_size * m.n_embd / self.tp, w.sampled)
+
+    def comm_time(self, w: StepWork) -> float:
+        """Seconds of a step's TP all-reduces (two per layer and one of the sampled logits) and
+        PP activation sends, from the profile's collective and send costs."""
+        p, m = self.profile, self.model
+        layers = self.pp * self.layers_per_stage
+        act = w.tokens * m.n_embd * (4 if self.weight_dtype == "float32" else 2)  # bytes of the step's activations
+        head_comm = self._allreduce(w.sampled * m.vocab_size * 4 / self.tp)
+        send_lat = (p.send_latency_us or p.collective_latency_us) * 1e-6
+        return layers * 2 * self._allreduce(act) + head_comm + (self.pp - 1) * (send_lat + act / self._link())
 
     def step_time(self, w: StepWork) -> float:
         """Seconds of one engine step."""

@@ -2,17 +2,26 @@
 
 What is measured, and which profile field it becomes:
 - dense matmul rate per dtype, per activation row count and per thread count -> matmul_tflops
-  (the cost model interpolates in log(rows) and picks the threads a shard of a layout gets);
+  (the cost model interpolates in log(rows) and picks the threads a shard of a layout gets), and
+  how a Linear's rate moves with the model's width -> matmul_width_factor;
 - read bandwidth of a buffer far past the last-level cache -> hbm_bandwidth_gb_s;
-- the engine's own steps on two random probe checkpoints (1 and 6 layers) over decode and
-  prefill batches of several sizes and contexts, fitted by non-negative least squares after the
-  matmul time is taken out -> step_overhead_ms, layer_overhead_us, seq_overhead_us,
-  seq_layer_overhead_us, attention_kv_gb_s (decode, per context token), attention_prefill_tflops;
+- the engine's own steps, per TP x PP layout of this host, through the executor that layout
+  serves with (one in-process shard on every core; or one process per shard over gloo, the
+  worker loop the Ray actors run), on two random probe checkpoints over decode and prefill
+  batches of several sizes and contexts, fitted per layout (tuner.measure_engine) -> layouts
+  (step, layer, sequence and attention costs and the engine's matmul time against the rate
+  table); the one-shard layout's constants are also the global ones;
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
-- a real `shardserve serve` of the 1-layer probe, requests sent by the load tester: TTFT beyond
-  the engine's prefill step -> request_overhead_ms; TPOT beyond the engine's decode step is the
-  per-token cost of streaming through Ray and the gateway, added to seq_overhead_us.
+- a real `shardserve serve` of the shallow probe as one in-replica shard and as TP2 over Ray
+  shard actors, requests sent by the load tester: TTFT of requests one at a time beyond the
+  engine's prefill step -> request_overhead_ms; a burst of requests all in flight at once, where
+  streaming every token through Ray and the gateway competes with the engine for the cores,
+  calibrates that streaming cost per token (the simulator, on the burst's own schedule, matches
+  its TPOT p50), added to every layout's seq_overhead_us; TPOT of the TP2 copy (one request at a
+  time) beyond its layout's decode step and that streaming cost is what the Ray executor's calls
+  add per step over the multiprocess executor the fit ran on, added to the step_overhead_ms of
+  every layout of several shards.
 """
 
 from __future__ import annotations
@@ -23,14 +32,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
+import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu_threads) as the served engine has it
 from tuner.profiles import HardwareProfile
 
 ROWS = (1, 4, 16, 64, 256, 1024)
+SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the gateway probe's requests (as the load tester counts them)
+BUSY_RATE, BUSY_PROMPTS = 200.0, 24  # the busy probe run: a burst, ~all 24 in flight at once
 MATMUL_SHAPE = (768, 3072)  # (in, out) of a GPT-2-124M MLP projection: a representative Linear
-PROBE = {"n_head": 4, "n_embd": 256, "vocab_size": 512, "positions": 1024}
-PROBE_LAYERS = (1, 6)
 
 
 def _best(fn: Callable[[], object], reps: int = 5, budget_s: float = 1.0) -> float:
@@ -75,6 +83,30 @@ def measure_matmul(threads: tuple[int, ...], dtypes=("float32", "bfloat16"), row
     return out
 
 
+WIDTHS = (256, 384, 768, 1024)  # model widths of the width factor (the rate table's shape is 768 -> 3072)
+
+
+def measure_width_factor(dtype: str, widths=WIDTHS, rows=ROWS) -> dict[int, dict[int, float]]:
+    """Rate of a (W -> 4W) Linear against the rate table's (768 -> 3072), one thread, by W -> rows."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates: dict[int, dict[int, float]] = {}
+        for wd in sorted({*widths, MATMUL_SHAPE[0]}):
+            wt = torch.randn(4 * wd, wd, dtype=getattr(torch, dtype))
+            rates[wd] = {}
+            for r in rows:
+                x = torch.randn(r, wd, dtype=wt.dtype)
+                dt = _best(lambda x=x, wt=wt: torch.nn.functional.linear(x, wt), budget_s=0.3)
+                rates[wd][r] = 2 * r * wd * 4 * wd / dt
+    finally:
+        torch.set_num_threads(before)
+    ref = rates[MATMUL_SHAPE[0]]
+    return {wd: {r: round(v / ref[r], 4) for r, v in by_rows.items()} for wd, by_rows in rates.items()}
+
+
 def measure_bandwidth(mib: int = 256) -> float:
     """GB/s of a float32 sum over `mib` MiB (far past a 32 MiB last-level cache)."""
     import torch
@@ -83,104 +115,71 @@ def measure_bandwidth(mib: int = 256) -> float:
     return buf.numel() * 4 / _best(lambda: buf.sum()) / 1e9
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Non-negative least squares by active set: drop the most negative coefficient and re-solve."""
-    keep = list(range(a.shape[1]))
-    x = np.zeros(a.shape[1])
-    while keep:
-        sol, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
-        if (sol >= 0).all():
-            x[keep] = sol
-            return x
-        keep.pop(int(np.argmin(sol)))
-    return x
-
-
-def _engine_steps(model_dir: Path, scenarios: list[tuple[int, int, int]], dtype: str = "float32"
-                  ) -> list[tuple[object, float]]:
-    """Run the engine itself (weights and activations in `dtype`) on (batch, prompt_len, max_tokens)
-    scenarios; (StepWork, seconds) per step."""
-    from engines import EngineConfig, SamplingParams
-    from engines.llm_engine import LLMEngine
-    from tuner.simulate import work_of
-
-    eng = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_bytes=256 * 2**20, max_num_seqs=64,
-                                            max_num_batched_tokens=4096))
-    works: list = []
-    orig = eng.scheduler.schedule
-
-    def schedule():
-        plan = orig()
-        works.append(work_of(plan))
-        return plan
-
-    eng.scheduler.schedule = schedule  # observe the plans of this private probe engine
-    rows: list[tuple[object, float]] = []
-    rng = np.random.default_rng(0)
-    try:
-        # pass 0 (one small scenario) warms caches and the allocator and is not kept
-        for rep, group in enumerate((scenarios[:1], scenarios)):
-            for i, (batch, plen, out) in enumerate(group):
-                for b in range(batch):
-                    ids = rng.integers(1, PROBE["vocab_size"], plen).tolist()
-                    eng.add_request(f"{rep}-{i}-{b}", ids, SamplingParams(max_tokens=out, ignore_eos=True))
-                while eng.has_unfinished_requests():
-                    works.clear()
-                    t0 = time.perf_counter()
-                    eng.step()
-                    dt = time.perf_counter() - t0
-                    if rep and works and works[-1].tokens:  # the first pass warms caches and the allocator
-                        rows.append((works[-1], dt))
-    finally:
-        eng.shutdown()
-    return rows
-
-
-def fit_engine_constants(steps: list[tuple[object, float, object]]) -> dict[str, float]:
-    """Fit the engine's fixed and attention costs from (StepWork, seconds, CostModel) rows: the
-    step time less the cost model's matmul time, by non-negative least squares."""
-    feats, ys = [], []
-    for w, dt, cost in steps:
-        m = cost.model
-        layers = cost.pp * cost.layers_per_stage
-        seqs = w.seqs or w.sampled
-        pre_flops = 4 * m.n_head * m.hd * w.prefill_attn_pairs
-        kv_bytes = 2 * m.kv_heads * m.hd * cost.kv_bytes * w.decode_context
-        feats.append([1.0, layers, layers * seqs, w.sampled, layers * pre_flops, layers * kv_bytes])
-        parts = cost.components(w)
-        ys.append(dt - parts["matmul"] - parts["matmul_mt"])
-    a, y = np.array(feats), np.array(ys)
-    # relative errors: every step counts alike, long prefills do not drown the decode steps
-    wgt = 1.0 / np.maximum(np.array([dt for _, dt, _ in steps]), 1e-6)
-    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-    x = _nnls(a * wgt[:, None] / scale, y * wgt) / scale
-    return {"step_overhead_ms": x[0] * 1e3, "layer_overhead_us": x[1] * 1e6, "seq_layer_overhead_us": x[2] * 1e6,
-            "seq_overhead_us": x[3] * 1e6,
-            "attention_prefill_tflops": 1 / x[4] / 1e12 if x[4] > 0 else 1e3,  # too cheap to see: effectively free
-            "attention_kv_gb_s": 1 / x[5] / 1e9 if x[5] > 0 else 1e4}
-
-
-def measure_serving(model_dir: Path, work_dir: Path, prefill_s: float, decode_s: float,
-                    dtype: str = "float32") -> dict[str, float]:
-    """Serve the probe with `shardserve serve` and time requests through the gateway with the load
-    tester: what TTFT and TPOT add beyond the engine's own prefill and decode steps."""
+def measure_serving(model_dir: Path, work_dir: Path, layouts: dict[str, tuple[int, int, int]],
+                    dtype: str = "float32") -> dict[str, dict[str, object]]:
+    """Serve the probe once per layout {name: (tp, pp, threads per shard)} in one `shardserve serve`
+    (fractional CPU reservations so that every copy fits; threads set as the tuner's deployments
+    give them) and time requests through the gateway with the load tester, one layout at a time:
+    {name: {"quiet": report, "busy": report}}: requests one at a time, and a burst that keeps
+    BUSY_BATCH or so in flight (the gateway's streaming work then competes with the engine)."""
     import yaml
 
     from loadtest.config import LoadTestConfig
     from loadtest.runner import run
     from tuner.server import Server
 
+    models = []
+    for name, (tp, pp, threads) in layouts.items():
+        share = 0.9 / len(layouts) / (tp * pp + 1)  # the probe copies share the host; Ray needs only to place them
+        models.append({"name": name, "path": str(model_dir), "num_cpus": round(share, 3),
+                       **({"shard_num_cpus": round(share, 3)} if tp * pp > 1 else {}),
+                       "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
+                                  "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
     conf = work_dir / "probe.yaml"
-    conf.write_text(yaml.safe_dump({"models": [{"name": "probe", "path": str(model_dir), "engine": {"dtype": dtype}}]}))
+    conf.write_text(yaml.safe_dump({"models": models}))
+    out: dict[str, dict[str, object]] = {}
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
-        base = {"url": url, "model": "probe", "backend": "openai-completions", "arrival": "constant", "request_rate": 4.0,
-                    "random_input_len": 16, "tokenizer": model_dir / "tokenizer.json", "ignore_eos": True, "progress": False,
-                    "seed": 1}
-        run(LoadTestConfig(**base, num_prompts=4, random_output_len=8))  # warm-up
-        rep = run(LoadTestConfig(**base, num_prompts=16, random_output_len=17))
-    s = rep.summary
-    return {"request_overhead_ms": max(s.ttft_ms.p50 - prefill_s * 1e3, 0.0),
-            "token_overhead_us": max(s.tpot_ms.p50 - decode_s * 1e3, 0.0) * 1e3}
+        for name in layouts:
+            base = {"url": url, "model": name, "backend": "openai-completions", "arrival": "constant",
+                    "random_input_len": SERVE_PROMPT, "tokenizer": model_dir / "tokenizer.json",
+                    "ignore_eos": True, "progress": False, "seed": 1, "random_output_len": SERVE_OUTPUT}
+            run(LoadTestConfig(**{**base, "random_output_len": 8}, request_rate=4.0, num_prompts=4))  # warm-up
+            out[name] = {"quiet": run(LoadTestConfig(**base, request_rate=4.0, num_prompts=12))}
+            if name == "one":
+                out[name]["busy"] = run(LoadTestConfig(**base, request_rate=BUSY_RATE, num_prompts=BUSY_PROMPTS))
+    return out
+
+
+def calibrate_token_overhead(cost, report, extra_tokens: int, request_overhead_s: float) -> float:
+    """Seconds per streamed token that, added to every sequence's share of a step, make the
+    simulator's TPOT p50 on the busy probe run's own schedule equal the measured one (bisection)."""
+    import numpy as np
+
+    from engines.config import EngineConfig
+    from engines.scheduler import SchedulerConfig
+    from tuner.simulate import simulate
+
+    recs = [r for r in report.records if not r.warmup and r.ok]
+    arrivals = np.array([r.sent_s for r in recs])
+    ins = np.array([r.input_tokens + extra_tokens for r in recs])
+    outs = np.array([r.requested_output_tokens for r in recs])
+    target = float(np.percentile([r.tpot_s for r in recs], 50))
+    defaults = EngineConfig()  # the probe is served with the engine's default limits
+    sched = SchedulerConfig(max_num_seqs=defaults.max_num_seqs, max_num_batched_tokens=defaults.max_num_batched_tokens,
+                            block_size=defaults.block_size, num_blocks=4096, max_model_len=int(ins.max() + outs.max() + 1))
+
+    def tpot(extra_s: float) -> float:
+        traces = simulate(lambda w: cost.step_time(w) + extra_s * w.sampled, sched, arrivals, ins, outs,
+                          request_overhead=request_overhead_s)
+        return float(np.percentile([t.tpot for t in traces if len(t.token_times) > 1], 50))
+
+    lo, hi = 0.0, 0.01
+    if tpot(lo) >= target:
+        return 0.0
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
@@ -191,18 +190,19 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
     import torch
 
     from engines.config import EngineConfig, resolved_dtype
+    from tuner.cost import CostModel, StepWork
+    from tuner.measure_comm import measure_gloo
+    from tuner.measure_engine import PROBE_POSITIONS, PROBES, measure_layouts
+    from tuner.probe_model import gpt2_shape, prompt_extra_tokens
 
     dtype = resolved_dtype(EngineConfig(dtype=dtype))
-
-    from tuner.cost import CostModel
-    from tuner.measure_comm import measure_gloo
-    from tuner.probe_model import gpt2_shape, write_random_checkpoint
-
     t_start = time.perf_counter()
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = tuple(sorted({1, cores}))
     progress(f"matmul rates ({', '.join(map(str, threads))} threads; float32, bfloat16; rows {ROWS})")
     rates = measure_matmul(threads)
+    progress(f"matmul rate by model width ({', '.join(map(str, WIDTHS))}; 1 thread, {dtype})")
+    width_factor = measure_width_factor(dtype)
     progress("read bandwidth")
     bw = measure_bandwidth()
     progress("gloo all-reduce and send between 2 processes")
@@ -212,38 +212,68 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         name=name, kind="measured", memory_gib=round(mem_gib, 1), hbm_bandwidth_gb_s=round(bw, 2),
         flops_tflops={"float32": rates[cores]["float32"][max(rates[cores]["float32"])],
                       "bfloat16": rates[cores]["bfloat16"][max(rates[cores]["bfloat16"])]},
-        matmul_tflops=rates, cores=cores, intra_node_bandwidth_gb_s=round(comm["allreduce_gb_s"], 3),
+        matmul_tflops=rates, matmul_width_factor=width_factor, cores=cores, intra_node_bandwidth_gb_s=round(comm["allreduce_gb_s"], 3),
         inter_node_bandwidth_gb_s=round(comm["allreduce_gb_s"], 3), devices_per_node=cores,
         bw_efficiency=1.0, flops_efficiency=1.0, collective_latency_us=round(comm["allreduce_latency_us"], 1),
         send_latency_us=round(comm["send_latency_us"], 1), reserved_memory_gib=1.0)
-    progress("engine steps on random probe checkpoints")
-    steps = []
     with tempfile.TemporaryDirectory(prefix="shardserve-profile-") as tmp:
-        dirs = {}
-        for layers in PROBE_LAYERS:
-            cfg = gpt2_shape(layers, PROBE["n_head"], PROBE["n_embd"], PROBE["vocab_size"], PROBE["positions"])
-            dirs[layers] = write_random_checkpoint(Path(tmp) / f"probe{layers}", cfg)
-            cost = CostModel(cfg, base, weight_dtype=dtype)
-            # (batch, prompt tokens, output tokens): decode at 3 batch sizes and 2 contexts, 2 prefills
-            scenarios = [(1, 16, 12), (16, 16, 8), (48, 16, 4), (4, 400, 6), (1, 700, 2)]
-            steps += [(w, dt, cost) for w, dt in _engine_steps(dirs[layers], scenarios, dtype)]
-        fit = fit_engine_constants(steps)
-        prof = base.replace(**{k: round(float(v), 4) for k, v in fit.items()})
-        served = {"request_overhead_ms": 0.0, "token_overhead_us": 0.0}
+        layouts = measure_layouts(base, Path(tmp), dtype, progress)
+        # the global constants (used by layouts not measured here) are the one-shard layout's
+        one = layouts["1x1"]
+        prof = base.replace(layouts=layouts, step_overhead_ms=one["step_overhead_ms"],
+                            layer_overhead_us=one["layer_overhead_us"], seq_overhead_us=one["seq_overhead_us"],
+                            seq_layer_overhead_us=one["seq_layer_overhead_us"],
+                            attention_prefill_tflops=one["attention_prefill_tflops"],
+                            attention_kv_gb_s=one["attention_kv_gb_s"])
+        request_ms, tok_us, remote_ms = 0.0, 0.0, 0.0
         if serve:
-            progress("gateway + Ray overhead: `shardserve serve` of the 1-layer probe, load tester requests")
-            cost1 = CostModel(gpt2_shape(1, PROBE["n_head"], PROBE["n_embd"], PROBE["vocab_size"], PROBE["positions"]),
-                              prof, weight_dtype=dtype)
-            from tuner.cost import StepWork
+            # one copy per kind of executor: in the replica (one shard) and Ray shard actors (TP2)
+            served_layouts = {"one": (1, 1, cores), **({"sharded": (2, 1, prof.threads(2))} if cores >= 2 else {})}
+            progress(f"gateway + Ray overhead: `shardserve serve` of the shallow probe as "
+                     f"{', '.join(f'TP{t} PP{p}' for t, p, _ in served_layouts.values())}, load tester requests")
+            n_layer, n_head, n_embd, vocab = PROBES[0]
+            cfg = gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS)
+            probe_dir = Path(tmp) / f"probe-{n_layer}x{n_embd}"
+            served = measure_serving(probe_dir, Path(tmp), served_layouts, dtype)
+            extra = prompt_extra_tokens(probe_dir / "tokenizer.json")
+            plen = SERVE_PROMPT + extra  # what the engine prefills
 
-            pre = cost1.step_time(StepWork(tokens=16, sampled=1, prefill_attn_pairs=16 * 17 // 2))
-            dec = cost1.step_time(StepWork(tokens=1, sampled=1, decode_context=24))
-            served = measure_serving(dirs[1], Path(tmp), pre, dec, dtype)
-    prof = prof.replace(request_overhead_ms=round(float(served["request_overhead_ms"]), 3),
-                        seq_overhead_us=round(float(prof.seq_overhead_us + served["token_overhead_us"]), 3),
+            def engine(tp: int, pp: int) -> tuple[float, float]:
+                """The layout's own prefill step and mean decode step for the probe requests (s)."""
+                cost = CostModel(cfg, prof, tp=tp, pp=pp, weight_dtype=dtype)
+                pre = cost.step_time(StepWork(tokens=plen, sampled=1, prefill_attn_pairs=plen * (plen + 1) // 2))
+                dec = cost.step_time(StepWork(tokens=1, sampled=1, decode_context=plen + SERVE_OUTPUT // 2))
+                return pre, dec
+
+            pre, _ = engine(1, 1)
+            quiet = served["one"]["quiet"].summary
+            request_ms = max(quiet.ttft_ms.p50 * 1e-3 - pre, 0.0) * 1e3
+            # streaming each token through Ray and the gateway: calibrated where it competes with the
+            # engine for the cores (a busy run), on that run's own schedule
+            tok_us = calibrate_token_overhead(CostModel(cfg, prof, weight_dtype=dtype), served["one"]["busy"], extra,
+                                              request_ms * 1e-3) * 1e6
+            if "sharded" in served:
+                # per step, what Ray actor calls add over the multiprocess executor's pipes (the layouts'
+                # fits measured the latter), beyond the streaming cost every layout pays
+                _, dec2 = engine(2, 1)
+                remote_ms = max(served["sharded"]["quiet"].summary.tpot_ms.p50 * 1e-3 - dec2 - tok_us * 1e-6, 0.0) * 1e3
+    # streaming a token through Ray and the gateway costs every layout alike (per sampled sequence);
+    # a layout of several shards also pays the Ray executor's calls once per step
+    layouts = {k: {**v, "seq_overhead_us": round(v["seq_overhead_us"] + tok_us, 3),
+                   "step_overhead_ms": round(v["step_overhead_ms"] + (remote_ms if k != "1x1" else 0.0), 4)}
+               for k, v in prof.layouts.items()}
+    errs = ", ".join(f"{k} {v['probe_median_error_pct']:.0f}% (max {v['probe_max_error_pct']:.0f}%"
+                     + (f"; measured twice, the other pass {v['retried_from_median_error_pct']:.0f}%"
+                        if "retried_from_median_error_pct" in v else "") + ")"
+                     for k, v in layouts.items())
+    prof = prof.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),
+                        seq_overhead_us=round(float(prof.seq_overhead_us + tok_us), 3),
                         fit_notes=(f"measured by `shardserve tune profile` in {time.perf_counter() - t_start:.0f} s "
-                                   f"on {cores} CPUs (torch {torch.__version__}); engine constants fitted on "
-                                   f"{len(steps)} {dtype} probe steps (serve in {dtype}); seq_overhead_us includes "
-                                   f"{served['token_overhead_us']:.0f} us of streaming per token through the "
-                                   f"gateway{'' if serve else ' (not measured: --no-serve)'}"))
+                                   f"on {cores} CPUs (torch {torch.__version__}); per-layout engine constants "
+                                   f"fitted on {dtype} probe steps through each layout's real executor (median / "
+                                   f"max error of the fit on its own steps: {errs}); seq_overhead_us includes "
+                                   f"{tok_us:.0f} us of streaming per token through the gateway, and the "
+                                   f"step_overhead_ms of layouts of several shards {remote_ms:.2f} ms of Ray "
+                                   f"executor calls per step"
+                                   f"{'' if serve else ' (not measured: --no-serve)'}"))
     return prof

@@ -7,7 +7,6 @@ one when requests ask for a fixed number of tokens (ignore_eos).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from engines.config import ModelConfig
@@ -17,19 +16,24 @@ _CORPUS = ("the quick brown fox jumps over the lazy dog while shardserve serves 
 
 
 def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
-    """A byte-level BPE tokenizer trained on a fixed text; returns its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The project's byte-level BPE tokenizer (training.tokenizer) trained on a fixed text; returns
+    its vocabulary size. Like every shardserve tokenizer it prepends <|endoftext|> as BOS to an
+    encoded prompt, so the engine sees one token more than a load test's `random_input_len`
+    (prompt_extra_tokens)."""
+    from training.tokenizer import save_tokenizer, train_bpe
 
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator([_CORPUS], trainer)
-    tk.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                               "bos_token": "<|endoftext|>"}))
+    tk = train_bpe([_CORPUS], vocab_size=vocab_size)
+    save_tokenizer(tk, out_dir)
     return tk.get_vocab_size()
+
+
+def prompt_extra_tokens(tokenizer_path: str | Path) -> int:
+    """Tokens the engine adds to an encoded prompt (a BOS post-processor: 1; none: 0), which a
+    load tester that counts prompts with add_special_tokens=False does not see."""
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(tokenizer_path))
+    return len(tk.encode("a", add_special_tokens=True).ids) - len(tk.encode("a", add_special_tokens=False).ids)
 
 
 def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0) -> Path:
@@ -38,7 +42,11 @@ def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0
 
     from engines.checkpoint import save_checkpoint
     from engines.model import GPT
+    from training.tokenizer import min_vocab_size
 
+    if cfg.vocab_size < min_vocab_size():
+        raise ValueError(f"vocab_size: a probe checkpoint needs >= {min_vocab_size()} (the byte-level tokenizer's "
+                         f"256 byte symbols and <|endoftext|>), got {cfg.vocab_size}")
     out = Path(out_dir)
     tok_dir = out.parent / f".{out.name}.tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)

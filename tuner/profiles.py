@@ -73,6 +73,17 @@ class HardwareProfile:
     """Start-up cost of one pipeline send; 0 uses collective_latency_us."""
     request_overhead_ms: float = 0.0
     """Gateway + Ray cost per request, outside the engine (adds to TTFT and E2E; fitted)."""
+    matmul_width_factor: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Measured rate of a Linear of model width W (W -> 4W, as an MLP's first projection) against
+    the rate table's own shape, by W -> rows (one thread, the engine's dtype); interpolated in
+    log(W) and log(rows), clamped at the measured ends. Narrow layers run below the table's rate
+    on CPUs. Empty: every width runs at the table's rate."""
+    layouts: dict[str, dict[str, float]] = field(default_factory=dict)
+    """CPU profiles: per TP x PP layout ("TPxPP", e.g. "2x1"), constants fitted on the engine's own
+    steps through that layout's real executor (shard processes over gloo, cores // (tp * pp)
+    threads each): LAYOUT_KEYS. They replace the global constants of the same names for that
+    layout; matmul_scale and comm_scale multiply the matmul and communication times the profile's
+    tables give. Empty: global constants."""
     fit_notes: str = ""
     """What the efficiency factors were fitted on."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -104,31 +115,38 @@ class HardwareProfile:
         if self.kind not in ("analytic", "measured"):
             raise ProfileError(f"kind: must be analytic or measured, got {self.kind!r}")
         _check_rate_table(self.matmul_tflops)
+        _check_layouts(self.layouts)
+        for w, by_rows in self.matmul_width_factor.items():
+            if not (isinstance(w, int) and w >= 1 and isinstance(by_rows, dict) and by_rows
+                    and all(isinstance(r, int) and r >= 1 and isinstance(v, (int, float)) and v > 0
+                            for r, v in by_rows.items())):
+                raise ProfileError(f"matmul_width_factor: must map width -> rows -> factor > 0, got {w!r}: {by_rows!r}")
+
+    def layout(self, tp: int, pp: int) -> dict[str, float] | None:
+        """The measured constants of layout tp x pp, or None (use the global ones)."""
+        return self.layouts.get(layout_key(tp, pp))
 
     def threads(self, shards: int) -> int:
         """Threads of one shard when `shards` processes share the host (CPU profiles)."""
         return max(1, self.cores // max(1, shards)) if self.cores else 1
 
-    def matmul_rate(self, dtype: str, rows: float, shards: int = 1) -> float | None:
+    def matmul_rate(self, dtype: str, rows: float, shards: int = 1, width: int = 0,
+                    threads: int = 0) -> float | None:
         """Measured matmul FLOP/s for `rows` activation rows, interpolated in log(rows) between
-        the measured row counts and the nearest measured thread count; None without a table."""
+        the measured row counts, at the measured thread count nearest to a shard's (or to
+        `threads`), for a layer of model width `width` (0: the table's own shape); None without
+        a table."""
         if not self.matmul_tflops:
             return None
-        want = self.threads(shards)
+        want = threads or self.threads(shards)
         th = min(self.matmul_tflops, key=lambda t: (abs(int(t) - want), -int(t)))
         table = self.matmul_tflops[th]
         key = dtype if dtype in table else ("float32" if "float32" in table else next(iter(table)))
-        pts = sorted((int(r), float(v)) for r, v in table[key].items())
-        rows = max(1.0, float(rows))
-        if rows <= pts[0][0]:
-            return pts[0][1] * 1e12
-        if rows >= pts[-1][0]:
-            return pts[-1][1] * 1e12
-        for (r0, v0), (r1, v1) in itertools.pairwise(pts):
-            if r0 <= rows <= r1:
-                f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return (v0 + f * (v1 - v0)) * 1e12
-        return pts[-1][1] * 1e12  # unreachable: the row counts are sorted
+        rate = _interp(table[key], rows) * 1e12
+        if width and self.matmul_width_factor:
+            widths = sorted((int(w), _interp(by_rows, rows)) for w, by_rows in self.matmul_width_factor.items())
+            rate *= _interp(dict(widths), width)
+        return rate
 
     def flops(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` before efficiency; fp8 falls back to the 16-bit rate
@@ -152,6 +170,60 @@ class HardwareProfile:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _interp(table: dict, x: float) -> float:
+    """table[x] interpolated linearly in log(x) between its keys, clamped at the ends."""
+    pts = sorted((int(k), float(v)) for k, v in table.items())
+    x = max(1.0, float(x))
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, v0), (x1, v1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            f = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return v0 + f * (v1 - v0)
+    return pts[-1][1]  # unreachable: the keys are sorted
+
+
+LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_layer_overhead_us",
+               "matmul_scale", "comm_scale", "attention_prefill_tflops", "attention_kv_gb_s")
+"""Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
+one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
+attention rates are per shard."""
+LAYOUT_OPTIONAL = ("vocab_seq_ns",)
+"""Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
+shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies)."""
+LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "retried_from_median_error_pct")
+"""Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
+layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept."""
+
+
+def layout_key(tp: int, pp: int) -> str:
+    return f"{tp}x{pp}"
+
+
+def _check_layouts(layouts: Any) -> None:
+    if not isinstance(layouts, dict):
+        raise ProfileError("layouts: must map 'TPxPP' to a mapping of fitted constants")
+    for key, consts in layouts.items():
+        parts = str(key).split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ProfileError(f"layouts: keys must be 'TPxPP' with TP, PP >= 1 (e.g. '2x1'), got {key!r}")
+        if not isinstance(consts, dict):
+            raise ProfileError(f"layouts.{key}: must map {', '.join(LAYOUT_KEYS)} to numbers")
+        missing = [k for k in LAYOUT_KEYS if k not in consts]
+        unknown = sorted(set(consts) - set(LAYOUT_KEYS) - set(LAYOUT_OPTIONAL) - set(LAYOUT_NOTES))
+        if missing or unknown:
+            raise ProfileError(f"layouts.{key}: missing {', '.join(missing) or 'nothing'}, unknown "
+                               f"{', '.join(unknown) or 'nothing'}; fields are {', '.join(LAYOUT_KEYS)}")
+        for k, v in consts.items():
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ProfileError(f"layouts.{key}.{k}: must be a number >= 0, got {v!r}")
+        for k in ("matmul_scale", "attention_prefill_tflops", "attention_kv_gb_s"):
+            if not consts[k] > 0:
+                raise ProfileError(f"layouts.{key}.{k}: must be > 0, got {consts[k]!r}")
 
 
 def _check_rate_table(table: Any) -> None:

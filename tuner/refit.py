@@ -52,7 +52,10 @@ def _unit_profile(p: HardwareProfile) -> tuple[HardwareProfile, dict[str, float]
     changes = {f: getattr(p, f) or u for f, u in _UNITS.items()}
     prior = {c: 1.0 for c in COEFFICIENTS}
     for c, f in _FIELD.items():
-        prior[c] = getattr(p, f) / changes[f]
+        # a profile with per-layout constants uses those, scaled by the same factor (see apply):
+        # factor 1 leaves them as measured, whatever the global (fallback) value
+        if not (p.layouts and c != "request"):
+            prior[c] = getattr(p, f) / changes[f]
     return p.replace(**changes), prior
 
 
@@ -66,6 +69,16 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
         rel = t["matmul"] / t["matmul_mt"]
         changes["matmul_tflops"] = {th: ({d: {r: round(v * rel, 6) for r, v in rows.items()} for d, rows in tab.items()}
                                          if int(th) > 1 else tab) for th, tab in p.matmul_tflops.items()}
+    if p.layouts:  # per-layout constants move with the same factors as the global ones
+        changes["layouts"] = {key: {**lay, **{f: round(lay[f] * t[c], 6) for c, f in _FIELD.items() if c != "request"},
+                                    "attention_prefill_tflops": round(lay["attention_prefill_tflops"] / t["attention"], 6),
+                                    "attention_kv_gb_s": round(lay["attention_kv_gb_s"] / t["attention"], 6),
+                                    "vocab_seq_ns": round(lay.get("vocab_seq_ns", 0.0) * t["seq"], 6),
+                                    # a layout's matmul reads the one-thread table: where its shards run
+                                    # several threads, it moves by matmul_mt, not by the shared efficiency
+                                    "matmul_scale": round(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
+                                                          if p.threads(_shards(key)) > 1 else 1.0), 6)}
+                              for key, lay in p.layouts.items()}
     if p.attention_kv_gb_s:
         changes["attention_kv_gb_s"] = p.attention_kv_gb_s / t["attention"]
     if p.attention_prefill_tflops:
@@ -76,6 +89,11 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
     changes["inter_node_bandwidth_gb_s"] = p.inter_node_bandwidth_gb_s / t["comm"]
     return p.replace(**{k: v if isinstance(v, dict) else round(float(v), 6) for k, v in changes.items()},
                      kind="measured")
+
+
+def _shards(key: str) -> int:
+    tp, pp = key.split("x")
+    return int(tp) * int(pp)
 
 
 def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray], list[float]]:
@@ -114,7 +132,7 @@ def refit(profile: HardwareProfile, runs: list[Run], free: tuple[str, ...] = COE
     """A profile refitted on `runs`; returns it and the factors applied to each coefficient
     (1 = unchanged; inf where the profile had none). Only the coefficients in `free` move;
     `polish` bounds the simulated evaluations of the final Nelder-Mead stage (0 skips it)."""
-    from tuner.measure import _nnls
+    from tuner.measure_engine import nnls as _nnls
 
     unknown = sorted(set(free) - set(COEFFICIENTS))
     if unknown:

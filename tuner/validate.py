@@ -63,12 +63,13 @@ def _records(report) -> list:
     return [r for r in report.records if not r.warmup]
 
 
-def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report) -> Run:
-    """A measured load-test run as the refit and the replay need it."""
+def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report, extra_tokens: int = 0) -> Run:
+    """A measured load-test run as the refit and the replay need it. `extra_tokens`: what the
+    server's tokenizer adds to each prompt (a BOS), which the load tester's counts leave out."""
     recs = _records(report)
     return Run(model=model, tp=cand.tp, pp=cand.pp, weight_dtype=cand.weight_dtype, sched=sched,
                arrivals=np.array([r.sent_s for r in recs]),
-               input_lens=np.array([max(r.input_tokens, 1) for r in recs]),
+               input_lens=np.array([max(r.input_tokens, 1) + extra_tokens for r in recs]),
                output_lens=np.array([r.requested_output_tokens for r in recs]),
                ttft_s=np.array([r.ttft_s if r.ok else math.nan for r in recs]),
                tpot_s=np.array([r.tpot_s if r.ok else math.nan for r in recs]))
@@ -119,6 +120,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     from loadtest.runner import run as loadtest_run
     from loadtest.slo_sweep import sweep
     from tuner.emit import deployment, write_yaml
+    from tuner.probe_model import prompt_extra_tokens
     from tuner.server import Server
 
     settings = settings or ValidateSettings()
@@ -128,6 +130,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     sched = scheduler_config(cand, model, CostModel(model, profile, tp=cand.tp, pp=cand.pp,
                                                     weight_dtype=cand.weight_dtype), w)
     tok = checkpoint / "tokenizer.json"
+    extra = prompt_extra_tokens(tok) if tok.is_file() else 0
     points, runs, sw = [], [], None
     with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
@@ -138,7 +141,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
         for rate in rates:
             progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
-            run = run_of(model, cand, sched, rep)
+            run = run_of(model, cand, sched, rep, extra)
             pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
             points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
                            "error": errors(pred, meas)})
@@ -154,7 +157,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
         out["sweep"] = [{"rate": s.rate, "meets_slo": s.meets_slo, "stopped_early": bool(s.stop_reason),
                          "ttft_p50_ms": s.summary.ttft_ms.p50, "tpot_p50_ms": s.summary.tpot_ms.p50} for s in sw.steps]
         out["measured_goodput_req_s"] = sw.best_rate or 0.0
-        runs += [run_of(model, cand, sched, r) for r, s in zip(sw.reports, sw.steps, strict=True)
+        runs += [run_of(model, cand, sched, r, extra) for r, s in zip(sw.reports, sw.steps, strict=True)
                  if not s.stop_reason and all(x.ok for x in _records(r))]
     out["n_runs"], out["_runs"] = len(runs), runs
     return out

@@ -1,0 +1,185 @@
+"""The engine's own steps per TP x PP layout, through the executor that layout serves with.
+
+A layout of one shard runs in-process on every core; a layout of several runs one process per
+shard (engines.parallel's multiprocess executor: the same worker loop the Ray actors run, gloo
+between local processes, cores // (tp * pp) threads each, one micro-batch per step as the
+tuner's deployments ask). Each step's wall time is fitted, per layout, by non-negative least
+squares on relative errors, as
+
+    step = step_overhead + layers * layer_overhead + layers * seqs * seq_layer_overhead
+           + sampled * seq_overhead + matmul_scale * matmul(one-thread rate table, model width)
+           + layers * prefill_flops / attention_prefill_rate + layers * kv_bytes / attention_kv_rate
+           + comm_scale * comm(gloo measurement) + sampled * vocab / tp * vocab_seq
+
+matmul comes from the profile's one-thread bare-matmul table (its shape in rows and width; the
+multi-thread table moves with whatever else runs on a shared host) and matmul_scale is where the
+engine's Linear layers in that layout land against it (threads per shard, kernel choice, shards
+sharing the cores); vocab_seq is the LM head's per-sequence work beyond its matmul; comm (TP all-reduces, PP sends) comes from tuner.measure_comm and comm_scale
+is what the executor's real collectives and sends cost against it. Two probe checkpoints of different depth and width (and
+vocabulary) let the fit tell the terms apart.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+# (n_layer, n_head, n_embd, vocab), head size 64: depths, widths and vocabularies apart, so that
+# per-step, per-layer, per-FLOP, per-sequence-per-layer, per-sequence and per-sequence-per-
+# vocabulary-entry costs can be told apart (three probes: the last three need three (layers, vocab))
+PROBES = ((2, 6, 384, 8192), (6, 12, 768, 512), (4, 4, 256, 50257))
+PROBE_POSITIONS = 1024
+# (batch, prompt tokens, output tokens): decode at 3 batch sizes and 2 contexts, prefills of 3 sizes
+SCENARIOS = ((1, 16, 10), (16, 16, 6), (48, 16, 4), (8, 300, 4), (4, 400, 2), (1, 700, 2))
+ROBUST_ITERATIONS = 6
+RETRY_ABOVE_PCT = 25.0
+"""A layout whose fit is off its own steps by more than this (median %) is measured once more."""
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by active set: drop the most negative coefficient and re-solve."""
+    keep = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while keep:
+        sol, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
+        if (sol >= 0).all():
+            x[keep] = sol
+            return x
+        keep.pop(int(np.argmin(sol)))
+    return x
+
+
+def layouts_for(cores: int) -> list[tuple[int, int]]:
+    """The (tp, pp) layouts of one model copy on a host of `cores` cores (tp * pp <= cores)."""
+    out = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4):
+            if tp * pp <= max(cores, 1):
+                out.append((tp, pp))
+    return out
+
+
+def engine_steps(model_dir: Path, scenarios, dtype: str, tp: int = 1, pp: int = 1, threads: int = 0,
+                 vocab: int = 512) -> list[tuple[object, float]]:
+    """Run the engine (its real executor for tp x pp) on (batch, prompt_len, max_tokens) scenarios;
+    (StepWork, seconds) per step. Greedy sampling, as the load tester asks."""
+    from engines import EngineConfig, SamplingParams
+    from engines.llm_engine import LLMEngine
+    from tuner.simulate import work_of
+
+    cfg = EngineConfig(dtype=dtype, kv_cache_bytes=256 * 2**20, max_num_seqs=64, max_num_batched_tokens=4096,
+                       tensor_parallel_size=tp, pipeline_parallel_size=pp, worker_threads=threads,
+                       pipeline_microbatches=1 if pp > 1 else 0)
+    eng = LLMEngine(model_dir, cfg)
+    works: list = []
+    orig = eng.scheduler.schedule
+
+    def schedule():
+        plan = orig()
+        works.append(work_of(plan))
+        return plan
+
+    eng.scheduler.schedule = schedule  # observe the plans of this private probe engine
+    rows: list[tuple[object, float]] = []
+    rng = np.random.default_rng(0)
+    try:
+        # pass 0 (one small scenario) warms caches, the allocator and the shards' links; not kept
+        for rep, group in enumerate((scenarios[:1], scenarios)):
+            for i, (batch, plen, out) in enumerate(group):
+                for b in range(batch):
+                    ids = rng.integers(1, vocab, plen).tolist()
+                    eng.add_request(f"{rep}-{i}-{b}", ids,
+                                    SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0))
+                while eng.has_unfinished_requests():
+                    works.clear()
+                    t0 = time.perf_counter()
+                    eng.step()
+                    dt = time.perf_counter() - t0
+                    if rep and works and works[-1].tokens:
+                        rows.append((works[-1], dt))
+    finally:
+        eng.shutdown()
+    return rows
+
+
+def _features(w, cost) -> list[float]:
+    m = cost.model
+    layers = cost.pp * cost.layers_per_stage
+    pre_flops = 4 * (m.n_head // cost.tp) * m.hd * w.prefill_attn_pairs  # per shard
+    kv_bytes = 2 * cost.kv_heads_per_device * m.hd * cost.kv_bytes * w.decode_context
+    return [1.0, layers, layers * (w.seqs or w.sampled), w.sampled, cost.matmul_time(w, threads=1),
+            layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp]
+
+
+def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1) -> dict[str, float]:
+    """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
+    cost models carry the layout's tp and pp and a profile without layout constants. `threads`
+    per shard bound matmul_scale from below: t threads at best divide the one-thread time by t."""
+    a = np.array([_features(w, cost) for w, _, cost in steps])
+    dts = np.array([dt for _, dt, _ in steps])
+    floor = 1.0 / max(threads, 1)  # the fit's matmul coefficient is matmul_scale - floor >= 0
+    dts_fit = dts - floor * a[:, 4]
+    if not a[:, 7].any():
+        a[:, 7] = 0.0  # one shard: no communication to scale
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    # relative errors (long prefills do not drown the decode steps), iteratively reweighted toward
+    # least absolute deviations: a step that another process on a shared host stretched several-fold
+    # pulls the fit by its count, not by its square
+    robust = np.ones(len(dts))
+    for _ in range(ROBUST_ITERATIONS):
+        wgt = robust / np.maximum(dts, 1e-6)
+        x = nnls(a * wgt[:, None] / scale, dts_fit * wgt) / scale
+        robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
+    x[4] += floor
+    rel = np.abs(a @ x / dts - 1) * 100
+    return {"step_overhead_ms": x[0] * 1e3, "layer_overhead_us": x[1] * 1e6, "seq_layer_overhead_us": x[2] * 1e6,
+            "seq_overhead_us": x[3] * 1e6,
+            "matmul_scale": x[4],
+            "comm_scale": x[7] if a[:, 7].any() else 1.0,
+            "attention_prefill_tflops": 1 / x[5] / 1e12 if x[5] > 0 else 1e3,  # too cheap to see: effectively free
+            "attention_kv_gb_s": 1 / x[6] / 1e9 if x[6] > 0 else 1e4,
+            "vocab_seq_ns": x[8] * 1e9,
+            "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
+            "probe_max_error_pct": float(rel.max())}
+
+
+def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, dict[str, float]]:
+    """Every layout of this host (layouts_for(base.cores)) measured on both probes and fitted."""
+    from tuner.cost import CostModel
+    from tuner.probe_model import gpt2_shape, write_random_checkpoint
+    from tuner.profiles import layout_key
+
+    probes = []
+    for n_layer, n_head, n_embd, vocab in PROBES:
+        cfg = gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS)
+        probes.append((cfg, write_random_checkpoint(tmp / f"probe-{n_layer}x{n_embd}", cfg)))
+    out = {}
+    for tp, pp in layouts_for(base.cores):
+        shards = tp * pp
+        threads = base.threads(shards) if shards > 1 else 0  # one shard: the engine's own choice (every core)
+        steps, runs = [], []
+        for cfg, ckpt in probes:
+            if cfg.n_head % tp or cfg.n_layer < pp:
+                continue
+            progress(f"engine steps, TP{tp} PP{pp} ({base.threads(shards)} thread(s) per shard), "
+                     f"probe {cfg.n_layer} x {cfg.n_embd}")
+            cost = CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype)
+            runs.append((cfg, ckpt, cost))
+            steps += [(w, dt, cost) for w, dt in engine_steps(ckpt, SCENARIOS, dtype, tp, pp, threads, cfg.vocab_size)]
+        if not steps:
+            continue
+        fit = fit_layout(steps, base.threads(shards))
+        if fit["probe_median_error_pct"] > RETRY_ABOVE_PCT:
+            # another process stretched this layout's steps (a shared host): measure it once more and
+            # keep the pass the formula describes better; the profile's notes report both
+            progress(f"TP{tp} PP{pp}: the fit is {fit['probe_median_error_pct']:.0f}% off its own steps; measuring again")
+            again = [(w, dt, cost) for cfg, ckpt, cost in runs
+                     for w, dt in engine_steps(ckpt, SCENARIOS, dtype, tp, pp, threads, cfg.vocab_size)]
+            fit2 = fit_layout(again, base.threads(shards))
+            other = {id(fit): fit2, id(fit2): fit}
+            fit = min(fit, fit2, key=lambda f: f["probe_median_error_pct"])
+            fit["retried_from_median_error_pct"] = other[id(fit)]["probe_median_error_pct"]  # the pass not kept
+        out[layout_key(tp, pp)] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
+    return out
