@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--data", default="data/shakespeare")
     ap.add_argument("--n-test", type=int, default=200)
     ap.add_argument("--tasks", default="kw,fmt", help="comma list of kw (keyword classification), fmt (format)")
+    ap.add_argument("--tags", default=",".join(TAGS), help="comma list of the format tasks' speaker tags")
+    ap.add_argument("--show", type=int, default=0, help="print this many p-tuned outputs per task (diagnosis)")
     ap.add_argument("--set", dest="set_", action="append", default=[],
                     help="recipe override for every task, e.g. --set lr=0.01 (repeatable)")
     ap.add_argument("--kw-set", action="append", default=[], help="recipe override for the keyword task only")
@@ -118,7 +120,7 @@ def main() -> None:
         fmt_train, fmt_test = split(inputs, args.n_test, seed=1)
         fprompts = [x + "\n" for x in fmt_test]
         fmt_over = {"template": "{input}\n", **common, **parse_overrides(args.fmt_set)}
-        for tag in TAGS:
+        for tag in args.tags.split(","):
             name = tag.strip(".").lower()
             # "{tag}" in an init_text override becomes this task's tag (a task description per task)
             recipe = ptune_recipe_from_dict({**fmt_over, "init_text": str(fmt_over.get("init_text", "")).replace(
@@ -131,6 +133,8 @@ def main() -> None:
 
             n_tok = len(tok.encode(tag, add_special_tokens=False)) + 1
             hand_f = hand_prompt(tok, recipe.num_virtual_tokens, f"The next speaker is {tag} ")
+            if args.show:
+                print(tag, [o for o in first_tokens(llm, fprompts[:args.show], n_tok, name)])
             results.append((f"format: completion starts with {tag!r} (compliance)",
                             comply(first_tokens(llm, fprompts, n_tok, name)), comply(first_tokens(llm, fprompts, n_tok)),
                             comply(first_tokens(llm, [hand_f + p for p in fprompts], n_tok)),
