@@ -1,8 +1,11 @@
 """Overload figure for RELIABILITY.md: `shardserve serve` (real Ray Serve, real engine) with a TTFT
 SLO, driven by `shardserve loadtest` in its own process at about twice the measured capacity.
 
-1. capacity: a closed loop of max_num_seqs workers (every running slot busy, nobody queued);
-2. overload: open-loop Poisson arrivals at RATIO x that capacity for DURATION seconds.
+1. capacity: a closed loop of max_num_seqs workers (every running slot busy, nobody queued) against
+   the same model served without the SLO (the engine's own capacity: with the SLO, a closed loop
+   that retries at once would measure how fast 429s come back);
+2. overload: a fresh server with the SLO, open-loop Poisson arrivals at RATIO x that capacity for
+   DURATION seconds.
 
 Prints what the issue asks for: offered rate, requests, admitted (a first token and a complete
 reply), 429s (with Retry-After, split into refused at the door and given up while waiting, from
@@ -106,32 +109,42 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="ss-overload-", dir="/tmp"))
     model = make_checkpoint(tmp / "model", "gpt2", n_positions=512, **SHAPES[args.shape])
-    port = free_port()
-    cfg = {"server": {"host": "127.0.0.1", "port": port, "log_requests": False},
-           "models": [{"name": "m", "path": str(model), "max_waiting": args.max_waiting, "retry_after_s": 1,
-                       "ttft_slo_ms": args.slo_ms, "engine": {"max_num_seqs": args.max_num_seqs}}]}
-    (tmp / "config.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(tmp / "ray")}
-    with open(tmp / "serve.log", "w") as log:  # the child keeps its own copy of the descriptor
-        serve = subprocess.Popen([str(ROOT / ".venv/bin/shardserve"), "serve", "--config", str(tmp / "config.yaml")],
-                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+
+    def start(slo_ms: float | None, name: str) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        cfg = {"server": {"host": "127.0.0.1", "port": port, "log_requests": False},
+               "models": [{"name": "m", "path": str(model), "max_waiting": args.max_waiting, "retry_after_s": 1,
+                           "ttft_slo_ms": slo_ms, "engine": {"max_num_seqs": args.max_num_seqs}}]}
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(tmp / "ray")}
+        with open(tmp / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen([str(ROOT / ".venv/bin/shardserve"), "serve", "--config", str(tmp / f"{name}.yaml")],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
         t0 = time.monotonic()
         while True:
             try:
                 if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
+                    return proc, url
             except httpx.HTTPError:
                 pass
-            if serve.poll() is not None or time.monotonic() - t0 > 300:
-                raise SystemExit(f"server did not start: see {tmp / 'serve.log'}")
+            if proc.poll() is not None or time.monotonic() - t0 > 300:
+                stop(proc)
+                raise SystemExit(f"server did not start: see {tmp / (name + '.log')}")
             time.sleep(0.5)
-        print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f}; shape {args.shape}; "
-              f"max_num_seqs {args.max_num_seqs}, max_waiting {args.max_waiting}; ttft_slo_ms {args.slo_ms:g}")
 
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f}; shape {args.shape}; "
+          f"max_num_seqs {args.max_num_seqs}, max_waiting {args.max_waiting}; ttft_slo_ms {args.slo_ms:g}")
+    serve, url = start(None, "serve-capacity")
+    try:
         cap = loadtest(url, args, tmp / "capacity", "--closed-loop-concurrency", str(args.max_num_seqs),
                        "--num-prompts", str(8 * args.max_num_seqs), "--warmup", str(args.max_num_seqs))
+    finally:
+        stop(serve)
+    serve, url = start(args.slo_ms, "serve")
+    try:
+        # warm-up at the SLO server: one request at a time (the engine's first steps are slow)
+        loadtest(url, args, tmp / "warmup", "--closed-loop-concurrency", "1", "--num-prompts", "4")
         capacity = cap["request_throughput"]
         rate = args.ratio * capacity
         before = httpx.get(f"{url}/metrics", timeout=10).text
@@ -158,6 +171,8 @@ def main() -> None:
         watcher.join()
         time.sleep(1.0)
         after = httpx.get(f"{url}/metrics", timeout=10).text
+        (tmp / "metrics_before.txt").write_text(before)
+        (tmp / "metrics_after.txt").write_text(after)
         rss1 = tree_rss_mib(serve.pid)
         health = httpx.get(f"{url}/health", timeout=10).status_code
 
@@ -177,16 +192,38 @@ def main() -> None:
         print(f"TTFT of admitted (client side): p50 {ttft['p50']:.0f} ms, p99 {ttft['p99']:.0f} ms, "
               f"max {ttft['max']:.0f} ms against the {args.slo_ms:g} ms SLO: "
               f"{'within' if ttft['p99'] <= args.slo_ms else 'PAST'} it")
+        slo_s = args.slo_ms / 1000
+
+        def over_slo(text: str) -> tuple[float, float]:
+            """(first tokens at the replica, those past the SLO) from its TTFT histogram (the SLO is a bucket
+            edge for 250/500/750/1000 ms; otherwise the next edge above it, so an undercount)."""
+            total = metric(text, "shardserve_time_to_first_token_seconds_count")
+            edges = [float(m) for m in re.findall(r'time_to_first_token_seconds_bucket\{[^}]*le="([0-9.e+-]+)"', text)]
+            edge = min((e for e in edges if e >= slo_s - 1e-9), default=float("inf"))
+            within = metric(text, "shardserve_time_to_first_token_seconds_bucket", le=f"{edge}") if edges else 0
+            return total, total - within
+
+        n0, late0 = over_slo(before)
+        n1, late1 = over_slo(after)
+        steps = metric(after, "shardserve_engine_steps_total") - metric(before, "shardserve_engine_steps_total")
+        busy = (metric(after, "shardserve_engine_busy_seconds_total")
+                - metric(before, "shardserve_engine_busy_seconds_total"))
+        print(f"replica side: {late1 - late0:.0f} of {n1 - n0:.0f} first tokens past the SLO; "
+              f"{steps:.0f} engine steps, mean {1000 * busy / max(steps, 1):.0f} ms")
         print(f"peak sequences held {peak['seqs']:.0f} (count bound {args.max_num_seqs + args.max_waiting}); "
               f"serving processes RSS {rss0:.0f} -> peak {peak['rss']:.0f} -> {rss1:.0f} MiB; "
               f"admitted after {metric(after, 'shardserve_num_sequences_admitted'):.0f}; /health {health}")
         print(f"load average {os.getloadavg()[0]:.2f}; files: {tmp}")
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
+        stop(serve)
+
+
+def stop(serve: subprocess.Popen) -> None:
+    os.killpg(serve.pid, signal.SIGINT)
+    try:
+        serve.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(serve.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Not thread-safe: one thread drives it (the offline LLM, or the AsyncLLMEngine's 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Callable
@@ -23,6 +24,9 @@ from engines.sampling_params import RequestError, SamplingParams
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
 from engines.tokenizer import Detokenizer, Tokenizer
+
+STEP_LOG_LEN = 256
+"""Working steps kept in LLMEngine.step_log (a replica's admission fits step time to tokens from it)."""
 
 Prompt = str | list[int]
 ExecutorFactory = Callable[[str, EngineConfig], Executor]
@@ -93,6 +97,11 @@ class LLMEngine:
         self.num_steps = 0
         self.busy_seconds = 0.0
         """Steps that ran work, and the wall time they took (scheduling, model, sampling, outputs)."""
+        self.step_log: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=STEP_LOG_LEN)
+        """(end, tokens, seconds) of the latest working steps: end on time.monotonic(), tokens the step
+        computed (one per decode, a chunk per prefill). Read by other threads: copy it with tuple()."""
+        self.step_in_flight: tuple[float, int] | None = None
+        """(start on time.monotonic(), tokens) of the step running now; None between steps."""
 
     # requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -179,16 +188,22 @@ class LLMEngine:
 
     # the step
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()
         plan = self.scheduler.schedule()
         if plan.empty and not plan.released_seq_ids:
             return []
+        tokens = sum(len(w.token_ids) for w in (*plan.decode, *plan.prefill))
+        self.step_in_flight = (started, tokens)
         attach_tables(plan, lambda seq_id: self.requests[self._seqs[seq_id].request_id].task)
         try:
             return self._step(plan)
         finally:
+            seconds = time.perf_counter() - t0
             self.num_steps += 1
-            self.busy_seconds += time.perf_counter() - t0
+            self.busy_seconds += seconds
+            self.step_in_flight = None
+            if tokens:
+                self.step_log.append((time.monotonic(), tokens, seconds))
 
     def _step(self, plan: StepPlan) -> list[RequestOutput]:
         result = self.executor.execute(plan)

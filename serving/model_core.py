@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from engines.sampling_params import RequestError
 from serving import errors
-from serving.admission import TtftAdmission
+from serving.admission import EngineView, TtftAdmission
 from serving.metrics import ReplicaMetrics
 from serving.wire import Delta, ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
@@ -55,7 +55,7 @@ class ModelCore:
         """Sequences admitted at once (running + waiting)."""
         self.admitted = 0
         self.ttft_admission = TtftAdmission(None if spec.ttft_slo_ms is None else spec.ttft_slo_ms / 1000.0,
-                                            cfg.max_num_seqs)
+                                            cfg.max_num_seqs, cfg.max_num_batched_tokens)
         """Refuses what would wait past spec.ttft_slo_ms for a first token (serving/admission.py)."""
         self._awaiting_first: dict[str, _Waiting] = {}
         """Admitted requests with no first token yet, in admission order."""
@@ -121,7 +121,7 @@ class ModelCore:
         await asyncio.to_thread(self.engine.shutdown, 0.0)
 
     # requests
-    def _admit(self, num_seqs: int) -> ErrorInfo | None:
+    def _admit(self, num_seqs: int, tokens: int) -> ErrorInfo | None:
         if self.draining:
             return errors.engine_unavailable(f"model {self.spec.name!r}: this replica is shutting down")
         try:
@@ -134,29 +134,44 @@ class ModelCore:
                              f"at most {self.capacity}", "n", "invalid_value")
         if self.admitted + num_seqs > self.capacity:
             return errors.overloaded(self.spec.name, self.spec.retry_after_s)
-        running, waiting = self._engine_queue()
-        if self.ttft_admission.slo_s is not None:
-            st = self.engine.stats()
-            self.ttft_admission.observe_steps(int(st["num_steps"]), float(st["busy_seconds"]))
-        if not self.ttft_admission.admits(num_seqs, running, waiting):
-            wait = self.ttft_admission.predicted_wait_s(num_seqs, running, waiting)
+        if self.ttft_admission.slo_s is None:
+            return None
+        view = self._engine_view()
+        if not self.ttft_admission.admits(num_seqs, tokens, view):
+            wait = self.ttft_admission.predicted_wait_s(num_seqs, tokens, view)
             return errors.overloaded(self.spec.name, self.spec.retry_after_s,
-                                     f"{waiting} sequences wait for {running} running ones, so its first "
-                                     f"token would come past the {self.spec.ttft_slo_ms:g} ms TTFT SLO "
-                                     f"(~{wait * 1000:.0f} ms before the tail correction)")
+                                     f"{view.waiting} sequences ({view.tokens_ahead} prompt tokens) wait for "
+                                     f"{view.running} running ones, so its first token would come past the "
+                                     f"{self.spec.ttft_slo_ms:g} ms TTFT SLO (~{wait * 1000:.0f} ms before "
+                                     "the tail correction)")
         return None
 
-    def _engine_queue(self) -> tuple[int, int]:
-        """(sequences running, sequences queued for a slot) in the engine now."""
+    def _engine_view(self) -> EngineView:
+        """The engine's queue now, for TTFT admission (which takes the engine's new steps first)."""
+        core = self.engine.engine
+        self.ttft_admission.observe_steps(tuple(core.step_log))
         st = self.engine.stats()
-        return int(st["num_running"]), int(st["num_waiting"] + st.get("num_inbox", 0))
+        running, waiting = int(st["num_running"]), int(st["num_waiting"] + st.get("num_inbox", 0))
+        # the engine's queue is first come, first served: the queued sequences are the last `waiting`
+        # of the admitted requests without a first token
+        tokens_ahead, left, oldest = 0, waiting, None
+        for w in reversed(self._awaiting_first.values()):
+            if left <= 0:
+                break
+            take = min(left, w.num_seqs)
+            tokens_ahead += w.tokens * take // w.num_seqs
+            left -= take
+            oldest = w.t0
+        queued_for = 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
+        return EngineView(running, waiting, tokens_ahead, core.step_in_flight, queued_for)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Chunks of one request; the last has finished=True (and an error, or usage)."""
         t0 = time.monotonic()
         n = req.params.n
         num_seqs = len(req.prompts) * n
-        err = self._admit(num_seqs)
+        tokens = sum(len(p) for p in req.prompts) * n
+        err = self._admit(num_seqs, tokens)
         if err is not None:
             self.metrics.rejected("overloaded" if err.status == 429 else
                                   "invalid" if err.status < 500 else "unavailable")
@@ -164,10 +179,12 @@ class ModelCore:
             return
         self.admitted += num_seqs
         self.active_requests += 1
-        self._awaiting_first[req.request_id] = _Waiting(
-            t0, num_seqs, self.ttft_admission.predicted_wait_s(num_seqs, *self._engine_queue()))
-        if self.ttft_admission.slo_s is not None and self._watcher is None:
-            self._watcher = asyncio.ensure_future(self._watch_waiting())
+        predicted = 0.0
+        if self.ttft_admission.slo_s is not None:
+            predicted = self.ttft_admission.predicted_wait_s(num_seqs, tokens, self._engine_view())
+            if self._watcher is None:
+                self._watcher = asyncio.ensure_future(self._watch_waiting())
+        self._awaiting_first[req.request_id] = _Waiting(t0, num_seqs, tokens, predicted)
         try:
             err = self._validate(req)
             if err is not None:
@@ -335,9 +352,8 @@ class ModelCore:
         adm = self.ttft_admission
         try:
             while self._awaiting_first and not self.draining:
-                st = self.engine.stats()
-                adm.observe_steps(int(st["num_steps"]), float(st["busy_seconds"]))
-                running, waiting = self._engine_queue()
+                view = self._engine_view()
+                running, waiting = view.running, view.waiting
                 scheduled = sum(w.num_seqs for w in self._awaiting_first.values()) - waiting
                 now, ahead = time.monotonic(), 0
                 for rid, w in list(self._awaiting_first.items()):
@@ -356,11 +372,11 @@ class ModelCore:
 class _Waiting:
     """An admitted request with no first token yet (TTFT admission's bookkeeping)."""
 
-    __slots__ = ("give_up", "num_seqs", "predicted", "t0")
+    __slots__ = ("give_up", "num_seqs", "predicted", "t0", "tokens")
 
-    def __init__(self, t0: float, num_seqs: int, predicted: float):
-        self.t0, self.num_seqs, self.predicted = t0, num_seqs, predicted
-        """Arrival (monotonic s), sequences, and the wait predicted at the door (s)."""
+    def __init__(self, t0: float, num_seqs: int, tokens: int, predicted: float):
+        self.t0, self.num_seqs, self.tokens, self.predicted = t0, num_seqs, tokens, predicted
+        """Arrival (monotonic s), sequences, their prompt tokens, and the wait predicted at the door (s)."""
         self.give_up: Callable[[], None] | None = None
         """Set once its engine requests exist: aborts them and answers 429."""
 

@@ -126,29 +126,78 @@ def test_ttft_slo_admission_keeps_admitted_requests_within_the_slo(gpt2_dir):
 
 
 def test_ttft_admission_predicts_from_free_slots_the_queue_and_the_start_rate():
+    from serving.admission import EngineView as V
     from serving.admission import TtftAdmission
 
     now = [0.0]
     a = TtftAdmission(0.5, max_running=4, clock=lambda: now[0])
     # free slots for it: it starts with the next step (no step seen yet: 0)
-    assert a.admits(4, running=0, waiting=0) and a.predicted_wait_s(4, running=0, waiting=0) == 0.0
-    assert a.admits(1, running=2, waiting=1)  # 1 queued + itself fit the 2 free slots
-    assert a.admits(1, running=4, waiting=30)  # past the free slots with no rate yet: `late` judges it
+    assert a.admits(4, 8, V(0, 0)) and a.predicted_wait_s(4, 8, V(0, 0)) == 0.0
+    assert a.admits(1, 8, V(2, 1))  # 1 queued + itself fit the 2 free slots
+    assert a.admits(1, 8, V(4, 30))  # past the free slots with no rate yet: `late` judges it
     for _ in range(5):  # 10 starts per second, each as predicted (no correction yet)
         now[0] += 0.1
         a.first_token(1)
     assert a.correction() == 1.0 and abs(a.rate() - 12.5) < 1e-9  # 5 starts over 0.4 s
-    assert a.predicted_wait_s(1, running=3, waiting=0) == 0.0  # a free slot: no queue to wait for
-    assert abs(a.predicted_wait_s(1, running=4, waiting=3) - 4 / 12.5) < 1e-9
-    assert a.admits(1, running=4, waiting=3)  # 0.32 s
-    assert abs(a.predicted_wait_s(1, running=2, waiting=6) - 5 / 12.5) < 1e-9  # 2 of the 7 fit now
-    assert not a.admits(1, running=4, waiting=7)  # (7 + 1) / 12.5 = 0.64 s > 0.5 s
+    assert a.predicted_wait_s(1, 8, V(3, 0)) == 0.0  # a free slot, no step timed yet
+    assert abs(a.predicted_wait_s(1, 8, V(4, 3)) - 4 / 12.5) < 1e-9
+    assert a.admits(1, 8, V(4, 3))  # 0.32 s
+    assert abs(a.predicted_wait_s(1, 8, V(2, 6)) - 5 / 12.5) < 1e-9  # 2 of the 7 fit now
+    assert not a.admits(1, 8, V(4, 7))  # (7 + 1) / 12.5 = 0.64 s > 0.5 s
     now[0] += 60  # old starts leave the window: no rate
-    assert a.rate() is None and a.admits(1, running=4, waiting=50)
-    assert TtftAdmission(None, 4).admits(10**6, running=4, waiting=10**6)
+    assert a.rate() is None and a.admits(1, 8, V(4, 50))
+    assert TtftAdmission(None, 4).admits(10**6, 10**6, V(4, 10**6))
+
+
+def test_ttft_admission_prices_prompts_by_a_line_fitted_to_the_engine_steps():
+    """A step of k tokens takes a + b*k: prompts queued ahead of a newcomer (and its own) make the
+    step that computes its first token longer, even when a slot is free."""
+    from serving.admission import EngineView as V
+    from serving.admission import TtftAdmission
+
+    now = [100.0]
+    a = TtftAdmission(1.0, max_running=8, token_budget=256, clock=lambda: now[0])
+    assert a.step_cost() == (0.0, 0.0)
+    # decode steps of 8 tokens only: the per-token cost is unknown, a step is its mean
+    a.observe_steps([(99.0 + 0.1 * i, 8, 0.1) for i in range(5)])
+    a.observe_steps([(99.0, 8, 9.9), (99.1, 8, 9.9)])  # steps seen before are not taken twice
+    assert len(a.steps) == 5 and a.step_cost() == (0.1, 0.0)
+    # steps with prompts: 60 ms + 5 ms per token (a 64-token prefill beside 8 decodes: 0.42 s)
+    a.observe_steps([(99.5 + 0.1 * i, k, 0.06 + 0.005 * k) for i, k in enumerate((72, 136, 8, 200))])
+    (a0, b0) = a.step_cost()
+    assert abs(a0 - 0.06) < 1e-9 and abs(b0 - 0.005) < 1e-9
+    assert abs(a.tokens_s(8) - 0.1) < 1e-9
+    assert abs(a.tokens_s(600) - (3 * 0.06 + 3.0)) < 1e-9  # three steps of at most 256 tokens
+    # an idle engine admits whatever the prediction (it is the best there is); a busy one judges
+    assert a.admits(1, 640, V(0, 0)) and a.predicted_wait_s(1, 640, V(0, 0)) > 3.0
+    assert a.predicted_wait_s(1, 64, V(7, 0)) > 0.4 and a.admits(1, 64, V(7, 0))
+    assert not a.admits(1, 640, V(7, 0))
+    # two 64-token prompts queued ahead: one step of 5 decodes + 128 + 64 tokens = 1.045 s > 1 s
+    assert abs(a.predicted_wait_s(1, 64, V(5, 2, 128)) - (0.06 + 0.005 * 197)) < 1e-9
+    assert not a.admits(1, 64, V(5, 2, 128))
+    assert a.admits(1, 64, V(5, 1, 64))  # 0.725 s
+    # ... unless the request queued ahead, which shares that step, has waited 0.3 s already
+    assert not a.admits(1, 64, V(5, 1, 64, queued_for_s=0.3))
+    # the step running now: what is left of it comes first (a 200-token step, 0.4 s in: 0.66 s left)
+    view = V(5, 1, 64, in_flight=(now[0] - 0.4, 200))
+    assert abs(a.predicted_wait_s(1, 64, view) - (0.66 + 0.06 + 0.005 * 133)) < 1e-9
+    assert not a.admits(1, 64, view)
+    assert a.step_tail() == 1.0  # every step on the line
+    # one step in five twice as slow as the others: steps are priced at the slow pace (the 90th
+    # percentile of measured / fitted), never below the line and never past 3x
+    s = TtftAdmission(1.0, max_running=8, clock=lambda: now[0])
+    s.observe_steps([(now[0] - 1 + 0.01 * i, k, (0.02 + 0.002 * k) * (2.0 if i % 5 == 0 else 1.0))
+                     for i, k in enumerate([8, 100, 200, 50, 150] * 4)])
+    sa, sb = s.step_cost()
+    assert 1.2 < s.step_tail() <= 3.0 and abs(s.tokens_s(100) - (sa + 100 * sb) * s.step_tail()) < 1e-9
+    # decode-only steps later: the last fitted per-token cost is kept
+    now[0] += 11
+    a.observe_steps([(now[0] - 0.1 * i, 8, 0.1) for i in range(3, 0, -1)])
+    assert a.step_cost()[1] == b0 and abs(a.step_cost()[0] - (0.1 - 8 * b0)) < 1e-9
 
 
 def test_ttft_admission_corrects_predictions_by_the_measured_tail():
+    from serving.admission import EngineView as V
     from serving.admission import TtftAdmission
 
     now = [0.0]
@@ -160,11 +209,11 @@ def test_ttft_admission_corrects_predictions_by_the_measured_tail():
     assert abs(a.correction() - 1.5) < 1e-9
     rate = 11 / 0.9  # 11 first tokens between t=0.1 and t=1.0
     assert abs(a.rate() - rate) < 1e-9
-    assert not a.admits(1, running=1, waiting=29)  # 30 / rate = 2.5 s
+    assert not a.admits(1, 8, V(1, 29))  # 30 / rate = 2.5 s
     # 5 / rate = 0.41 s would fit the 0.5 s SLO, but not x1.5
-    assert abs(a.predicted_wait_s(1, running=1, waiting=4) - 5 / rate) < 1e-9
-    assert not a.admits(1, running=1, waiting=4)
-    assert a.admits(1, running=1, waiting=2)  # 3 / rate x 1.5 = 0.37 s
+    assert abs(a.predicted_wait_s(1, 8, V(1, 4)) - 5 / rate) < 1e-9
+    assert not a.admits(1, 8, V(1, 4))
+    assert a.admits(1, 8, V(1, 2))  # 3 / rate x 1.5 = 0.37 s
     for _ in range(20):  # measured far beyond predicted: the factor is capped, not unbounded
         a.first_token(0, predicted_s=0.1, measured_s=10.0)
     assert a.correction() == 4.0
@@ -179,20 +228,15 @@ def _le(seconds: float) -> str:
 
 
 def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_slo():
+    from serving.admission import EngineView as V
     from serving.admission import TtftAdmission
 
     now = [0.0]
     a = TtftAdmission(0.5, max_running=2, clock=lambda: now[0])
     assert a.step_s() == 0.0 and a.remaining_s(0, 1, running=0) == 0.0
-    a.observe_steps(10, 1.0)  # the first look only sets the baseline
-    assert not a.steps
-    for i in range(1, 11):  # steps of 20 ms, and two slow ones of 200 ms
-        a.observe_steps(10 + i, 1.0 + 0.02 * i)
-    a.observe_steps(21, 1.2 + 0.2)
-    a.observe_steps(22, 1.4 + 0.2)
+    # steps of 20 ms, and two slow ones of 200 ms
+    a.observe_steps([(-1.0 + 0.01 * i, 2, 0.02) for i in range(10)] + [(-0.5, 2, 0.2), (-0.4, 2, 0.2)])
     assert abs(a.step_s() - 0.02) < 1e-9 and abs(a.step_s(0.9) - 0.2) < 1e-9
-    # a free slot is one (median) step away at the door
-    assert abs(a.predicted_wait_s(1, running=0, waiting=0) - 0.02) < 1e-9
     # scheduled already, or queued with no rate yet: what is left is one slow step
     for position in (None, 0, 5):
         assert abs(a.remaining_s(position, 1, running=2) - 0.2) < 1e-9
@@ -211,12 +255,12 @@ def test_ttft_admission_gives_up_a_waiting_request_that_can_no_longer_make_the_s
         a.given_up(predicted_s=0.2, expected_s=0.5)
     assert a.correction() == 2.5
     assert not TtftAdmission(None, 2).late(100.0, 100, 1, running=2)
-    # a cold start's 5 s steps: a free slot is still admitted, and the samples age out of the window
-    a.observe_steps(23, 1.6 + 5.0)
-    a.observe_steps(24, 1.6 + 10.0)
-    assert a.step_s(0.9) >= 5.0 and a.admits(1, running=0, waiting=0)
+    # a cold start's 5 s steps: the idle engine still admits (so new steps come), and the samples age out
+    a.observe_steps([(now[0], 2, 5.0), (now[0] + 0.01, 2, 10.0)])
+    assert a.step_s(0.9) >= 5.0 and a.admits(1, 8, V(0, 0))
+    assert not a.admits(1, 8, V(1, 0)) and not a.admits(1, 8, V(0, 1, 8))  # busy, 5-10 s steps: refused
     now[0] += 11
-    assert a.step_s() == 0.0 and a.step_s(0.9) == 0.0
+    assert a.step_s() == 0.0 and a.step_s(0.9) == 0.0 and a.admits(1, 8, V(0, 1, 8))
 
 
 def test_a_request_that_cannot_get_its_first_token_within_the_slo_gets_429_not_a_late_stream(gpt2_dir):
