@@ -115,7 +115,8 @@ class ModelSpec(_Strict):
     """Retry-After sent with a 429."""
     ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
     """Time-to-first-token SLO for admission: a replica refuses (429) a request it predicts would
-    wait longer than this for its first token (queue ahead / measured start rate), and gives up
+    wait longer than this for its first token (the queue ahead over the measured start rate, and the
+    prompts ahead and its own priced by the engine's measured step times), and gives up
     (429, before any stream opens) an admitted one still waiting once it can no longer make it
     (serving/admission.py), so admitted requests keep it under overload. None: count bound only."""
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
