@@ -47,6 +47,25 @@ def test_emit_cpu_layouts_validate():
     assert pp["engine"]["pipeline_parallel_size"] == 2 and pp["engine"]["pipeline_microbatches"] == 1
 
 
+_SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64, max_model_len=100)
+
+
+def _simulated_runs(truth, tp: int, seed: int) -> list:
+    """Two Poisson runs (5 and 20 req/s, 30 requests each) 'measured' by simulating `truth`."""
+    from tuner.cost import CostModel
+
+    rng = np.random.default_rng(seed)
+    runs = []
+    for rate in (5.0, 20.0):
+        arr = np.cumsum(rng.exponential(1 / rate, 30))
+        ins, outs = rng.integers(8, 40, 30), rng.integers(4, 20, 30)
+        tr = simulate(CostModel(TINY, truth, tp=tp, weight_dtype="float32").step_time, _SCHED, arr, ins, outs,
+                      request_overhead=truth.request_overhead_ms * 1e-3)
+        runs.append(Run(TINY, tp, 1, "float32", _SCHED, arr, ins, outs, np.array([t.ttft for t in tr]),
+                        np.array([t.tpot for t in tr])))
+    return runs
+
+
 def test_refit_recovers_scaled_coefficients():
     """Requests 'measured' with a profile whose step overhead and matmul are scaled: the refit
     finds the factors from their TTFT and TPOT alone (schedules simulated, as in the closed loop)."""
@@ -55,17 +74,7 @@ def test_refit_recovers_scaled_coefficients():
     # matmuls compute-bound and a good share of each step, so that their factor is visible
     truth = _cpu_profile(step_overhead_ms=6.0, flops_tflops={"float32": 0.001})
     start = _cpu_profile(flops_tflops={"float32": 0.002})
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64,
-                            max_model_len=100)
-    rng = np.random.default_rng(0)
-    runs = []
-    for rate in (5.0, 20.0):
-        arr = np.cumsum(rng.exponential(1 / rate, 30))
-        ins, outs = rng.integers(8, 40, 30), rng.integers(4, 20, 30)
-        cost = CostModel(TINY, truth, weight_dtype="float32")
-        tr = simulate(cost.step_time, sched, arr, ins, outs, request_overhead=truth.request_overhead_ms * 1e-3)
-        runs.append(Run(TINY, 1, 1, "float32", sched, arr, ins, outs, np.array([t.ttft for t in tr]),
-                        np.array([t.tpot for t in tr])))
+    runs = _simulated_runs(truth, tp=1, seed=0)
     fitted, factors = refit(start, runs, free=("matmul", "step", "request"))
     assert factors["step"] == pytest.approx(3.0, rel=0.1)
     assert factors["matmul"] == pytest.approx(2.0, rel=0.1)
@@ -79,9 +88,9 @@ def test_refit_recovers_scaled_coefficients():
     runs_mt = []
     for run in runs:
         cost = CostModel(TINY, truth_mt, weight_dtype="float32")
-        tr = simulate(cost.step_time, sched, run.arrivals, run.input_lens, run.output_lens,
+        tr = simulate(cost.step_time, _SCHED, run.arrivals, run.input_lens, run.output_lens,
                       request_overhead=truth_mt.request_overhead_ms * 1e-3)
-        runs_mt.append(Run(TINY, 1, 1, "float32", sched, run.arrivals, run.input_lens, run.output_lens,
+        runs_mt.append(Run(TINY, 1, 1, "float32", _SCHED, run.arrivals, run.input_lens, run.output_lens,
                            np.array([t.ttft for t in tr]), np.array([t.tpot for t in tr])))
     fitted, factors = refit(start_mt, runs_mt, free=("matmul_mt", "step", "request"))
     assert factors["matmul_mt"] == pytest.approx(2.0, rel=0.1)
@@ -99,17 +108,7 @@ def test_refit_moves_layout_constants():
     tables = {1: {"float32": {1: 0.001, 64: 0.002}}, 2: {"float32": {1: 0.002, 64: 0.004}}}
     start = _cpu_profile(matmul_tflops=tables, step_overhead_ms=0.0, layouts={"2x1": lay})
     truth = start.replace(layouts={"2x1": {**lay, "step_overhead_ms": 6.0, "matmul_scale": 2.0}})
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64,
-                            max_model_len=100)
-    rng = np.random.default_rng(1)
-    runs = []
-    for rate in (5.0, 20.0):
-        arr = np.cumsum(rng.exponential(1 / rate, 30))
-        ins, outs = rng.integers(8, 40, 30), rng.integers(4, 20, 30)
-        tr = simulate(CostModel(TINY, truth, tp=2, weight_dtype="float32").step_time, sched, arr, ins, outs,
-                      request_overhead=truth.request_overhead_ms * 1e-3)
-        runs.append(Run(TINY, 2, 1, "float32", sched, arr, ins, outs, np.array([t.ttft for t in tr]),
-                        np.array([t.tpot for t in tr])))
+    runs = _simulated_runs(truth, tp=2, seed=1)
     fitted, factors = refit(start, runs, free=("matmul", "step", "request"))
     assert factors["step"] == pytest.approx(3.0, rel=0.1)
     assert fitted.layouts["2x1"]["step_overhead_ms"] == pytest.approx(6.0, rel=0.1)
