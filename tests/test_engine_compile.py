@@ -1,6 +1,6 @@
 """compile_decode: the inductor-compiled static decode step (engines/compiled.py) against eager, on CPU.
 
-Tiny models, two graphs per engine; the compiled code goes to a per-session cache directory."""
+Tiny models, one graph per engine; the compiled code goes to a per-session cache directory."""
 
 from __future__ import annotations
 
@@ -38,23 +38,30 @@ def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, gpt2_d
     runner = engine.executor.runner
     dr = runner.decode_runner
     assert dr is not None and dr.compiled is not None and runner.compile_s > 0
-    calls = []
-    real = dr.compiled.fn
-    dr.compiled.fn = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    sizes, rows = [], []
+    real_run, real_fn = dr.run, dr.compiled.fn
+    dr.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
+    dr.compiled.fn = lambda *a: rows.append(a[1].shape[0]) or real_fn(*a)
     assert [run(engine, p) for p in (GREEDY, SEEDED)] == expect
     assert engine.scheduler.num_preemptions > 0
-    assert calls and max(calls) > 1 and 1 in calls, "the compiled step never ran both graphs"
+    assert 1 in sizes and 2 in sizes, "the compiled step never ran a batch of one and one of two"
+    assert len(rows) == len(sizes) and min(rows) == 2  # a batch of one runs padded to two rows
 
 
 @needs_cxx
-def test_warm_up_compiles_two_graphs_and_steps_never_recompile(gpt2_dir):
+def test_warm_up_compiles_one_graph_and_steps_never_recompile(gpt2_dir):
     import torch._dynamo.utils as dutils
 
-    engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", block_size=4, cpu_linear_autotune=False,
-                                              dtype="float32"))
+    base = {"block_size": 4, "cpu_linear_autotune": False, "dtype": "float32"}
+    engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", **base))
+    sizes = []
+    real_run = engine.executor.runner.decode_runner.run
+    engine.executor.runner.decode_runner.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
     dutils.counters.clear()
-    run(engine, GREEDY)  # batches 1-4, contexts of 17-56 tokens: all within the two warmed graphs
+    got = run(engine, GREEDY)  # batches 1-4 (padded to 2-4), contexts of 17-56 tokens: the warmed graph
     assert not dutils.counters["stats"].get("unique_graphs"), dict(dutils.counters["stats"])
+    assert max(sizes) >= 3
+    assert got == run(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", **base)), GREEDY)
 
 
 def test_option_is_validated_with_the_field_name():
