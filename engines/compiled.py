@@ -10,10 +10,10 @@ with one index_copy_ after the graph (`write_new_kv`). The maths is the same att
 order of the fp reductions differs from SDPA (greedy tokens compared in tests/test_engine_compile.py).
 
 Shapes are bucketed: the batch B is a DecodeRunner bucket, the context width is the block count
-of the longest row. Both are marked dynamic and never 1 (dynamo specialises a size-1 dim into a
-graph of its own): a batch of one runs padded to two rows, which at batch 1-2 costs little (the
-step reads every weight once either way), and a context of one block is read as two. So inductor
-compiles one graph per engine, at warm-up, instead of one per (bucket, context) pair.
+of the longest row (at least 2). Both are marked dynamic, so inductor compiles one graph for B = 1
+(dynamo specialises size-1 dims; a batch of one padded into the dynamic graph measured 2x slower
+than its own graph, BENCHMARKS.md run 4) and one for every B >= 2 and any context: two compiles
+per engine, at warm-up, instead of one per (bucket, context) pair.
 
 Compilation needs a C++ compiler. `resolve_compile` decides once, at load, and logs why: auto falls
 back to the eager path with a warning when there is none; on raises CompileUnavailable. Inductor's
@@ -33,9 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MIN_COMPILED_BATCH = 2
 MIN_CONTEXT_BLOCKS = 2
-"""Batch rows and context blocks are never 1: dynamo would specialise a size-1 dim into a second graph."""
+"""The context width is never 1 block: dynamo would specialise a size-1 dim into a third graph."""
 
 
 class CompileUnavailable(RuntimeError):

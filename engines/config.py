@@ -186,8 +186,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     """With the static decode path on CUDA: capture one CUDA graph per bucket and replay it."""
     compile_decode: Literal["auto", "on", "off"] = "auto"
-    """CPU: compile the static decode step with torch.compile (inductor's C++ kernels), one graph
-    (any batch and context) compiled at load and cached on disk (engines/compiled.py).
+    """CPU: compile the static decode step with torch.compile (inductor's C++ kernels), two graphs
+    (batch 1; any batch >= 2 and context) compiled at load and cached on disk (engines/compiled.py).
     on: turns the static decode path on and fails at load if no C++ compiler is found. auto: eager
     decode (the compiled step measured no faster on the CPUs tried, BENCHMARKS.md issue 12 run 4);
     it also falls back to eager, with a warning, where no compiler is found. off: never."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.attention import KVCache
-from engines.compiled import MIN_COMPILED_BATCH, MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
+from engines.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
 from engines.plan import SeqWork
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -65,8 +65,6 @@ class DecodeRunner:
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, cuda_graphs: bool = False, compiled: bool = False):
         self.model, self.cache = model, cache
         self.null_block, self.max_blocks = null_block, max_blocks_per_seq
-        if compiled:  # one graph for every B >= 2: batch 1 runs padded to 2 (see engines/compiled.py)
-            buckets = tuple(sorted({max(MIN_COMPILED_BATCH, b) for b in buckets}))
         self.buckets = tuple(sorted(buckets))
         dev = cache.data.device
         self.cuda_graphs = cuda_graphs and dev.type == "cuda"
@@ -84,11 +82,11 @@ class DecodeRunner:
         self.compiled = CompiledDecode(model, bs) if compiled and not self.cuda_graphs else None
 
     def warm_up(self) -> float:
-        """Compile (or load from inductor's cache) the compiled step's one graph now, not in the first
-        request's step; returns seconds."""
+        """Compile (or load from inductor's cache) the compiled step's two graphs now, not in the first
+        request's step: the smallest bucket and the next (B = 1, and every B >= 2); returns seconds."""
         if self.compiled is None:
             return 0.0
-        self.compiled.warm_up(self.cache.data, self.ids, self.pos, self.table, self.buckets[:1])
+        self.compiled.warm_up(self.cache.data, self.ids, self.pos, self.table, self.buckets[:2])
         return self.compiled.compile_s
 
     def bucket_for(self, decode: list[SeqWork]) -> int | None:
