@@ -63,17 +63,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_compiled(self) -> float:
-        """Compile the decode graphs at load (not in a request's step); seconds spent, logged. A
-        failure here is CompileUnavailable under "on", and a warning plus the eager path under auto."""
+        """Compile the decode graphs at load (not in a request's step); seconds spent, logged. Only
+        compile_decode "on" compiles (auto resolves to eager on CPU), so a failure is an error."""
         try:
             seconds = self.decode_runner.warm_up()
         except Exception as exc:  # inductor raises many types (C++ build errors, backend failures)
-            if self.engine_cfg.compile_decode == "on":
-                raise CompileUnavailable(f"compile_decode: 'on' but inductor failed: {exc}") from exc
-            log.warning("compile_decode auto: decode runs eagerly: inductor failed: %s", exc)
-            self.decode_runner.compiled = None
-            self.compile_decode = False
-            return 0.0
+            raise CompileUnavailable(f"compile_decode: 'on' but inductor failed: {exc}") from exc
         if self.decode_runner.compiled is not None:
             log.info("compiled the decode step in %.1f s (inductor cache: %s)", seconds, configure_cache())
         return seconds
