@@ -80,9 +80,10 @@ def resolve_compile(mode: str, device: torch.device) -> tuple[bool, str]:
         log.warning("compile_decode auto: decode runs eagerly: %s", why)
         return False, why
     if mode == "auto":
-        # measured on a 2-core AMD EPYC (BENCHMARKS.md, issue 12, run 4): the compiled step did not
-        # beat the eager per-sequence attention, so auto keeps CPU decode eager
-        return False, "compile_decode auto: eager on CPU (the compiled step measured no faster, BENCHMARKS.md run 4)"
+        # measured on a 2-core AMD EPYC (BENCHMARKS.md, issue 12, run 4): +12-33% on bf16 batched
+        # decode, level in fp32 and at batch 1, ~105 s of compiling on a first start: not a default
+        return False, ("compile_decode auto: eager on CPU (compiled decode gains only on bf16 batches and "
+                       "costs ~100 s at a first start, BENCHMARKS.md issue 12 run 4; compile_decode='on' opts in)")
     return True, f"compile_decode on: inductor with {cxx}"
 
 
@@ -131,12 +132,12 @@ def write_new_kv(data: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> 
 class CompiledDecode:
     """decode_step compiled with inductor for one model; `compile_s` sums the warm-up compiles."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, freezing: bool = True):
+    def __init__(self, model: torch.nn.Module, block_size: int, freezing: bool = False):
         configure_cache()
         self.model, self.block_size = model, block_size
-        # freezing: the weights become constants of the graph, so inductor prepacks them for oneDNN
-        # (bf16 linears measured ~1.4x faster at batch 32 than eager, BENCHMARKS.md run 4); the packed
-        # copies cost one more copy of the block weights
+        # no freezing by default: with frozen weights (constants prepacked for oneDNN) the bf16 mix ran
+        # ~4-16% faster, but AOTAutograd refuses to cache such graphs and a second start recompiled
+        # for 77 s instead of 10 s (BENCHMARKS.md, issue 12, run 4)
         self.fn = torch.compile(self._step, fullgraph=True, dynamic=None, options={"freezing": freezing})
         self.compile_s = 0.0
 

@@ -188,9 +188,10 @@ class EngineConfig:
     compile_decode: Literal["auto", "on", "off"] = "auto"
     """CPU: compile the static decode step with torch.compile (inductor's C++ kernels), two graphs
     (batch 1; any batch >= 2 and context) compiled at load and cached on disk (engines/compiled.py).
-    on: turns the static decode path on and fails at load if no C++ compiler is found. auto: eager
-    decode (the compiled step measured no faster on the CPUs tried, BENCHMARKS.md issue 12 run 4);
-    it also falls back to eager, with a warning, where no compiler is found. off: never."""
+    on: turns the static decode path on and fails at load if no C++ compiler is found or inductor
+    fails. auto: eager decode on CPU (measured on a 2-core AMD EPYC: bf16 batched decode +12-33%,
+    fp32 and batch 1 level, a first start ~105 s of compiling, BENCHMARKS.md issue 12 run 4); where
+    no compiler is found it says so with a warning. off: never."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
