@@ -67,14 +67,16 @@ def worker(args) -> dict:
     from engines import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_bytes=args.kv_bytes)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_bytes=args.kv_bytes, compile_decode=args.compile_decode)
     load_s = time.perf_counter() - t0
+    compile_s = llm.engine.executor.runner.compile_s
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     llm.generate([reqs[0][0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     t = time.perf_counter()
     outs = llm.generate([ids for ids, _ in reqs], params)
     dt = time.perf_counter() - t
-    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt, "load_s": load_s}
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt, "load_s": load_s,
+            "compile_s": compile_s}
 
 
 # ---------------------------------------------------------------- driver side
@@ -123,11 +125,13 @@ def make_model(d: Path) -> Path:
 
 
 def run_worker(py: Path, engine: str, task: str, dtype: str, model: Path, kv_bytes: int, n: int,
-               timeout: float = 3600) -> dict:
+               timeout: float = 3600, compile_decode: str = "auto", inductor_cache: Path | None = None) -> dict:
     cmd = [str(py), __file__, "--worker", engine, "--task", task, "--dtype", dtype, "--model", str(model),
-           "--kv-bytes", str(kv_bytes), "--num-requests", str(n)]
+           "--kv-bytes", str(kv_bytes), "--num-requests", str(n), "--compile-decode", compile_decode]
     env = {**os.environ, "PYTHONPATH": str(ROOT)} if engine == "ours" else {
         k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if inductor_cache is not None and engine == "ours":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tempfile.gettempdir())
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
@@ -226,8 +230,15 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=4 * GiB, help="KV-cache bytes of both engines (4 GiB)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="16 requests instead of 64 (a smoke run)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, http, bf16")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, http, bf16, mix")
+    ap.add_argument("--compile-decode", default="auto",
+                    help="our engine's compile_decode; a comma list (e.g. off,on) runs ours once per value. The "
+                         "inductor cache starts empty in each invocation: the b1 line's load is a first start, "
+                         "the mix line's (same dtype) a second start")
     args = ap.parse_args()
+    for m in args.compile_decode.split(","):
+        if m not in ("auto", "on", "off"):
+            ap.error(f"--compile-decode: each value must be auto, on or off, got {m!r}")
     if args.worker:
         args.engine = args.worker
         print("RESULT " + json.dumps(worker(args)), flush=True)
@@ -254,9 +265,13 @@ def main() -> None:
     params = 124_439_808
     rows = []
     dtypes = ["float32"] + ([] if "bf16" in skip else ["bfloat16"])
-    for task in ("b1", "mix"):
+    modes = args.compile_decode.split(",")
+    inductor_cache = Path(tempfile.mkdtemp(prefix="bench-peer-inductor-"))
+    for task in [t for t in ("b1", "mix") if t not in skip]:
         for dt in dtypes:
-            res = {"ours": run_worker(OURS_PY, "ours", task, dt, model, args.kv_bytes, n)}
+            res = {("ours" if len(modes) == 1 else f"ours[{m}]"): run_worker(
+                OURS_PY, "ours", task, dt, model, args.kv_bytes, n, compile_decode=m, inductor_cache=inductor_cache)
+                for m in modes}
             if vllm_py is not None:
                 res["vllm"] = run_worker(vllm_py, "vllm", task, dt, model, args.kv_bytes, n)
             line = f"{task:4s} {dt:9s}"
@@ -267,13 +282,15 @@ def main() -> None:
                     continue
                 tps[eng] = r["tokens"] / r["seconds"]
                 line += f" | {eng} {tps[eng]:7.1f} tok/s"
-            if len(tps) == 2:
-                line += f" | ours/vLLM {tps['ours'] / tps['vllm']:.2f}x"
-            if "ours" in tps and task == "b1":
-                line += f" | {tps['ours'] * params * weight_bytes[dt] / bw:.0%} of the memory roofline"
-            if "ours" in tps and task == "mix":
-                line += (f" | {mix_flops(n) / res['ours']['seconds'] / peak:.0%} of the fp32 compute ceiling"
-                         if dt == "float32" else "")
+                if "load_s" in r:
+                    line += f" (load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s)"
+            for eng in [e for e in tps if e.startswith("ours")]:
+                if "vllm" in tps:
+                    line += f" | {eng}/vLLM {tps[eng] / tps['vllm']:.2f}x"
+                if task == "b1":
+                    line += f" | {eng} {tps[eng] * params * weight_bytes[dt] / bw:.0%} of the memory roofline"
+                if task == "mix" and dt == "float32":
+                    line += f" | {eng} {mix_flops(n) / res[eng]['seconds'] / peak:.0%} of the fp32 compute ceiling"
             print(line + f" | load {os.getloadavg()[0]:.1f}", flush=True)
             rows.append((task, dt, res))
     if "http" not in skip:

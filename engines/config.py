@@ -185,6 +185,13 @@ class EngineConfig:
     in-place attention measured faster."""
     cuda_graphs: bool = True
     """With the static decode path on CUDA: capture one CUDA graph per bucket and replay it."""
+    compile_decode: Literal["auto", "on", "off"] = "auto"
+    """CPU: compile the static decode step with torch.compile (inductor's C++ kernels), two graphs
+    (batch 1; any batch >= 2 and context) compiled at load and cached on disk (engines/compiled.py).
+    on: turns the static decode path on and fails at load if no C++ compiler is found or inductor
+    fails. auto: eager decode on CPU (measured on a 2-core AMD EPYC: bf16 batched decode +12-33%,
+    fp32 and batch 1 level, a first start ~105 s of compiling, BENCHMARKS.md issue 12 run 4); where
+    no compiler is found it says so with a warning. off: never."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
@@ -221,9 +228,16 @@ class EngineConfig:
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
         _require(self.static_decode in ("auto", "on", "off"), "static_decode",
                  f"must be auto, on or off, got {self.static_decode!r}")
+        _require(self.compile_decode in ("auto", "on", "off"), "compile_decode",
+                 f"must be auto, on or off, got {self.compile_decode!r}")
+        _require(not (self.compile_decode == "on" and self.static_decode == "off"), "compile_decode",
+                 "'on' compiles the static decode step, but static_decode is 'off'; set static_decode to auto or on")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _require(not (self.compile_decode == "on" and self.world_size > 1), "compile_decode",
+                 "'on' compiles the single-process decode step; tensor/pipeline-parallel shards run eagerly "
+                 "(set tensor_parallel_size and pipeline_parallel_size to 1, or compile_decode to auto/off)")
         _require(isinstance(self.pipeline_microbatches, int) and self.pipeline_microbatches >= 0,
                  "pipeline_microbatches", f"must be an integer >= 0 (0 chooses per step), "
                  f"got {self.pipeline_microbatches!r}")

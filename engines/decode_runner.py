@@ -9,6 +9,10 @@ value back to the host. Padded rows (S..B) write their keys and values into a re
 dropped. Batches above the largest bucket, steps with prefill chunks, and CPU by default run the
 eager path (engines.attention.PagedAttention).
 
+With `compiled` (CPU, EngineConfig.compile_decode), the step is engines.compiled.decode_step
+compiled by inductor: it reads the cache only, over the block table sliced to the longest row's
+blocks, and its new keys and values are written after the graph (see engines/compiled.py).
+
 Attention gathers each row's context through the block table into (B, L, nkv, hd), L =
 max_blocks_per_seq x block_size, and masks keys at or beyond the row's length. That is one fused
 kernel per layer on a GPU; on CPU the eager path reads each context in place and is faster
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.attention import KVCache
+from engines.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
 from engines.plan import SeqWork
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -53,10 +58,11 @@ class StaticDecodeBackend:
 
 
 class DecodeRunner:
-    """Runs decode-only steps padded to buckets; one CUDA graph per bucket when `cuda_graphs`."""
+    """Runs decode-only steps padded to buckets; one CUDA graph per bucket when `cuda_graphs`, the
+    inductor-compiled step (engines.compiled) when `compiled`."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, null_block: int, max_blocks_per_seq: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, cuda_graphs: bool = False):
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, cuda_graphs: bool = False, compiled: bool = False):
         self.model, self.cache = model, cache
         self.null_block, self.max_blocks = null_block, max_blocks_per_seq
         self.buckets = tuple(sorted(buckets))
@@ -73,6 +79,15 @@ class DecodeRunner:
         self._offsets = torch.arange(bs, device=dev)
         self._keys = torch.arange(max_blocks_per_seq * bs, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.compiled = CompiledDecode(model, bs) if compiled and not self.cuda_graphs else None
+
+    def warm_up(self) -> float:
+        """Compile (or load from inductor's cache) the compiled step's two graphs now, not in the first
+        request's step: the smallest bucket and the next (B = 1, and every B >= 2); returns seconds."""
+        if self.compiled is None:
+            return 0.0
+        self.compiled.warm_up(self.cache.data, self.ids, self.pos, self.table, self.buckets[:2])
+        return self.compiled.compile_s
 
     def bucket_for(self, decode: list[SeqWork]) -> int | None:
         if any(len(w.block_ids) > self.max_blocks for w in decode):
@@ -105,6 +120,11 @@ class DecodeRunner:
         B = self.bucket_for(decode)
         assert B is not None, "batch above the largest bucket: run the eager path"
         self._fill(decode, B)
+        if self.compiled is not None:
+            nblk = max(MIN_CONTEXT_BLOCKS, max(len(w.block_ids) for w in decode))  # longest row's blocks
+            hidden, new_kv = self.compiled(self.cache.data, self.ids[:B], self.pos[:B], self.table[:B, :nblk])
+            write_new_kv(self.cache.data, self.slots[:B], new_kv)
+            return hidden[:len(decode)]
         if not self.cuda_graphs:
             return self._step(B)[:len(decode)]
         if B not in self.graphs:

@@ -5,18 +5,22 @@ An executor drives one runner per shard; the in-process executor drives exactly 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from engines.attention import KVCache, PagedAttention
 from engines.checkpoint import load_model
+from engines.compiled import CompileUnavailable, configure_cache, resolve_compile
 from engines.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
 from engines.decode_runner import DecodeRunner
 from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.prompt_inject import SeqTables
 from engines.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,7 +44,11 @@ class ModelRunner:
         self.model, self.cfg = model, cfg
         budget = None if engine_cfg.num_kv_blocks else kv_cache_budget(cfg, engine_cfg, self.device)
         self.num_blocks = num_kv_blocks(cfg, engine_cfg, budget)
-        static = engine_cfg.static_decode == "on" or (engine_cfg.static_decode == "auto" and self.device.type == "cuda")
+        self.compile_decode, why = resolve_compile(engine_cfg.compile_decode, self.device)
+        if engine_cfg.compile_decode != "off":
+            log.info(why)
+        static = engine_cfg.static_decode == "on" or (engine_cfg.static_decode == "auto" and (
+            self.device.type == "cuda" or self.compile_decode))
         if static and self.num_blocks > 1:
             self.num_blocks -= 1  # the last block is the decode runner's null block (padded rows)
         self.cache = KVCache(cfg.n_layer, self.num_blocks + static, engine_cfg.block_size, cfg.kv_heads, cfg.hd,
@@ -48,9 +56,22 @@ class ModelRunner:
         self.decode_runner = DecodeRunner(
             model, self.cache, null_block=self.num_blocks,
             max_blocks_per_seq=-(-max_model_len(cfg, engine_cfg) // engine_cfg.block_size),
-            cuda_graphs=engine_cfg.cuda_graphs) if static else None
+            cuda_graphs=engine_cfg.cuda_graphs, compiled=self.compile_decode) if static else None
+        self.compile_s = self._warm_up_compiled() if self.decode_runner is not None else 0.0
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype)  # p-tuning, prefill only
+
+    @torch.inference_mode()
+    def _warm_up_compiled(self) -> float:
+        """Compile the decode graphs at load (not in a request's step); seconds spent, logged. Only
+        compile_decode "on" compiles (auto resolves to eager on CPU), so a failure is an error."""
+        try:
+            seconds = self.decode_runner.warm_up()
+        except Exception as exc:  # inductor raises many types (C++ build errors, backend failures)
+            raise CompileUnavailable(f"compile_decode: 'on' but inductor failed: {exc}") from exc
+        if self.decode_runner.compiled is not None:
+            log.info("compiled the decode step in %.1f s (inductor cache: %s)", seconds, configure_cache())
+        return seconds
 
     @property
     def model_config(self) -> ModelConfig:

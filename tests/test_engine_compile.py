@@ -1,0 +1,102 @@
+"""compile_decode: the inductor-compiled static decode step (engines/compiled.py) against eager, on CPU.
+
+Tiny models, two graphs per engine; the compiled code goes to a per-session cache directory."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engines import EngineConfig
+from engines import compiled as compiled_mod
+from engines.compiled import CompileUnavailable, cpp_compiler, resolve_compile
+from engines.config import ConfigError
+from engines.llm_engine import LLMEngine
+from tests.test_engine_decode_runner import GREEDY, SEEDED, run
+
+needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU kernels")
+
+
+@pytest.fixture(autouse=True)
+def _inductor_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+
+
+@needs_cxx
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, gpt2_dir, llama_dir):
+    """Greedy and seeded tokens identical to the eager path (fp32; the compiled attention sums in a
+    different order than SDPA, ~1e-6 apart, which these tiny random models never turn into another
+    argmax), with batches that join, leave and are preempted."""
+    path = gpt2_dir if model == "gpt2" else llama_dir
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
+            "dtype": "float32"}
+    expect = [run(LLMEngine(path, EngineConfig(static_decode="off", **base)), p) for p in (GREEDY, SEEDED)]
+    engine = LLMEngine(path, EngineConfig(compile_decode="on", **base))
+    runner = engine.executor.runner
+    dr = runner.decode_runner
+    assert dr is not None and dr.compiled is not None and runner.compile_s > 0
+    sizes, rows = [], []
+    real_run, real_fn = dr.run, dr.compiled.fn
+    dr.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
+    dr.compiled.fn = lambda *a: rows.append(a[1].shape[0]) or real_fn(*a)
+    assert [run(engine, p) for p in (GREEDY, SEEDED)] == expect
+    assert engine.scheduler.num_preemptions > 0
+    assert 1 in sizes and 2 in sizes, "the compiled step never ran a batch of one and one of two"
+    assert len(rows) == len(sizes) and 1 in rows  # batch 1 runs its own graph
+
+
+@needs_cxx
+def test_warm_up_compiles_the_graphs_and_steps_never_recompile(gpt2_dir):
+    import torch._dynamo.utils as dutils
+
+    base = {"block_size": 4, "cpu_linear_autotune": False, "dtype": "float32"}
+    engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", **base))
+    sizes = []
+    real_run = engine.executor.runner.decode_runner.run
+    engine.executor.runner.decode_runner.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
+    dutils.counters.clear()
+    got = run(engine, GREEDY)  # batches 1-4 (buckets 1, 2, 4), contexts of 17-56 tokens: the warmed graph
+    assert not dutils.counters["stats"].get("unique_graphs"), dict(dutils.counters["stats"])
+    assert max(sizes) >= 3
+    assert got == run(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", **base)), GREEDY)
+
+
+def test_option_is_validated_with_the_field_name():
+    with pytest.raises(ConfigError, match="compile_decode: must be auto, on or off"):
+        EngineConfig(compile_decode="yes")
+    with pytest.raises(ConfigError, match="compile_decode: 'on' .* static_decode is 'off'"):
+        EngineConfig(compile_decode="on", static_decode="off")
+    with pytest.raises(ConfigError, match="compile_decode: 'on' .* tensor/pipeline-parallel"):
+        EngineConfig(compile_decode="on", tensor_parallel_size=2)
+
+
+def test_no_compiler_auto_warns_and_runs_eager_on_fails(gpt2_dir, monkeypatch, caplog):
+    monkeypatch.setattr(compiled_mod, "cpp_compiler", lambda: None)
+    with pytest.raises(CompileUnavailable, match="compile_decode: 'on' but no C\\+\\+ compiler"):
+        LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", cpu_linear_autotune=False))
+    with caplog.at_level(logging.WARNING, logger="engines.compiled"):
+        engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="auto", cpu_linear_autotune=False))
+    assert engine.executor.runner.decode_runner is None  # eager decode
+    assert any("no C++ compiler" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert run(engine, GREEDY)  # and it serves
+
+
+def test_inductor_failure_under_on_is_an_error(gpt2_dir, monkeypatch, tmp_path):
+    """A compiler that exists but fails (here: /bin/false as the C++ compiler, nothing cached) fails
+    the load under "on"."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/bin/false"))
+    with pytest.raises(CompileUnavailable, match="inductor failed"):
+        LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", cpu_linear_autotune=False, num_kv_blocks=8))
+
+
+def test_resolve_compile_by_device():
+    assert resolve_compile("off", torch.device("cpu"))[0] is False
+    assert resolve_compile("auto", torch.device("cuda"))[0] is False
+    with pytest.raises(CompileUnavailable, match="CPU"):
+        resolve_compile("on", torch.device("cuda"))
