@@ -124,9 +124,7 @@ class ModelSpec(_Strict):
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
     """Least time between two streamed chunks of one request; tokens in between are sent together.
     0 adapts it to load (see docs/serving.md)."""
-    # weights and decode graphs (used from later issues on; tp and pp are engine options)
-    weight_format: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
-    cuda_graphs: bool = False
+    # FP8 weights, CUDA graphs, compiled decode and tp / pp are engine options (engine.weight_dtype, ...)
     num_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved by each replica (the driver of its engine)."""
     num_gpus: float = Field(0.0, ge=0)

@@ -55,11 +55,6 @@ def placement(spec: ModelSpec) -> dict[str, Any]:
 
 def executor_factory(spec: ModelSpec):
     """The engine's executor factory for `spec` (None: the in-process executor)."""
-    if spec.weight_format not in ("auto",):
-        raise UnsupportedConfig(f"models[{spec.name}].weight_format: {spec.weight_format!r} is not available yet; "
-                                "use auto")
-    if spec.cuda_graphs:
-        raise UnsupportedConfig(f"models[{spec.name}].cuda_graphs: not available yet; use false")
     if spec.world_size > 1:  # TP x PP shard-worker actors in the replica's placement group
         from serving.ray_executor import ray_executor_factory
 

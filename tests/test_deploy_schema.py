@@ -87,7 +87,7 @@ BAD = [
     ({"models": [{"name": "m", "path": "p", "num_gpus": float("nan")}]}, "models.0.num_gpus: Input should be a finite"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"port": 0}}, "server.port: Input should be greater than or equal to 1"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"hots": "x"}}, "server.hots: unknown field"),
-    ({"models": [{"name": "m", "path": "p", "weight_format": "int3"}]}, "models.0.weight_format"),
+    ({"models": [{"name": "m", "path": "p", "engine": {"weight_dtype": "int3"}}]}, "models.0.engine.weight_dtype"),
 ]
 
 

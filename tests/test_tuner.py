@@ -257,3 +257,19 @@ def test_probe_tokenizer_is_the_training_one(tmp_path):
     assert prompt_extra_tokens(tmp_path / "tokenizer.json") == 1
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert cfg["bos_token"] == cfg["eos_token"] == "<|endoftext|>"
+
+
+def test_an_fp8_candidate_is_emitted_as_the_engine_weight_dtype():
+    """FP8 weights are an engine option (engine.weight_dtype: fp8, bf16 compute), which the emitted
+    engine section carries into EngineConfig unchanged."""
+    from engines import EngineConfig
+    from tuner.emit import deployment
+    from tuner.profiles import load_profile
+    from tuner.search import Candidate
+
+    dep = deployment(Candidate(1, 1, 1, 8, 512, "fp8"), "models/default", load_profile("h100-sxm"))
+    engine = dep["models"][0]["engine"]
+    assert engine["weight_dtype"] == "fp8" and engine["dtype"] == "bfloat16"
+    assert EngineConfig(**engine).weight_dtype == "fp8"
+    plain = deployment(Candidate(1, 1, 1, 8, 512, "bfloat16"), "models/default", load_profile("h100-sxm"))
+    assert "weight_dtype" not in plain["models"][0]["engine"]

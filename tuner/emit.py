@@ -19,12 +19,12 @@ def deployment(cand, model_path: str, profile: HardwareProfile, name: str = "def
     shards = cand.tp * cand.pp
     model: dict[str, Any] = {
         "name": name, "path": model_path, "replicas": cand.replicas,
+        # 16/32-bit weights are the engine's dtype; FP8 weights (a quantized checkpoint, or quantized
+        # at load) are engine.weight_dtype, computing in bf16
         "engine": {"dtype": dtype, "block_size": block_size, "max_num_seqs": cand.max_num_seqs,
                    "max_num_batched_tokens": cand.max_num_batched_tokens,
-                   "tensor_parallel_size": cand.tp, "pipeline_parallel_size": cand.pp},
-        # the cost model runs a step's stages one after another (no micro-batching)
-        # 16/32-bit weights are the engine's dtype; fp8 is the FP8 issue's weight_format
-        "weight_format": "fp8" if cand.weight_dtype == "fp8" else "auto",
+                   "tensor_parallel_size": cand.tp, "pipeline_parallel_size": cand.pp,
+                   **({"weight_dtype": "fp8"} if cand.weight_dtype == "fp8" else {})},
         "max_waiting": 1024,  # the load tester's open loop must queue, not be refused (429)
     }
     if cand.pp > 1:
