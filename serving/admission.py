@@ -13,9 +13,9 @@ The prediction has three parts, all measured on this replica:
 - the step(s) that compute its prompt, together with a decode of every running sequence and the
   prompts queued ahead of it, priced by a line fitted to the engine's own steps: seconds = a +
   b x tokens (`LLMEngine.step_log`), scaled by how much slower than the line the slow steps (90th
-  percentile) of the window ran. A prompt is not free: on a small CPU, a 64-token prefill of a
-  124M model costs several decode steps, and three such prompts that arrive together make one step
-  longer than a 1 s SLO.
+  percentile) of the window ran. A prompt is not free: on 2 CPU cores a 220-token prompt of a 124M
+  model costs about as much as four decode steps of eight sequences, and three such prompts that
+  arrive together make one step of ~0.8-1 s.
 
 A newcomer's prompt also makes the step it joins longer for the queued requests ahead of it, so
 the door checks the oldest of those too: its wait so far plus the newcomer's predicted wait.
@@ -26,7 +26,8 @@ the door for good: the requests admitted at idle run the steps that replace thos
 
 A model is a guess, and the SLO is on the tail. So the replica compares, for each admitted
 request, the TTFT it got with the wait it was predicted and scales predictions by the 90th
-percentile of that ratio over the window: a replica that keeps under-predicting refuses earlier.
+percentile of that ratio over the window (never below 1: steps are priced at their slow pace
+already): a replica that keeps under-predicting refuses earlier.
 
 And the SLO is a promise: an admitted request still queued in the engine is judged again while it
 waits (`late`, every few milliseconds). Once the time it has waited plus what it still needs (by
