@@ -163,10 +163,11 @@ class TtftAdmission:
         b = self._per_token or 0.0
         return max(0.0, mean_s - b * mean_k), b
 
-    def step_tail(self) -> float:
-        """How much slower than the fitted line a slow step is: the STEP_QUANTILE of measured / fitted
-        over the window's steps (1.0 with too few), within STEP_TAIL_RANGE."""
-        a, b = self.step_cost()
+    def step_tail(self, fit: tuple[float, float] | None = None) -> float:
+        """How much slower than the fitted line (`fit`: step_cost(), computed when None) a slow step is:
+        the STEP_QUANTILE of measured / fitted over the window's steps (1.0 with too few), within
+        STEP_TAIL_RANGE."""
+        a, b = fit if fit is not None else self.step_cost()
         steps = self._window_steps()
         if len(steps) < MIN_EVENTS:
             return 1.0
@@ -180,7 +181,7 @@ class TtftAdmission:
         if tokens <= 0:
             return 0.0
         a, b = self.step_cost()
-        return (math.ceil(tokens / self.token_budget) * a + b * tokens) * self.step_tail()
+        return (math.ceil(tokens / self.token_budget) * a + b * tokens) * self.step_tail((a, b))
 
     # predictions
     def _beyond_free(self, ahead: int, num_seqs: int, running: int) -> float | None:

@@ -121,7 +121,8 @@ class ModelCore:
         await asyncio.to_thread(self.engine.shutdown, 0.0)
 
     # requests
-    def _admit(self, num_seqs: int, tokens: int) -> ErrorInfo | None:
+    def _admit(self, num_seqs: int, tokens: int, view: EngineView | None) -> ErrorInfo | None:
+        """None, or why the request is refused; `view`: the engine now (None: no TTFT SLO)."""
         if self.draining:
             return errors.engine_unavailable(f"model {self.spec.name!r}: this replica is shutting down")
         try:
@@ -134,9 +135,8 @@ class ModelCore:
                              f"at most {self.capacity}", "n", "invalid_value")
         if self.admitted + num_seqs > self.capacity:
             return errors.overloaded(self.spec.name, self.spec.retry_after_s)
-        if self.ttft_admission.slo_s is None:
+        if view is None:
             return None
-        view = self._engine_view()
         if not self.ttft_admission.admits(num_seqs, tokens, view):
             wait = self.ttft_admission.predicted_wait_s(num_seqs, tokens, view)
             return errors.overloaded(self.spec.name, self.spec.retry_after_s,
@@ -171,7 +171,8 @@ class ModelCore:
         n = req.params.n
         num_seqs = len(req.prompts) * n
         tokens = sum(len(p) for p in req.prompts) * n
-        err = self._admit(num_seqs, tokens)
+        view = self._engine_view() if self.ttft_admission.slo_s is not None else None
+        err = self._admit(num_seqs, tokens, view)
         if err is not None:
             self.metrics.rejected("overloaded" if err.status == 429 else
                                   "invalid" if err.status < 500 else "unavailable")
@@ -180,8 +181,8 @@ class ModelCore:
         self.admitted += num_seqs
         self.active_requests += 1
         predicted = 0.0
-        if self.ttft_admission.slo_s is not None:
-            predicted = self.ttft_admission.predicted_wait_s(num_seqs, tokens, self._engine_view())
+        if view is not None:
+            predicted = self.ttft_admission.predicted_wait_s(num_seqs, tokens, view)
             if self._watcher is None:
                 self._watcher = asyncio.ensure_future(self._watch_waiting())
         self._awaiting_first[req.request_id] = _Waiting(t0, num_seqs, tokens, predicted)
