@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv and install shardserve with its test extras
 
 test: $(STAMP)   ## run the whole test suite
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, with the command)
 	$(BIN)/python benchmarks/bench_decode.py

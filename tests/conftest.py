@@ -87,3 +87,39 @@ def _cpu_without_bf16():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hardware, "read_cpu_flags", lambda *a, **k: frozenset({"avx2"}))
         yield
+
+
+# --- process exit -------------------------------------------------------------------------------
+# One CI run (stop 23) passed every test and then died with SIGSEGV while the interpreter tore
+# itself down (669 passed, then `make: *** Segmentation fault`). The suite's process has hosted a
+# Ray driver, inductor-compiled kernels, gloo process groups and engine threads by then, and
+# tearing down such C++ state in interpreter finalization is a known crash site (ray-project/ray
+# #885, #34508). So, once pytest has reported: run the atexit handlers (Ray's shutdown, inductor's
+# worker pool, multiprocessing's children) while the interpreter is whole, report any thread still
+# running (a test that leaked an engine), and leave with pytest's own status, skipping finalization.
+# A crash inside a test still fails the run (make test sets PYTHONFAULTHANDLER for its stacks).
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import atexit
+    import os
+    import sys
+    import threading
+
+    if not _EXIT_STATUS:
+        return  # pytest stopped before a session ran (e.g. a usage error): its normal exit path
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if left:
+        sys.stderr.write(f"threads still running after the session: {', '.join(sorted(left))}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[-1])
