@@ -1,0 +1,139 @@
+"""The served engine against the engine in isolation: one `shardserve serve` of two probe sizes in
+every layout of this host, load-tested closed loop at several requests in flight, and per layout
+a fit of
+
+    served step(w) = served_scale * isolated step(w) + per_step + per_token * sampled(w)
+
+where `isolated step` is the layout's cost model as fitted on its own probe steps
+(tuner.measure_engine). served_scale is what sharing the cores with Ray, the gateway and the
+client does to the engine's own work (it grows with the step: a 2-thread matmul waits for its
+slower thread whenever another process runs); per_step is what the serving loop adds per step
+(for several shards: the Ray executor's actor calls, in place of the pipes the isolated fit ran
+on); per_token is streaming one token through Ray, the gateway and the client. The fit replays
+each run's own schedule in the simulator (sent times, lengths) and solves for the three
+constants on every request's TPOT, by non-negative least squares on relative errors, twice over
+(the schedule moves with the step times). The gateway's own cost per request (request_overhead)
+is what the one-shard copies' TTFT, one request at a time, has beyond their served prefill step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the probe requests (as the load tester counts them)
+CONCURRENCY = ((1, 3), (8, 16))
+"""(requests in flight, requests measured) of each closed-loop run per copy: one at a time (the
+gateway's per-request cost, the per-step cost at batch 1) and a batch of 8 (the per-token cost)."""
+FIT_ROUNDS = 3
+
+
+def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, dtype: str,
+                 progress: Callable[[str], None] = print) -> dict[str, dict[int, object]]:
+    """Serve every copy {name: (checkpoint, tp, pp, threads per shard)} in one `shardserve serve`
+    (fractional CPU reservations, so that they all fit; threads as the tuner's deployments give
+    them) and load-test them one at a time: {name: {requests in flight: loadtest Report}}."""
+    import yaml
+
+    from loadtest.config import LoadTestConfig
+    from loadtest.runner import run
+    from tuner.server import Server
+
+    models = []
+    for name, (path, tp, pp, threads) in copies.items():
+        share = 0.9 / len(copies) / (tp * pp + 1)  # Ray needs only to place them; one copy is busy at a time
+        models.append({"name": name, "path": str(path), "num_cpus": round(share, 3),
+                       **({"shard_num_cpus": round(share, 3)} if tp * pp > 1 else {}),
+                       "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
+                                  "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
+    conf = work_dir / "probe.yaml"
+    conf.write_text(yaml.safe_dump({"models": models}))
+    out: dict[str, dict[int, object]] = {}
+    with Server(["--config", str(conf)], work_dir / "serve.log") as url:
+        for name, (path, *_rest) in copies.items():
+            progress(f"served probe {name}: closed loop at {', '.join(str(c) for c, _ in CONCURRENCY)} in flight")
+            base = {"url": url, "model": name, "backend": "openai-completions", "random_input_len": SERVE_PROMPT,
+                    "tokenizer": path / "tokenizer.json", "ignore_eos": True, "progress": False, "seed": 1}
+            run(LoadTestConfig(**base, random_output_len=4, closed_loop_concurrency=2, num_prompts=2))  # warm-up
+            out[name] = {c: run(LoadTestConfig(**base, random_output_len=SERVE_OUTPUT, closed_loop_concurrency=c,
+                                               num_prompts=n)) for c, n in CONCURRENCY}
+    return out
+
+
+def requests_of(report, extra_tokens: int) -> dict[str, np.ndarray]:
+    """The completed, measured requests of a load-test Report as arrays (the engine's prompt
+    lengths: `extra_tokens` added by the tokenizer's BOS)."""
+    recs = [r for r in report.records if not r.warmup and r.ok]
+    if not recs:
+        raise RuntimeError("a served probe run completed no request")
+    return {"arrivals": np.array([r.sent_s for r in recs]), "ins": np.array([r.input_tokens + extra_tokens for r in recs]),
+            "outs": np.array([r.requested_output_tokens for r in recs]), "ttft": np.array([r.ttft_s for r in recs]),
+            "tpot": np.array([r.tpot_s for r in recs])}
+
+
+
+def _sched(req: dict[str, np.ndarray]):
+    from engines.config import EngineConfig
+    from engines.scheduler import SchedulerConfig
+
+    d = EngineConfig()  # the probes are served with the engine's default limits
+    return SchedulerConfig(max_num_seqs=d.max_num_seqs, max_num_batched_tokens=d.max_num_batched_tokens,
+                           block_size=d.block_size, num_blocks=4096,
+                           max_model_len=int(req["ins"].max() + req["outs"].max() + 1))
+
+
+def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhead_s: float = 0.0
+               ) -> tuple[float, float, float, float]:
+    """(served_scale, per_step_s, per_token_s, median |relative error| of the fitted TPOTs) from
+    (isolated CostModel, requests of one run) pairs of one layout."""
+    from tuner.measure_engine import nnls
+    from tuner.simulate import StepRecord, simulate
+
+    x = np.array([1.0, 0.0, 0.0])
+    rel = np.zeros(0)
+    for _ in range(FIT_ROUNDS):
+        rows, ys = [], []
+        for cost, req in runs:
+            steps: list[StepRecord] = []
+            traces = simulate(lambda w, c=cost, x=x: x[0] * c.step_time(w) + x[1] + x[2] * w.sampled, _sched(req),
+                              req["arrivals"], req["ins"], req["outs"], request_overhead=request_overhead_s,
+                              steps_out=steps)
+            ends = np.array([s.end for s in steps])
+            feats = np.array([[cost.step_time(s.work), 1.0, s.work.sampled] for s in steps])
+            for tr, measured in zip(traces, req["tpot"], strict=True):
+                n = len(tr.token_times)
+                if n < 2 or not np.isfinite(measured) or measured <= 0:
+                    continue
+                sel = (ends > tr.token_times[0] + 1e-12) & (ends <= tr.token_times[-1] + 1e-12)
+                rows.append(feats[sel].sum(axis=0) / (n - 1) / measured)
+                ys.append(1.0)
+        a = np.array(rows)
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+        x = nnls(a / scale, np.array(ys)) / scale
+        rel = np.abs(a @ x - 1)
+    return float(x[0]), float(x[1]), float(x[2]), float(np.median(rel) * 100)
+
+
+def served_prefill_s(cost, scale: float, per_step_s: float, per_token_s: float, prompt_len: int) -> float:
+    """The served prefill step of one prompt of `prompt_len` tokens (s)."""
+    from tuner.cost import StepWork
+
+    w = StepWork(tokens=prompt_len, sampled=1, prefill_attn_pairs=prompt_len * (prompt_len + 1) // 2)
+    return scale * cost.step_time(w) + per_step_s + per_token_s
+
+
+def apply_served(layout: dict[str, float], scale: float, per_step_s: float, per_token_s: float) -> dict[str, float]:
+    """A layout's constants (profiles.LAYOUT_KEYS) with every part of its step time times `scale`,
+    plus the per-step and per-token serving costs."""
+    out = dict(layout)
+    for k in ("step_overhead_ms", "layer_overhead_us", "seq_layer_overhead_us", "seq_overhead_us", "matmul_scale",
+              "comm_scale", "vocab_seq_ns"):
+        if k in out:
+            out[k] = out[k] * scale
+    for k in ("attention_prefill_tflops", "attention_kv_gb_s"):
+        out[k] = out[k] / max(scale, 1e-6)
+    out["step_overhead_ms"] += per_step_s * 1e3
+    out["seq_overhead_us"] += per_token_s * 1e6
+    return {k: v if isinstance(v, int) else round(float(v), 4) for k, v in out.items()}
