@@ -208,10 +208,13 @@ def _served(prof: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     extra = prompt_extra_tokens(probes[0][1] / "tokenizer.json")
     fits: dict[str, tuple[float, float, float, float]] = {}
     for key in prof.layouts:
-        runs = [(cost, requests_of(rep, extra)) for name, (k, cost, _) in meta.items() if k == key
-                for rep in served[name].values()]
+        names = [(name, c) for name, (k, _, _) in meta.items() if k == key for c in served[name]]
+        runs = [(meta[name][1], requests_of(served[name][c], extra)) for name, c in names]
         if runs:
-            fits[key] = fit_served(runs)
+            per_run: list[tuple[float, float]] = []
+            fits[key] = fit_served(runs, per_run=per_run)
+            progress(f"served {key}: TPOT p50 measured / fitted (ms): " + ", ".join(
+                f"{name} at {c} in flight {m * 1e3:.1f} / {f * 1e3:.1f}" for (name, c), (m, f) in zip(names, per_run, strict=True)))
     # the gateway's cost per request: one-shard copies' TTFT one at a time beyond their served prefill
     over = []
     for name, (key, cost, _) in meta.items():

@@ -84,17 +84,19 @@ def _sched(req: dict[str, np.ndarray]):
                            max_model_len=int(req["ins"].max() + req["outs"].max() + 1))
 
 
-def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhead_s: float = 0.0
-               ) -> tuple[float, float, float, float]:
-    """(served_scale, per_step_s, per_token_s, median |relative error| of the fitted TPOTs) from
-    (isolated CostModel, requests of one run) pairs of one layout."""
-    from tuner.measure_engine import nnls
+def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhead_s: float = 0.0,
+               per_run: list[tuple[float, float]] | None = None) -> tuple[float, float, float, float]:
+    """(served_scale, per_step_s, per_token_s, median |relative error| of the fitted TPOTs, %) from
+    (isolated CostModel, requests of one run) pairs of one layout. Relative errors, reweighted
+    toward least absolute deviations: a request that another process stretched pulls the fit by
+    its count, not its square. `per_run` receives (measured, fitted) TPOT p50 (s) of each run."""
+    from tuner.measure_engine import ROBUST_ITERATIONS, nnls
     from tuner.simulate import StepRecord, simulate
 
     x = np.array([1.0, 0.0, 0.0])
     rel = np.zeros(0)
     for _ in range(FIT_ROUNDS):
-        rows, ys = [], []
+        rows, fitted = [], []
         for cost, req in runs:
             steps: list[StepRecord] = []
             traces = simulate(lambda w, c=cost, x=x: x[0] * c.step_time(w) + x[1] + x[2] * w.sampled, _sched(req),
@@ -102,17 +104,24 @@ def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhea
                               steps_out=steps)
             ends = np.array([s.end for s in steps])
             feats = np.array([[cost.step_time(s.work), 1.0, s.work.sampled] for s in steps])
+            run_rows = []
             for tr, measured in zip(traces, req["tpot"], strict=True):
                 n = len(tr.token_times)
                 if n < 2 or not np.isfinite(measured) or measured <= 0:
                     continue
                 sel = (ends > tr.token_times[0] + 1e-12) & (ends <= tr.token_times[-1] + 1e-12)
-                rows.append(feats[sel].sum(axis=0) / (n - 1) / measured)
-                ys.append(1.0)
+                run_rows.append(feats[sel].sum(axis=0) / (n - 1))
+                rows.append(run_rows[-1] / measured)
+            fitted.append((float(np.nanmedian(req["tpot"])), run_rows))
         a = np.array(rows)
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-        x = nnls(a / scale, np.array(ys)) / scale
+        robust = np.ones(len(a))
+        for _ in range(ROBUST_ITERATIONS):
+            x = nnls(a / scale * robust[:, None], robust) / scale
+            robust = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - 1), 0.02))
         rel = np.abs(a @ x - 1)
+    if per_run is not None:
+        per_run.extend((m, float(np.median(np.array(r) @ x)) if r else float("nan")) for m, r in fitted)
     return float(x[0]), float(x[1]), float(x[2]), float(np.median(rel) * 100)
 
 
