@@ -14,8 +14,8 @@ What is measured, and which profile field it becomes:
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
 - one real `shardserve serve` of two probes of different size in every layout (the layouts of
-  several shards as Ray shard actors, as deployments run them), load-tested closed loop at 1 and
-  8 requests in flight (tuner.measure_served): per layout a factor from the engine in isolation
+  several shards as Ray shard actors, as deployments run them), load-tested closed loop at 1, 4
+  and 8 requests in flight (tuner.measure_served): per layout a factor from the engine in isolation
   to the served engine (the cores shared with Ray, the gateway and the client), a cost per step
   (the serving loop; the Ray executor's actor calls) and a cost per streamed token, fitted on
   every request's TPOT on its run's own simulated schedule -> the layout's constants; the
