@@ -206,7 +206,7 @@ def _served(prof: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
     served = serve_probes(copies, tmp, dtype, progress)
     extra = prompt_extra_tokens(probes[0][1] / "tokenizer.json")
-    fits: dict[str, tuple[float, float, float, float]] = {}
+    fits: dict[str, tuple[float, float, float, float, float]] = {}
     for key in prof.layouts:
         names = [(name, c) for name, (k, _, _) in meta.items() if k == key for c in served[name]]
         runs = [(meta[name][1], requests_of(served[name][c], extra)) for name, c in names]
@@ -220,11 +220,12 @@ def _served(prof: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     for name, (key, cost, _) in meta.items():
         if key == "1x1" and key in fits:
             ttft = float(np.median(requests_of(served[name][1], extra)["ttft"]))
-            over.append(ttft - served_prefill_s(cost, *fits[key][:3], SERVE_PROMPT + extra))
+            over.append(ttft - served_prefill_s(cost, *fits[key][:4], SERVE_PROMPT + extra))
     request_ms = max(float(np.mean(over)), 0.0) * 1e3 if over else 0.0
-    layouts = {k: ({**apply_served(v, *fits[k][:3]), "served_scale": round(fits[k][0], 4),
-                    "served_fit_error_pct": round(fits[k][3], 2)} if k in fits else v)
+    layouts = {k: ({**apply_served(v, *fits[k][:4]), "served_scale": round(fits[k][0], 4),
+                    "served_attention_scale": round(fits[k][1], 4), "served_fit_error_pct": round(fits[k][4], 2)}
+                   if k in fits else v)
                for k, v in prof.layouts.items()}
-    note = "; ".join(f"{k} x{f[0]:.2f} + {f[1] * 1e3:.2f} ms per step + {f[2] * 1e6:.0f} us per token "
-                     f"(median TPOT error {f[3]:.0f}%)" for k, f in fits.items())
+    note = "; ".join(f"{k} x{f[0]:.2f} (attention x{f[1]:.2f}) + {f[2] * 1e3:.2f} ms per step + "
+                     f"{f[3] * 1e6:.0f} us per token (median TPOT error {f[4]:.0f}%)" for k, f in fits.items())
     return request_ms, layouts, f"{note}; request overhead {request_ms:.1f} ms"

@@ -2,15 +2,18 @@
 every layout of this host, load-tested closed loop at 1, 4 and 8 requests in flight, and per layout
 a fit of
 
-    served step(w) = served_scale * isolated step(w) + per_step + per_token * sampled(w)
+    served step(w) = served_scale * (isolated step(w) - isolated attention(w))
+                     + attention_scale * isolated attention(w) + per_step + per_token * sampled(w)
 
-where `isolated step` is the layout's cost model as fitted on its own probe steps
+where `isolated` is the layout's cost model as fitted on its own probe steps
 (tuner.measure_engine). served_scale is what sharing the cores with Ray, the gateway and the
 client does to the engine's own work (it grows with the step: a 2-thread matmul waits for its
-slower thread whenever another process runs); per_step is what the serving loop adds per step
+slower thread whenever another process runs); attention has its own factor because the isolated
+fit's attention rate (from few long-context steps) is the constant its fit pins least, and the
+served runs' contexts (17-145 tokens) tell it apart; per_step is what the serving loop adds per step
 (for several shards: the Ray executor's actor calls, in place of the pipes the isolated fit ran
 on); per_token is streaming one token through Ray, the gateway and the client. The fit replays
-each run's own schedule in the simulator (sent times, lengths) and solves for the three
+each run's own schedule in the simulator (sent times, lengths) and solves for the four
 constants on every request's TPOT, by non-negative least squares on relative errors, twice over
 (the schedule moves with the step times). The gateway's own cost per request (request_overhead)
 is what the one-shard copies' TTFT, one request at a time, has beyond their served prefill step.
@@ -23,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the probe requests (as the load tester counts them)
-CONCURRENCY = ((1, 3), (4, 8), (8, 16))
-"""(requests in flight, requests measured) of each closed-loop run per copy: one at a time (the
-gateway's per-request cost, the per-step cost at batch 1) and batches of 4 and 8 (the per-token
-cost, and how the served step grows with the batch)."""
+SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the one-at-a-time requests (as the load tester counts them)
+CONCURRENCY = ((1, 3, SERVE_PROMPT), (4, 8, 128), (8, 16, 64))
+"""(requests in flight, requests measured, prompt tokens) of each closed-loop run per copy: one at
+a time with short prompts (the gateway's per-request cost, the per-step cost at batch 1), and
+batches of 4 and 8 (the per-token cost, how the served step grows with the batch) with prompts
+that put decode contexts at 65-145 tokens, not only the 17-34 of short prompts (attention's share
+of a step grows with the context)."""
 FIT_ROUNDS = 3
 
 
@@ -54,12 +59,12 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
     out: dict[str, dict[int, object]] = {}
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
         for name, (path, *_rest) in copies.items():
-            progress(f"served probe {name}: closed loop at {', '.join(str(c) for c, _ in CONCURRENCY)} in flight")
+            progress(f"served probe {name}: closed loop at {', '.join(str(c) for c, _, _ in CONCURRENCY)} in flight")
             base = {"url": url, "model": name, "backend": "openai-completions", "random_input_len": SERVE_PROMPT,
                     "tokenizer": path / "tokenizer.json", "ignore_eos": True, "progress": False, "seed": 1}
             run(LoadTestConfig(**base, random_output_len=4, closed_loop_concurrency=2, num_prompts=2))  # warm-up
-            out[name] = {c: run(LoadTestConfig(**base, random_output_len=SERVE_OUTPUT, closed_loop_concurrency=c,
-                                               num_prompts=n)) for c, n in CONCURRENCY}
+            out[name] = {c: run(LoadTestConfig(**{**base, "random_input_len": plen}, random_output_len=SERVE_OUTPUT,
+                                               closed_loop_concurrency=c, num_prompts=n)) for c, n, plen in CONCURRENCY}
     return out
 
 
@@ -86,32 +91,38 @@ def _sched(req: dict[str, np.ndarray]):
 
 
 def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhead_s: float = 0.0,
-               per_run: list[tuple[float, float]] | None = None) -> tuple[float, float, float, float]:
-    """(served_scale, per_step_s, per_token_s, median |relative error| of the fitted TPOTs, %) from
-    (isolated CostModel, requests of one run) pairs of one layout. Relative errors, reweighted
-    toward least absolute deviations: a request that another process stretched pulls the fit by
-    its count, not its square. `per_run` receives (measured, fitted) TPOT p50 (s) of each run."""
+               per_run: list[tuple[float, float]] | None = None) -> tuple[float, float, float, float, float]:
+    """(served_scale, attention_scale, per_step_s, per_token_s, median |relative error| of the
+    fitted TPOTs, %) from (isolated CostModel, requests of one run) pairs of one layout. Relative
+    errors, reweighted toward least absolute deviations: a request that another process stretched
+    pulls the fit by its count, not its square. `per_run` receives (measured, fitted) TPOT p50 (s)
+    of each run."""
     from tuner.measure_engine import ROBUST_ITERATIONS, nnls
     from tuner.simulate import StepRecord, simulate
 
-    x = np.array([1.0, 0.0, 0.0])
+    x = np.array([1.0, 1.0, 0.0, 0.0])
     rel = np.zeros(0)
-    caches: list[dict] = [{} for _ in runs]  # isolated step time by StepWork: the steps repeat
+    caches: list[dict] = [{} for _ in runs]  # isolated (rest, attention) by StepWork: the steps repeat
 
-    def iso(cost, cache: dict, w) -> float:
+    def iso(cost, cache: dict, w) -> tuple[float, float]:
         if w not in cache:
-            cache[w] = cost.step_time(w)
+            parts = cost.components(w)
+            attn = parts["attention"]
+            cache[w] = (sum(parts.values()) - attn, attn)
         return cache[w]
+
+    def served(cost, cache: dict, w, x: np.ndarray) -> float:
+        rest, attn = iso(cost, cache, w)
+        return x[0] * rest + x[1] * attn + x[2] + x[3] * w.sampled
 
     for _ in range(FIT_ROUNDS):
         rows, fitted = [], []
         for (cost, req), cache in zip(runs, caches, strict=True):
             steps: list[StepRecord] = []
-            traces = simulate(lambda w, c=cost, k=cache, x=x: x[0] * iso(c, k, w) + x[1] + x[2] * w.sampled,
-                              _sched(req), req["arrivals"], req["ins"], req["outs"],
-                              request_overhead=request_overhead_s, steps_out=steps)
+            traces = simulate(lambda w, c=cost, k=cache, x=x: served(c, k, w, x), _sched(req), req["arrivals"],
+                              req["ins"], req["outs"], request_overhead=request_overhead_s, steps_out=steps)
             ends = np.array([s.end for s in steps])
-            feats = np.array([[iso(cost, cache, s.work), 1.0, s.work.sampled] for s in steps])
+            feats = np.array([[*iso(cost, cache, s.work), 1.0, s.work.sampled] for s in steps])
             run_rows = []
             for tr, measured in zip(traces, req["tpot"], strict=True):
                 n = len(tr.token_times)
@@ -127,30 +138,35 @@ def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhea
         for _ in range(ROBUST_ITERATIONS):
             x = nnls(a / scale * robust[:, None], robust) / scale
             robust = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - 1), 0.02))
+        x[1] = max(x[1], 1e-3)  # attention never free: the rates stay finite
         rel = np.abs(a @ x - 1)
     if per_run is not None:
         per_run.extend((m, float(np.median(np.array(r) @ x)) if r else float("nan")) for m, r in fitted)
-    return float(x[0]), float(x[1]), float(x[2]), float(np.median(rel) * 100)
+    return float(x[0]), float(x[1]), float(x[2]), float(x[3]), float(np.median(rel) * 100)
 
 
-def served_prefill_s(cost, scale: float, per_step_s: float, per_token_s: float, prompt_len: int) -> float:
+def served_prefill_s(cost, scale: float, attention_scale: float, per_step_s: float, per_token_s: float,
+                     prompt_len: int) -> float:
     """The served prefill step of one prompt of `prompt_len` tokens (s)."""
     from tuner.cost import StepWork
 
     w = StepWork(tokens=prompt_len, sampled=1, prefill_attn_pairs=prompt_len * (prompt_len + 1) // 2)
-    return scale * cost.step_time(w) + per_step_s + per_token_s
+    parts = cost.components(w)
+    return scale * (sum(parts.values()) - parts["attention"]) + attention_scale * parts["attention"] \
+        + per_step_s + per_token_s
 
 
-def apply_served(layout: dict[str, float], scale: float, per_step_s: float, per_token_s: float) -> dict[str, float]:
-    """A layout's constants (profiles.LAYOUT_KEYS) with every part of its step time times `scale`,
-    plus the per-step and per-token serving costs."""
+def apply_served(layout: dict[str, float], scale: float, attention_scale: float, per_step_s: float,
+                 per_token_s: float) -> dict[str, float]:
+    """A layout's constants (profiles.LAYOUT_KEYS) with its attention time times `attention_scale`,
+    every other part of its step time times `scale`, plus the per-step and per-token serving costs."""
     out = dict(layout)
     for k in ("step_overhead_ms", "layer_overhead_us", "seq_layer_overhead_us", "seq_overhead_us", "matmul_scale",
               "comm_scale", "vocab_seq_ns"):
         if k in out:
             out[k] = out[k] * scale
     for k in ("attention_prefill_tflops", "attention_kv_gb_s"):
-        out[k] = out[k] / max(scale, 1e-6)
+        out[k] = out[k] / attention_scale
     out["step_overhead_ms"] += per_step_s * 1e3
     out["seq_overhead_us"] += per_token_s * 1e6
     return {k: v if isinstance(v, int) else round(float(v), 4) for k, v in out.items()}
