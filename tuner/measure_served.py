@@ -71,9 +71,10 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
 def requests_of(report, extra_tokens: int) -> dict[str, np.ndarray]:
     """The completed, measured requests of a load-test Report as arrays (the engine's prompt
     lengths: `extra_tokens` added by the tokenizer's BOS)."""
-    recs = [r for r in report.records if not r.warmup and r.ok]
+    # full replies only: a reply cut short (fewer tokens than asked, despite ignore_eos) has no TPOT
+    recs = [r for r in report.records if not r.warmup and r.ok and r.output_tokens == r.requested_output_tokens]
     if not recs:
-        raise RuntimeError("a served probe run completed no request")
+        raise RuntimeError("a served probe run completed no request with every token it asked for")
     return {"arrivals": np.array([r.sent_s for r in recs]), "ins": np.array([r.input_tokens + extra_tokens for r in recs]),
             "outs": np.array([r.requested_output_tokens for r in recs]), "ttft": np.array([r.ttft_s for r in recs]),
             "tpot": np.array([r.tpot_s for r in recs])}
