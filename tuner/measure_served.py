@@ -33,7 +33,7 @@ a time with short prompts (the gateway's per-request cost, the per-step cost at 
 batches of 4 and 8 (the per-token cost, how the served step grows with the batch) with prompts
 that put decode contexts at 65-145 tokens, not only the 17-34 of short prompts (attention's share
 of a step grows with the context)."""
-FIT_ROUNDS = 3
+FIT_ROUNDS = 2  # the schedule, simulated with the first fit, is refitted once
 
 
 def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, dtype: str,
