@@ -33,6 +33,8 @@ a time with short prompts (the gateway's per-request cost, the per-step cost at 
 batches of 4 and 8 (the per-token cost, how the served step grows with the batch) with prompts
 that put decode contexts at 65-145 tokens, not only the 17-34 of short prompts (attention's share
 of a step grows with the context)."""
+PRIOR_WEIGHT = 0.5
+MIN_FACTOR = 0.25
 FIT_ROUNDS = 2  # the schedule, simulated with the first fit, is refitted once
 
 
@@ -134,12 +136,16 @@ def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhea
                 rows.append(run_rows[-1] / measured)
             fitted.append((float(np.nanmedian(req["tpot"])), run_rows))
         a = np.array(rows)
-        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-        robust = np.ones(len(a))
+        # a weak prior at the isolated fit (both factors 1, PRIOR_WEIGHT of one request each): where
+        # the runs cannot tell the factor from the per-step and per-token costs, it stays near 1
+        prior = np.array([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]) * PRIOR_WEIGHT
+        a_all, y_all = np.vstack([a, prior]), np.concatenate([np.ones(len(a)), [PRIOR_WEIGHT, PRIOR_WEIGHT]])
+        scale = np.maximum(np.abs(a_all).max(axis=0), 1e-30)
+        robust = np.ones(len(a_all))
         for _ in range(ROBUST_ITERATIONS):
-            x = nnls(a / scale * robust[:, None], robust) / scale
-            robust = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - 1), 0.02))
-        x[1] = max(x[1], 1e-3)  # attention never free: the rates stay finite
+            x = nnls(a_all / scale * robust[:, None], y_all * robust) / scale
+            robust[:len(a)] = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - 1), 0.02))
+        x[:2] = np.maximum(x[:2], MIN_FACTOR)  # neither part of the step free: the constants stay > 0
         rel = np.abs(a @ x - 1)
     if per_run is not None:
         per_run.extend((m, float(np.median(np.array(r) @ x)) if r else float("nan")) for m, r in fitted)
