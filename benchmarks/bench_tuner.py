@@ -137,6 +137,8 @@ def main() -> None:
                     "(CPU work after the measurements: run it with --from-json outside the bench lock)")
     ap.add_argument("--from-json", type=Path, default=None, help="an accuracy.json of an earlier run: report "
                     "(and with --refit, refit) without serving anything")
+    ap.add_argument("--repredict", action="store_true", help="with --from-json: predict the saved runs with "
+                    "--hardware (another profile) instead of reporting the saved predictions")
     args = ap.parse_args()
     profile = load_profile(args.hardware)
     if args.from_json:
@@ -146,6 +148,9 @@ def main() -> None:
             r["_run"] = _run_from_json(r)
             for k in ("refit_predicted", "refit_error"):
                 r.pop(k, None)
+            if args.repredict:  # the given profile's predictions on the saved schedules
+                r["predicted"] = predict_run(profile, r["_run"], ())
+                r["error"] = errors(r["predicted"], r["measured"])
         print(f"# {env}")
     else:
         rows, env = _measure(args, profile)

@@ -273,3 +273,40 @@ def test_an_fp8_candidate_is_emitted_as_the_engine_weight_dtype():
     assert EngineConfig(**engine).weight_dtype == "fp8"
     plain = deployment(Candidate(1, 1, 1, 8, 512, "bfloat16"), "models/default", load_profile("h100-sxm"))
     assert "weight_dtype" not in plain["models"][0]["engine"]
+
+
+def test_served_fit_recovers_known_scale_and_costs():
+    """TPOTs of closed-loop-like runs simulated with served step = 1.4 x isolated (attention 0.7 x)
+    + 3 ms + 0.5 ms per token, on two models of different size at 1, 4 and 8 in flight and several
+    contexts, fit back to those constants; apply_served moves the layout's parts by the factors and
+    adds the two costs."""
+    from tuner.measure_served import _sched, apply_served, fit_served
+
+    prof = _profile(matmul_tflops={1: {"bfloat16": {1: 0.01, 64: 0.1}}, 2: {"bfloat16": {1: 0.02, 64: 0.2}}}, cores=2)
+    lay = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
+           "matmul_scale": 1.5, "comm_scale": 1.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 0.3}
+    prof = prof.replace(layouts={"1x1": lay})
+
+    def truth(cost, w):
+        parts = cost.components(w)
+        return 1.4 * (sum(parts.values()) - parts["attention"]) + 0.7 * parts["attention"] + 3e-3 + 5e-4 * w.sampled
+
+    runs = []
+    for model in (TINY, ModelConfig(model_type="gpt2", vocab_size=100, n_layer=6, n_head=4, n_embd=256,
+                                    max_position_embeddings=256)):
+        cost = CostModel(model, prof)
+        for inflight, plen in ((1, 17), (4, 129), (8, 65)):
+            req = {"arrivals": np.repeat(np.arange(3) * 2.0, inflight) + np.tile(np.arange(inflight) * 1e-4, 3),
+                   "ins": np.full(3 * inflight, plen), "outs": np.full(3 * inflight, 17)}
+            traces = simulate(lambda w, c=cost: truth(c, w), _sched(req), req["arrivals"], req["ins"], req["outs"])
+            req["tpot"] = np.array([t.tpot for t in traces])
+            runs.append((cost, req))
+    per_run: list = []
+    *fit, err = fit_served(runs, per_run=per_run)
+    assert fit == pytest.approx([1.4, 0.7, 3e-3, 5e-4], rel=0.03)  # the weak prior at 1 pulls a little
+    assert err < 1.0 and len(per_run) == 6 and all(m == pytest.approx(f, rel=0.02) for m, f in per_run)
+    served = apply_served(lay, *fit)
+    w = StepWork(tokens=8, sampled=8, decode_context=8 * 30)
+    cost = CostModel(TINY, prof)
+    after = CostModel(TINY, prof.replace(layouts={"1x1": served})).step_time(w)
+    assert after == pytest.approx(truth(cost, w), rel=0.03)

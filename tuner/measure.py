@@ -13,15 +13,13 @@ What is measured, and which profile field it becomes:
   table); the one-shard layout's constants are also the global ones;
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
-- a real `shardserve serve` of the shallow probe as one in-replica shard and as TP2 over Ray
-  shard actors, requests sent by the load tester: TTFT of requests one at a time beyond the
-  engine's prefill step -> request_overhead_ms; a burst of requests all in flight at once, where
-  streaming every token through Ray and the gateway competes with the engine for the cores,
-  calibrates that streaming cost per token (the simulator, on the burst's own schedule, matches
-  its TPOT p50), added to every layout's seq_overhead_us; TPOT of the TP2 copy (one request at a
-  time) beyond its layout's decode step and that streaming cost is what the Ray executor's calls
-  add per step over the multiprocess executor the fit ran on, added to the step_overhead_ms of
-  every layout of several shards.
+- one real `shardserve serve` of two probes of different size in every layout (the layouts of
+  several shards as Ray shard actors, as deployments run them), load-tested closed loop at 1, 4
+  and 8 requests in flight (tuner.measure_served): per layout a factor from the engine in isolation
+  to the served engine (the cores shared with Ray, the gateway and the client), a cost per step
+  (the serving loop; the Ray executor's actor calls) and a cost per streamed token, fitted on
+  every request's TPOT on its run's own simulated schedule -> the layout's constants; the
+  one-shard copies' TTFT one at a time beyond their served prefill step -> request_overhead_ms.
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu_
 from tuner.profiles import HardwareProfile
 
 ROWS = (1, 4, 16, 64, 256, 1024)
-SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the gateway probe's requests (as the load tester counts them)
-BUSY_RATE, BUSY_PROMPTS = 200.0, 24  # the busy probe run: a burst, ~all 24 in flight at once
 MATMUL_SHAPE = (768, 3072)  # (in, out) of a GPT-2-124M MLP projection: a representative Linear
 
 
@@ -115,73 +111,6 @@ def measure_bandwidth(mib: int = 256) -> float:
     return buf.numel() * 4 / _best(lambda: buf.sum()) / 1e9
 
 
-def measure_serving(model_dir: Path, work_dir: Path, layouts: dict[str, tuple[int, int, int]],
-                    dtype: str = "float32") -> dict[str, dict[str, object]]:
-    """Serve the probe once per layout {name: (tp, pp, threads per shard)} in one `shardserve serve`
-    (fractional CPU reservations so that every copy fits; threads set as the tuner's deployments
-    give them) and time requests through the gateway with the load tester, one layout at a time:
-    {name: {"quiet": report, "busy": report}}: requests one at a time, and a burst that keeps
-    BUSY_BATCH or so in flight (the gateway's streaming work then competes with the engine)."""
-    import yaml
-
-    from loadtest.config import LoadTestConfig
-    from loadtest.runner import run
-    from tuner.server import Server
-
-    models = []
-    for name, (tp, pp, threads) in layouts.items():
-        share = 0.9 / len(layouts) / (tp * pp + 1)  # the probe copies share the host; Ray needs only to place them
-        models.append({"name": name, "path": str(model_dir), "num_cpus": round(share, 3),
-                       **({"shard_num_cpus": round(share, 3)} if tp * pp > 1 else {}),
-                       "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
-                                  "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
-    conf = work_dir / "probe.yaml"
-    conf.write_text(yaml.safe_dump({"models": models}))
-    out: dict[str, dict[str, object]] = {}
-    with Server(["--config", str(conf)], work_dir / "serve.log") as url:
-        for name in layouts:
-            base = {"url": url, "model": name, "backend": "openai-completions", "arrival": "constant",
-                    "random_input_len": SERVE_PROMPT, "tokenizer": model_dir / "tokenizer.json",
-                    "ignore_eos": True, "progress": False, "seed": 1, "random_output_len": SERVE_OUTPUT}
-            run(LoadTestConfig(**{**base, "random_output_len": 8}, request_rate=4.0, num_prompts=4))  # warm-up
-            out[name] = {"quiet": run(LoadTestConfig(**base, request_rate=4.0, num_prompts=12))}
-            if name == "one":
-                out[name]["busy"] = run(LoadTestConfig(**base, request_rate=BUSY_RATE, num_prompts=BUSY_PROMPTS))
-    return out
-
-
-def calibrate_token_overhead(cost, report, extra_tokens: int, request_overhead_s: float) -> float:
-    """Seconds per streamed token that, added to every sequence's share of a step, make the
-    simulator's TPOT p50 on the busy probe run's own schedule equal the measured one (bisection)."""
-    import numpy as np
-
-    from engines.config import EngineConfig
-    from engines.scheduler import SchedulerConfig
-    from tuner.simulate import simulate
-
-    recs = [r for r in report.records if not r.warmup and r.ok]
-    arrivals = np.array([r.sent_s for r in recs])
-    ins = np.array([r.input_tokens + extra_tokens for r in recs])
-    outs = np.array([r.requested_output_tokens for r in recs])
-    target = float(np.percentile([r.tpot_s for r in recs], 50))
-    defaults = EngineConfig()  # the probe is served with the engine's default limits
-    sched = SchedulerConfig(max_num_seqs=defaults.max_num_seqs, max_num_batched_tokens=defaults.max_num_batched_tokens,
-                            block_size=defaults.block_size, num_blocks=4096, max_model_len=int(ins.max() + outs.max() + 1))
-
-    def tpot(extra_s: float) -> float:
-        traces = simulate(lambda w: cost.step_time(w) + extra_s * w.sampled, sched, arrivals, ins, outs,
-                          request_overhead=request_overhead_s)
-        return float(np.percentile([t.tpot for t in traces if len(t.token_times) > 1], 50))
-
-    lo, hi = 0.0, 0.01
-    if tpot(lo) >= target:
-        return 0.0
-    for _ in range(16):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tpot(mid) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
             dtype: str = "auto") -> HardwareProfile:
     """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0).
@@ -190,10 +119,8 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
     import torch
 
     from engines.config import EngineConfig, resolved_dtype
-    from tuner.cost import CostModel, StepWork
     from tuner.measure_comm import measure_gloo
-    from tuner.measure_engine import PROBE_POSITIONS, PROBES, measure_layouts
-    from tuner.probe_model import gpt2_shape, prompt_extra_tokens
+    from tuner.measure_engine import measure_layouts
 
     dtype = resolved_dtype(EngineConfig(dtype=dtype))
     t_start = time.perf_counter()
@@ -225,55 +152,80 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
                             seq_layer_overhead_us=one["seq_layer_overhead_us"],
                             attention_prefill_tflops=one["attention_prefill_tflops"],
                             attention_kv_gb_s=one["attention_kv_gb_s"])
-        request_ms, tok_us, remote_ms = 0.0, 0.0, 0.0
+        request_ms, served_notes = 0.0, "not measured (--no-serve)"
         if serve:
-            # one copy per kind of executor: in the replica (one shard) and Ray shard actors (TP2)
-            served_layouts = {"one": (1, 1, cores), **({"sharded": (2, 1, prof.threads(2))} if cores >= 2 else {})}
-            progress(f"gateway + Ray overhead: `shardserve serve` of the shallow probe as "
-                     f"{', '.join(f'TP{t} PP{p}' for t, p, _ in served_layouts.values())}, load tester requests")
-            n_layer, n_head, n_embd, vocab = PROBES[0]
-            cfg = gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS)
-            probe_dir = Path(tmp) / f"probe-{n_layer}x{n_embd}"
-            served = measure_serving(probe_dir, Path(tmp), served_layouts, dtype)
-            extra = prompt_extra_tokens(probe_dir / "tokenizer.json")
-            plen = SERVE_PROMPT + extra  # what the engine prefills
-
-            def engine(tp: int, pp: int) -> tuple[float, float]:
-                """The layout's own prefill step and mean decode step for the probe requests (s)."""
-                cost = CostModel(cfg, prof, tp=tp, pp=pp, weight_dtype=dtype)
-                pre = cost.step_time(StepWork(tokens=plen, sampled=1, prefill_attn_pairs=plen * (plen + 1) // 2))
-                dec = cost.step_time(StepWork(tokens=1, sampled=1, decode_context=plen + SERVE_OUTPUT // 2))
-                return pre, dec
-
-            pre, _ = engine(1, 1)
-            quiet = served["one"]["quiet"].summary
-            request_ms = max(quiet.ttft_ms.p50 * 1e-3 - pre, 0.0) * 1e3
-            # streaming each token through Ray and the gateway: calibrated where it competes with the
-            # engine for the cores (a busy run), on that run's own schedule
-            tok_us = calibrate_token_overhead(CostModel(cfg, prof, weight_dtype=dtype), served["one"]["busy"], extra,
-                                              request_ms * 1e-3) * 1e6
-            if "sharded" in served:
-                # per step, what Ray actor calls add over the multiprocess executor's pipes (the layouts'
-                # fits measured the latter), beyond the streaming cost every layout pays
-                _, dec2 = engine(2, 1)
-                remote_ms = max(served["sharded"]["quiet"].summary.tpot_ms.p50 * 1e-3 - dec2 - tok_us * 1e-6, 0.0) * 1e3
-    # streaming a token through Ray and the gateway costs every layout alike (per sampled sequence);
-    # a layout of several shards also pays the Ray executor's calls once per step
-    layouts = {k: {**v, "seq_overhead_us": round(v["seq_overhead_us"] + tok_us, 3),
-                   "step_overhead_ms": round(v["step_overhead_ms"] + (remote_ms if k != "1x1" else 0.0), 4)}
-               for k, v in prof.layouts.items()}
+            request_ms, layouts, served_notes = _served(prof, Path(tmp), dtype, progress)
+            prof = prof.replace(layouts=layouts)
+    one = prof.layouts["1x1"]
     errs = ", ".join(f"{k} {v['probe_median_error_pct']:.0f}% (max {v['probe_max_error_pct']:.0f}%"
                      + (f"; measured twice, the other pass {v['retried_from_median_error_pct']:.0f}%"
                         if "retried_from_median_error_pct" in v else "") + ")"
-                     for k, v in layouts.items())
-    prof = prof.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),
-                        seq_overhead_us=round(float(prof.seq_overhead_us + tok_us), 3),
+                     for k, v in prof.layouts.items())
+    prof = prof.replace(request_overhead_ms=round(float(request_ms), 3),
+                        **{k: one[k] for k in ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us",
+                                               "seq_layer_overhead_us", "attention_prefill_tflops",
+                                               "attention_kv_gb_s")},
                         fit_notes=(f"measured by `shardserve tune profile` in {time.perf_counter() - t_start:.0f} s "
                                    f"on {cores} CPUs (torch {torch.__version__}); per-layout engine constants "
                                    f"fitted on {dtype} probe steps through each layout's real executor (median / "
-                                   f"max error of the fit on its own steps: {errs}); seq_overhead_us includes "
-                                   f"{tok_us:.0f} us of streaming per token through the gateway, and the "
-                                   f"step_overhead_ms of layouts of several shards {remote_ms:.2f} ms of Ray "
-                                   f"executor calls per step"
-                                   f"{'' if serve else ' (not measured: --no-serve)'}"))
+                                   f"max error of the fit on its own steps: {errs}), then scaled to the served "
+                                   f"engine (tuner.measure_served): {served_notes}"))
     return prof
+
+
+def _served(prof: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[str], None]
+            ) -> tuple[float, dict[str, dict[str, float]], str]:
+    """Serve the first two probes in every measured layout and fit each layout's served constants
+    (tuner.measure_served); (request_overhead_ms, layouts, a note for fit_notes)."""
+    import numpy as np
+
+    from tuner.cost import CostModel
+    from tuner.measure_engine import PROBE_POSITIONS, PROBES
+    from tuner.measure_served import (
+        SERVE_PROMPT,
+        apply_served,
+        fit_served,
+        requests_of,
+        serve_probes,
+        served_prefill_s,
+    )
+    from tuner.probe_model import gpt2_shape, prompt_extra_tokens
+
+    probes = []
+    for n_layer, n_head, n_embd, vocab in PROBES[:2]:
+        probes.append((gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS), tmp / f"probe-{n_layer}x{n_embd}"))
+    copies, meta = {}, {}
+    for key in prof.layouts:
+        tp, pp = (int(v) for v in key.split("x"))
+        for i, (cfg, path) in enumerate(probes):
+            if cfg.n_head % tp or cfg.n_layer < pp:
+                continue
+            name = f"p{i}-{key}"
+            copies[name] = (path, tp, pp, prof.threads(tp * pp))
+            meta[name] = (key, CostModel(cfg, prof, tp=tp, pp=pp, weight_dtype=dtype), path)
+    progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
+    served = serve_probes(copies, tmp, dtype, progress)
+    extra = prompt_extra_tokens(probes[0][1] / "tokenizer.json")
+    fits: dict[str, tuple[float, float, float, float, float]] = {}
+    for key in prof.layouts:
+        names = [(name, c) for name, (k, _, _) in meta.items() if k == key for c in served[name]]
+        runs = [(meta[name][1], requests_of(served[name][c], extra)) for name, c in names]
+        if runs:
+            per_run: list[tuple[float, float]] = []
+            fits[key] = fit_served(runs, per_run=per_run)
+            progress(f"served {key}: TPOT p50 measured / fitted (ms): " + ", ".join(
+                f"{name} at {c} in flight {m * 1e3:.1f} / {f * 1e3:.1f}" for (name, c), (m, f) in zip(names, per_run, strict=True)))
+    # the gateway's cost per request: one-shard copies' TTFT one at a time beyond their served prefill
+    over = []
+    for name, (key, cost, _) in meta.items():
+        if key == "1x1" and key in fits:
+            ttft = float(np.median(requests_of(served[name][1], extra)["ttft"]))
+            over.append(ttft - served_prefill_s(cost, *fits[key][:4], SERVE_PROMPT + extra))
+    request_ms = max(float(np.mean(over)), 0.0) * 1e3 if over else 0.0
+    layouts = {k: ({**apply_served(v, *fits[k][:4]), "served_scale": round(fits[k][0], 4),
+                    "served_attention_scale": round(fits[k][1], 4), "served_fit_error_pct": round(fits[k][4], 2)}
+                   if k in fits else v)
+               for k, v in prof.layouts.items()}
+    note = "; ".join(f"{k} x{f[0]:.2f} (attention x{f[1]:.2f}) + {f[2] * 1e3:.2f} ms per step + "
+                     f"{f[3] * 1e6:.0f} us per token (median TPOT error {f[4]:.0f}%)" for k, f in fits.items())
+    return request_ms, layouts, f"{note}; request overhead {request_ms:.1f} ms"

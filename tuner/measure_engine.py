@@ -113,11 +113,15 @@ def _features(w, cost) -> list[float]:
             layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp]
 
 
-def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1) -> dict[str, float]:
+def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool = True) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
     cost models carry the layout's tp and pp and a profile without layout constants. `threads`
-    per shard bound matmul_scale from below: t threads at best divide the one-thread time by t."""
+    per shard bound matmul_scale from below: t threads at best divide the one-thread time by t.
+    `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
+    per-sequence costs)."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
+    if not vocab:
+        a[:, 8] = 0.0
     dts = np.array([dt for _, dt, _ in steps])
     floor = 1.0 / max(threads, 1)  # the fit's matmul coefficient is matmul_scale - floor >= 0
     dts_fit = dts - floor * a[:, 4]
@@ -160,7 +164,9 @@ def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, di
         shards = tp * pp
         threads = base.threads(shards) if shards > 1 else 0  # one shard: the engine's own choice (every core)
         steps, runs = [], []
-        for cfg, ckpt in probes:
+        # several shards: the first two probes only (the profile's time budget; the served probes
+        # then calibrate these layouts on the same two); the vocabulary term needs the third
+        for cfg, ckpt in probes if shards == 1 else probes[:2]:
             if cfg.n_head % tp or cfg.n_layer < pp:
                 continue
             progress(f"engine steps, TP{tp} PP{pp} ({base.threads(shards)} thread(s) per shard), "
@@ -170,14 +176,14 @@ def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, di
             steps += [(w, dt, cost) for w, dt in engine_steps(ckpt, SCENARIOS, dtype, tp, pp, threads, cfg.vocab_size)]
         if not steps:
             continue
-        fit = fit_layout(steps, base.threads(shards))
+        fit = fit_layout(steps, base.threads(shards), vocab=shards == 1)
         if fit["probe_median_error_pct"] > RETRY_ABOVE_PCT:
             # another process stretched this layout's steps (a shared host): measure it once more and
             # keep the pass the formula describes better; the profile's notes report both
             progress(f"TP{tp} PP{pp}: the fit is {fit['probe_median_error_pct']:.0f}% off its own steps; measuring again")
             again = [(w, dt, cost) for cfg, ckpt, cost in runs
                      for w, dt in engine_steps(ckpt, SCENARIOS, dtype, tp, pp, threads, cfg.vocab_size)]
-            fit2 = fit_layout(again, base.threads(shards))
+            fit2 = fit_layout(again, base.threads(shards), vocab=shards == 1)
             other = {id(fit): fit2, id(fit2): fit}
             fit = min(fit, fit2, key=lambda f: f["probe_median_error_pct"])
             fit["retried_from_median_error_pct"] = other[id(fit)]["probe_median_error_pct"]  # the pass not kept
