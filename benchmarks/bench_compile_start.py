@@ -32,7 +32,10 @@ def child(model: str, dtype: str, mode: str) -> None:
 
 
 def start(model: Path, dtype: str, mode: str, cache: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    # the Linear kernel choices (engines/fast_linear.py) persist beside the inductor cache: a first
+    # start times them, a second reuses them, as on a user's machine
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache),
+           "SHARDSERVE_FAST_LINEAR_CACHE": str(cache / "fast_linear.json")}
     r = subprocess.run([sys.executable, __file__, "--child", mode, "--dtype", dtype, "--model", str(model)],
                        capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
