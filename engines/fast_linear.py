@@ -126,26 +126,23 @@ class _Weights(nn.Module):
         self.weight, self.bias = weight, bias
 
 
-def _time(fn: Callable[[], object], budget_s: float, min_calls: int) -> float:
-    """Best of at least `min_calls` timed calls (after one warm-up), more while within `budget_s`."""
-    fn()
-    best, spent, n = float("inf"), 0.0, 0
-    while n < min_calls or spent < budget_s:
-        t = time.perf_counter()
+def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int,
+             max_rounds: int = 50) -> tuple[str, dict[str, float]]:
+    """Best time of each kernel over rounds of one call each (after a warm-up call each), until
+    `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call interleaving, so
+    that a neighbour's burst on a shared host hits all kernels alike and each gets quiet moments.
+    "linear" unless another kernel beats it by 10%."""
+    for fn in fns.values():
         fn()
-        dt = time.perf_counter() - t
-        best, spent, n = min(best, dt), spent + dt, n + 1
-    return best
-
-
-def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, rounds: int,
-             min_calls: int) -> tuple[str, dict[str, float]]:
-    """Best time of each kernel, interleaved so that a noisy neighbour hurts all alike; "linear"
-    unless another beats it by 10%."""
     best = {k: float("inf") for k in fns}
-    for _ in range(rounds):
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
         for k, fn in fns.items():
-            best[k] = min(best[k], _time(fn, budget_s, min_calls))
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            best[k], spent = min(best[k], dt), spent + dt
+        rounds += 1
     winner = min(best, key=best.get)
     return (winner if best[winner] < 0.9 * best["linear"] else "linear"), best
 
@@ -206,10 +203,10 @@ def _save(machine: str, shape: str, choice: tuple[str, str, str], times: list[di
         log.warning("fast_linear: could not save choices to %s (%s)", path, exc)
 
 
-def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.03) -> tuple[str, str, str]:
-    """(one, many, bulk) kernels of this Linear's shape, timed on first use in the process on a
-    own weight (a transposed and a prepacked copy made for the timing only). Each kernel gets
-    ~`budget_s` per round."""
+def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.4) -> tuple[str, str, str]:
+    """(one, many, bulk) kernels of this Linear's shape, timed on first use on this machine on its
+    own weight (a transposed and a prepacked copy made for the timing only), ~`budget_s` for each
+    row count (the prefill one at least one round): ~5 s for the GPT-2-124M shapes on 2 cores."""
     out_f, in_f = weight.shape
     dtype = weight.dtype
     key = (out_f, in_f, dtype, torch.get_num_threads())
@@ -225,13 +222,13 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     probe = FastLinear(_Weights(weight, bias), "pretransposed", "packed" if packs else "linear")
     runs = []
     with torch.no_grad():
-        for rows, kinds, rounds, min_calls in (
-                (1, [k for k in ONE_ROW if k != "packed" or packs], 3, 2),
+        for rows, kinds, min_rounds in (
+                (1, [k for k in ONE_ROW if k != "packed" or packs], 5),
                 (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
-                             and (k != "sliced" or out_f >= WIDE_MIN_OUT)], 2, 2),
-                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1, 1)):  # compute-bound
+                             and (k != "sliced" or out_f >= WIDE_MIN_OUT)], 3),
+                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1)):  # compute-bound
             x = torch.randn(rows, in_f).to(dtype)
-            runs.append(_fastest({k: (lambda k=k, x=x: probe.run(k, x)) for k in kinds}, budget_s, rounds, min_calls))
+            runs.append(_fastest({k: (lambda k=k, x=x: probe.run(k, x)) for k in kinds}, budget_s, min_rounds))
     _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0])
     _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
     log.debug("fast_linear %s: %s; ms %s", key, _CHOSEN[key],
