@@ -28,7 +28,15 @@ def child(model: str, dtype: str, mode: str) -> None:
     from engines import LLM
 
     llm = LLM(model, dtype=dtype, kv_cache_bytes=4 << 30, compile_decode=mode)
-    print("RESULT " + json.dumps({"start_s": time.perf_counter() - t, "compile_s": llm.engine.executor.runner.compile_s}))
+    from torch._dynamo.utils import counters
+
+    # cache hits and misses of inductor's FX graph cache and AOTAutograd's: a second start that
+    # traced the same graphs hits both (a miss means the graph or its inputs changed between starts)
+    cache = {"fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+             "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+             "aot_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+    print("RESULT " + json.dumps({"start_s": time.perf_counter() - t, "compile_s": llm.engine.executor.runner.compile_s,
+                                  "cache": cache}))
 
 
 def start(model: Path, dtype: str, mode: str, cache: Path) -> dict:
@@ -70,6 +78,7 @@ def main() -> None:
         print(f"{dtype:9s} eager start {eager['start_s']:.1f} s | compiled first start {first['start_s']:.1f} s "
               f"(compile {first['compile_s']:.1f} s) | second start {second['start_s']:.1f} s (compile "
               f"{second['compile_s']:.1f} s) = {second['start_s'] / BUDGET_S:.2f}x the {BUDGET_S:.0f} s budget | "
+              f"caches first {first['cache']} second {second['cache']} | "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 
