@@ -75,8 +75,11 @@ def worker(args) -> dict:
     t = time.perf_counter()
     outs = llm.generate([ids for ids, _ in reqs], params)
     dt = time.perf_counter() - t
+    from engines import fast_linear
+
+    kernels = {f"{o}x{i}": "/".join(k) for (o, i, _, _), k in fast_linear._CHOSEN.items()}
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt, "load_s": load_s,
-            "compile_s": compile_s}
+            "compile_s": compile_s, "kernels": kernels}
 
 
 # ---------------------------------------------------------------- driver side
@@ -267,6 +270,9 @@ def main() -> None:
     dtypes = ["float32"] + ([] if "bf16" in skip else ["bfloat16"])
     modes = args.compile_decode.split(",")
     inductor_cache = Path(tempfile.mkdtemp(prefix="bench-peer-inductor-"))
+    # our Linear kernel choices (engines/fast_linear.py) are timed by the first worker of each dtype
+    # in this invocation, under the lock, and reused by the later ones, as on a user's machine
+    os.environ["SHARDSERVE_FAST_LINEAR_CACHE"] = str(inductor_cache / "fast_linear.json")
     for task in [t for t in ("b1", "mix") if t not in skip]:
         for dt in dtypes:
             res = {("ours" if len(modes) == 1 else f"ours[{m}]"): run_worker(
@@ -292,6 +298,9 @@ def main() -> None:
                 if task == "mix" and dt == "float32":
                     line += f" | {eng} {mix_flops(n) / res[eng]['seconds'] / peak:.0%} of the fp32 compute ceiling"
             print(line + f" | load {os.getloadavg()[0]:.1f}", flush=True)
+            for eng, r in res.items():
+                if r.get("kernels"):
+                    print(f"     {eng} Linear kernels (one row / decode batch / prefill): {r['kernels']}")
             rows.append((task, dt, res))
     if "http" not in skip:
         with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:

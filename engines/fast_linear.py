@@ -1,165 +1,267 @@
-"""A runtime transformation for CPU inference: each Linear gets the fastest of three kernels.
+"""A runtime transformation for CPU inference: each Linear gets the fastest kernel for its shape,
+chosen by timing at load, separately for one row, a decode batch and a prefill chunk.
 
-On CPU, a matrix-vector product (decode at batch 1) is memory-bound, and the kernels behind
-`F.linear` (weight stored (out, in)), `torch.mm` with a pre-transposed weight (stored (in, out))
-and `torch.mv` stream memory at very different rates depending on the build, the dtype and the
-shape: measured here at batch 1, bf16 `mv` reads at 86% of the fp32-sum bandwidth where
-`F.linear` reaches 58%, and fp32 `F.linear` was up to 3x slower than the pre-transposed `mm` on
-some shapes. So each distinct (out, in, dtype) shape is timed all three ways when the first model
-with it loads in the process, and the fastest is kept. Batches of more than one row always use a
-matrix-matrix kernel; a vocabulary-wide head may compute it in slices (SlicedWideLinear).
-The model file stays plain; this only swaps modules of exact type nn.Linear (a parallel layer
-that subclasses Linear keeps its own forward).
+On CPU a matrix-vector product (decode at batch 1) is memory-bound, and the kernels a torch build
+ships stream memory at very different rates depending on the CPU, the dtype and the shape. Measured
+on a 2-core AMD EPYC with AVX512-BF16 (BENCHMARKS.md, issue 12): the bf16 GPT-2 head (50,257 x 768,
+77 MB) took 12-24 ms per row through `F.linear` / `mm` / `mv` and 5-6 ms through oneDNN's linear on
+a weight reordered once into its blocked layout (`packed`); fp32 `F.linear` was up to 3x slower
+than `mm` on a pre-transposed weight on some shapes. Which kernel wins flips between machines
+(AVX2-only, AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
+(out, in, dtype, threads) shape is timed all ways once per process, on one row, on MANY_ROWS rows
+(a decode batch) and on BULK_ROWS rows (a prefill chunk), and `FastLinear` dispatches on the row
+count. A kernel must beat plain `F.linear` by 10% to replace it. The choices persist in
+~/.cache/shardserve/fast_linear.json keyed by the machine (CPU model and flags, torch build,
+threads), so a later start on the same machine skips the timing (~5-10 s on 2 cores) and computes
+with the same kernels, hence the same rounding; delete the file to time again.
+
+The weight stays the module's `weight` Parameter (a tied LM head stays tied, state_dict keys are
+unchanged); pre-transposed and packed copies are extra, non-persistent buffers, built only for the
+kernels chosen. Under torch.compile every FastLinear is plain `F.linear` on that weight, so the
+compiled graph does not depend on this process's timings (inductor's cache hits across starts).
+The model file stays plain; only modules of exact type nn.Linear are swapped (a parallel layer that
+subclasses Linear keeps its own forward).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger(__name__)
 
-class PretransposedLinear(nn.Module):
-    """y = x @ W^T + b computed as addmm(b, x, Wt) with Wt = W^T stored contiguous (in, out)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # (M, in)
-        y = torch.mm(x2, self.weight_t) if self.bias is None else torch.addmm(self.bias, x2, self.weight_t)
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-class GemvLinear(nn.Module):
-    """F.linear, except that a single row (batch-1 decode) goes through torch.mv."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # shared, so a tied LM head stays tied
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        x1 = x.reshape(self.in_features)
-        y = torch.mv(self.weight, x1) if self.bias is None else torch.addmv(self.bias, self.weight, x1)  # (out,)
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-class SlicedWideLinear(nn.Module):
-    """A wide Linear (an LM head: tens of thousands of outputs) computed, for more than one row,
-    in slices of `chunk` output features, each slice's (rows, chunk) result staying in cache; a
-    single row goes to `inner` (the shape's batch-1 kernel). With MKL's fp32 GEMM on an AMD EPYC
-    the (57 x 768) @ (768 x 50257) head ran ~2x faster in slices of 512-1024 than in one call, and
-    slower in bf16 (oneDNN), so `choose_wide_kernel` times both on the model's own weight."""
-
-    def __init__(self, inner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int):
-        super().__init__()
-        self.inner = inner
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight, self.bias, self.chunk = weight, bias, chunk  # weight shared (a tied head stays tied)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # (M, in)
-        if x2.shape[0] == 1:
-            return self.inner(x)
-        out = x2.new_empty(x2.shape[0], self.out_features)  # (M, out)
-        for s in range(0, self.out_features, self.chunk):
-            e = min(s + self.chunk, self.out_features)
-            out[:, s:e] = F.linear(x2, self.weight[s:e], None if self.bias is None else self.bias[s:e])
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-KERNELS = {"linear": None, "pretransposed": PretransposedLinear, "gemv": GemvLinear}
+ONE_ROW = ("linear", "pretransposed", "gemv", "packed")
+"""Candidates for a single row (batch-1 decode, the LM head of one sequence)."""
+MULTI_ROW = ("linear", "pretransposed", "packed", "sliced")
+"""Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
+MANY_ROWS, BULK_ROWS = 32, 128
+"""Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
+BULK_FROM = 65
 WIDE_MIN_OUT = 16384
-"""Linears with at least this many outputs (vocabulary heads) also time SlicedWideLinear."""
-WIDE_CHUNK, WIDE_ROWS = 1024, 32
-"""Slice width, and the rows (a mid-size decode batch) both ways are timed on."""
+"""Linears with at least this many outputs (vocabulary heads) also time the sliced kernel."""
+COLD_BYTES = 96 << 20
+"""Weights are timed cold: on enough copies to exceed this (3x a 32 MB L3), see choose_kernels."""
+WIDE_CHUNK = 1024
+"""Output features per slice of the sliced kernel: a (rows, 1024) result stays in cache."""
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear can run `dtype` in this build on this CPU."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out, in) reordered once into oneDNN's blocked layout for `_linear_pointwise`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+class FastLinear(nn.Module):
+    """y = x @ W^T + b with a kernel per row count: `one` for a single row, `many` for up to
+    BULK_FROM - 1 rows, `bulk` above. Kernels: linear (F.linear), pretransposed (addmm on a
+    contiguous W^T), gemv (mv, one row only), packed (oneDNN on a prepacked W), sliced (F.linear
+    over WIDE_CHUNK output features at a time, for a vocabulary head)."""
+
+    def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
+                 chunk: int = WIDE_CHUNK):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
+        self.one, self.many, self.bulk, self.chunk = one, many, bulk, chunk
+        kinds = {one, many, bulk}
+        w = linear.weight.detach()
+        self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
+                             persistent=False)  # (in, out)
+        self.register_buffer("packed", pack_weight(w) if "packed" in kinds else None, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the graph must not depend on this process's timings
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        m = x2.shape[0]
+        kind = self.one if m == 1 else self.many if m < BULK_FROM else self.bulk
+        return self.run(kind, x2).view(*x.shape[:-1], self.out_features)
+
+    def run(self, kind: str, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, in) -> (M, out) through `kind`."""
+        w, b = self.weight, self.bias
+        if kind == "linear":
+            return F.linear(x2, w, b)
+        if kind == "pretransposed":
+            return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
+        if kind == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
+        if kind == "gemv":
+            if x2.shape[0] != 1:
+                raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
+            return (torch.mv(w, x2[0]) if b is None else torch.addmv(b, w, x2[0]))[None]
+        if kind == "sliced":
+            out = x2.new_empty(x2.shape[0], self.out_features)  # (M, out)
+            for s in range(0, self.out_features, self.chunk):
+                e = min(s + self.chunk, self.out_features)
+                out[:, s:e] = F.linear(x2, w[s:e], None if b is None else b[s:e])
+            return out
+        raise ValueError(f"unknown kernel {kind!r}; allowed: {sorted(set(ONE_ROW + MULTI_ROW))}")
+
+
+class _Weights(nn.Module):
+    """What FastLinear reads of an nn.Linear, around an existing weight (for timing on it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+
+
+def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int,
+             max_rounds: int = 50) -> tuple[str, dict[str, float]]:
+    """Best time of each kernel over rounds of one call each (after a warm-up call each), until
+    `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call interleaving, so
+    that a neighbour's burst on a shared host hits all kernels alike and each gets quiet moments.
+    "linear" unless another kernel beats it by 10%."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    best = {k: float("inf") for k in fns}
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            best[k], spent = min(best[k], dt), spent + dt
+        rounds += 1
+    winner = min(best, key=best.get)
+    return (winner if best[winner] < 0.9 * best["linear"] else "linear"), best
 
 
-_CHOSEN: dict[tuple[int, int, torch.dtype], str] = {}
-"""Choices already timed in this process: every engine built here uses the same kernel for a
+_CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}
+"""Choices already made in this process: every engine built here uses the same kernels for a
 shape (the same rounding, hence the same tokens) and pays for the timing once."""
 
 
-def fastest_kernel(out_f: int, in_f: int, dtype: torch.dtype, reps: int = 7) -> str:
-    """The shape's kernel, timed on first use in the process (see `_time_kernels`)."""
-    key = (out_f, in_f, dtype)
-    if key not in _CHOSEN:
-        _CHOSEN[key] = _time_kernels(out_f, in_f, dtype, reps)
+def choices_file() -> Path | None:
+    """Where choices persist across processes: $SHARDSERVE_FAST_LINEAR_CACHE ("" turns it off), else
+    ~/.cache/shardserve/fast_linear.json ($XDG_CACHE_HOME honoured)."""
+    env = os.environ.get("SHARDSERVE_FAST_LINEAR_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shardserve" / "fast_linear.json"
+
+
+def machine_key() -> str:
+    """The CPU model, a digest of its flags, the torch build and the intra-op thread count: a
+    choice timed under one of these is reused only under the same."""
+    from engines.hardware import cpu_name, read_cpu_flags
+
+    flags = " ".join(sorted(read_cpu_flags() or ()))
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    return f"{cpu_name()}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def _shape_key(out_f: int, in_f: int, dtype: torch.dtype, bias: bool) -> str:
+    return f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')}{' bias' if bias else ''}"
+
+
+def _load_saved() -> dict:
+    path = choices_file()
+    if path is None or not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # a torn or foreign file: time again, overwrite it
+        log.warning("fast_linear: ignoring unreadable %s (%s)", path, exc)
+        return {}
+
+
+def _save(machine: str, shape: str, choice: tuple[str, str, str], times: list[dict[str, float]]) -> None:
+    path = choices_file()
+    if path is None:
+        return
+    data = _load_saved()
+    data.setdefault(machine, {})[shape] = {
+        "kernels": list(choice), "ms": [{k: round(v * 1e3, 4) for k, v in t.items()} for t in times]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError as exc:
+        log.warning("fast_linear: could not save choices to %s (%s)", path, exc)
+
+
+def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.4) -> tuple[str, str, str]:
+    """(one, many, bulk) kernels of this Linear's shape, timed on first use on this machine on its
+    own weight (a transposed and a prepacked copy made for the timing only), ~`budget_s` for each
+    row count (the prefill one at least one round): ~5 s for the GPT-2-124M shapes on 2 cores."""
+    out_f, in_f = weight.shape
+    dtype = weight.dtype
+    key = (out_f, in_f, dtype, torch.get_num_threads())
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
+    saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
+    if isinstance(saved, list) and len(saved) == 3 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
+            "packed" not in saved or packing_available(dtype)):
+        _CHOSEN[key] = (saved[0], saved[1], saved[2])
+        return _CHOSEN[key]
+    packs = packing_available(dtype)
+    # in a model every Linear's weight is read after the others evicted it from the caches, so a
+    # weight smaller than COLD_BYTES is timed on a ring of copies (each call the next one): timed
+    # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
+    copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
+    probes = [FastLinear(_Weights(weight if i == 0 else weight.detach().clone(), bias), "pretransposed",
+                         "packed" if packs else "linear") for i in range(copies)]
+    turn = iter(range(1 << 62))
+
+    def call(kind: str, x: torch.Tensor) -> torch.Tensor:
+        return probes[next(turn) % copies].run(kind, x)
+
+    runs = []
+    with torch.no_grad():
+        for rows, kinds, min_rounds in (
+                (1, [k for k in ONE_ROW if k != "packed" or packs], 5),
+                (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
+                             and (k != "sliced" or out_f >= WIDE_MIN_OUT)], 3),
+                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1)):  # compute-bound
+            x = torch.randn(rows, in_f).to(dtype)
+            runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))
+    probes.clear()  # the copies (up to COLD_BYTES in three layouts) go now
+    _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0])
+    _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
+    log.debug("fast_linear %s: %s; ms %s", key, _CHOSEN[key],
+              [{k: round(v * 1e3, 3) for k, v in t.items()} for _, t in runs])
     return _CHOSEN[key]
 
 
-def _time_kernels(out_f: int, in_f: int, dtype: torch.dtype, reps: int) -> str:
-    """Time the three kernels on one row, interleaved; plain linear unless another wins by 10%."""
-    w = torch.randn(out_f, in_f).to(dtype)
-    wt = w.t().contiguous()
-    x = torch.randn(1, in_f).to(dtype)
-    fns = {"linear": lambda: F.linear(x, w), "pretransposed": lambda: torch.mm(x, wt),
-           "gemv": lambda: torch.mv(w, x[0])}
-    best = {k: float("inf") for k in fns}
-    for _ in range(3):  # interleave so that a noisy neighbour hurts all alike
-        for k, fn in fns.items():
-            best[k] = min(best[k], _time(fn, reps))
-    winner = min(best, key=best.get)
-    return winner if best[winner] < 0.9 * best["linear"] else "linear"
-
-
-_WIDE_CHOSEN: dict[tuple[int, int, torch.dtype, int], bool] = {}
-
-
-def choose_wide_kernel(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
-                       rows: int = WIDE_ROWS, reps: int = 3) -> bool:
-    """Whether slices beat one call for `rows` rows of this wide Linear, timed on its own weight
-    (interleaved, best of each; slices must win by 10%). Cached per shape, dtype and thread count."""
-    key = (weight.shape[0], weight.shape[1], weight.dtype, torch.get_num_threads())
-    if key not in _WIDE_CHOSEN:
-        x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
-        sliced = SlicedWideLinear(module, weight, bias, WIDE_CHUNK)
-        whole = {"whole": lambda: module(x), "sliced": lambda: sliced(x)}
-        best = {k: float("inf") for k in whole}
-        with torch.no_grad():
-            for _ in range(2):
-                for k, fn in whole.items():
-                    best[k] = min(best[k], _time(fn, reps))
-        _WIDE_CHOSEN[key] = best["sliced"] < 0.9 * best["whole"]
-    return _WIDE_CHOSEN[key]
-
-
-def apply_fast_linear(model: nn.Module) -> dict[tuple[int, int], str]:
-    """Swap each plain nn.Linear for its shape's fastest batch-1 kernel, and a wide one (a
-    vocabulary head) for SlicedWideLinear where that times faster; returns the choices
-    ("+sliced" marks the latter)."""
-    choices: dict[tuple[int, int], str] = {}
+def apply_fast_linear(model: nn.Module) -> dict[tuple[int, int], tuple[str, str, str]]:
+    """Swap each plain CPU nn.Linear (fp32 / bf16 / fp16) for a FastLinear with its shape's timed
+    kernels (one row, decode batch, prefill chunk); returns the choices by (out, in). A shape whose
+    three choices are all plain linear keeps its nn.Linear."""
+    choices: dict[tuple[int, int], tuple[str, str, str]] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
             key = (child.out_features, child.in_features)
-            if key not in choices:
-                choices[key] = fastest_kernel(*key, child.weight.dtype)
-            kernel = KERNELS[choices[key].split("+")[0]]
-            new = child if kernel is None else kernel(child)
-            if child.out_features >= WIDE_MIN_OUT and choose_wide_kernel(new, child.weight, child.bias):
-                new = SlicedWideLinear(new, child.weight, child.bias, WIDE_CHUNK)
-                choices[key] = choices[key].split("+")[0] + "+sliced"
-            if new is not child:
-                setattr(parent, name, new)
+            choices[key] = choose_kernels(child.weight, child.bias)
+            if choices[key] != ("linear", "linear", "linear"):
+                setattr(parent, name, FastLinear(child, *choices[key]))
+    if choices:
+        log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices

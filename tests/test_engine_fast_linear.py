@@ -2,69 +2,122 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
-from engines.fast_linear import KERNELS, SlicedWideLinear, apply_fast_linear
+import engines.fast_linear as fl
+from engines.fast_linear import FastLinear, apply_fast_linear, packing_available
+
+ONE_ROW_ONLY = {"gemv"}
 
 
-@pytest.mark.parametrize("kernel", ["pretransposed", "gemv"])
+@pytest.fixture(autouse=True)
+def _private_choices(monkeypatch, tmp_path):
+    """Each test times (or loads) its own choices: nothing shared with the user's cache or another test."""
+    monkeypatch.setenv("SHARDSERVE_FAST_LINEAR_CACHE", str(tmp_path / "fast_linear.json"))
+    monkeypatch.setattr(fl, "_CHOSEN", {})
+
+
+def _kernels(dtype):
+    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if k != "packed" or packing_available(dtype)]
+
+
+@pytest.mark.parametrize("kernel", _kernels(torch.float32))
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 7, 48), (3, 5, 48)])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 7, 48), (3, 5, 48), (70, 48)])
 def test_kernels_match_linear(kernel, bias, shape):
+    """Every kernel, as the one-row, decode-batch and prefill kernel at once (the sliced one with
+    a last slice shorter than the others), gives what nn.Linear gives."""
     torch.manual_seed(0)
     lin = nn.Linear(48, 80, bias=bias)
-    fast = KERNELS[kernel](lin)
     x = torch.randn(*shape)
-    torch.testing.assert_close(fast(x), lin(x), rtol=1e-5, atol=1e-5)
+    rows = x.numel() // 48
+    if kernel in ONE_ROW_ONLY and rows != 1:
+        fast = FastLinear(lin, one=kernel)  # multi-row kernels stay linear
+    else:
+        fast = FastLinear(lin, kernel, kernel, kernel, chunk=24)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16), reason="oneDNN bf16 not supported on this CPU")
+@pytest.mark.parametrize("rows", [1, 4, 70])
+def test_packed_bf16_matches_linear(rows):
+    """The prepacked oneDNN kernel in bf16 (the batch-1 head's kernel on AVX512-BF16 / AMX CPUs)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    fast = FastLinear(lin, "packed", "packed", "packed")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x).float(), lin(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_unknown_kernel_names_the_allowed_ones():
+    fast = FastLinear(nn.Linear(8, 8), one="simd")
+    with pytest.raises(ValueError, match="unknown kernel 'simd'.*packed"):
+        fast(torch.randn(1, 8))
 
 
 def test_apply_keeps_tied_head_and_outputs(gpt2_dir):
     from engines.checkpoint import load_model
 
     model, cfg = load_model(gpt2_dir)
+    keys = set(model.state_dict())
     idx = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
         before = model.logits(model(idx))
         choices = apply_fast_linear(model)
         after = model.logits(model(idx))
         one = model.logits(model(idx[:, :1]))
-    assert {c.split("+")[0] for c in choices.values()} <= set(KERNELS)
+    assert all(set(c) <= set(fl.ONE_ROW + fl.MULTI_ROW) for c in choices.values())
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one[0, 0], before[0, 0], rtol=1e-5, atol=1e-5)
-    if choices[(cfg.vocab_size, cfg.n_embd)].startswith("gemv"):
-        assert model.lm_head.weight is model.wte.weight
+    assert model.lm_head.weight is model.wte.weight
+    assert set(model.state_dict()) == keys  # the extra layouts are not persistent
 
 
-@pytest.mark.parametrize("inner", ["linear", "pretransposed", "gemv"])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 7, 48), (3, 5, 48)])
-def test_sliced_wide_linear_matches_linear(inner, bias, shape):
-    """Slices of the output features (the last one short) give what one nn.Linear call gives."""
-    torch.manual_seed(0)
-    lin = nn.Linear(48, 80, bias=bias)
-    kernel = KERNELS[inner]
-    sliced = SlicedWideLinear(lin if kernel is None else kernel(lin), lin.weight, lin.bias, chunk=24)
-    x = torch.randn(*shape)
-    with torch.no_grad():
-        torch.testing.assert_close(sliced(x), lin(x), rtol=1e-5, atol=1e-5)
-
-
-def test_wide_head_choice_keeps_the_tie_and_outputs(monkeypatch, gpt2_dir):
-    """A head that qualifies as wide (threshold lowered to the test model's vocabulary) and is
-    forced sliced keeps its tie to the embedding and the model's logits."""
-    import engines.fast_linear as fl
+def test_wide_head_forced_sliced_keeps_the_tie_and_outputs(monkeypatch, gpt2_dir):
+    """A head whose decode-batch choice is the sliced kernel keeps its tie and the model's logits."""
     from engines.checkpoint import load_model
 
     model, cfg = load_model(gpt2_dir)
-    monkeypatch.setattr(fl, "WIDE_MIN_OUT", cfg.vocab_size)
-    monkeypatch.setattr(fl, "choose_wide_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b: ("linear", "sliced", "linear"))
     idx = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
         before = model.logits(model(idx))
-        choices = fl.apply_fast_linear(model)
+        fl.apply_fast_linear(model)
         after = model.logits(model(idx))
-    assert isinstance(model.lm_head, SlicedWideLinear) and choices[(cfg.vocab_size, cfg.n_embd)].endswith("+sliced")
+    assert isinstance(model.lm_head, FastLinear) and model.lm_head.many == "sliced"
     assert model.lm_head.weight is model.wte.weight
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_choices_persist_per_machine_and_are_reused(monkeypatch, tmp_path):
+    """A second process (the in-process memo cleared) reads the first one's choices instead of
+    timing; another machine key times again."""
+    w = torch.randn(40, 24)
+    first = fl.choose_kernels(w, None)
+    saved = json.loads((tmp_path / "fast_linear.json").read_text())
+    entry = saved[fl.machine_key()]["40x24 float32"]
+    assert tuple(entry["kernels"]) == first and len(entry["ms"]) == 3
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed although a saved choice exists")
+
+    monkeypatch.setattr(fl, "_CHOSEN", {})
+    monkeypatch.setattr(fl, "_fastest", no_timing)
+    assert fl.choose_kernels(w, None) == first
+    monkeypatch.setattr(fl, "_CHOSEN", {})
+    monkeypatch.setattr(fl, "machine_key", lambda: "another CPU")
+    with pytest.raises(AssertionError, match="timed although"):
+        fl.choose_kernels(w, None)
+
+
+def test_unreadable_choices_file_is_timed_again(tmp_path):
+    (tmp_path / "fast_linear.json").write_text("{not json")
+    choice = fl.choose_kernels(torch.randn(16, 8), torch.randn(16))
+    assert json.loads((tmp_path / "fast_linear.json").read_text())[fl.machine_key()]["16x8 float32 bias"][
+        "kernels"] == list(choice)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -144,3 +145,18 @@ def _run(engine: LLMEngine, prompts, params):
     while engine.has_unfinished_requests():
         final.extend(o for o in engine.step() if o.finished)
     return final
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_decode_attends_in_fp32(dtype):
+    """bf16 / fp16 decode on CPU attends each context in fp32 scratch (split tables, contexts of
+    different lengths sharing it, GQA): the fp32 dense attention of the same low-precision inputs,
+    to the output dtype's rounding."""
+    for gqa in (False, True):
+        cache, decode, q, k, v, ctx, bs = _attention_case(gqa, dtype)
+        c32 = KVCache(1, 40, bs, k.shape[1], q.shape[2], torch.float32)
+        c32.data.copy_(cache.data)
+        ref = _dense_reference(c32, decode, q.float(), k.float(), v.float(), ctx, bs)
+        out = PagedAttention(cache, decode, [], torch.device("cpu"), batched_decode=False)(0, q, k, v)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.float(), ref, rtol=0, atol=1e-2)
