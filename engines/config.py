@@ -177,8 +177,10 @@ class EngineConfig:
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
     cpu_linear_autotune: bool = True
-    """On CPU, time both weight layouts of each Linear shape at load and keep the faster
-    (engines/fast_linear.py); off keeps the model's plain nn.Linear layers."""
+    """On CPU, time each Linear shape's kernels (F.linear, addmm on a transposed weight, mv, oneDNN
+    on a reordered weight) at load for one row, a decode batch and a prefill chunk, keep the fastest
+    of each (engines/fast_linear.py), and save the choices per CPU, torch build and thread count
+    (SHARDSERVE_FAST_LINEAR_CACHE; "" saves nothing); off keeps the model's plain nn.Linear layers."""
     static_decode: Literal["auto", "on", "off"] = "auto"
     """Decode-only steps through engines.decode_runner (padded batch buckets, persistent buffers,
     no host sync in the step). auto: on for CUDA, off on CPU, where the eager per-sequence
