@@ -196,12 +196,12 @@ LAYOUT_OPTIONAL = ("vocab_seq_ns",)
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "retried_from_median_error_pct",
-                "served_scale", "served_attention_scale", "served_fit_error_pct")
+                "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
 layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept; and
-the factors from the engine in isolation to the served engine (tuner.measure_served, already applied
-to the constants: attention's and the other parts') with the median error of that fit on the
-served probes' TPOTs."""
+served_gap_ms, the median time the serving loop spent between two steps (already in the constants,
+which are fitted on served step cycles: tuner.measure_served); served_scale, served_attention_scale
+and served_fit_error_pct are kept for profiles of the earlier TPOT-scaled fit."""
 
 
 def layout_key(tp: int, pp: int) -> str:
