@@ -22,6 +22,7 @@ What is measured, and which profile field it becomes:
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -110,8 +111,9 @@ def measure_bandwidth(mib: int = 256) -> float:
 
 
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
-            dtype: str = "auto") -> HardwareProfile:
-    """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0).
+            dtype: str = "auto", steps_out: Path | None = None) -> HardwareProfile:
+    """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0);
+    `steps_out`: a JSON file for the served probes' steps (what the fit saw).
     The engine constants are fitted on steps in `dtype` ("auto": what the engine picks here, bf16
     on CPUs with AMX or AVX512-BF16, else float32), the dtype the profile's configs should serve in."""
     import torch
@@ -143,7 +145,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         send_latency_us=round(comm["send_latency_us"], 1), reserved_memory_gib=1.0)
     with tempfile.TemporaryDirectory(prefix="shardserve-profile-") as tmp:
         if serve:
-            layouts, request_ms, notes = _served(base, Path(tmp), dtype, progress)
+            layouts, request_ms, notes = _served(base, Path(tmp), dtype, progress, steps_out)
         else:
             layouts, request_ms = measure_layouts(base, Path(tmp), dtype, progress), 0.0
             notes = "the engine's steps in isolation (--no-serve: no request overhead, no serving loop)"
@@ -163,15 +165,22 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
     return prof
 
 
-def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[str], None]
-            ) -> tuple[dict[str, dict[str, float]], float, str]:
+def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[str], None],
+            steps_out: Path | None = None) -> tuple[dict[str, dict[str, float]], float, str]:
     """Serve the probes in every layout of this host and fit each layout's constants on its served
     step cycles (tuner.measure_served); (layouts, request_overhead_ms, a note for fit_notes)."""
     import numpy as np
 
     from tuner.cost import CostModel
     from tuner.measure_engine import PROBE_POSITIONS, fit_layout, layouts_for
-    from tuner.measure_served import SERVED_PROBES, request_overhead_s, serve_probes, step_cycles
+    from tuner.measure_served import (
+        MULTI_SHARD_PROBES,
+        SERVED_PROBES,
+        request_overhead_s,
+        requests_of,
+        serve_probes,
+        step_cycles,
+    )
     from tuner.probe_model import gpt2_shape, write_random_checkpoint
     from tuner.profiles import layout_key
 
@@ -182,7 +191,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     copies, meta = {}, {}
     for tp, pp in layouts_for(base.cores):
         for i, (cfg, path) in enumerate(probes):
-            if cfg.n_head % tp or cfg.n_layer < pp:
+            if cfg.n_head % tp or cfg.n_layer < pp or (tp * pp > 1 and i not in MULTI_SHARD_PROBES):
                 continue
             name = f"p{i}-{layout_key(tp, pp)}"
             copies[name] = (path, tp, pp, base.threads(tp * pp))
@@ -199,14 +208,25 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                 rows += [(w, dt + gap, cost) for w, dt, gap in cyc]
                 gaps += [gap for _, _, gap in cyc]
         tp, pp = (int(v) for v in key.split("x"))
-        fit = fit_layout(rows, base.threads(tp * pp), vocab=True)
+        # several shards see two probes, which cannot tell the vocabulary's per-sequence cost from the
+        # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice, on its threads
+        vocab = True if tp * pp == 1 else layouts["1x1"]["vocab_seq_ns"] * base.threads(1) / base.threads(tp * pp)
+        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True)
         fit["served_gap_ms"] = float(np.median(gaps)) * 1e3
         layouts[key] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
         notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")
         progress(f"served {key}: {len(rows)} step cycles, fit median / max error "
                  f"{fit['probe_median_error_pct']:.1f}% / {fit['probe_max_error_pct']:.0f}%, "
+                 f"mean {fit['probe_mean_bias_pct']:+.1f}%, "
                  f"median gap between steps {fit['served_gap_ms']:.2f} ms")
     over = [request_overhead_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])
             for name, (key, _) in meta.items() if key == "1x1"]
     request_ms = max(float(np.mean(over)), 0.0) * 1e3
+    if steps_out is not None:  # what the fit saw, for a refit or a look without serving again
+        steps_out.write_text(json.dumps({name: {"layout": meta[name][0], "probe": list(SERVED_PROBES[int(name[1])]),
+                                                "steps": served[name]["steps"],
+                                                "ttft_one_at_a_time_s": [float(x) for x in requests_of(
+                                                    served[name]["runs"][1])["ttft"]],
+                                                "span_one_at_a_time": served[name]["spans"][1]}
+                                         for name in served}))
     return layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")"

@@ -28,6 +28,9 @@ SERVED_PROBES = ((2, 6, 384, 8192), (12, 8, 512, 512), (4, 4, 256, 50257))
 """(n_layer, n_head, n_embd, vocab), head size 64: depths (2-12), widths and vocabularies apart, so
 that per-step, per-layer, per-FLOP, per-sequence-per-layer, per-sequence and per-vocabulary-entry
 costs can be told apart; head counts even, so every probe splits over TP2."""
+MULTI_SHARD_PROBES = (0, 1)
+"""The probes a layout of several shards is served with (the profile's time budget: each such copy
+starts tp x pp shard actors beside its replica, and starting processes is most of the profile)."""
 SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts them)
 CONCURRENCY = ((1, 3, 16), (8, 16, 96))
 """(requests in flight, requests measured, prompt tokens) of each closed-loop run per copy: one at
