@@ -217,7 +217,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
         notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")
         progress(f"served {key}: {len(rows)} step cycles, fit median / max error "
                  f"{fit['probe_median_error_pct']:.1f}% / {fit['probe_max_error_pct']:.0f}%, "
-                 f"mean {fit['probe_mean_bias_pct']:+.1f}%, "
+                 f"fitted / measured total {fit['probe_mean_ratio']:.3f}, "
                  f"median gap between steps {fit['served_gap_ms']:.2f} ms")
     over = [request_overhead_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])
             for name, (key, _) in meta.items() if key == "1x1"]

@@ -160,7 +160,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "attention_kv_gb_s": 1 / x[6] / 1e9 if x[6] > 0 else 1e4,
             "vocab_seq_ns": x[8] * 1e9,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
-            "probe_mean_bias_pct": float((np.sum(a @ x) / np.sum(dts) - 1) * 100),
+            "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}
 
 

@@ -195,7 +195,7 @@ attention rates are per shard."""
 LAYOUT_OPTIONAL = ("vocab_seq_ns",)
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies)."""
-LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_bias_pct", "retried_from_median_error_pct",
+LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
                 "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
 layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept; and
