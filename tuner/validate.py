@@ -168,7 +168,9 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
 def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> dict[str, float]:
     """The served replicas' latest steps of a run (at most engines.llm_engine.STEP_LOG_LEN per
     replica, read once after it: nothing polls the server while it is measured) against the cost
-    model's step times for the same work: how much of a TPOT or TTFT error is the step model's."""
+    model's step times for the same work: how much of a TPOT or TTFT error is the step model's.
+    `raw`: each step cycle as [tokens, sampled, prefill attention pairs, decode context, sequences,
+    step seconds, gap seconds after it]."""
     import httpx
 
     from tuner.measure_served import PUSH_INTERVAL_S, step_cycles
@@ -188,7 +190,8 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
     return {"cycles": len(cyc), "measured_mean_cycle_ms": float(meas.mean() * 1e3),
             "predicted_mean_cycle_ms": float(pred.mean() * 1e3), "median_cycle_error": float(np.median(pred / meas - 1)),
             "mean_gap_ms": float(np.mean([g for _, _, g in cyc]) * 1e3),
-            "mean_batch": float(np.mean([w.seqs for w, _, _ in cyc]))}
+            "mean_batch": float(np.mean([w.seqs for w, _, _ in cyc])),
+            "raw": [[w.tokens, w.sampled, w.prefill_attn_pairs, w.decode_context, w.seqs, dt, gap] for w, dt, gap in cyc]}
 
 
 def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Workload,
