@@ -109,8 +109,11 @@ def _features(w, cost) -> list[float]:
     layers = cost.pp * cost.layers_per_stage
     pre_flops = 4 * (m.n_head // cost.tp) * m.hd * w.prefill_attn_pairs  # per shard
     kv_bytes = 2 * cost.kv_heads_per_device * m.hd * cost.kv_bytes * w.decode_context
+    shard_threads = cost.profile.threads(cost.tp * cost.pp)
     return [1.0, layers, layers * (w.seqs or w.sampled), w.sampled, cost.matmul_time(w, threads=1),
-            layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp]
+            layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp,
+            cost.matmul_time(w, threads=shard_threads) if shard_threads > 1 else 0.0,
+            layers * w.tokens * m.n_embd / cost.tp]
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
@@ -159,6 +162,8 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "attention_prefill_tflops": 1 / x[5] / 1e12 if x[5] > 0 else 1e3,  # too cheap to see: effectively free
             "attention_kv_gb_s": 1 / x[6] / 1e9 if x[6] > 0 else 1e4,
             "vocab_seq_ns": x[8] * 1e9,
+            "matmul_mt_scale": x[9],
+            "token_layer_width_ns": x[10] * 1e9,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
             "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}
