@@ -292,12 +292,12 @@ def test_served_steps_fit_back_to_known_constants():
     """Steps as GET /v1/admin/steps reports them, timed by a known layout plus a serving-loop gap
     of 1 ms + 0.2 ms per sampled sequence, on three probe shapes: step_cycles pairs each step with
     the gap after it (none when the engine idled), and fit_layout on those cycles gives back a cost
-    model whose steps, for a model it did not see, take the known step + gap; request_overhead_s is
+    model whose steps, for a model it did not see, take the known step + gap; request_overheads_s is
     the one-at-a-time TTFT beyond the prefill cycle."""
     from types import SimpleNamespace
 
     from tuner.measure_engine import fit_layout
-    from tuner.measure_served import request_overhead_s, step_cycles
+    from tuner.measure_served import request_overheads_s, step_cycles
 
     prof = _profile(matmul_tflops={1: {"bfloat16": {1: 0.01, 64: 0.1}}, 2: {"bfloat16": {1: 0.02, 64: 0.2}}}, cores=2)
     lay = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
@@ -348,5 +348,5 @@ def test_served_steps_fit_back_to_known_constants():
     one = [{"end_s": 1.0 + i, "seconds": 0.010, "gap_s": None if i % 2 == 0 else 0.0012, "decode_seqs": i % 2,
             "decode_context_tokens": 20 * (i % 2), "prefill_seqs": 1 - i % 2, "prefill_tokens": 19 * (1 - i % 2),
             "prefill_attention_pairs": 190 * (1 - i % 2), "sampled": 1} for i in range(6)]
-    assert request_overhead_s(SimpleNamespace(records=recs), one, (0.5, 7.0)) == pytest.approx(0.0288)
+    assert request_overheads_s(SimpleNamespace(records=recs), one, (0.5, 7.0)) == pytest.approx([0.0288] * 3)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-SERVED_PROBES = ((2, 6, 384, 8192), (12, 8, 512, 512), (4, 4, 256, 50257))
+SERVED_PROBES = ((2, 6, 384, 8192), (12, 12, 768, 512), (4, 4, 256, 50257))
 """(n_layer, n_head, n_embd, vocab), head size 64: depths (2-12), widths and vocabularies apart, so
 that per-step, per-layer, per-FLOP, per-sequence-per-layer, per-sequence and per-vocabulary-entry
 costs can be told apart; head counts even, so every probe splits over TP2."""
@@ -32,14 +32,17 @@ MULTI_SHARD_PROBES = (0, 1)
 """The probes a layout of several shards is served with (the profile's time budget: each such copy
 starts tp x pp shard actors beside its replica, and starting processes is most of the profile)."""
 SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts them)
-CONCURRENCY = ((1, 3, 16), (8, 16, 96))
+CONCURRENCY = ((1, 2, 16), (8, 16, 96))
 """(requests in flight, requests measured, prompt tokens) of each closed-loop run per copy: one at
 a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost), then
 8 in flight with prompts that put decode contexts at 97-113 (batches 1-8 as the run fills and
 drains; attention's share of a step grows with the context)."""
 WARMUP = (2, 2, 4)  # (in flight, requests, output tokens) before the measured runs: not kept
-PUSH_INTERVAL_S = 0.25
-"""server.metrics_push_interval_s of the probe server: how stale the replicas' step windows may be."""
+PUSH_INTERVAL_S = 1.0
+"""server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
+often would load the probes' cores more than a deployment's): how stale the step windows may be.
+Every copy's steps fit in its replicas' windows (engines.llm_engine.STEP_LOG_LEN), so they are read
+once, after the last copy's runs."""
 
 
 def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, dtype: str,
@@ -65,6 +68,7 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
     conf = work_dir / "probe.yaml"
     conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
+    want = sum(n for _, n, _ in CONCURRENCY) * SERVE_OUTPUT  # tokens each copy's measured runs sample
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
         for name, (path, *_rest) in copies.items():
             progress(f"served probe {name}: closed loop at {', '.join(str(c) for c, _, _ in CONCURRENCY)} in flight")
@@ -79,8 +83,9 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
                 runs[c] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
                                              closed_loop_concurrency=c, num_prompts=n))
                 spans[c] = (t0, time.monotonic())
-            want = sum(n for _, n, _ in CONCURRENCY) * SERVE_OUTPUT  # tokens the measured runs sampled
-            out[name] = {"runs": runs, "spans": spans, "steps": fetch_steps(url, name, spans[CONCURRENCY[0][0]][0], want)}
+            out[name] = {"runs": runs, "spans": spans}
+        for name in copies:
+            out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
     return out
 
 
@@ -127,11 +132,11 @@ def requests_of(report) -> dict[str, np.ndarray]:
     return {"ttft": np.array([r.ttft_s for r in recs]), "tpot": np.array([r.tpot_s for r in recs])}
 
 
-def request_overhead_s(report, steps: list[dict], span: tuple[float, float]) -> float:
-    """The gateway's cost per request: median TTFT of a one-at-a-time run (`span`: its start and
+def request_overheads_s(report, steps: list[dict], span: tuple[float, float]) -> list[float]:
+    """The gateway's cost per request: each TTFT of a one-at-a-time run (`span`: its start and
     end, monotonic) minus the median served cycle (step + the gap after it) of its prefill steps."""
     steps = [s for s in steps if span[0] < s["end_s"] <= span[1]]
     cycles = [dt + gap for w, dt, gap in step_cycles(steps) if w.prefill_attn_pairs and w.seqs == 1]
     if not cycles:
         raise RuntimeError("the one-at-a-time probe run reported no prefill step")
-    return float(np.median(requests_of(report)["ttft"]) - np.median(cycles))
+    return [float(t - np.median(cycles)) for t in requests_of(report)["ttft"]]
