@@ -221,7 +221,8 @@ def test_measured_profile_round_trips(tmp_path):
         assert lay is not None and lay["probe_steps"] >= 5
         parts = CostModel(cfg, prof, tp=tp, weight_dtype="float32").components(w)
         assert parts["step"] == pytest.approx(lay["step_overhead_ms"] * 1e-3)
-        assert parts["layer"] == pytest.approx(2 * lay["layer_overhead_us"] * 1e-6)
+        assert parts["layer"] == pytest.approx(2 * (lay["layer_overhead_us"] * 1e-6  # + per token-channel
+                                                    + lay["token_layer_width_ns"] * 1e-9 * w.tokens * 64 / tp))
 
 
 def test_fit_layout_recovers_known_constants():
