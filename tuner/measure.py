@@ -9,8 +9,8 @@ What is measured, and which profile field it becomes:
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
 - the served engine's own steps, per TP x PP layout of this host: one real `shardserve serve` of
   three random probe checkpoints (depths 2-12, widths 256-768, vocabularies 512-50,257) in every
-  layout (several shards as Ray shard actors, as deployments run them), load-tested closed loop
-  at 1 and 8 requests in flight; every replica's steps come back through `GET /v1/admin/steps`
+  layout (several shards as Ray shard actors, as deployments run them), load-tested one request
+  at a time, then with Poisson arrivals; every replica's steps come back through `GET /v1/admin/steps`
   and the step formula (step, layer, sequence, vocabulary and attention costs and the engine's
   matmul time against the rate table) is fitted per layout on the served step cycles, a step plus
   the serving loop's gap after it (tuner.measure_served, tuner.measure_engine.fit_layout) ->

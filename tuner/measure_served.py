@@ -1,5 +1,5 @@
 """The served engine's own steps: one `shardserve serve` of three probe shapes in every layout of
-this host, load-tested closed loop, and per layout a fit of the cost model's step formula
+this host, load-tested (one request at a time, then open loop), and per layout a fit of the cost model's step formula
 (tuner.measure_engine.fit_layout) directly on the steps the served replicas ran.
 
 Each replica's engine records every step (`GET /v1/admin/steps`, serving/steps_api.py): its wall
@@ -32,11 +32,15 @@ MULTI_SHARD_PROBES = (0, 1)
 """The probes a layout of several shards is served with (the profile's time budget: each such copy
 starts tp x pp shard actors beside its replica, and starting processes is most of the profile)."""
 SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts them)
-CONCURRENCY = ((1, 2, 16), (8, 16, 96))
-"""(requests in flight, requests measured, prompt tokens) of each closed-loop run per copy: one at
-a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost), then
-8 in flight with prompts that put decode contexts at 97-113 (batches 1-8 as the run fills and
-drains; attention's share of a step grows with the context)."""
+CONCURRENCY = ((1, 2, 16),)
+"""(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
+a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost)."""
+OPEN_LOOP = (6.0, 16, 96)
+"""(mean requests in flight, requests, prompt tokens) of the open-loop run per copy that follows:
+Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end latency), prompts
+that put decode contexts at 97-113, so batches of 1 to ~8. Open loop, as deployments are loaded: a
+closed loop starts with all its requests at once, and the burst through the gateway stretches the
+prefill steps it meets (3x on a 2-layer probe) far beyond what spread arrivals do."""
 WARMUP = (2, 2, 4)  # (in flight, requests, output tokens) before the measured runs: not kept
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
@@ -68,10 +72,10 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
     conf = work_dir / "probe.yaml"
     conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
-    want = sum(n for _, n, _ in CONCURRENCY) * SERVE_OUTPUT  # tokens each copy's measured runs sample
+    want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
         for name, (path, *_rest) in copies.items():
-            progress(f"served probe {name}: closed loop at {', '.join(str(c) for c, _, _ in CONCURRENCY)} in flight")
+            progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
                     "ignore_eos": True, "progress": False, "seed": 1}
             c, n, o = WARMUP
@@ -83,6 +87,12 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
                 runs[c] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
                                              closed_loop_concurrency=c, num_prompts=n))
                 spans[c] = (t0, time.monotonic())
+            e2e = float(np.median([r.done_s - r.sent_s for r in runs[1].records if not r.warmup and r.ok]))
+            in_flight, n, plen = OPEN_LOOP
+            t0 = time.monotonic()
+            runs["open"] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
+                                              request_rate=in_flight / e2e, num_prompts=n))
+            spans["open"] = (t0, time.monotonic())
             out[name] = {"runs": runs, "spans": spans}
         for name in copies:
             out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
