@@ -114,6 +114,16 @@ def _report(rows: list[dict], target: float) -> None:
             cells = " | ".join(f"{r[pred][k]:.1f} / {r['measured'][k]:.1f} ({r[err][k]:+.1%})" for k in METRICS)
             print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} "
                   f"({r['share_of_predicted_saturation']:.2f}) | {cells} | {r['load_start'][0]} -> {r['load_end'][0]} |")
+        if pred == "predicted" and any(r.get("steps", {}).get("cycles") for r in sel):
+            print("\nthe run's own served steps (the last of them, read after it): mean step cycle (step + "
+                  "the gap after it) predicted / measured, the median per-step error, mean batch, mean gap\n")
+            for r in sel:
+                st = r.get("steps", {})
+                if st.get("cycles"):
+                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: "
+                          f"{st['predicted_mean_cycle_ms']:.2f} / {st['measured_mean_cycle_ms']:.2f} ms "
+                          f"({st['median_cycle_error']:+.1%} median over {st['cycles']} steps), batch "
+                          f"{st['mean_batch']:.1f}, gap {st['mean_gap_ms']:.2f} ms")
         worst = {k: max(abs(r[err][k]) for r in sel) for k in METRICS}
         per = {k: sum(abs(r[err][k]) <= target for r in sel) for k in METRICS}
         print(f"\n{sum(ok)}/{len(sel)} configurations within {target:.0%} on all three metrics; per metric "

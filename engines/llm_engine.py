@@ -63,6 +63,19 @@ class _Request:
         return all(c.seq.finished for c in self.completions)
 
 
+def _step_shape(plan: StepPlan) -> tuple[int, int, int, int, int, int]:
+    """(decode sequences, decode context tokens, prefill sequences, prefill tokens, prefill
+    attention pairs, sampled) of a plan: a query at position p attends to p + 1 keys."""
+    ctx = sum(w.start_pos + 1 for w in plan.decode)
+    ptok = pairs = 0
+    for w in plan.prefill:
+        s, e = w.start_pos, w.start_pos + len(w.token_ids)
+        ptok += e - s
+        pairs += (e * (e + 1) - s * (s + 1)) // 2
+    sampled = sum(1 for w in (*plan.decode, *plan.prefill) if w.sample)
+    return len(plan.decode), ctx, len(plan.prefill), ptok, pairs, sampled
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None):
@@ -100,6 +113,14 @@ class LLMEngine:
         self.step_log: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=STEP_LOG_LEN)
         """(end, tokens, seconds) of the latest working steps: end on time.monotonic(), tokens the step
         computed (one per decode, a chunk per prefill). Read by other threads: copy it with tuple()."""
+        self.step_detail: collections.deque[tuple] = collections.deque(maxlen=STEP_LOG_LEN)
+        """(end, seconds, gap, decode sequences, decode context tokens, prefill sequences, prefill
+        tokens, prefill attention pairs, sampled) of the same steps, for the tuner's served-step fit:
+        gap is the seconds since the previous step ended when that step left requests unfinished (the
+        loop's own time between steps: outputs, inbox), else -1 (the engine may have idled); context
+        tokens: KV positions each decode token attends to; attention pairs: query x key positions of
+        the prefill chunks. Read by other threads: copy it with tuple()."""
+        self._busy_end: float | None = None
         self.step_in_flight: tuple[float, int] | None = None
         """(start on time.monotonic(), tokens) of the step running now; None between steps."""
 
@@ -193,6 +214,7 @@ class LLMEngine:
         if plan.empty and not plan.released_seq_ids:
             return []
         tokens = sum(len(w.token_ids) for w in (*plan.decode, *plan.prefill))
+        gap = started - self._busy_end if self._busy_end is not None else -1.0
         self.step_in_flight = (started, tokens)
         attach_tables(plan, lambda seq_id: self.requests[self._seqs[seq_id].request_id].task)
         try:
@@ -202,8 +224,11 @@ class LLMEngine:
             self.num_steps += 1
             self.busy_seconds += seconds
             self.step_in_flight = None
+            end = time.monotonic()
             if tokens:
-                self.step_log.append((time.monotonic(), tokens, seconds))
+                self.step_log.append((end, tokens, seconds))
+                self.step_detail.append((end, seconds, gap, *_step_shape(plan)))
+            self._busy_end = end if self.requests else None
 
     def _step(self, plan: StepPlan) -> list[RequestOutput]:
         result = self.executor.execute(plan)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving import errors, kserve_api, openai_api, ptuning_api
+from serving import errors, kserve_api, openai_api, ptuning_api, steps_api
 from serving.errors import APIError
 from serving.gateway import Gateway, GatewayOptions, gateway_of, hash_key, new_request_id
 from serving.metrics import CONTENT_TYPE
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 access_log = logging.getLogger("shardserve.access")
 log = logging.getLogger("shardserve.gateway")
-ADMIN_PREFIX = "/v1/ptuning/"
-"""Routes that need an admin key instead (serving/ptuning_api.py)."""
+ADMIN_PREFIX = ("/v1/ptuning/", "/v1/admin/")
+"""Routes that need an admin key instead (serving/ptuning_api.py, serving/steps_api.py)."""
 HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready", "/openapi.json"})  # no key needed
 GENERATE_PATH = re.compile(r"^/v1/(chat/)?completions$|^/v2/models/.+/(generate|generate_stream|infer)$")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -58,6 +58,7 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
     app.include_router(openai_api.router)
     app.include_router(kserve_api.router)
     app.include_router(ptuning_api.router)  # admin keys checked by the router itself
+    app.include_router(steps_api.router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

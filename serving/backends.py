@@ -46,6 +46,9 @@ class LocalBackend:
     async def ptuning_admin(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
         return await self.core.ptuning_admin(op, args)
 
+    async def step_windows(self) -> list[dict]:
+        return [self.core.step_window()]
+
     async def ready(self) -> bool:
         return self.core.ready()
 
@@ -58,8 +61,10 @@ class RayBackend:
     of their queues lags), so such a refusal is retried, up to `admission_retries` times, and
     reaches the client only when the retries are refused too."""
 
-    def __init__(self, handle: Any, admission_retries: int = 3):
+    def __init__(self, handle: Any, admission_retries: int = 3, step_windows: Any = None):
         self.handle = handle
+        self._step_windows = step_windows
+        """async () -> every replica's step window, from the metrics hub (serving/deployments.py)."""
         self._stream = handle.options(stream=True, method_name="generate")
         self._info: ModelInfo | None = None
         self.admission_retries = admission_retries
@@ -101,6 +106,10 @@ class RayBackend:
     async def ptuning_admin(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
         """On one replica; the others pick task changes up from the model's ptuning/ folder."""
         return await self.handle.ptuning_admin.remote(op, args)
+
+    async def step_windows(self) -> list[dict]:
+        """Every replica's latest published step window (serving/steps_api.py)."""
+        return await self._step_windows() if self._step_windows is not None else []
 
     async def ready(self) -> bool:
         try:

@@ -20,6 +20,7 @@ Nothing here imports torch at module level: the gateway replica unpickles these 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import pickle
 from typing import Any
@@ -75,14 +76,27 @@ def _configure_logging(server: ServerSpec) -> None:
 class _Publisher:
     """Publishes a registry's metric families to the hub every interval, from inside a replica."""
 
-    def __init__(self, hub: Any, source: str, families, interval_s: float):
+    def __init__(self, hub: Any, source: str, families, interval_s: float, steps=None):
         self.hub, self.source, self.families, self.interval_s = hub, source, families, interval_s
+        self.steps = steps
+        """() -> this replica's step window (serving/steps_api.py), sent when it has new steps."""
+        self._last_step: object = self  # nothing sent yet: the first window goes out even if empty
         self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def _new_steps(self) -> dict | None:
+        if self.steps is None:
+            return None
+        window = self.steps()
+        last = window["steps"][-1]["end_s"] if window["steps"] else None
+        if last == self._last_step:
+            return None
+        self._last_step = last
+        return window
 
     async def _run(self) -> None:
         while True:
             try:
-                await self.hub.publish.remote(self.source, self.families())
+                await self.hub.publish.remote(self.source, self.families(), self._new_steps())
             except Exception as exc:  # noqa: BLE001 - the hub restarts; metrics resume with it
                 log.debug("metrics publish failed: %r", exc)
             await asyncio.sleep(self.interval_s)
@@ -101,12 +115,25 @@ class MetricsHubDeployment:
 
     def __init__(self, ttl_s: float = 30.0):
         self.hub = MetricsHub(ttl_s)
+        self.steps: dict[str, dict] = {}
+        """Latest step window by source (model replicas only)."""
 
-    def publish(self, source: str, families: list) -> None:
+    def publish(self, source: str, families: list, steps: dict | None = None) -> None:
         self.hub.publish(source, families)
+        if steps is not None:
+            self.steps[source] = steps
 
     def remove(self, source: str) -> None:
         self.hub.remove(source)
+        self.steps.pop(source, None)
+
+    def step_windows(self, model: str) -> list:
+        """The latest step window of every live replica of `model` (serving/steps_api.py)."""
+        self.hub.snapshot()  # drops the sources silent for ttl_s
+        live = set(self.hub.sources())
+        for src in [s for s in self.steps if s not in live]:
+            del self.steps[src]
+        return [w for src, w in self.steps.items() if src.startswith(f"model:{model}:")]
 
     def snapshot(self, exclude: str | None = None) -> list:
         return self.hub.snapshot(exclude)
@@ -124,7 +151,7 @@ class ModelServer:
         self.core = await asyncio.to_thread(ModelCore.load, self.spec, replica, self.server.request_timeout_s,
                                             executor_factory(self.spec))
         self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
-                                    self.server.metrics_push_interval_s)
+                                    self.server.metrics_push_interval_s, steps=self.core.step_window)
         self.core.ptuning.ensure_watch()  # every replica hot-loads task changes from ptuning/
         log.info('{"event": "model_ready", "model": "%s", "replica": "%s"}', self.spec.name, replica)
 
@@ -199,7 +226,8 @@ class GatewayDeployment:
                                  api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
                                  replica=replica, behind_ray_proxy=not direct,
                                  admin_key_hashes=frozenset(admin_key_hashes), **rate_limits(server_spec))
-        self.gateway = Gateway({name: RayBackend(h) for name, h in models.items()}, options, self._remote_metrics)
+        self.gateway = Gateway({name: RayBackend(h, step_windows=functools.partial(self._step_windows, name))
+                                for name, h in models.items()}, options, self._remote_metrics)
         # not `self.app`: the ingress wrapper owns that name
         self.fastapi_app = build_app(self.gateway, on_startup=_answer_ray_errors_as_json)
         self.http = None
@@ -216,6 +244,9 @@ class GatewayDeployment:
 
     async def _remote_metrics(self) -> list:
         return await self.hub.snapshot.remote(self.source)
+
+    async def _step_windows(self, model: str) -> list:
+        return await self.hub.step_windows.remote(model)
 
     def check_health(self) -> None:
         if self.http is not None:

@@ -139,6 +139,9 @@ class MetricsHub:
     def remove(self, source: str) -> None:
         self._snapshots.pop(source, None)
 
+    def sources(self) -> list[str]:
+        return list(self._snapshots)
+
     def snapshot(self, exclude: str | None = None) -> list[list[Metric]]:
         now = time.monotonic()
         for src in [s for s, (t, _) in self._snapshots.items() if now - t > self.ttl_s]:

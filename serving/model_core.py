@@ -50,6 +50,7 @@ class ModelCore:
         self.spec = spec
         self.engine = engine
         self.request_timeout_s = request_timeout_s
+        self.replica = replica
         cfg = engine.engine.config
         self.capacity = cfg.max_num_seqs + spec.max_waiting
         """Sequences admitted at once (running + waiting)."""
@@ -96,6 +97,16 @@ class ModelCore:
         """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_admin.py)."""
         self.ptuning.ensure_watch()
         return await asyncio.to_thread(self.ptuning.call, op, args)
+
+    def step_window(self) -> dict:
+        """This replica's latest engine steps and layout (serving/steps_api.py)."""
+        from serving.steps_api import step_window
+
+        c = self.engine.engine.config
+        layout = {"tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size,
+                  "worker_threads": c.worker_threads, "max_num_seqs": c.max_num_seqs,
+                  "max_num_batched_tokens": c.max_num_batched_tokens, "dtype": c.dtype}
+        return step_window(self.engine.engine, layout, self.replica, time.monotonic())
 
     # health and state
     def stats(self) -> dict[str, float]:

@@ -281,7 +281,8 @@ def profile_cmd(
 ) -> None:
     """Measure this machine (matmul rate per dtype, row count and threads; read bandwidth; the
     engine's per-step, per-layer, per-sequence and attention costs; gloo all-reduce and send;
-    gateway + Ray overhead) into a profile YAML that --hardware accepts."""
+    gateway + Ray overhead) into a profile YAML that --hardware accepts; the served probes' steps
+    that the fit saw go beside it (OUT with the suffix .steps.json)."""
     import time
 
     from tuner.measure import measure
@@ -289,8 +290,9 @@ def profile_cmd(
     if dtype not in ("auto", "bfloat16", "float32"):
         _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
     t0 = time.perf_counter()
-    prof = measure(name, serve=serve, dtype=dtype, progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}",
-                                                                      err=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof = measure(name, serve=serve, dtype=dtype, steps_out=out.with_suffix(".steps.json") if serve else None,
+                   progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}", err=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
     typer.echo(json.dumps(prof.to_dict()))

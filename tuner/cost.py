@@ -149,6 +149,8 @@ class CostModel:
         if lay is not None:
             # the one-thread table's shape in rows and width, the level this layout's engine reached
             mm = self.matmul_time(w, threads=1) * lay["matmul_scale"]
+            if lay.get("matmul_mt_scale") and p.threads(shards) > 1:
+                mm += self.matmul_time(w, threads=p.threads(shards)) * lay["matmul_mt_scale"]
             comm *= lay["comm_scale"]
             const = {k: lay[k] for k in const}
         else:
@@ -159,7 +161,9 @@ class CostModel:
             "matmul_mt": mm if multi else 0.0,
             "attention": layers * attn,
             "comm": comm,
-            "layer": layers * const["layer_overhead_us"] * 1e-6,
+            "layer": layers * (const["layer_overhead_us"] * 1e-6
+                               + (lay.get("token_layer_width_ns", 0.0) * 1e-9 * w.tokens * m.n_embd / self.tp
+                                  if lay else 0.0)),
             "seq_layer": layers * seqs * const["seq_layer_overhead_us"] * 1e-6,
             "seq": w.sampled * (const["seq_overhead_us"] * 1e-6
                                 + (lay.get("vocab_seq_ns", 0.0) * 1e-9 * m.vocab_size / self.tp if lay else 0.0)),

@@ -5,25 +5,24 @@ What is measured, and which profile field it becomes:
   (the cost model interpolates in log(rows) and picks the threads a shard of a layout gets), and
   how a Linear's rate moves with the model's width -> matmul_width_factor;
 - read bandwidth of a buffer far past the last-level cache -> hbm_bandwidth_gb_s;
-- the engine's own steps, per TP x PP layout of this host, through the executor that layout
-  serves with (one in-process shard on every core; or one process per shard over gloo, the
-  worker loop the Ray actors run), on two random probe checkpoints over decode and prefill
-  batches of several sizes and contexts, fitted per layout (tuner.measure_engine) -> layouts
-  (step, layer, sequence and attention costs and the engine's matmul time against the rate
-  table); the one-shard layout's constants are also the global ones;
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
-- one real `shardserve serve` of two probes of different size in every layout (the layouts of
-  several shards as Ray shard actors, as deployments run them), load-tested closed loop at 1, 4
-  and 8 requests in flight (tuner.measure_served): per layout a factor from the engine in isolation
-  to the served engine (the cores shared with Ray, the gateway and the client), a cost per step
-  (the serving loop; the Ray executor's actor calls) and a cost per streamed token, fitted on
-  every request's TPOT on its run's own simulated schedule -> the layout's constants; the
-  one-shard copies' TTFT one at a time beyond their served prefill step -> request_overhead_ms.
+- the served engine's own steps, per TP x PP layout of this host: one real `shardserve serve` of
+  three random probe checkpoints (depths 2-12, widths 256-768, vocabularies 512-50,257) in every
+  layout (several shards as Ray shard actors, as deployments run them), load-tested one request
+  at a time, then with Poisson arrivals; every replica's steps come back through `GET /v1/admin/steps`
+  and the step formula (step, layer, sequence, vocabulary and attention costs and the engine's
+  matmul time against the rate table) is fitted per layout on the served step cycles, a step plus
+  the serving loop's gap after it (tuner.measure_served, tuner.measure_engine.fit_layout) ->
+  layouts; the one-shard layout's constants are also the global ones; the one-shard copies' TTFT
+  one at a time beyond their served prefill cycle -> request_overhead_ms.
+  With --no-serve the same formula is fitted on the engine's steps in isolation instead (each
+  layout's executor without Ray or a gateway; tuner.measure_engine).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -112,8 +111,9 @@ def measure_bandwidth(mib: int = 256) -> float:
 
 
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
-            dtype: str = "auto") -> HardwareProfile:
-    """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0).
+            dtype: str = "auto", steps_out: Path | None = None) -> HardwareProfile:
+    """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0);
+    `steps_out`: a JSON file for the served probes' steps (what the fit saw).
     The engine constants are fitted on steps in `dtype` ("auto": what the engine picks here, bf16
     on CPUs with AMX or AVX512-BF16, else float32), the dtype the profile's configs should serve in."""
     import torch
@@ -144,88 +144,91 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         bw_efficiency=1.0, flops_efficiency=1.0, collective_latency_us=round(comm["allreduce_latency_us"], 1),
         send_latency_us=round(comm["send_latency_us"], 1), reserved_memory_gib=1.0)
     with tempfile.TemporaryDirectory(prefix="shardserve-profile-") as tmp:
-        layouts = measure_layouts(base, Path(tmp), dtype, progress)
-        # the global constants (used by layouts not measured here) are the one-shard layout's
-        one = layouts["1x1"]
-        prof = base.replace(layouts=layouts, step_overhead_ms=one["step_overhead_ms"],
-                            layer_overhead_us=one["layer_overhead_us"], seq_overhead_us=one["seq_overhead_us"],
-                            seq_layer_overhead_us=one["seq_layer_overhead_us"],
-                            attention_prefill_tflops=one["attention_prefill_tflops"],
-                            attention_kv_gb_s=one["attention_kv_gb_s"])
-        request_ms, served_notes = 0.0, "not measured (--no-serve)"
         if serve:
-            request_ms, layouts, served_notes = _served(prof, Path(tmp), dtype, progress)
-            prof = prof.replace(layouts=layouts)
-    one = prof.layouts["1x1"]
+            layouts, request_ms, notes = _served(base, Path(tmp), dtype, progress, steps_out)
+        else:
+            layouts, request_ms = measure_layouts(base, Path(tmp), dtype, progress), 0.0
+            notes = "the engine's steps in isolation (--no-serve: no request overhead, no serving loop)"
+    one = layouts["1x1"]
     errs = ", ".join(f"{k} {v['probe_median_error_pct']:.0f}% (max {v['probe_max_error_pct']:.0f}%"
                      + (f"; measured twice, the other pass {v['retried_from_median_error_pct']:.0f}%"
                         if "retried_from_median_error_pct" in v else "") + ")"
-                     for k, v in prof.layouts.items())
-    prof = prof.replace(request_overhead_ms=round(float(request_ms), 3),
+                     for k, v in layouts.items())
+    prof = base.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),
                         **{k: one[k] for k in ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us",
                                                "seq_layer_overhead_us", "attention_prefill_tflops",
                                                "attention_kv_gb_s")},
                         fit_notes=(f"measured by `shardserve tune profile` in {time.perf_counter() - t_start:.0f} s "
-                                   f"on {cores} CPUs (torch {torch.__version__}); per-layout engine constants "
-                                   f"fitted on {dtype} probe steps through each layout's real executor (median / "
-                                   f"max error of the fit on its own steps: {errs}), then scaled to the served "
-                                   f"engine (tuner.measure_served): {served_notes}"))
+                                   f"on {cores} CPUs (torch {torch.__version__}); per-layout step constants "
+                                   f"fitted on {dtype} {notes} (median / max error of the fit on its own steps: "
+                                   f"{errs}); request overhead {request_ms:.1f} ms"))
     return prof
 
 
-def _served(prof: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[str], None]
-            ) -> tuple[float, dict[str, dict[str, float]], str]:
-    """Serve the first two probes in every measured layout and fit each layout's served constants
-    (tuner.measure_served); (request_overhead_ms, layouts, a note for fit_notes)."""
+def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[str], None],
+            steps_out: Path | None = None) -> tuple[dict[str, dict[str, float]], float, str]:
+    """Serve the probes in every layout of this host and fit each layout's constants on its served
+    step cycles (tuner.measure_served); (layouts, request_overhead_ms, a note for fit_notes)."""
     import numpy as np
 
     from tuner.cost import CostModel
-    from tuner.measure_engine import PROBE_POSITIONS, PROBES
+    from tuner.measure_engine import PROBE_POSITIONS, fit_layout, layouts_for
     from tuner.measure_served import (
-        SERVE_PROMPT,
-        apply_served,
-        fit_served,
+        MULTI_SHARD_PROBES,
+        SERVED_PROBES,
+        request_overheads_s,
         requests_of,
         serve_probes,
-        served_prefill_s,
+        step_cycles,
     )
-    from tuner.probe_model import gpt2_shape, prompt_extra_tokens
+    from tuner.probe_model import gpt2_shape, write_random_checkpoint
+    from tuner.profiles import layout_key
 
     probes = []
-    for n_layer, n_head, n_embd, vocab in PROBES[:2]:
-        probes.append((gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS), tmp / f"probe-{n_layer}x{n_embd}"))
+    for n_layer, n_head, n_embd, vocab in SERVED_PROBES:
+        cfg = gpt2_shape(n_layer, n_head, n_embd, vocab, PROBE_POSITIONS)
+        probes.append((cfg, write_random_checkpoint(tmp / f"probe-{n_layer}x{n_embd}", cfg)))
     copies, meta = {}, {}
-    for key in prof.layouts:
-        tp, pp = (int(v) for v in key.split("x"))
+    for tp, pp in layouts_for(base.cores):
         for i, (cfg, path) in enumerate(probes):
-            if cfg.n_head % tp or cfg.n_layer < pp:
+            if cfg.n_head % tp or cfg.n_layer < pp or (tp * pp > 1 and i not in MULTI_SHARD_PROBES):
                 continue
-            name = f"p{i}-{key}"
-            copies[name] = (path, tp, pp, prof.threads(tp * pp))
-            meta[name] = (key, CostModel(cfg, prof, tp=tp, pp=pp, weight_dtype=dtype), path)
+            name = f"p{i}-{layout_key(tp, pp)}"
+            copies[name] = (path, tp, pp, base.threads(tp * pp))
+            meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
     progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
     served = serve_probes(copies, tmp, dtype, progress)
-    extra = prompt_extra_tokens(probes[0][1] / "tokenizer.json")
-    fits: dict[str, tuple[float, float, float, float, float]] = {}
-    for key in prof.layouts:
-        names = [(name, c) for name, (k, _, _) in meta.items() if k == key for c in served[name]]
-        runs = [(meta[name][1], requests_of(served[name][c], extra)) for name, c in names]
-        if runs:
-            per_run: list[tuple[float, float]] = []
-            fits[key] = fit_served(runs, per_run=per_run)
-            progress(f"served {key}: TPOT p50 measured / fitted (ms): " + ", ".join(
-                f"{name} at {c} in flight {m * 1e3:.1f} / {f * 1e3:.1f}" for (name, c), (m, f) in zip(names, per_run, strict=True)))
-    # the gateway's cost per request: one-shard copies' TTFT one at a time beyond their served prefill
-    over = []
-    for name, (key, cost, _) in meta.items():
-        if key == "1x1" and key in fits:
-            ttft = float(np.median(requests_of(served[name][1], extra)["ttft"]))
-            over.append(ttft - served_prefill_s(cost, *fits[key][:4], SERVE_PROMPT + extra))
-    request_ms = max(float(np.mean(over)), 0.0) * 1e3 if over else 0.0
-    layouts = {k: ({**apply_served(v, *fits[k][:4]), "served_scale": round(fits[k][0], 4),
-                    "served_attention_scale": round(fits[k][1], 4), "served_fit_error_pct": round(fits[k][4], 2)}
-                   if k in fits else v)
-               for k, v in prof.layouts.items()}
-    note = "; ".join(f"{k} x{f[0]:.2f} (attention x{f[1]:.2f}) + {f[2] * 1e3:.2f} ms per step + "
-                     f"{f[3] * 1e6:.0f} us per token (median TPOT error {f[4]:.0f}%)" for k, f in fits.items())
-    return request_ms, layouts, f"{note}; request overhead {request_ms:.1f} ms"
+    layouts: dict[str, dict[str, float]] = {}
+    notes = []
+    for key in dict.fromkeys(k for k, _ in meta.values()):
+        rows, gaps = [], []
+        for name, (k, cost) in meta.items():
+            if k == key:
+                cyc = step_cycles(served[name]["steps"])
+                rows += [(w, dt + gap, cost) for w, dt, gap in cyc]
+                gaps += [gap for _, _, gap in cyc]
+        tp, pp = (int(v) for v in key.split("x"))
+        # several shards see two probes, which cannot tell the vocabulary's per-sequence cost from the
+        # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice, on its threads
+        vocab = True if tp * pp == 1 else layouts["1x1"]["vocab_seq_ns"] * base.threads(1) / base.threads(tp * pp)
+        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True)
+        fit["served_gap_ms"] = float(np.median(gaps)) * 1e3
+        layouts[key] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
+        notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")
+        progress(f"served {key}: {len(rows)} step cycles, fit median / max error "
+                 f"{fit['probe_median_error_pct']:.1f}% / {fit['probe_max_error_pct']:.0f}%, "
+                 f"fitted / measured total {fit['probe_mean_ratio']:.3f}, "
+                 f"median gap between steps {fit['served_gap_ms']:.2f} ms")
+    # the median over every one-shard copy's requests: a probe whose tokenizer makes the gateway slow
+    # (the 50,257-entry vocabulary's random tokenizer) is one copy among three
+    over = [o for name, (key, _) in meta.items() if key == "1x1"
+            for o in request_overheads_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])]
+    request_ms = max(float(np.median(over)), 0.0) * 1e3
+    if steps_out is not None:  # what the fit saw, for a refit or a look without serving again
+        steps_out.write_text(json.dumps({name: {"layout": meta[name][0], "probe": list(SERVED_PROBES[int(name[1])]),
+                                                "steps": served[name]["steps"],
+                                                "ttft_one_at_a_time_s": [float(x) for x in requests_of(
+                                                    served[name]["runs"][1])["ttft"]],
+                                                "span_one_at_a_time": served[name]["spans"][1]}
+                                         for name in served}))
+    return layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")"

@@ -109,20 +109,29 @@ def _features(w, cost) -> list[float]:
     layers = cost.pp * cost.layers_per_stage
     pre_flops = 4 * (m.n_head // cost.tp) * m.hd * w.prefill_attn_pairs  # per shard
     kv_bytes = 2 * cost.kv_heads_per_device * m.hd * cost.kv_bytes * w.decode_context
+    shard_threads = cost.profile.threads(cost.tp * cost.pp)
     return [1.0, layers, layers * (w.seqs or w.sampled), w.sampled, cost.matmul_time(w, threads=1),
-            layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp]
+            layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp,
+            cost.matmul_time(w, threads=shard_threads) if shard_threads > 1 else 0.0,
+            layers * w.tokens * m.n_embd / cost.tp]
 
 
-def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool = True) -> dict[str, float]:
+def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
+               mean: bool = False) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
     cost models carry the layout's tp and pp and a profile without layout constants. `threads`
     per shard bound matmul_scale from below: t threads at best divide the one-thread time by t.
     `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
-    per-sequence costs)."""
+    per-sequence costs); a number fixes it at that many ns. `mean=True` fits the mean step, not
+    the typical one: served steps that other processes stretch are part of what a request waits
+    for, so their relative errors are weighted by the fitted time, not reweighted toward least
+    absolute deviations (which would fit the median of a right-skewed spread)."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
-    if not vocab:
-        a[:, 8] = 0.0
     dts = np.array([dt for _, dt, _ in steps])
+    fixed_vocab = 0.0 if vocab is True or vocab is False else float(vocab) * 1e-9
+    if vocab is not True:
+        dts = dts - fixed_vocab * a[:, 8]  # the fixed part is not fitted
+        a[:, 8] = 0.0
     floor = 1.0 / max(threads, 1)  # the fit's matmul coefficient is matmul_scale - floor >= 0
     dts_fit = dts - floor * a[:, 4]
     if not a[:, 7].any():
@@ -132,11 +141,19 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     # least absolute deviations: a step that another process on a shared host stretched several-fold
     # pulls the fit by its count, not by its square
     robust = np.ones(len(dts))
+    denom = np.maximum(dts, 1e-6)
     for _ in range(ROBUST_ITERATIONS):
-        wgt = robust / np.maximum(dts, 1e-6)
+        wgt = robust / denom
         x = nnls(a * wgt[:, None] / scale, dts_fit * wgt) / scale
-        robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
+        if mean:
+            denom = np.maximum(a @ x + floor * a[:, 4], 1e-6)
+        else:
+            robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
     x[4] += floor
+    x[8] += fixed_vocab
+    if fixed_vocab:
+        dts = dts + fixed_vocab * np.array([_features(w, cost)[8] for w, _, cost in steps])
+        a[:, 8] = [_features(w, cost)[8] for w, _, cost in steps]
     rel = np.abs(a @ x / dts - 1) * 100
     return {"step_overhead_ms": x[0] * 1e3, "layer_overhead_us": x[1] * 1e6, "seq_layer_overhead_us": x[2] * 1e6,
             "seq_overhead_us": x[3] * 1e6,
@@ -145,7 +162,10 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "attention_prefill_tflops": 1 / x[5] / 1e12 if x[5] > 0 else 1e3,  # too cheap to see: effectively free
             "attention_kv_gb_s": 1 / x[6] / 1e9 if x[6] > 0 else 1e4,
             "vocab_seq_ns": x[8] * 1e9,
+            "matmul_mt_scale": x[9],
+            "token_layer_width_ns": x[10] * 1e9,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
+            "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}
 
 

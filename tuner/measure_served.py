@@ -1,48 +1,61 @@
-"""The served engine against the engine in isolation: one `shardserve serve` of two probe sizes in
-every layout of this host, load-tested closed loop at 1, 4 and 8 requests in flight, and per layout
-a fit of
+"""The served engine's own steps: one `shardserve serve` of three probe shapes in every layout of
+this host, load-tested (one request at a time, then open loop), and per layout a fit of the cost model's step formula
+(tuner.measure_engine.fit_layout) directly on the steps the served replicas ran.
 
-    served step(w) = served_scale * (isolated step(w) - isolated attention(w))
-                     + attention_scale * isolated attention(w) + per_step + per_token * sampled(w)
+Each replica's engine records every step (`GET /v1/admin/steps`, serving/steps_api.py): its wall
+seconds, what it computed (decode sequences and their context, prefill tokens and attention pairs,
+sequences sampled) and the gap before it (the serving loop's own time between two steps while
+requests were unfinished: handing outputs to the streams, taking new requests in). A served step
+cycle is a step plus the gap after it; that is the time between two tokens of a running request,
+and it is what the simulator's step cost stands for. So the fit's target is the cycle, measured
+where it happens: the engine shares the cores with Ray, the gateway, the streaming of every token
+and the load tester, and for several shards it calls them through Ray actors.
 
-where `isolated` is the layout's cost model as fitted on its own probe steps
-(tuner.measure_engine). served_scale is what sharing the cores with Ray, the gateway and the
-client does to the engine's own work (it grows with the step: a 2-thread matmul waits for its
-slower thread whenever another process runs); attention has its own factor because the isolated
-fit's attention rate (from few long-context steps) is the constant its fit pins least, and the
-served runs' contexts (17-145 tokens) tell it apart; per_step is what the serving loop adds per step
-(for several shards: the Ray executor's actor calls, in place of the pipes the isolated fit ran
-on); per_token is streaming one token through Ray, the gateway and the client. The fit replays
-each run's own schedule in the simulator (sent times, lengths) and solves for the four
-constants on every request's TPOT, by non-negative least squares on relative errors, twice over
-(the schedule moves with the step times). The gateway's own cost per request (request_overhead)
-is what the one-shard copies' TTFT, one request at a time, has beyond their served prefill step.
+The gateway's cost per request (request_overhead) is what the one-shard copies' TTFT, one request
+at a time, has beyond the served cycle of its own prefill step (measured, not fitted).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-SERVE_PROMPT, SERVE_OUTPUT = 16, 17  # tokens of the one-at-a-time requests (as the load tester counts them)
-CONCURRENCY = ((1, 3, SERVE_PROMPT), (4, 8, 128), (8, 16, 64))
-"""(requests in flight, requests measured, prompt tokens) of each closed-loop run per copy: one at
-a time with short prompts (the gateway's per-request cost, the per-step cost at batch 1), and
-batches of 4 and 8 (the per-token cost, how the served step grows with the batch) with prompts
-that put decode contexts at 65-145 tokens, not only the 17-34 of short prompts (attention's share
-of a step grows with the context)."""
-PRIOR_WEIGHT = 0.5
-MIN_FACTOR = 0.25
-FIT_ROUNDS = 2  # the schedule, simulated with the first fit, is refitted once
+SERVED_PROBES = ((2, 6, 384, 8192), (12, 12, 768, 512), (4, 4, 256, 50257))
+"""(n_layer, n_head, n_embd, vocab), head size 64: depths (2-12), widths and vocabularies apart, so
+that per-step, per-layer, per-FLOP, per-sequence-per-layer, per-sequence and per-vocabulary-entry
+costs can be told apart; head counts even, so every probe splits over TP2."""
+MULTI_SHARD_PROBES = (0, 1)
+"""The probes a layout of several shards is served with (the profile's time budget: each such copy
+starts tp x pp shard actors beside its replica, and starting processes is most of the profile)."""
+SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts them)
+CONCURRENCY = ((1, 2, 16),)
+"""(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
+a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost)."""
+OPEN_LOOP = (6.0, 16, 96)
+"""(mean requests in flight, requests, prompt tokens) of the open-loop run per copy that follows:
+Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end latency), prompts
+that put decode contexts at 97-113, so batches of 1 to ~8. Open loop, as deployments are loaded: a
+closed loop starts with all its requests at once, and the burst through the gateway stretches the
+prefill steps it meets (3x on a 2-layer probe) far beyond what spread arrivals do."""
+WARMUP = (2, 2, 4)  # (in flight, requests, output tokens) before the measured runs: not kept
+PUSH_INTERVAL_S = 1.0
+"""server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
+often would load the probes' cores more than a deployment's): how stale the step windows may be.
+Every copy's steps fit in its replicas' windows (engines.llm_engine.STEP_LOG_LEN), so they are read
+once, after the last copy's runs."""
 
 
 def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, dtype: str,
-                 progress: Callable[[str], None] = print) -> dict[str, dict[int, object]]:
+                 progress: Callable[[str], None] = print) -> dict[str, dict]:
     """Serve every copy {name: (checkpoint, tp, pp, threads per shard)} in one `shardserve serve`
     (fractional CPU reservations, so that they all fit; threads as the tuner's deployments give
-    them) and load-test them one at a time: {name: {requests in flight: loadtest Report}}."""
+    them), load-test them one at a time and read each one's steps back:
+    {name: {"runs": {requests in flight: loadtest Report}, "spans": {requests in flight: (start, end)
+    on the monotonic clock}, "steps": [step dicts, oldest first]}}."""
     import yaml
 
     from loadtest.config import LoadTestConfig
@@ -57,123 +70,83 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
                        "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
                                   "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
     conf = work_dir / "probe.yaml"
-    conf.write_text(yaml.safe_dump({"models": models}))
-    out: dict[str, dict[int, object]] = {}
+    conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
+    out: dict[str, dict] = {}
+    want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
     with Server(["--config", str(conf)], work_dir / "serve.log") as url:
         for name, (path, *_rest) in copies.items():
-            progress(f"served probe {name}: closed loop at {', '.join(str(c) for c, _, _ in CONCURRENCY)} in flight")
-            base = {"url": url, "model": name, "backend": "openai-completions", "random_input_len": SERVE_PROMPT,
-                    "tokenizer": path / "tokenizer.json", "ignore_eos": True, "progress": False, "seed": 1}
-            run(LoadTestConfig(**base, random_output_len=4, closed_loop_concurrency=2, num_prompts=2))  # warm-up
-            out[name] = {c: run(LoadTestConfig(**{**base, "random_input_len": plen}, random_output_len=SERVE_OUTPUT,
-                                               closed_loop_concurrency=c, num_prompts=n)) for c, n, plen in CONCURRENCY}
+            progress(f"served probe {name}: one request at a time, then Poisson arrivals")
+            base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
+                    "ignore_eos": True, "progress": False, "seed": 1}
+            c, n, o = WARMUP
+            run(LoadTestConfig(**base, random_input_len=16, random_output_len=o, closed_loop_concurrency=c,
+                               num_prompts=n))
+            runs, spans = {}, {}
+            for c, n, plen in CONCURRENCY:
+                t0 = time.monotonic()  # the replicas run on this host: the same monotonic clock
+                runs[c] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
+                                             closed_loop_concurrency=c, num_prompts=n))
+                spans[c] = (t0, time.monotonic())
+            e2e = float(np.median([r.done_s - r.sent_s for r in runs[1].records if not r.warmup and r.ok]))
+            in_flight, n, plen = OPEN_LOOP
+            t0 = time.monotonic()
+            runs["open"] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
+                                              request_rate=in_flight / e2e, num_prompts=n))
+            spans["open"] = (t0, time.monotonic())
+            out[name] = {"runs": runs, "spans": spans}
+        for name in copies:
+            out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
     return out
 
 
-def requests_of(report, extra_tokens: int) -> dict[str, np.ndarray]:
-    """The completed, measured requests of a load-test Report as arrays (the engine's prompt
-    lengths: `extra_tokens` added by the tokenizer's BOS)."""
+def fetch_steps(url: str, model: str, since: float, want_sampled: int, timeout_s: float = 10.0) -> list[dict]:
+    """The steps of `model`'s replicas that ended after `since` (monotonic), once they hold
+    `want_sampled` sampled tokens (the replicas publish every PUSH_INTERVAL_S)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(f"{url}/v1/admin/steps", params={"model": model}, timeout=30)
+        r.raise_for_status()
+        steps = [s for w in r.json()["data"] for s in w["steps"] if s["end_s"] > since]
+        if sum(s["sampled"] for s in steps) >= want_sampled:
+            return sorted(steps, key=lambda s: s["end_s"])
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"served probe {model}: the replicas reported {sum(s['sampled'] for s in steps)} "
+                               f"sampled tokens in {timeout_s:.0f} s, expected {want_sampled}")
+        time.sleep(PUSH_INTERVAL_S / 2)
+
+
+def step_cycles(steps: list[dict]) -> list[tuple[object, float, float]]:
+    """(StepWork, step seconds, gap after it) of each step that another followed without the engine
+    idling in between (one replica's steps, oldest first)."""
+    from tuner.cost import StepWork
+
+    out = []
+    for s, nxt in itertools.pairwise(steps):
+        if nxt["gap_s"] is None:
+            continue
+        w = StepWork(tokens=s["decode_seqs"] + s["prefill_tokens"], sampled=s["sampled"],
+                     prefill_attn_pairs=s["prefill_attention_pairs"], decode_context=s["decode_context_tokens"],
+                     seqs=s["decode_seqs"] + s["prefill_seqs"])
+        out.append((w, float(s["seconds"]), float(nxt["gap_s"])))
+    return out
+
+
+def requests_of(report) -> dict[str, np.ndarray]:
+    """The completed, measured requests of a load-test Report: TTFT and TPOT (s)."""
     # full replies only: a reply cut short (fewer tokens than asked, despite ignore_eos) has no TPOT
     recs = [r for r in report.records if not r.warmup and r.ok and r.output_tokens == r.requested_output_tokens]
     if not recs:
         raise RuntimeError("a served probe run completed no request with every token it asked for")
-    return {"arrivals": np.array([r.sent_s for r in recs]), "ins": np.array([r.input_tokens + extra_tokens for r in recs]),
-            "outs": np.array([r.requested_output_tokens for r in recs]), "ttft": np.array([r.ttft_s for r in recs]),
-            "tpot": np.array([r.tpot_s for r in recs])}
+    return {"ttft": np.array([r.ttft_s for r in recs]), "tpot": np.array([r.tpot_s for r in recs])}
 
 
-
-def _sched(req: dict[str, np.ndarray]):
-    from engines.config import EngineConfig
-    from engines.scheduler import SchedulerConfig
-
-    d = EngineConfig()  # the probes are served with the engine's default limits
-    return SchedulerConfig(max_num_seqs=d.max_num_seqs, max_num_batched_tokens=d.max_num_batched_tokens,
-                           block_size=d.block_size, num_blocks=4096,
-                           max_model_len=int(req["ins"].max() + req["outs"].max() + 1))
-
-
-def fit_served(runs: list[tuple[object, dict[str, np.ndarray]]], request_overhead_s: float = 0.0,
-               per_run: list[tuple[float, float]] | None = None) -> tuple[float, float, float, float, float]:
-    """(served_scale, attention_scale, per_step_s, per_token_s, median |relative error| of the
-    fitted TPOTs, %) from (isolated CostModel, requests of one run) pairs of one layout. Relative
-    errors, reweighted toward least absolute deviations: a request that another process stretched
-    pulls the fit by its count, not its square. `per_run` receives (measured, fitted) TPOT p50 (s)
-    of each run."""
-    from tuner.measure_engine import ROBUST_ITERATIONS, nnls
-    from tuner.simulate import StepRecord, simulate
-
-    x = np.array([1.0, 1.0, 0.0, 0.0])
-    rel = np.zeros(0)
-    caches: list[dict] = [{} for _ in runs]  # isolated (rest, attention) by StepWork: the steps repeat
-
-    def iso(cost, cache: dict, w) -> tuple[float, float]:
-        if w not in cache:
-            parts = cost.components(w)
-            attn = parts["attention"]
-            cache[w] = (sum(parts.values()) - attn, attn)
-        return cache[w]
-
-    def served(cost, cache: dict, w, x: np.ndarray) -> float:
-        rest, attn = iso(cost, cache, w)
-        return x[0] * rest + x[1] * attn + x[2] + x[3] * w.sampled
-
-    for _ in range(FIT_ROUNDS):
-        rows, fitted = [], []
-        for (cost, req), cache in zip(runs, caches, strict=True):
-            steps: list[StepRecord] = []
-            traces = simulate(lambda w, c=cost, k=cache, x=x: served(c, k, w, x), _sched(req), req["arrivals"],
-                              req["ins"], req["outs"], request_overhead=request_overhead_s, steps_out=steps)
-            ends = np.array([s.end for s in steps])
-            feats = np.array([[*iso(cost, cache, s.work), 1.0, s.work.sampled] for s in steps])
-            run_rows = []
-            for tr, measured in zip(traces, req["tpot"], strict=True):
-                n = len(tr.token_times)
-                if n < 2 or not np.isfinite(measured) or measured <= 0:
-                    continue
-                sel = (ends > tr.token_times[0] + 1e-12) & (ends <= tr.token_times[-1] + 1e-12)
-                run_rows.append(feats[sel].sum(axis=0) / (n - 1))
-                rows.append(run_rows[-1] / measured)
-            fitted.append((float(np.nanmedian(req["tpot"])), run_rows))
-        a = np.array(rows)
-        # a weak prior at the isolated fit (both factors 1, PRIOR_WEIGHT of one request each): where
-        # the runs cannot tell the factor from the per-step and per-token costs, it stays near 1
-        prior = np.array([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]) * PRIOR_WEIGHT
-        a_all, y_all = np.vstack([a, prior]), np.concatenate([np.ones(len(a)), [PRIOR_WEIGHT, PRIOR_WEIGHT]])
-        scale = np.maximum(np.abs(a_all).max(axis=0), 1e-30)
-        robust = np.ones(len(a_all))
-        for _ in range(ROBUST_ITERATIONS):
-            x = nnls(a_all / scale * robust[:, None], y_all * robust) / scale
-            robust[:len(a)] = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - 1), 0.02))
-        x[:2] = np.maximum(x[:2], MIN_FACTOR)  # neither part of the step free: the constants stay > 0
-        rel = np.abs(a @ x - 1)
-    if per_run is not None:
-        per_run.extend((m, float(np.median(np.array(r) @ x)) if r else float("nan")) for m, r in fitted)
-    return float(x[0]), float(x[1]), float(x[2]), float(x[3]), float(np.median(rel) * 100)
-
-
-def served_prefill_s(cost, scale: float, attention_scale: float, per_step_s: float, per_token_s: float,
-                     prompt_len: int) -> float:
-    """The served prefill step of one prompt of `prompt_len` tokens (s)."""
-    from tuner.cost import StepWork
-
-    w = StepWork(tokens=prompt_len, sampled=1, prefill_attn_pairs=prompt_len * (prompt_len + 1) // 2)
-    parts = cost.components(w)
-    return scale * (sum(parts.values()) - parts["attention"]) + attention_scale * parts["attention"] \
-        + per_step_s + per_token_s
-
-
-def apply_served(layout: dict[str, float], scale: float, attention_scale: float, per_step_s: float,
-                 per_token_s: float) -> dict[str, float]:
-    """A layout's constants (profiles.LAYOUT_KEYS) with its attention time times `attention_scale`,
-    every other part of its step time times `scale`, plus the per-step and per-token serving costs."""
-    out = dict(layout)
-    for k in ("step_overhead_ms", "layer_overhead_us", "seq_layer_overhead_us", "seq_overhead_us", "matmul_scale",
-              "comm_scale", "vocab_seq_ns"):
-        if k in out:
-            out[k] = out[k] * scale
-    for k in ("attention_prefill_tflops", "attention_kv_gb_s"):
-        out[k] = out[k] / attention_scale
-    out["step_overhead_ms"] += per_step_s * 1e3
-    out["seq_overhead_us"] += per_token_s * 1e6
-    return {k: v if isinstance(v, int) else round(float(v), 4) for k, v in out.items()}
+def request_overheads_s(report, steps: list[dict], span: tuple[float, float]) -> list[float]:
+    """The gateway's cost per request: each TTFT of a one-at-a-time run (`span`: its start and
+    end, monotonic) minus the median served cycle (step + the gap after it) of its prefill steps."""
+    steps = [s for s in steps if span[0] < s["end_s"] <= span[1]]
+    cycles = [dt + gap for w, dt, gap in step_cycles(steps) if w.prefill_attn_pairs and w.seqs == 1]
+    if not cycles:
+        raise RuntimeError("the one-at-a-time probe run reported no prefill step")
+    return [float(t - np.median(cycles)) for t in requests_of(report)["ttft"]]

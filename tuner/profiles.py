@@ -192,16 +192,21 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 """Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
-LAYOUT_OPTIONAL = ("vocab_seq_ns",)
+LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
-shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies)."""
-LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "retried_from_median_error_pct",
-                "served_scale", "served_attention_scale", "served_fit_error_pct")
+shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
+shard of several threads, a factor on the rate table's time at those threads (added to
+matmul_scale's one-thread time: a big prefill's matmuls split over the threads, a decode step's
+small ones hardly do); and ns per token per layer per channel of the shard's width (the layers'
+elementwise work beside their matmuls: norms, activations, residual adds, copies; a prefill has many
+tokens per sequence, so it is not the per-sequence cost)."""
+LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
+                "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
 layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept; and
-the factors from the engine in isolation to the served engine (tuner.measure_served, already applied
-to the constants: attention's and the other parts') with the median error of that fit on the
-served probes' TPOTs."""
+served_gap_ms, the median time the serving loop spent between two steps (already in the constants,
+which are fitted on served step cycles: tuner.measure_served); served_scale, served_attention_scale
+and served_fit_error_pct are kept for profiles of the earlier TPOT-scaled fit."""
 
 
 def layout_key(tp: int, pp: int) -> str:

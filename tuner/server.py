@@ -47,6 +47,11 @@ class Server:
         # the checkout this code runs from wins over an installed copy, in the server too
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        # Ray nices its worker processes (the replicas, the gateway, the shard actors) to 15; on a
+        # shared host every nice-19 job then takes a third of a core from the engine being measured,
+        # so the profile's probes and the accuracy runs depend on whatever else runs. A measurement
+        # runs at its caller's priority (Ray's own job manager does the same for its drivers).
+        env["RAY_worker_niceness"] = "0"
         self.proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "serve", *self.args],
                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                      start_new_session=True)

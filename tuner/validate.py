@@ -11,6 +11,7 @@ goodput on the very schedule that was sent), then sweep the request rate with th
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,8 +128,8 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     out_dir.mkdir(parents=True, exist_ok=True)
     yaml_path = write_yaml(deployment(cand, str(checkpoint.resolve()), profile, name="tuned"),
                            out_dir / "deployment.yaml", "written by `shardserve tune search --validate`")
-    sched = scheduler_config(cand, model, CostModel(model, profile, tp=cand.tp, pp=cand.pp,
-                                                    weight_dtype=cand.weight_dtype), w)
+    cost = CostModel(model, profile, tp=cand.tp, pp=cand.pp, weight_dtype=cand.weight_dtype)
+    sched = scheduler_config(cand, model, cost, w)
     tok = checkpoint / "tokenizer.json"
     extra = prompt_extra_tokens(tok) if tok.is_file() else 0
     points, runs, sw = [], [], None
@@ -140,11 +141,12 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
         loadtest_run(LoadTestConfig(**base, request_rate=math.inf, num_prompts=settings.warmup))  # warm-up
         for rate in rates:
             progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
+            t0 = time.monotonic()
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
             run = run_of(model, cand, sched, rep, extra)
             pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
             points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
-                           "error": errors(pred, meas)})
+                           "error": errors(pred, meas), "steps": served_steps_check(url, "tuned", t0, cost)})
             runs.append(run)
         if sweep_from:
             progress(f"  sweeping the rate from {sweep_from:.2f} req/s for the measured goodput")
@@ -161,6 +163,35 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
                  if not s.stop_reason and all(x.ok for x in _records(r))]
     out["n_runs"], out["_runs"] = len(runs), runs
     return out
+
+
+def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> dict[str, float]:
+    """The served replicas' latest steps of a run (at most engines.llm_engine.STEP_LOG_LEN per
+    replica, read once after it: nothing polls the server while it is measured) against the cost
+    model's step times for the same work: how much of a TPOT or TTFT error is the step model's.
+    `raw`: each step cycle as [tokens, sampled, prefill attention pairs, decode context, sequences,
+    step seconds, gap seconds after it]."""
+    import httpx
+
+    from tuner.measure_served import PUSH_INTERVAL_S, step_cycles
+
+    time.sleep(max(PUSH_INTERVAL_S, 1.0) + 0.2)  # the replicas publish their windows every metrics push
+    try:
+        r = httpx.get(f"{url}/v1/admin/steps", params={"model": model}, timeout=30)
+        r.raise_for_status()
+        windows = r.json()["data"]
+    except httpx.HTTPError as exc:
+        return {"error": repr(exc)}
+    cyc = [c for wdw in windows for c in step_cycles([s for s in wdw["steps"] if s["end_s"] > since])]
+    if not cyc:
+        return {"cycles": 0}
+    meas = np.array([dt + gap for _, dt, gap in cyc])
+    pred = np.array([cost.step_time(w) for w, _, _ in cyc])
+    return {"cycles": len(cyc), "measured_mean_cycle_ms": float(meas.mean() * 1e3),
+            "predicted_mean_cycle_ms": float(pred.mean() * 1e3), "median_cycle_error": float(np.median(pred / meas - 1)),
+            "mean_gap_ms": float(np.mean([g for _, _, g in cyc]) * 1e3),
+            "mean_batch": float(np.mean([w.seqs for w, _, _ in cyc])),
+            "raw": [[w.tokens, w.sampled, w.prefill_attn_pairs, w.decode_context, w.seqs, dt, gap] for w, dt, gap in cyc]}
 
 
 def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Workload,

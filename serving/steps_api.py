@@ -1,0 +1,58 @@
+"""The engine's recent steps, per replica (an admin key is required whenever any keys are configured).
+
+    GET /v1/admin/steps?model=NAME[&limit=N]
+
+One entry per replica of the model: its layout (TP x PP, threads, batch limits) and its latest
+working steps, oldest first (at most `limit`, at most engines.llm_engine.STEP_LOG_LEN): each step's
+wall seconds, the gap before it (the loop's time since the previous step while requests were
+unfinished; null when the engine may have idled), its decode sequences and their context tokens,
+its prefill sequences, tokens and attention pairs, and the sequences it sampled. `shardserve tune
+profile` fits the served step time on these. Behind Ray Serve each replica publishes its window
+with its metrics (server.metrics_push_interval_s is the staleness bound).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from serving import errors
+from serving.gateway import gateway_of
+from serving.ptuning_api import require_admin
+
+STEP_FIELDS = ("end_s", "seconds", "gap_s", "decode_seqs", "decode_context_tokens", "prefill_seqs",
+               "prefill_tokens", "prefill_attention_pairs", "sampled")
+"""One step of the window, in the order of LLMEngine.step_detail; end_s on the replica's monotonic clock."""
+
+router = APIRouter(dependencies=[Depends(require_admin)])
+
+
+def step_window(engine: Any, layout: dict[str, Any], replica: str, clock_s: float) -> dict[str, Any]:
+    """A replica's window as the route returns it (`engine`: its LLMEngine; `clock_s`: now on the
+    replica's monotonic clock, so that a reader can tell how old each step is)."""
+    steps = [dict(zip(STEP_FIELDS, s, strict=True)) for s in tuple(engine.step_detail)]
+    for s in steps:
+        if s["gap_s"] < 0:
+            s["gap_s"] = None
+    return {"replica": replica, "layout": layout, "clock_s": clock_s, "steps": steps}
+
+
+@router.get("/v1/admin/steps")
+async def steps(request: Request, model: str | None = None, limit: str | None = None) -> JSONResponse:
+    from engines.llm_engine import STEP_LOG_LEN
+
+    gw = gateway_of(request)
+    if model is None and len(gw.names) == 1:
+        model = gw.names[0]
+    if model is None:
+        raise errors.invalid(f"model: required (served: {', '.join(gw.names)})", "model", "missing_required_parameter")
+    n = STEP_LOG_LEN if limit is None else int(limit) if limit.strip().isdigit() else 0
+    if not 1 <= n <= STEP_LOG_LEN:
+        raise errors.invalid(f"limit: must be an integer in [1, {STEP_LOG_LEN}], got {limit!r}", "limit")
+    served = await gw.model(model)
+    windows = await served.backend.step_windows()
+    for w in windows:
+        w["steps"] = w["steps"][-n:]
+    return JSONResponse({"object": "list", "model": model, "data": sorted(windows, key=lambda w: w["replica"])})
