@@ -77,7 +77,7 @@ def worker(args) -> dict:
     dt = time.perf_counter() - t
     from engines import fast_linear
 
-    kernels = {f"{o}x{i}": "/".join(k) for (o, i, _, _), k in fast_linear._CHOSEN.items()}
+    kernels = {f"{o}x{i}@{t}t": "/".join(k) for (o, i, _, t), k in fast_linear._CHOSEN.items()}
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt, "load_s": load_s,
             "compile_s": compile_s, "kernels": kernels}
 

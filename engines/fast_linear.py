@@ -75,26 +75,33 @@ class FastLinear(nn.Module):
     over WIDE_CHUNK output features at a time, for a vocabulary head)."""
 
     def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
-                 chunk: int = WIDE_CHUNK):
+                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
         self.one, self.many, self.bulk, self.chunk = one, many, bulk, chunk
-        kinds = {one, many, bulk}
+        self.single = single
+        """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
+        adaptive thread count, engines.cpu_threads); None: the kernels above at any count."""
+        kinds = {one, many, bulk, *(single or ())}
         w = linear.weight.detach()
         self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
                              persistent=False)  # (in, out)
         self.register_buffer("packed", pack_weight(w) if "packed" in kinds else None, persistent=False)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
+        one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
+        return (f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
+                f"{one_thread}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the graph must not depend on this process's timings
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         m = x2.shape[0]
-        kind = self.one if m == 1 else self.many if m < BULK_FROM else self.bulk
+        one, many, bulk = (self.single if self.single is not None and torch.get_num_threads() == 1
+                           else (self.one, self.many, self.bulk))
+        kind = one if m == 1 else many if m < BULK_FROM else bulk
         return self.run(kind, x2).view(*x.shape[:-1], self.out_features)
 
     def run(self, kind: str, x2: torch.Tensor) -> torch.Tensor:
@@ -249,10 +256,19 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     return _CHOSEN[key]
 
 
-def apply_fast_linear(model: nn.Module) -> dict[tuple[int, int], tuple[str, str, str]]:
+def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
+                      ) -> dict[tuple[int, int], tuple[str, str, str]]:
     """Swap each plain CPU nn.Linear (fp32 / bf16 / fp16) for a FastLinear with its shape's timed
     kernels (one row, decode batch, prefill chunk); returns the choices by (out, in). A shape whose
-    three choices are all plain linear keeps its nn.Linear."""
+    three choices are all plain linear keeps its nn.Linear.
+
+    single_thread_too: when this runs on several threads, also time each shape on one thread and
+    use those kernels in steps run on one thread (the engine's adaptive thread count). Timing on
+    one thread is also the one that a busy host cannot distort: on 2 cores shared with other
+    processes every 2-thread call waited ~4 ms for its partner thread, so the 2-thread times there
+    were the scheduler's, not the kernels' (BENCHMARKS.md, issue 12, run 7)."""
+    from engines.cpu_threads import intra_op_threads
+
     choices: dict[tuple[int, int], tuple[str, str, str]] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -260,8 +276,12 @@ def apply_fast_linear(model: nn.Module) -> dict[tuple[int, int], tuple[str, str,
                 continue
             key = (child.out_features, child.in_features)
             choices[key] = choose_kernels(child.weight, child.bias)
-            if choices[key] != ("linear", "linear", "linear"):
-                setattr(parent, name, FastLinear(child, *choices[key]))
+            single = None
+            if single_thread_too and torch.get_num_threads() > 1:
+                with intra_op_threads(1):
+                    single = choose_kernels(child.weight, child.bias)
+            if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3):
+                setattr(parent, name, FastLinear(child, *choices[key], single=single))
     if choices:
         log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices
