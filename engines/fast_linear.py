@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -39,8 +40,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ONE_ROW = ("linear", "pretransposed", "gemv", "packed")
-"""Candidates for a single row (batch-1 decode, the LM head of one sequence)."""
+ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves")
+"""Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where
+the step runs on two threads or more and oneDNN packing is available."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
 MANY_ROWS, BULK_ROWS = 32, 128
@@ -88,6 +90,12 @@ class FastLinear(nn.Module):
         self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
                              persistent=False)  # (in, out)
         self.register_buffer("packed", pack_weight(w) if "packed" in kinds else None, persistent=False)
+        half = (self.out_features + 1) // 2
+        self.half = half
+        self.register_buffer("packed_lo", pack_weight(w[:half].contiguous()) if "halves" in kinds else None,
+                             persistent=False)  # output features [0, half)
+        self.register_buffer("packed_hi", pack_weight(w[half:].contiguous()) if "halves" in kinds else None,
+                             persistent=False)  # [half, out)
 
     def extra_repr(self) -> str:
         one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
@@ -113,6 +121,10 @@ class FastLinear(nn.Module):
             return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
+        if kind == "halves":
+            if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
+                return self.run("packed", x2) if self.packed is not None else F.linear(x2, w, b)
+            return _two_halves(x2, self.packed_lo, self.packed_hi, b, self.half)
         if kind == "gemv":
             if x2.shape[0] != 1:
                 raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
@@ -124,6 +136,41 @@ class FastLinear(nn.Module):
                 out[:, s:e] = F.linear(x2, w[s:e], None if b is None else b[s:e])
             return out
         raise ValueError(f"unknown kernel {kind!r}; allowed: {sorted(set(ONE_ROW + MULTI_ROW))}")
+
+
+_HELPER: ThreadPoolExecutor | None = None
+"""One helper thread (one intra-op thread) that computes the upper half of a "halves" Linear."""
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = ThreadPoolExecutor(1, thread_name_prefix="fast-linear-half",
+                                     initializer=torch.set_num_threads, initargs=(1,))
+    return _HELPER
+
+
+def _two_halves(x2: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor | None,
+                half: int) -> torch.Tensor:
+    """One row through a Linear split by output features: [0, half) on this thread, the rest on the
+    helper thread, each on one intra-op thread, at the same time (torch releases the GIL in the op).
+
+    Why: oneDNN's one-row linear streams its weight at one core's rate (~15 GB/s on the EPYC of
+    BENCHMARKS.md, issue 12, the same on 1 and 2 threads) while two cores read ~30 GB/s; a one-row
+    product is memory-bound, so reading two halves on two cores at once nearly halves its time.
+    Each output element is the same dot product as in the whole-weight kernel (bitwise equal in
+    the tests). Costs a thread hand-off (~20-50 us), so it must win its timing to be used."""
+    from engines.cpu_threads import intra_op_threads
+
+    b_lo, b_hi = (None, None) if b is None else (b[:half], b[half:])
+
+    def upper() -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, hi, b_hi, "none", [], "")
+
+    fut = _helper().submit(upper)
+    with intra_op_threads(1):
+        low = torch.ops.mkldnn._linear_pointwise(x2, lo, b_lo, "none", [], "")
+    return torch.cat([low, fut.result()], dim=1)  # (1, out)
 
 
 class _Weights(nn.Module):
@@ -224,7 +271,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
     saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
     if isinstance(saved, list) and len(saved) == 3 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
-            "packed" not in saved or packing_available(dtype)):
+            not {"packed", "halves"} & set(saved) or packing_available(dtype)):
         _CHOSEN[key] = (saved[0], saved[1], saved[2])
         return _CHOSEN[key]
     packs = packing_available(dtype)
@@ -232,8 +279,9 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     # weight smaller than COLD_BYTES is timed on a ring of copies (each call the next one): timed
     # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
     copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
+    halves = packs and torch.get_num_threads() >= 2  # a second core to read the other half
     probes = [FastLinear(_Weights(weight if i == 0 else weight.detach().clone(), bias), "pretransposed",
-                         "packed" if packs else "linear") for i in range(copies)]
+                         "packed" if packs else "linear", "halves" if halves else "linear") for i in range(copies)]
     turn = iter(range(1 << 62))
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +290,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     runs = []
     with torch.no_grad():
         for rows, kinds, min_rounds in (
-                (1, [k for k in ONE_ROW if k != "packed" or packs], 5),
+                (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)], 5),
                 (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
                              and (k != "sliced" or out_f >= WIDE_MIN_OUT)], 3),
                 (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1)):  # compute-bound

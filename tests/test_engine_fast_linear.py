@@ -22,7 +22,8 @@ def _private_choices(monkeypatch, tmp_path):
 
 
 def _kernels(dtype):
-    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if k != "packed" or packing_available(dtype)]
+    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if k not in ("packed", "halves")
+            or packing_available(dtype)]
 
 
 @pytest.mark.parametrize("kernel", _kernels(torch.float32))
@@ -162,3 +163,25 @@ def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
         apply_fast_linear(model, single_thread_too=True)
     assert seen and set(seen) == {1, 2} and seen.count(1) == seen.count(2)
     assert all(m.single == ("pretransposed", "linear", "linear") for m in model.modules() if isinstance(m, FastLinear))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_halves_on_two_threads_equal_the_whole_packed_weight(dtype, bias):
+    """One row split by output features over two threads (odd width: unequal halves) gives exactly
+    the whole prepacked kernel's row; more rows and one-thread steps run the whole weight."""
+    from engines.cpu_threads import intra_op_threads
+
+    if not packing_available(dtype):
+        pytest.skip(f"oneDNN {dtype} packing not available here")
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 81, bias=bias).to(dtype)
+    fast = FastLinear(lin, "halves", "packed", "packed")
+    whole = FastLinear(lin, "packed", "packed", "packed")
+    with torch.no_grad(), intra_op_threads(2):
+        for rows in (1, 3):
+            x = torch.randn(rows, 64).to(dtype)
+            assert torch.equal(fast(x), whole(x))
+    with torch.no_grad(), intra_op_threads(1):
+        x = torch.randn(1, 64).to(dtype)
+        assert torch.equal(fast(x), whole(x))
