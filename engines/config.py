@@ -212,7 +212,7 @@ class EngineConfig:
     fewer-or-equal thread count measured fastest for that kind of step while the engine runs
     (OMP_NUM_THREADS, or every core, is then the most it uses; engines.cpu_threads.AdaptiveThreads).
     On a shared host a 2-thread step can wait ~4 ms per op for a descheduled thread. False runs
-    every step on the full count."""
+    every step on the full count, as does compile_decode "on" (dynamo guards on the count)."""
     dist_timeout_s: float = 120.0
     """Deadline of one step (and of collectives) in a multi-process executor: a hung or dead shard
     worker fails the step with ExecutorError instead of hanging it."""

@@ -49,6 +49,9 @@ class InProcessExecutor(Executor):
                          and engine_cfg.worker_threads == 0 else None)
         with self._threads(self.threads):
             self.runner = ModelRunner(model_dir, engine_cfg, model=model)
+        if getattr(self.runner.decode_runner, "compiled", None) is not None:
+            # dynamo guards on the intra-op thread count: another count would recompile the step
+            self.adaptive = None
         self.num_blocks = self.runner.num_blocks
         self.model_config = self.runner.model_config
 
