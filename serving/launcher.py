@@ -9,6 +9,7 @@ the port is free again.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,12 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
     owns_ray = not ray.is_initialized()
     if owns_ray:
         if cfg.ray.address is None:
+            # Ray starts its workers (the replicas, the gateway, the shard actors) at nice 15 so that
+            # its daemons win the CPU; on a host with other work every nice-0 process then takes the
+            # engine's cores. The embedded instance exists to serve, so its workers keep the caller's
+            # priority (RAY_worker_niceness set by the user wins; a cluster's own `ray start` decides
+            # for itself).
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
         else:
             ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)

@@ -109,6 +109,24 @@ def test_openai_client_completions(openai_client):
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
 
 
+def test_replicas_keep_the_callers_priority(url):
+    """The embedded Ray starts its workers at the caller's nice value, not Ray's default 15 (at 15
+    any nice-0 process on the host takes the engine's cores). Replicas are found by the process
+    title Ray gives them (`ray::ServeReplica:<app>:<deployment>`)."""
+    import os
+    from pathlib import Path
+
+    replicas = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            if title.startswith("ray::ServeReplica"):
+                replicas[f"{title} ({proc.name})"] = os.getpriority(os.PRIO_PROCESS, int(proc.name))
+    assert len(replicas) >= 5, replicas  # ModelServer 2 + 1 + 1, the Gateway, shard actors aside
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert replicas == dict.fromkeys(replicas, mine)
+
+
 def test_openai_client_chat(openai_client):
     messages = [{"role": "user", "content": "Hello"}]
     out = openai_client.chat.completions.create(model="gpt2", messages=messages, max_tokens=6, temperature=0)

@@ -214,6 +214,8 @@ def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device
 
     started = not ray.is_initialized()
     if started:
+        if not os.environ.get("RAY_ADDRESS"):  # a local instance: workers at the caller's priority,
+            os.environ.setdefault("RAY_worker_niceness", "0")  # not Ray's nice 15 (serving/launcher.py)
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
     resources = ray.cluster_resources()
     use_gpu = device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= num_workers)
