@@ -167,6 +167,9 @@ class AdaptiveThreads:
             st.interval = min(EXPLORE_MAX, 2 * st.interval)
         st.countdown = st.interval
 
-    def summary(self) -> dict[str, int]:
-        """Current thread count per step class, e.g. {"decode<=8": 1, "prefill<=1024": 2}."""
-        return {f"{'prefill' if p else 'decode'}<={1 << b}": st.current for (p, b), st in self._states.items()}
+    def summary(self) -> dict[str, str]:
+        """Per step class: the current count and the smoothed step time of each count tried, e.g.
+        {"decode<=8": "1 (2: 41.0 ms, 1: 12.3 ms)"}."""
+        return {f"{'prefill' if p else 'decode'}<={1 << b}": f"{st.current} (" + ", ".join(
+            f"{n}: {t * 1e3:.1f} ms" for n, t in sorted(st.ema.items(), reverse=True)) + ")"
+            for (p, b), st in sorted(self._states.items())}
