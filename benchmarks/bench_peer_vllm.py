@@ -77,9 +77,11 @@ def worker(args) -> dict:
     dt = time.perf_counter() - t
     from engines import fast_linear
 
-    kernels = {f"{o}x{i}": "/".join(k) for (o, i, _, _), k in fast_linear._CHOSEN.items()}
+    kernels = {f"{o}x{i}@{t}t": "/".join(k) for (o, i, _, t), k in fast_linear._CHOSEN.items()}
+    adaptive = llm.engine.executor.adaptive  # the thread count each kind of step settled on
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt, "load_s": load_s,
-            "compile_s": compile_s, "kernels": kernels}
+            "compile_s": compile_s, "kernels": kernels,
+            "threads": adaptive.summary() if adaptive is not None else llm.engine.executor.threads}
 
 
 # ---------------------------------------------------------------- driver side
@@ -301,6 +303,8 @@ def main() -> None:
             for eng, r in res.items():
                 if r.get("kernels"):
                     print(f"     {eng} Linear kernels (one row / decode batch / prefill): {r['kernels']}")
+                if "threads" in r:
+                    print(f"     {eng} intra-op threads per kind of step (at the end): {r['threads']}")
             rows.append((task, dt, res))
     if "http" not in skip:
         with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:

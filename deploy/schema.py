@@ -76,6 +76,9 @@ class EngineOptions(_Strict):
     """Micro-batches per step across pipeline stages; 0 means pipeline_parallel_size."""
     worker_threads: int | None = Field(None, ge=0)
     """torch threads per shard worker; 0 shares the cores among the shards."""
+    adaptive_threads: bool | None = None
+    """In-process CPU engine without worker_threads: each step's thread count (at most the cores
+    it has) is chosen by measuring steps while it runs (default true)."""
     dist_timeout_s: float | None = Field(None, gt=0, lt=10**7)
     """Deadline of one step in a multi-process executor (seconds)."""
 

@@ -207,6 +207,12 @@ class EngineConfig:
     worker_threads: int = 0
     """torch threads per shard worker; 0 shares the host's cores evenly among the shards (in
     process on CPU: OMP_NUM_THREADS when set, else every core, see engines.cpu_threads)."""
+    adaptive_threads: bool = True
+    """In-process CPU engine whose count is not fixed by worker_threads: run each step on the
+    fewer-or-equal thread count measured fastest for that kind of step while the engine runs
+    (OMP_NUM_THREADS, or every core, is then the most it uses; engines.cpu_threads.AdaptiveThreads).
+    On a shared host a 2-thread step can wait ~4 ms per op for a descheduled thread. False runs
+    every step on the full count, as does compile_decode "on" (dynamo guards on the count)."""
     dist_timeout_s: float = 120.0
     """Deadline of one step (and of collectives) in a multi-process executor: a hung or dead shard
     worker fails the step with ExecutorError instead of hanging it."""
@@ -245,6 +251,8 @@ class EngineConfig:
                  f"got {self.pipeline_microbatches!r}")
         _require(isinstance(self.worker_threads, int) and self.worker_threads >= 0, "worker_threads",
                  f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
+        _require(isinstance(self.adaptive_threads, bool), "adaptive_threads",
+                 f"must be true or false, got {self.adaptive_threads!r}")
         _require(isinstance(self.dist_timeout_s, (int, float)) and 0 < self.dist_timeout_s < 10**7, "dist_timeout_s",
                  f"must be a number of seconds in (0, 1e7), got {self.dist_timeout_s!r}")
 

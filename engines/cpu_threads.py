@@ -18,8 +18,9 @@ torch 2.13+cpu, libgomp), see BENCHMARKS.md, "Peer benchmark against vLLM's CPU 
   an offline mix of 24 requests ran at 94 / 73 tok/s on 2 threads against 71 / 66 on 1, batch-1
   decode level (BENCHMARKS.md). vLLM's CPU build binds its model to all cores but one (its scheduler
   runs beside the model); ours schedules on the same thread between steps, so a reserved core would
-  sit idle. `engine_threads` therefore uses all cores of the process's affinity; on a shared or
-  oversubscribed host set OMP_NUM_THREADS or EngineConfig.worker_threads.
+  sit idle. `engine_threads` therefore uses all cores of the process's affinity (or
+  OMP_NUM_THREADS) as the most a step uses, and `AdaptiveThreads` picks each step's count by
+  timing steps while the engine runs (EngineConfig.worker_threads fixes it instead).
 - Decode attention issues one small op per sequence and layer (a context of a few hundred keys:
   ~1 MFLOP). Splitting such an op over threads buys little and costs a fork/join each time;
   `single_threaded()` runs such a loop on the calling thread only.
@@ -79,3 +80,96 @@ def intra_op_threads(n: int) -> Iterator[None]:
 def single_threaded() -> contextlib.AbstractContextManager[None]:
     """Run the block's torch ops with one intra-op thread, then restore the count."""
     return intra_op_threads(1)
+
+
+EXPLORE_MIN, EXPLORE_MAX = 8, 256
+"""Steps between two trials of another thread count: the shortest (after a switch, or a sudden
+slow-down), and the longest (backed off to while the current count keeps winning)."""
+SWITCH_MARGIN = 0.9
+"""Another count takes over when its time is under this fraction of the current count's."""
+
+
+def step_class(num_tokens: int, has_prefill: bool) -> tuple[bool, int]:
+    """Steps compared with each other: prefill or decode-only, and tokens by power of two."""
+    return has_prefill, max(0, num_tokens - 1).bit_length()
+
+
+class _ClassState:
+    __slots__ = ("countdown", "current", "ema", "interval")
+
+    def __init__(self, current: int):
+        self.current = current
+        self.ema: dict[int, float] = {}
+        """Smoothed seconds of a step of this class, per thread count."""
+        self.interval = EXPLORE_MIN
+        self.countdown = 1  # the first step measures the current count, the next tries another
+
+
+class AdaptiveThreads:
+    """Chooses the intra-op thread count of each engine step by measuring steps while they run.
+
+    Measured on a 2-core AMD EPYC shared with other processes (BENCHMARKS.md, issue 12, run 7):
+    with any other runnable process on the cores, even a nice-19 one, each parallel region of a
+    2-thread step waits for a descheduled partner thread for a scheduler tick (~4 ms): a
+    (8 x 768) @ (768 x 2304) matmul took 4-8 ms on 2 threads against 0.8 ms on 1; on the same
+    machine idle, 2 threads win the batched steps (run 2). Which is faster changes minute by minute
+    on a shared host, so it is measured, per class of step (step_class), by running one step every
+    `interval` steps on another candidate count and comparing it with the current count's smoothed
+    time; the faster one stays. The interval doubles (to EXPLORE_MAX) while the current count keeps
+    winning, so a losing trial costs little, and drops to EXPLORE_MIN after a switch or when a step
+    runs twice its usual time (load arrived). Changing the count does not change results: the
+    linears and attention of a step were measured bitwise equal on 1 and 2 threads (tests check it).
+    """
+
+    def __init__(self, max_threads: int):
+        self.max_threads = max_threads
+        counts = {max_threads}
+        n = max_threads
+        while n > 1:  # halving ladder: 8 -> 4, 2, 1
+            n //= 2
+            counts.add(max(1, n))
+        self.candidates = tuple(sorted(counts, reverse=True))
+        self._states: dict[tuple[bool, int], _ClassState] = {}
+        self._trial: dict[tuple[bool, int], int] = {}  # next candidate index tried, per class
+        self.switches = 0
+
+    def choose(self, cls: tuple[bool, int]) -> int:
+        """Thread count for the next step of class `cls`."""
+        if len(self.candidates) == 1:
+            return self.max_threads
+        st = self._states.get(cls)
+        if st is None:
+            st = self._states[cls] = _ClassState(self.max_threads)
+        st.countdown -= 1
+        if st.countdown > 0 or st.current not in st.ema:
+            return st.current
+        others = [c for c in self.candidates if c != st.current]
+        i = self._trial.get(cls, 0) % len(others)
+        self._trial[cls] = i + 1
+        return others[i]
+
+    def record(self, cls: tuple[bool, int], threads: int, seconds: float) -> None:
+        """The measured wall time of a step of class `cls` run on `threads` threads."""
+        st = self._states.get(cls)
+        if st is None or len(self.candidates) == 1:
+            return
+        prev = st.ema.get(threads)
+        if threads == st.current:
+            st.ema[threads] = seconds if prev is None else 0.7 * prev + 0.3 * seconds
+            if prev is not None and seconds > 2 * prev and st.countdown > EXPLORE_MIN:
+                st.countdown = EXPLORE_MIN  # much slower than usual: the machine changed, try again soon
+            return
+        st.ema[threads] = seconds if prev is None else 0.5 * prev + 0.5 * seconds
+        if st.ema[threads] < SWITCH_MARGIN * st.ema[st.current]:
+            st.current, st.interval = threads, EXPLORE_MIN
+            self.switches += 1
+        else:
+            st.interval = min(EXPLORE_MAX, 2 * st.interval)
+        st.countdown = st.interval
+
+    def summary(self) -> dict[str, str]:
+        """Per step class: the current count and the smoothed step time of each count tried, e.g.
+        {"decode<=8": "1 (2: 41.0 ms, 1: 12.3 ms)"}."""
+        return {f"{'prefill' if p else 'decode'}<={1 << b}": f"{st.current} (" + ", ".join(
+            f"{n}: {t * 1e3:.1f} ms" for n, t in sorted(st.ema.items(), reverse=True)) + ")"
+            for (p, b), st in sorted(self._states.items())}

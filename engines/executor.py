@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from pathlib import Path
 
 from engines.config import EngineConfig, ModelConfig
-from engines.cpu_threads import engine_threads, intra_op_threads
+from engines.cpu_threads import AdaptiveThreads, engine_threads, intra_op_threads, step_class
 from engines.plan import StepPlan, StepResult
 
 
@@ -42,17 +43,33 @@ class InProcessExecutor(Executor):
         # CPU: load (the kernel timing of engines.fast_linear included) and every step run on
         # engine_threads() intra-op threads; the caller's own setting is restored after each
         self.threads = engine_threads(engine_cfg.worker_threads) if engine_cfg.device == "cpu" else 0
-        with self._threads():
+        # unless worker_threads fixes it, that count is the most a step uses: each step's count is
+        # chosen by measurement (engines.cpu_threads.AdaptiveThreads); results do not depend on it
+        self.adaptive = (AdaptiveThreads(self.threads) if self.threads > 1 and engine_cfg.adaptive_threads
+                         and engine_cfg.worker_threads == 0 else None)
+        with self._threads(self.threads):
             self.runner = ModelRunner(model_dir, engine_cfg, model=model)
+        if getattr(self.runner.decode_runner, "compiled", None) is not None:
+            # dynamo guards on the intra-op thread count: another count would recompile the step
+            self.adaptive = None
         self.num_blocks = self.runner.num_blocks
         self.model_config = self.runner.model_config
 
-    def _threads(self) -> contextlib.AbstractContextManager[None]:
-        return intra_op_threads(self.threads) if self.threads else contextlib.nullcontext()
+    @staticmethod
+    def _threads(n: int) -> contextlib.AbstractContextManager[None]:
+        return intra_op_threads(n) if n else contextlib.nullcontext()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        with self._threads():
-            return self.runner.execute(plan)
+        if self.adaptive is None or plan.empty:
+            with self._threads(self.threads):
+                return self.runner.execute(plan)
+        cls = step_class(sum(len(w.token_ids) for w in (*plan.decode, *plan.prefill)), bool(plan.prefill))
+        n = self.adaptive.choose(cls)
+        t = time.perf_counter()
+        with self._threads(n):
+            result = self.runner.execute(plan)
+        self.adaptive.record(cls, n, time.perf_counter() - t)
+        return result
 
     def shutdown(self) -> None:
         self.runner = None  # type: ignore[assignment]

@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -39,8 +40,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ONE_ROW = ("linear", "pretransposed", "gemv", "packed")
-"""Candidates for a single row (batch-1 decode, the LM head of one sequence)."""
+ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves")
+"""Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where
+the step runs on two threads or more and oneDNN packing is available."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
 MANY_ROWS, BULK_ROWS = 32, 128
@@ -75,26 +77,39 @@ class FastLinear(nn.Module):
     over WIDE_CHUNK output features at a time, for a vocabulary head)."""
 
     def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
-                 chunk: int = WIDE_CHUNK):
+                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
         self.one, self.many, self.bulk, self.chunk = one, many, bulk, chunk
-        kinds = {one, many, bulk}
+        self.single = single
+        """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
+        adaptive thread count, engines.cpu_threads); None: the kernels above at any count."""
+        kinds = {one, many, bulk, *(single or ())}
         w = linear.weight.detach()
         self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
                              persistent=False)  # (in, out)
         self.register_buffer("packed", pack_weight(w) if "packed" in kinds else None, persistent=False)
+        half = (self.out_features + 1) // 2
+        self.half = half
+        self.register_buffer("packed_lo", pack_weight(w[:half].contiguous()) if "halves" in kinds else None,
+                             persistent=False)  # output features [0, half)
+        self.register_buffer("packed_hi", pack_weight(w[half:].contiguous()) if "halves" in kinds else None,
+                             persistent=False)  # [half, out)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
+        one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
+        return (f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
+                f"{one_thread}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the graph must not depend on this process's timings
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         m = x2.shape[0]
-        kind = self.one if m == 1 else self.many if m < BULK_FROM else self.bulk
+        one, many, bulk = (self.single if self.single is not None and torch.get_num_threads() == 1
+                           else (self.one, self.many, self.bulk))
+        kind = one if m == 1 else many if m < BULK_FROM else bulk
         return self.run(kind, x2).view(*x.shape[:-1], self.out_features)
 
     def run(self, kind: str, x2: torch.Tensor) -> torch.Tensor:
@@ -106,6 +121,10 @@ class FastLinear(nn.Module):
             return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
+        if kind == "halves":
+            if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
+                return self.run("packed", x2) if self.packed is not None else F.linear(x2, w, b)
+            return _two_halves(x2, self.packed_lo, self.packed_hi, b, self.half)
         if kind == "gemv":
             if x2.shape[0] != 1:
                 raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
@@ -117,6 +136,41 @@ class FastLinear(nn.Module):
                 out[:, s:e] = F.linear(x2, w[s:e], None if b is None else b[s:e])
             return out
         raise ValueError(f"unknown kernel {kind!r}; allowed: {sorted(set(ONE_ROW + MULTI_ROW))}")
+
+
+_HELPER: ThreadPoolExecutor | None = None
+"""One helper thread (one intra-op thread) that computes the upper half of a "halves" Linear."""
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = ThreadPoolExecutor(1, thread_name_prefix="fast-linear-half",
+                                     initializer=torch.set_num_threads, initargs=(1,))
+    return _HELPER
+
+
+def _two_halves(x2: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor | None,
+                half: int) -> torch.Tensor:
+    """One row through a Linear split by output features: [0, half) on this thread, the rest on the
+    helper thread, each on one intra-op thread, at the same time (torch releases the GIL in the op).
+
+    Why: oneDNN's one-row linear streams its weight at one core's rate (~15 GB/s on the EPYC of
+    BENCHMARKS.md, issue 12, the same on 1 and 2 threads) while two cores read ~30 GB/s; a one-row
+    product is memory-bound, so reading two halves on two cores at once nearly halves its time.
+    Each output element is the same dot product as in the whole-weight kernel (bitwise equal in
+    the tests). Costs a thread hand-off (~20-50 us), so it must win its timing to be used."""
+    from engines.cpu_threads import intra_op_threads
+
+    b_lo, b_hi = (None, None) if b is None else (b[:half], b[half:])
+
+    def upper() -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, hi, b_hi, "none", [], "")
+
+    fut = _helper().submit(upper)
+    with intra_op_threads(1):
+        low = torch.ops.mkldnn._linear_pointwise(x2, lo, b_lo, "none", [], "")
+    return torch.cat([low, fut.result()], dim=1)  # (1, out)
 
 
 class _Weights(nn.Module):
@@ -217,7 +271,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
     saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
     if isinstance(saved, list) and len(saved) == 3 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
-            "packed" not in saved or packing_available(dtype)):
+            not {"packed", "halves"} & set(saved) or packing_available(dtype)):
         _CHOSEN[key] = (saved[0], saved[1], saved[2])
         return _CHOSEN[key]
     packs = packing_available(dtype)
@@ -225,8 +279,9 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     # weight smaller than COLD_BYTES is timed on a ring of copies (each call the next one): timed
     # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
     copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
+    halves = packs and torch.get_num_threads() >= 2  # a second core to read the other half
     probes = [FastLinear(_Weights(weight if i == 0 else weight.detach().clone(), bias), "pretransposed",
-                         "packed" if packs else "linear") for i in range(copies)]
+                         "packed" if packs else "linear", "halves" if halves else "linear") for i in range(copies)]
     turn = iter(range(1 << 62))
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -235,7 +290,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     runs = []
     with torch.no_grad():
         for rows, kinds, min_rounds in (
-                (1, [k for k in ONE_ROW if k != "packed" or packs], 5),
+                (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)], 5),
                 (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
                              and (k != "sliced" or out_f >= WIDE_MIN_OUT)], 3),
                 (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1)):  # compute-bound
@@ -249,10 +304,19 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     return _CHOSEN[key]
 
 
-def apply_fast_linear(model: nn.Module) -> dict[tuple[int, int], tuple[str, str, str]]:
+def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
+                      ) -> dict[tuple[int, int], tuple[str, str, str]]:
     """Swap each plain CPU nn.Linear (fp32 / bf16 / fp16) for a FastLinear with its shape's timed
     kernels (one row, decode batch, prefill chunk); returns the choices by (out, in). A shape whose
-    three choices are all plain linear keeps its nn.Linear."""
+    three choices are all plain linear keeps its nn.Linear.
+
+    single_thread_too: when this runs on several threads, also time each shape on one thread and
+    use those kernels in steps run on one thread (the engine's adaptive thread count). Timing on
+    one thread is also the one that a busy host cannot distort: on 2 cores shared with other
+    processes every 2-thread call waited ~4 ms for its partner thread, so the 2-thread times there
+    were the scheduler's, not the kernels' (BENCHMARKS.md, issue 12, run 7)."""
+    from engines.cpu_threads import intra_op_threads
+
     choices: dict[tuple[int, int], tuple[str, str, str]] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -260,8 +324,12 @@ def apply_fast_linear(model: nn.Module) -> dict[tuple[int, int], tuple[str, str,
                 continue
             key = (child.out_features, child.in_features)
             choices[key] = choose_kernels(child.weight, child.bias)
-            if choices[key] != ("linear", "linear", "linear"):
-                setattr(parent, name, FastLinear(child, *choices[key]))
+            single = None
+            if single_thread_too and torch.get_num_threads() > 1:
+                with intra_op_threads(1):
+                    single = choose_kernels(child.weight, child.bias)
+            if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3):
+                setattr(parent, name, FastLinear(child, *choices[key], single=single))
     if choices:
         log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices

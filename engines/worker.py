@@ -40,7 +40,8 @@ class ModelRunner:
         if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
             from engines.fast_linear import apply_fast_linear
 
-            apply_fast_linear(model)
+            # steps may run on one thread (engines.cpu_threads.AdaptiveThreads): time that count too
+            apply_fast_linear(model, single_thread_too=engine_cfg.adaptive_threads and engine_cfg.worker_threads == 0)
         self.model, self.cfg = model, cfg
         budget = None if engine_cfg.num_kv_blocks else kv_cache_budget(cfg, engine_cfg, self.device)
         self.num_blocks = num_kv_blocks(cfg, engine_cfg, budget)

@@ -22,7 +22,8 @@ def _private_choices(monkeypatch, tmp_path):
 
 
 def _kernels(dtype):
-    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if k != "packed" or packing_available(dtype)]
+    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if k not in ("packed", "halves")
+            or packing_available(dtype)]
 
 
 @pytest.mark.parametrize("kernel", _kernels(torch.float32))
@@ -121,3 +122,66 @@ def test_unreadable_choices_file_is_timed_again(tmp_path):
     choice = fl.choose_kernels(torch.randn(16, 8), torch.randn(16))
     assert json.loads((tmp_path / "fast_linear.json").read_text())[fl.machine_key()]["16x8 float32 bias"][
         "kernels"] == list(choice)
+
+
+def test_one_thread_steps_use_the_kernels_timed_on_one_thread(monkeypatch):
+    """FastLinear dispatches on the step's thread count: `single` at one thread, the others above."""
+    from engines.cpu_threads import intra_op_threads
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    fast = FastLinear(lin, "linear", "linear", "linear", single=("pretransposed", "pretransposed", "pretransposed"))
+    ran = []
+    real = FastLinear.run
+
+    def spy(self, kind, x2):
+        ran.append(kind)
+        return real(self, kind, x2)
+
+    monkeypatch.setattr(FastLinear, "run", spy)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), intra_op_threads(2):
+        a = fast(x)
+    with torch.no_grad(), intra_op_threads(1):
+        b = fast(x)
+    assert ran == ["linear", "pretransposed"]
+    torch.testing.assert_close(a, b)
+    assert "one thread=pretransposed" in repr(fast)
+
+
+def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
+    from engines.checkpoint import load_model
+    from engines.cpu_threads import intra_op_threads
+
+    monkeypatch.setenv("SHARDSERVE_FAST_LINEAR_CACHE", str(tmp_path / "choices.json"))
+    monkeypatch.setattr(fl, "_CHOSEN", {})
+    seen = []
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b: seen.append(torch.get_num_threads()) or
+                        ("pretransposed", "linear", "linear"))
+    model, _ = load_model(gpt2_dir, dtype=torch.float32)
+    with intra_op_threads(2):
+        apply_fast_linear(model, single_thread_too=True)
+    assert seen and set(seen) == {1, 2} and seen.count(1) == seen.count(2)
+    assert all(m.single == ("pretransposed", "linear", "linear") for m in model.modules() if isinstance(m, FastLinear))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_halves_on_two_threads_equal_the_whole_packed_weight(dtype, bias):
+    """One row split by output features over two threads (odd width: unequal halves) gives exactly
+    the whole prepacked kernel's row; more rows and one-thread steps run the whole weight."""
+    from engines.cpu_threads import intra_op_threads
+
+    if not packing_available(dtype):
+        pytest.skip(f"oneDNN {dtype} packing not available here")
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 81, bias=bias).to(dtype)
+    fast = FastLinear(lin, "halves", "packed", "packed")
+    whole = FastLinear(lin, "packed", "packed", "packed")
+    with torch.no_grad(), intra_op_threads(2):
+        for rows in (1, 3):
+            x = torch.randn(rows, 64).to(dtype)
+            assert torch.equal(fast(x), whole(x))
+    with torch.no_grad(), intra_op_threads(1):
+        x = torch.randn(1, 64).to(dtype)
+        assert torch.equal(fast(x), whole(x))

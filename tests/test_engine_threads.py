@@ -113,3 +113,94 @@ def test_engine_steps_run_on_engine_threads_and_leave_the_callers_count(model_di
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_adaptive_threads_switches_to_the_faster_count_and_back():
+    """Synthetic step times: the chooser moves to whichever count measures faster per step class."""
+    from engines.cpu_threads import EXPLORE_MAX, EXPLORE_MIN, AdaptiveThreads, step_class
+
+    a = AdaptiveThreads(2)
+    assert a.candidates == (2, 1)
+    cls = step_class(8, False)
+    fast = {1: 0.010, 2: 0.040}  # a loaded host: one thread wins
+    seen = []
+    for _ in range(40):
+        n = a.choose(cls)
+        seen.append(n)
+        a.record(cls, n, fast[n])
+    assert seen[0] == 2 and seen[1] == 1  # measures its own count, then tries the other
+    assert seen[-10:] == [1] * 10 and a.switches == 1
+    fast = {1: 0.010, 2: 0.004}  # the host went quiet: two threads win after the next trial
+    for _ in range(EXPLORE_MAX + 2):
+        n = a.choose(cls)
+        a.record(cls, n, fast[n])
+    assert a.choose(cls) == 2 and a.switches == 2
+    # a losing trial backs off: trials of the other count get rarer
+    trials = 0
+    for _ in range(200):
+        n = a.choose(cls)
+        trials += n == 1
+        a.record(cls, n, fast[n])
+    assert 1 <= trials <= 200 // EXPLORE_MIN
+    # another step class keeps its own state
+    other = step_class(512, True)
+    assert other != cls and a.choose(other) == 2
+
+
+def test_adaptive_threads_reacts_soon_to_a_sudden_slowdown():
+    from engines.cpu_threads import EXPLORE_MIN, AdaptiveThreads
+
+    a = AdaptiveThreads(2)
+    cls = (False, 3)
+    for _ in range(300):  # two threads win for long: trials are EXPLORE_MAX apart by now
+        n = a.choose(cls)
+        a.record(cls, n, {1: 0.010, 2: 0.005}[n])
+    steps_to_trial = None
+    for i in range(60):
+        n = a.choose(cls)
+        if n == 1:
+            steps_to_trial = i
+            break
+        a.record(cls, n, 0.050)  # load arrived: two threads now take 10x as long
+    assert steps_to_trial is not None and steps_to_trial <= EXPLORE_MIN + 1
+
+
+def test_one_core_never_adapts():
+    from engines.cpu_threads import AdaptiveThreads
+
+    a = AdaptiveThreads(1)
+    assert a.candidates == (1,)
+    assert all(a.choose((False, 0)) == 1 for _ in range(20))
+
+
+def test_engine_tokens_do_not_depend_on_the_thread_count(gpt2_dir, monkeypatch):
+    """Steps switching between 1 and 2 threads give the tokens of a fixed count (greedy and seeded)."""
+    from engines import EngineConfig, SamplingParams, cpu_threads
+    from engines.llm_engine import LLMEngine
+
+    monkeypatch.setattr(cpu_threads, "EXPLORE_MIN", 1)
+    monkeypatch.setattr(cpu_threads, "EXPLORE_MAX", 1)  # a trial every other step: many switches
+    before = torch.get_num_threads()
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(5 + 9 * i)] for i in range(6)]
+    outs = {}
+    try:
+        for mode in ("fixed", "adaptive"):
+            eng = LLMEngine(gpt2_dir, EngineConfig(worker_threads=2 if mode == "fixed" else 0,
+                                                   max_num_batched_tokens=32))
+            if mode == "adaptive":
+                eng.executor.threads = 2  # the test host may have one core; the chooser still alternates
+                eng.executor.adaptive = cpu_threads.AdaptiveThreads(2)
+            for i, p in enumerate(prompts):
+                eng.add_request(f"r{i}", p, SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=20,
+                                                           ignore_eos=True))
+            got = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        got[o.request_id] = o.outputs[0].token_ids
+            outs[mode] = got
+            if mode == "adaptive":
+                assert eng.executor.adaptive.switches > 0
+    finally:
+        torch.set_num_threads(before)
+    assert outs["adaptive"] == outs["fixed"]
