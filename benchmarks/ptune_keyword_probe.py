@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--fit-on", choices=("val", "train"), default="val",
                     help="val: k-fold CV within the validation lines; train: fit on the TRAIN split's labelled "
                          "lines (many more; the base has seen them) and score every validation line")
+    ap.add_argument("--max-fit", type=int, default=400, help="--fit-on train: at most this many lines per class")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, _ = load_model(Path(args.model))
@@ -95,8 +96,8 @@ def main() -> None:
     items = [(ln, 0) for ln in love] + [(ln, 1) for ln in war]
     if args.fit_on == "train":
         tr_lines = val_lines(Path(args.data), tok, split="train")
-        tr_items = ([(ln, 0) for ln in tr_lines if LOVE.search(ln) and not WAR.search(ln)]
-                    + [(ln, 1) for ln in tr_lines if WAR.search(ln) and not LOVE.search(ln)])
+        tr_items = ([(ln, 0) for ln in tr_lines if LOVE.search(ln) and not WAR.search(ln)][:args.max_fit]
+                    + [(ln, 1) for ln in tr_lines if WAR.search(ln) and not LOVE.search(ln)][:args.max_fit])
         tr_feats = features(model, tok, [ln for ln, _ in tr_items], args.template)
         tr_y = torch.tensor([c for _, c in tr_items])
     feats = features(model, tok, [ln for ln, _ in items], args.template)
