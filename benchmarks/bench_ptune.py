@@ -36,8 +36,9 @@ HAND = "Say love if the line speaks of love or the heart; say war if it speaks o
 TAGS = ("HAMLET.", "OPHELIA.")
 
 
-def val_lines(data_dir: Path, tok: Tokenizer) -> list[str]:
-    ids = np.fromfile(data_dir / "val.bin", dtype=np.uint16).tolist()
+def val_lines(data_dir: Path, tok: Tokenizer, split: str = "val") -> list[str]:
+    """The split's lines of 25-90 characters, stripped."""
+    ids = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).tolist()
     text = tok.decode(ids)
     return [ln.strip() for ln in text.splitlines() if 25 <= len(ln.strip()) <= 90]
 
