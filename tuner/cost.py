@@ -151,6 +151,8 @@ class CostModel:
             mm = self.matmul_time(w, threads=1) * lay["matmul_scale"]
             if lay.get("matmul_mt_scale") and p.threads(shards) > 1:
                 mm += self.matmul_time(w, threads=p.threads(shards)) * lay["matmul_mt_scale"]
+            if lay.get("dram_weight_gb_s"):  # weights past the last-level cache, read from memory
+                mm += self.weight_stream_bytes(w) / (lay["dram_weight_gb_s"] * 1e9)
             comm *= lay["comm_scale"]
             const = {k: lay[k] for k in const}
         else:
@@ -189,6 +191,24 @@ class CostModel:
 
         layers = self.pp * self.layers_per_stage
         return layers * matmul(self.layer_params / self.tp, w.tokens) + matmul(m.vocab_size * m.n_embd / self.tp, w.sampled)
+
+    def weight_stream_bytes(self, w: StepWork) -> float:
+        """Weight bytes one step reads from memory rather than the last-level cache, along the
+        step's critical path (every stage's layers, one TP shard's slice, and the LM head when the
+        step samples). The matmul rate table is measured on one cache-resident Linear; a model copy
+        whose weights (all shards: they share the host's cache) outgrow the cache streams them from
+        memory at every step. The share that misses ramps from 0 at the cache's size to 1 at twice
+        it (a cyclic read of a buffer past an LRU-like cache misses almost always). 0 without
+        profile.cache_mib."""
+        p, m = self.profile, self.model
+        if not p.cache_mib or w.tokens <= 0:
+            return 0.0
+        wb = _BYTES[self.weight_dtype]
+        head = m.vocab_size * m.n_embd
+        copy = (m.n_layer * self.layer_params + head * (1 if m.tie_word_embeddings else 2)) * wb
+        miss = min(max(copy / (p.cache_mib * 2**20) - 1.0, 0.0), 1.0)
+        path = (self.pp * self.layers_per_stage * self.layer_params + (head if w.sampled else 0)) / self.tp * wb
+        return miss * path
 
     def comm_time(self, w: StepWork) -> float:
         """Seconds of a step's TP all-reduces (two per layer and one of the sampled logits) and

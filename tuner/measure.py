@@ -5,6 +5,8 @@ What is measured, and which profile field it becomes:
   (the cost model interpolates in log(rows) and picks the threads a shard of a layout gets), and
   how a Linear's rate moves with the model's width -> matmul_width_factor;
 - read bandwidth of a buffer far past the last-level cache -> hbm_bandwidth_gb_s;
+- the last-level cache's size (sysfs) -> cache_mib (a model copy whose weights outgrow it reads them
+  from memory at every step: the cost model's weight-streaming term, fitted per layout);
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
 - the served engine's own steps, per TP x PP layout of this host: one real `shardserve serve` of
@@ -110,6 +112,26 @@ def measure_bandwidth(mib: int = 256) -> float:
     return buf.numel() * 4 / _best(lambda: buf.sum()) / 1e9
 
 
+def last_level_cache_mib(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> float:
+    """Size (MiB) of the largest cache level cpu0 sees (Linux sysfs: index*/level, index*/size such
+    as "32768K"); 0 where sysfs does not say (the cost model then has no cache term)."""
+    best_level, best = 0, 0.0
+    for idx in sorted(root.glob("index*")):
+        try:
+            level = int((idx / "level").read_text().strip())
+            size = (idx / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(size[-1:], None)
+        num = size[:-1] if mult is not None else size
+        if not num.isdigit():
+            continue
+        mib = int(num) * (mult if mult is not None else 1 / 2**20)
+        if level > best_level or (level == best_level and mib > best):
+            best_level, best = level, mib
+    return round(best, 3)
+
+
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
             dtype: str = "auto", steps_out: Path | None = None) -> HardwareProfile:
     """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0);
@@ -142,7 +164,8 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         matmul_tflops=rates, matmul_width_factor=width_factor, cores=cores, intra_node_bandwidth_gb_s=round(comm["allreduce_gb_s"], 3),
         inter_node_bandwidth_gb_s=round(comm["allreduce_gb_s"], 3), devices_per_node=cores,
         bw_efficiency=1.0, flops_efficiency=1.0, collective_latency_us=round(comm["allreduce_latency_us"], 1),
-        send_latency_us=round(comm["send_latency_us"], 1), reserved_memory_gib=1.0)
+        send_latency_us=round(comm["send_latency_us"], 1), reserved_memory_gib=1.0,
+        cache_mib=last_level_cache_mib())
     with tempfile.TemporaryDirectory(prefix="shardserve-profile-") as tmp:
         if serve:
             layouts, request_ms, notes = _served(base, Path(tmp), dtype, progress, steps_out)

@@ -113,7 +113,7 @@ def _features(w, cost) -> list[float]:
     return [1.0, layers, layers * (w.seqs or w.sampled), w.sampled, cost.matmul_time(w, threads=1),
             layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp,
             cost.matmul_time(w, threads=shard_threads) if shard_threads > 1 else 0.0,
-            layers * w.tokens * m.n_embd / cost.tp]
+            layers * w.tokens * m.n_embd / cost.tp, cost.weight_stream_bytes(w)]
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
@@ -125,7 +125,8 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     per-sequence costs); a number fixes it at that many ns. `mean=True` fits the mean step, not
     the typical one: served steps that other processes stretch are part of what a request waits
     for, so their relative errors are weighted by the fitted time, not reweighted toward least
-    absolute deviations (which would fit the median of a right-skewed spread)."""
+    absolute deviations (which would fit the median of a right-skewed spread): relative to the
+    geometric mean of the fitted and the measured time."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
     fixed_vocab = 0.0 if vocab is True or vocab is False else float(vocab) * 1e-9
@@ -146,7 +147,10 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
         wgt = robust / denom
         x = nnls(a * wgt[:, None] / scale, dts_fit * wgt) / scale
         if mean:
-            denom = np.maximum(a @ x + floor * a[:, 4], 1e-6)
+            # relative to the geometric mean of fitted and measured: relative to the fitted time
+            # alone, an over-prediction costs at most 1 and the fit drifts slow (pass 9: its own
+            # steps 1.20x); relative to the measured alone it drifts fast
+            denom = np.sqrt(np.maximum(a @ x + floor * a[:, 4], 1e-6) * np.maximum(dts, 1e-6))
         else:
             robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
     x[4] += floor
@@ -164,6 +168,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "vocab_seq_ns": x[8] * 1e9,
             "matmul_mt_scale": x[9],
             "token_layer_width_ns": x[10] * 1e9,
+            "dram_weight_gb_s": 1 / x[11] / 1e9 if x[11] > 0 else 0.0,  # 0: no step read weights past the cache
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
             "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}

@@ -41,7 +41,14 @@ Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end la
 that put decode contexts at 97-113, so batches of 1 to ~8. Open loop, as deployments are loaded: a
 closed loop starts with all its requests at once, and the burst through the gateway stretches the
 prefill steps it meets (3x on a 2-layer probe) far beyond what spread arrivals do."""
-WARMUP = (2, 2, 4)  # (in flight, requests, output tokens) before the measured runs: not kept
+WARMUP = ((2, 2, 16, 4), (1, 3, 16, 2), (2, 6, 96, 3))
+"""(in flight, requests, prompt tokens, output tokens) of closed-loop runs before the measured ones
+(not kept): they take each step class the measured runs meet (prefills of 17 and 97 tokens, alone
+and beside decodes) through the engine's thread chooser (engines.cpu_threads.AdaptiveThreads)
+first. Each class starts on every core and tries the other count on its next step; on this host a
+short prefill takes ~5x longer on 2 threads than on 1 (BENCHMARKS.md, issue 12, run 8), so without
+this a probe's few prefills per class are measured mostly while the chooser is still learning,
+which a deployment serving for minutes is not (the accuracy runs' prefills: ~2x faster)."""
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
 often would load the probes' cores more than a deployment's): how stale the step windows may be.
@@ -78,9 +85,9 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
             progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
                     "ignore_eos": True, "progress": False, "seed": 1}
-            c, n, o = WARMUP
-            run(LoadTestConfig(**base, random_input_len=16, random_output_len=o, closed_loop_concurrency=c,
-                               num_prompts=n))
+            for c, n, plen, o in WARMUP:
+                run(LoadTestConfig(**base, random_input_len=plen, random_output_len=o, closed_loop_concurrency=c,
+                                   num_prompts=n))
             runs, spans = {}, {}
             for c, n, plen in CONCURRENCY:
                 t0 = time.monotonic()  # the replicas run on this host: the same monotonic clock

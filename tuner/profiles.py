@@ -84,6 +84,10 @@ class HardwareProfile:
     threads each): LAYOUT_KEYS. They replace the global constants of the same names for that
     layout; matmul_scale and comm_scale multiply the matmul and communication times the profile's
     tables give. Empty: global constants."""
+    cache_mib: float = 0.0
+    """CPU profiles: the last-level cache the shards of one model copy share (MiB). A copy whose
+    weights outgrow it reads them from memory at every step, which the cache-resident rate table
+    does not see (CostModel.weight_stream_bytes); 0: not modelled (devices, built-in profiles)."""
     fit_notes: str = ""
     """What the efficiency factors were fitted on."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -106,7 +110,7 @@ class HardwareProfile:
                 raise ProfileError(f"{name}: must be in (0, {top:g}], got {v!r}")
         for name in ("layer_overhead_us", "step_overhead_ms", "collective_latency_us", "reserved_memory_gib",
                      "seq_overhead_us", "seq_layer_overhead_us", "attention_kv_gb_s", "attention_prefill_tflops",
-                     "send_latency_us", "request_overhead_ms"):
+                     "send_latency_us", "request_overhead_ms", "cache_mib"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ProfileError(f"{name}: must be a number >= 0, got {v!r}")
@@ -192,14 +196,16 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 """Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
-LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns")
+LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
 shard of several threads, a factor on the rate table's time at those threads (added to
 matmul_scale's one-thread time: a big prefill's matmuls split over the threads, a decode step's
 small ones hardly do); and ns per token per layer per channel of the shard's width (the layers'
 elementwise work beside their matmuls: norms, activations, residual adds, copies; a prefill has many
-tokens per sequence, so it is not the per-sequence cost)."""
+tokens per sequence, so it is not the per-sequence cost); and the rate (GB/s) at which a step reads the
+weights that do not fit the last-level cache (HardwareProfile.cache_mib), beyond the rate table's
+time (0: no such term)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
                 "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
