@@ -233,10 +233,10 @@ def test_fit_layout_recovers_known_constants():
     models = [ModelConfig(model_type="gpt2", vocab_size=v, n_layer=n, n_head=4, n_embd=c, max_position_embeddings=512)
               for n, c, v in ((2, 128, 2048), (6, 256, 512), (4, 64, 8192))]
     prof = _profile(matmul_tflops={1: {"bfloat16": {1: 0.01, 64: 0.1}}, 2: {"bfloat16": {1: 0.02, 64: 0.2}}},
-                    cores=2, collective_latency_us=100.0)
+                    cores=2, collective_latency_us=100.0, cache_mib=4.0)  # the 6 x 256 probe's 9.4 MB outgrow it
     truth = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
              "matmul_scale": 1.5, "comm_scale": 2.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 3.0,
-             "vocab_seq_ns": 4.0, "token_layer_width_ns": 0.5}
+             "vocab_seq_ns": 4.0, "token_layer_width_ns": 0.5, "dram_weight_gb_s": 7.0}
     works = [StepWork(tokens=b * n, sampled=b, prefill_attn_pairs=b * n * (n + 1) // 2)
              for b, n in ((1, 16), (4, 64), (1, 300), (8, 32), (2, 128))]
     works += [StepWork(tokens=b, sampled=b, decode_context=b * c) for b in (1, 8, 32) for c in (20, 200)]
@@ -260,6 +260,39 @@ def test_fit_layout_recovers_known_constants():
         if tp == 1:
             for k, v in truth.items():
                 assert fit[k] == pytest.approx(v, rel=1e-3), k
+
+
+def test_weight_stream_bytes_past_the_cache():
+    """Weights a step reads from memory: none while the copy fits the last-level cache, all of the
+    critical path's from twice the cache on, linear in between; a TP shard reads its slice, the LM
+    head only when the step samples; no term without cache_mib (devices, built-in profiles)."""
+    model = ModelConfig(model_type="gpt2", vocab_size=1000, n_layer=4, n_head=4, n_embd=128, max_position_embeddings=64)
+    prof = _profile(cores=2)
+    layer = CostModel(model, prof).layer_params
+    copy_b = (4 * layer + 1000 * 128) * 2  # bf16, tied embedding = the LM head
+    path_b = copy_b  # one shard, sampling: every layer and the head
+    w, w0 = StepWork(tokens=3, sampled=3), StepWork(tokens=64, sampled=0, prefill_attn_pairs=64 * 65 // 2)
+    assert CostModel(model, prof).weight_stream_bytes(w) == 0.0
+    for cache_b, miss in ((copy_b, 0.0), (copy_b / 1.5, 0.5), (copy_b / 2, 1.0), (copy_b / 10, 1.0)):
+        p = prof.replace(cache_mib=cache_b / 2**20)
+        assert CostModel(model, p).weight_stream_bytes(w) == pytest.approx(miss * path_b)
+        assert CostModel(model, p, tp=2).weight_stream_bytes(w) == pytest.approx(miss * path_b / 2)
+        assert CostModel(model, p, pp=2).weight_stream_bytes(w) == pytest.approx(miss * path_b)  # stages in turn
+        assert CostModel(model, p).weight_stream_bytes(w0) == pytest.approx(miss * 4 * layer * 2)
+    with pytest.raises(ProfileError, match="cache_mib"):
+        prof.replace(cache_mib=-1.0)
+
+
+def test_last_level_cache_from_sysfs(tmp_path):
+    """The profile's cache size is the highest cache level sysfs lists (its K / M suffix read)."""
+    from tuner.measure import last_level_cache_mib
+
+    for i, (level, size) in enumerate(((1, "32K"), (2, "1024K"), (3, "32768K"), (3, "garbage"))):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{i}" / "size").write_text(f"{size}\n")
+    assert last_level_cache_mib(tmp_path) == 32.0
+    assert last_level_cache_mib(tmp_path / "absent") == 0.0
 
 
 def test_probe_tokenizer_is_the_training_one(tmp_path):
