@@ -25,6 +25,11 @@ the matmul time of a CPU shard that runs several threads (its own rate table, th
 processes on a shared host slow most); matmul is every other matmul."""
 
 
+CACHE_MISS_RAMP = (1.0, 2.0)
+"""A model copy's weights (bytes, as multiples of the last-level cache) at which a step starts to
+read them from memory and at which it reads all of them (CostModel.weight_stream_bytes)."""
+
+
 class LayoutError(ValueError):
     """A TP x PP layout cannot hold the model; the message says why."""
 
@@ -168,7 +173,9 @@ class CostModel:
                                   if lay else 0.0)),
             "seq_layer": layers * seqs * const["seq_layer_overhead_us"] * 1e-6,
             "seq": w.sampled * (const["seq_overhead_us"] * 1e-6
-                                + (lay.get("vocab_seq_ns", 0.0) * 1e-9 * m.vocab_size / self.tp if lay else 0.0)),
+                                + (lay.get("vocab_seq_ns", 0.0) * 1e-9 * m.vocab_size / self.tp if lay else 0.0))
+                   # the LM head's per-step work beyond its matmul, by the size of its weight slice
+                   + (lay.get("head_ns", 0.0) * 1e-9 * m.vocab_size * m.n_embd / self.tp if lay and w.sampled else 0.0),
             "step": const["step_overhead_ms"] * 1e-3,
         }
 
@@ -206,7 +213,8 @@ class CostModel:
         wb = _BYTES[self.weight_dtype]
         head = m.vocab_size * m.n_embd
         copy = (m.n_layer * self.layer_params + head * (1 if m.tie_word_embeddings else 2)) * wb
-        miss = min(max(copy / (p.cache_mib * 2**20) - 1.0, 0.0), 1.0)
+        lo, hi = (f * p.cache_mib * 2**20 for f in CACHE_MISS_RAMP)
+        miss = min(max((copy - lo) / (hi - lo), 0.0), 1.0)
         path = (self.pp * self.layers_per_stage * self.layer_params + (head if w.sampled else 0)) / self.tp * wb
         return miss * path
 

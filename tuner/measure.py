@@ -234,7 +234,9 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
         # several shards see two probes, which cannot tell the vocabulary's per-sequence cost from the
         # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice, on its threads
         vocab = True if tp * pp == 1 else layouts["1x1"]["vocab_seq_ns"] * base.threads(1) / base.threads(tp * pp)
-        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True)
+        # likewise the LM head's per-step cost (two probes' heads are 0.4M and 3.1M entries): the one-shard layout's
+        head = True if tp * pp == 1 else layouts["1x1"]["head_ns"] * base.threads(1) / base.threads(tp * pp)
+        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True, head=head)
         fit["served_gap_ms"] = float(np.median(gaps)) * 1e3
         layouts[key] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
         notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")

@@ -10,12 +10,15 @@ squares on relative errors, as
            + sampled * seq_overhead + matmul_scale * matmul(one-thread rate table, model width)
            + layers * prefill_flops / attention_prefill_rate + layers * kv_bytes / attention_kv_rate
            + comm_scale * comm(gloo measurement) + sampled * vocab / tp * vocab_seq
+           + streamed weight bytes / dram_weight_rate + [sampled > 0] * vocab * width / tp * head
 
 matmul comes from the profile's one-thread bare-matmul table (its shape in rows and width; the
 multi-thread table moves with whatever else runs on a shared host) and matmul_scale is where the
 engine's Linear layers in that layout land against it (threads per shard, kernel choice, shards
 sharing the cores); vocab_seq is the LM head's per-sequence work beyond its matmul; comm (TP all-reduces, PP sends) comes from tuner.measure_comm and comm_scale
-is what the executor's real collectives and sends cost against it. Two probe checkpoints of different depth and width (and
+is what the executor's real collectives and sends cost against it; streamed weight bytes are
+those of a copy that outgrows the last-level cache (tuner.cost.CostModel.weight_stream_bytes: the
+rate table is measured cache-resident); head is the LM head's per-step work by its size. Two probe checkpoints of different depth and width (and
 vocabulary) let the fit tell the terms apart.
 """
 
@@ -113,26 +116,29 @@ def _features(w, cost) -> list[float]:
     return [1.0, layers, layers * (w.seqs or w.sampled), w.sampled, cost.matmul_time(w, threads=1),
             layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp,
             cost.matmul_time(w, threads=shard_threads) if shard_threads > 1 else 0.0,
-            layers * w.tokens * m.n_embd / cost.tp, cost.weight_stream_bytes(w)]
+            layers * w.tokens * m.n_embd / cost.tp, cost.weight_stream_bytes(w),
+            m.vocab_size * m.n_embd / cost.tp if w.sampled else 0.0]
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
-               mean: bool = False) -> dict[str, float]:
+               mean: bool = False, head: bool | float = True) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
     cost models carry the layout's tp and pp and a profile without layout constants. `threads`
     per shard bound matmul_scale from below: t threads at best divide the one-thread time by t.
     `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
-    per-sequence costs); a number fixes it at that many ns. `mean=True` fits the mean step, not
+    per-sequence costs); a number fixes it at that many ns; `head` likewise for head_ns.
+    `mean=True` fits the mean step, not
     the typical one: served steps that other processes stretch are part of what a request waits
     for, so their relative errors are weighted by the fitted time, not reweighted toward least
     absolute deviations (which would fit the median of a right-skewed spread): relative to the
     geometric mean of the fitted and the measured time."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
-    fixed_vocab = 0.0 if vocab is True or vocab is False else float(vocab) * 1e-9
-    if vocab is not True:
-        dts = dts - fixed_vocab * a[:, 8]  # the fixed part is not fitted
-        a[:, 8] = 0.0
+    fixed = {j: 0.0 if v is True or v is False else float(v) * 1e-9 for j, v in ((8, vocab), (12, head)) if v is not True}
+    full = a.copy()
+    for j, v in fixed.items():
+        dts = dts - v * a[:, j]  # the fixed part is not fitted
+        a[:, j] = 0.0
     floor = 1.0 / max(threads, 1)  # the fit's matmul coefficient is matmul_scale - floor >= 0
     dts_fit = dts - floor * a[:, 4]
     if not a[:, 7].any():
@@ -154,10 +160,10 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
         else:
             robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
     x[4] += floor
-    x[8] += fixed_vocab
-    if fixed_vocab:
-        dts = dts + fixed_vocab * np.array([_features(w, cost)[8] for w, _, cost in steps])
-        a[:, 8] = [_features(w, cost)[8] for w, _, cost in steps]
+    for j, v in fixed.items():
+        x[j] += v
+        dts = dts + v * full[:, j]
+        a[:, j] = full[:, j]
     rel = np.abs(a @ x / dts - 1) * 100
     return {"step_overhead_ms": x[0] * 1e3, "layer_overhead_us": x[1] * 1e6, "seq_layer_overhead_us": x[2] * 1e6,
             "seq_overhead_us": x[3] * 1e6,
@@ -169,6 +175,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "matmul_mt_scale": x[9],
             "token_layer_width_ns": x[10] * 1e9,
             "dram_weight_gb_s": 1 / x[11] / 1e9 if x[11] > 0 else 0.0,  # 0: no step read weights past the cache
+            "head_ns": x[12] * 1e9,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
             "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}

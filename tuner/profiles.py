@@ -196,7 +196,7 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 """Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
-LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s")
+LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s", "head_ns")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
 shard of several threads, a factor on the rate table's time at those threads (added to
@@ -205,7 +205,8 @@ small ones hardly do); and ns per token per layer per channel of the shard's wid
 elementwise work beside their matmuls: norms, activations, residual adds, copies; a prefill has many
 tokens per sequence, so it is not the per-sequence cost); and the rate (GB/s) at which a step reads the
 weights that do not fit the last-level cache (HardwareProfile.cache_mib), beyond the rate table's
-time (0: no such term)."""
+time (0: no such term); and ns per entry of the shard's LM-head weight (vocabulary x width) in a
+step that samples, whatever its batch (the head's fixed work beyond the rate table's matmul)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
                 "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
