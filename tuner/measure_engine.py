@@ -159,6 +159,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             denom = np.sqrt(np.maximum(a @ x + floor * a[:, 4], 1e-6) * np.maximum(dts, 1e-6))
         else:
             robust = 1.0 / np.sqrt(np.maximum(np.abs((a @ x + floor * a[:, 4]) / dts - 1), 0.02))
+    x[~a.any(axis=0)] = 0.0  # a column with no signal (fixed, or no step has it) gets nothing, not noise / 1e-30
     x[4] += floor
     for j, v in fixed.items():
         x[j] += v
