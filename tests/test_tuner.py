@@ -236,7 +236,7 @@ def test_fit_layout_recovers_known_constants():
                     cores=2, collective_latency_us=100.0, cache_mib=4.0)  # the 6 x 256 probe's 9.4 MB outgrow it
     truth = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
              "matmul_scale": 1.5, "comm_scale": 2.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 3.0,
-             "vocab_seq_ns": 4.0, "token_layer_width_ns": 0.5, "dram_weight_gb_s": 7.0}
+             "vocab_seq_ns": 4.0, "token_layer_width_ns": 0.5, "dram_weight_gb_s": 7.0, "head_ns": 0.3}
     works = [StepWork(tokens=b * n, sampled=b, prefill_attn_pairs=b * n * (n + 1) // 2)
              for b, n in ((1, 16), (4, 64), (1, 300), (8, 32), (2, 128))]
     works += [StepWork(tokens=b, sampled=b, decode_context=b * c) for b in (1, 8, 32) for c in (20, 200)]
@@ -247,6 +247,12 @@ def test_fit_layout_recovers_known_constants():
             steps += [(w, truth_cost.step_time(w), CostModel(model, prof, tp=tp, pp=pp)) for w in works]
         fit = fit_layout(steps)
         assert fit["probe_max_error_pct"] < 1e-3
+        # the vocabulary's and the head's costs fixed (as the profile does for several shards): the
+        # rest still fits, and the fixed columns come back as given, not as noise over their scale
+        pinned = fit_layout(steps, vocab=truth["vocab_seq_ns"], head=truth["head_ns"])
+        assert pinned["probe_max_error_pct"] < 1e-3
+        assert pinned["vocab_seq_ns"] == pytest.approx(truth["vocab_seq_ns"])
+        assert pinned["head_ns"] == pytest.approx(truth["head_ns"])
         # TP's all-reduce time is per layer plus per token-channel per layer plus the logits' per
         # vocabulary entry: exactly parts of three other terms, so only its sum with them is pinned,
         # which is all a prediction needs; a pipeline's sends are not, so every constant comes back
