@@ -10,7 +10,7 @@ What is measured, and which profile field it becomes:
 - gloo all-reduce and send/recv between two local processes -> collective_latency_us,
   send_latency_us, intra_node_bandwidth_gb_s (tuner.measure_comm);
 - the served engine's own steps, per TP x PP layout of this host: one real `shardserve serve` of
-  three random probe checkpoints (depths 2-12, widths 256-768, vocabularies 512-50,257) in every
+  three random probe checkpoints (depths 2-12, widths 384-768, vocabularies 512-50,257) in every
   layout (several shards as Ray shard actors, as deployments run them), load-tested one request
   at a time, then with Poisson arrivals; every replica's steps come back through `GET /v1/admin/steps`
   and the step formula (step, layer, sequence, vocabulary and attention costs and the engine's
