@@ -24,15 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
-SERVED_PROBES = ((2, 6, 384, 8192), (12, 12, 768, 512), (2, 12, 768, 50257))
-"""(n_layer, n_head, n_embd, vocab), head size 64: a shallow narrow, a deep wide and a shallow wide
-probe, so that depth and width vary apart (2 and 12 layers at width 768; widths 384 and 768 at 2
+SERVED_PROBES = ((2, 6, 384, 8192), (12, 12, 768, 512), (2, 12, 768, 50257), (6, 6, 384, 8192))
+"""(n_layer, n_head, n_embd, vocab), head size 64: shallow and deep at each of two widths, so that
+depth and width vary apart (2 and 6 layers at width 384, 2 and 12 at 768; widths 384 and 768 at 2
 layers) and per-step, per-layer, per-FLOP, per-weight-byte, per-sequence and vocabulary costs can
 be told apart; LM heads of 0.4M, 3.1M and 38.6M entries (the last GPT-2's own: the head's cost is
-interpolated, not extrapolated, up to that size); weights of 13, 170 and 106 MB in bf16, inside and
-past a 32 MiB last-level cache; head counts even, so every probe splits over TP2. (Until pass 11 the
-third was 4 x 256 with 50,257 entries: with depth and width rising together across the probes, the
-fit could not tell a per-layer constant from width-dependent work.)"""
+interpolated, not extrapolated, up to that size); weights of 13, 170, 106 and 28 MB in bf16, inside
+and past a 32 MiB last-level cache; head counts even, so every probe splits over TP2. (Until pass 11 the
+third was 4 x 256 with 50,257 entries and there was no fourth: with depth and width rising together
+across the probes, the fit could not tell a per-layer constant from width-dependent work or a
+per-step one. The fourth serves in the one-shard layout only, for the time budget.)"""
 MULTI_SHARD_PROBES = (0, 1)
 """The probes a layout of several shards is served with (the profile's time budget: each such copy
 starts tp x pp shard actors beside its replica, and starting processes is most of the profile)."""
