@@ -229,9 +229,9 @@ def test_fit_layout_recovers_known_constants():
     """Steps made by the layout formula from known constants fit back to those constants."""
     from tuner.measure_engine import fit_layout
 
-    # depths, widths and vocabularies apart, as the profile's three probes
+    # depths, widths and vocabularies apart, as the profile's four probes
     models = [ModelConfig(model_type="gpt2", vocab_size=v, n_layer=n, n_head=4, n_embd=c, max_position_embeddings=512)
-              for n, c, v in ((2, 128, 2048), (6, 256, 512), (4, 64, 8192))]
+              for n, c, v in ((2, 128, 2048), (6, 256, 512), (4, 64, 8192), (8, 128, 1024))]
     prof = _profile(matmul_tflops={1: {"bfloat16": {1: 0.01, 64: 0.1}}, 2: {"bfloat16": {1: 0.02, 64: 0.2}}},
                     cores=2, collective_latency_us=100.0, cache_mib=4.0)  # the 6 x 256 probe's 9.4 MB outgrow it
     truth = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
@@ -330,7 +330,7 @@ def test_an_fp8_candidate_is_emitted_as_the_engine_weight_dtype():
 
 def test_served_steps_fit_back_to_known_constants():
     """Steps as GET /v1/admin/steps reports them, timed by a known layout plus a serving-loop gap
-    of 1 ms + 0.2 ms per sampled sequence, on three probe shapes: step_cycles pairs each step with
+    of 1 ms + 0.2 ms per sampled sequence, on four probe shapes: step_cycles pairs each step with
     the gap after it (none when the engine idled), and fit_layout on those cycles gives back a cost
     model whose steps, for a model it did not see, take the known step + gap; request_overheads_s is
     the one-at-a-time TTFT beyond the prefill cycle."""
@@ -353,7 +353,7 @@ def test_served_steps_fit_back_to_known_constants():
                            max_position_embeddings=1024)
 
     rows = []
-    for model in (shape(2, 64, 300), shape(8, 128, 50), shape(4, 32, 2000)):
+    for model in (shape(2, 64, 300), shape(8, 128, 50), shape(4, 32, 2000), shape(6, 64, 300)):
         truth, cost = CostModel(model, truth_prof), CostModel(model, prof)
         steps, end = [], 0.0
         for batch in (1, 2, 4, 8):
