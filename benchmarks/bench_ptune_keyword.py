@@ -95,14 +95,25 @@ def folds_of(items: list[tuple[int, int]], k: int) -> list[int]:
     return fold
 
 
-def training_rows(lines, items, fold, f, aug: str, seed: int, labels=LABELS) -> list[dict]:
+def training_rows(lines, items, fold, f, aug: str, seed: int, labels=LABELS, balance: str = "under") -> list[dict]:
+    """Fold f's training rows, classes balanced: "under" samples the majority down to the minority's
+    count; "over" keeps every majority example and repeats the minority's (shuffled, cycled) up to it,
+    which weights the classes equally like a class-weighted loss while using all the love lines."""
     rng = random.Random(seed + f)
     per_class: list[list[str]] = [[], []]
     for n, (i, cls) in enumerate(items):
         if fold[n] != f:
             per_class[cls] += windows(lines, i, cls) if aug == "windows" else [lines[i]]
-    k = min(len(per_class[0]), len(per_class[1]))
-    rows = [{"input": x, "output": labels[c]} for c in (0, 1) for x in rng.sample(per_class[c], k)]
+    if balance == "under":
+        k = min(len(per_class[0]), len(per_class[1]))
+        picked = [rng.sample(per_class[c], k) for c in (0, 1)]
+    else:
+        k = max(len(per_class[0]), len(per_class[1]))
+        picked = []
+        for c in (0, 1):
+            xs = rng.sample(per_class[c], len(per_class[c]))
+            picked.append([xs[j % len(xs)] for j in range(k)])
+    rows = [{"input": x, "output": labels[c]} for c in (0, 1) for x in picked[c]]
     rng.shuffle(rows)
     return rows
 
@@ -114,6 +125,8 @@ def main() -> None:
     ap.add_argument("--folds", type=int, default=3)
     ap.add_argument("--only-fold", type=int, default=-1, help="train and score this fold only (exploration)")
     ap.add_argument("--aug", choices=("none", "windows"), default="windows")
+    ap.add_argument("--balance", choices=("under", "over"), default="under",
+                    help="under: sample love lines down to the war count; over: repeat war lines up to the love count")
     ap.add_argument("--template", default=TEMPLATE)
     ap.add_argument("--labels", default=",".join(LABELS), help="the love and war label tokens, comma-separated")
     ap.add_argument("--set", dest="set_", action="append", default=[], help="recipe override (repeatable)")
@@ -136,7 +149,7 @@ def main() -> None:
     for f in range(args.folds):
         if args.only_fold >= 0 and f != args.only_fold:
             continue
-        rows = training_rows(lines, items, fold, f, args.aug, recipe.seed, labels)
+        rows = training_rows(lines, items, fold, f, args.aug, recipe.seed, labels, args.balance)
         held = {lines[i] for n, (i, _) in enumerate(items) if fold[n] == f}
         assert not any(h in r["input"] for r in rows for h in held), "a held-out line leaked into training"
         t0 = time.perf_counter()
@@ -153,7 +166,7 @@ def main() -> None:
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
                          text=True).stdout.strip()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"\nCPU: {cpu}; {load}\nmodel {model}; labels {labels}; aug {args.aug}; template {args.template!r}; recipe {over}")
+    print(f"\nCPU: {cpu}; {load}\nmodel {model}; labels {labels}; aug {args.aug}; balance {args.balance}; template {args.template!r}; recipe {over}")
     print("| predictor | love acc. | war acc. | balanced acc. | plain acc. (95% interval) | test lines |")
     print("|---|---|---|---|---|---|")
     for name, pred in (("p-tuned", pred_tuned), ("frozen, no prompt", dict(enumerate(frozen)))):
