@@ -60,7 +60,7 @@ def kernel_pays(rows: int, dtype: torch.dtype) -> bool:
     on 2 threads the kernel took 0.52-0.79x the loop's time in fp32 at 1-64 sequences and in bf16 at
     1-16, but 1.2x at 64 bf16 sequences; on 1 thread (the adaptive count's choice on a busy host)
     it took 1.06-2.2x the loop's time."""
-    if torch.get_num_threads() < 2:
+    if rows < 2 or torch.get_num_threads() < 2:  # batch 1: level with the loop end to end (run 9), kept
         return False
     return dtype == torch.float32 or rows <= KERNEL_MAX_ROWS_BF16
 

@@ -57,7 +57,7 @@ def test_kernel_is_used_only_where_it_pays():
     try:
         torch.set_num_threads(2)
         assert kernel_pays(64, torch.float32) and kernel_pays(8, torch.bfloat16)
-        assert not kernel_pays(64, torch.bfloat16)
+        assert not kernel_pays(64, torch.bfloat16) and not kernel_pays(1, torch.float32)
         torch.set_num_threads(1)
         assert not kernel_pays(1, torch.float32)
     finally:
