@@ -7,6 +7,9 @@ the prefill chunks. Per layer, the backend writes the new keys/values into their
     several runs of blocks concatenates just its own runs). On 2 CPU cores this is ~10x faster
     than gathering every context into one padded batch, and a sequence's result cannot depend on
     the others in the batch;
+  - decode on CPU with 2+ threads and 2+ sequences (fp32; bf16 up to 32 sequences), where the
+    C++ kernel of engines.paged_kernel builds: one op per layer walks every sequence's block table
+    on the intra-op threads (kernel_pays says where it measured faster than the loop above);
   - decode elsewhere (CUDA): gathers every decode sequence's context (S, L, nkv, hd) with one
     index computed once per step, masks the padding, and runs one batched attention (one kernel
     launch per layer instead of one per sequence);
