@@ -7,6 +7,9 @@ the prefill chunks. Per layer, the backend writes the new keys/values into their
     several runs of blocks concatenates just its own runs). On 2 CPU cores this is ~10x faster
     than gathering every context into one padded batch, and a sequence's result cannot depend on
     the others in the batch;
+  - decode on CPU with 2+ threads and 2+ sequences (fp32; bf16 up to 32 sequences), where the
+    C++ kernel of engines.paged_kernel builds: one op per layer walks every sequence's block table
+    on the intra-op threads (kernel_pays says where it measured faster than the loop above);
   - decode elsewhere (CUDA): gathers every decode sequence's context (S, L, nkv, hd) with one
     index computed once per step, masks the padding, and runs one batched attention (one kernel
     launch per layer instead of one per sequence);
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.cpu_threads import single_threaded
+from engines.paged_kernel import paged_decode
 from engines.plan import SeqWork
 
 
@@ -47,6 +51,21 @@ def read_runs(cache: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
         start, length = runs[0]
         return cache[start:start + length]
     return torch.cat([cache[start:start + length] for start, length in runs])
+
+
+KERNEL_MAX_ROWS_BF16 = 32
+"""bf16 / fp16 decode batches above this many sequences keep the loop (see kernel_pays)."""
+
+
+def kernel_pays(rows: int, dtype: torch.dtype) -> bool:
+    """Whether engines.paged_kernel beats the per-sequence loop for this decode step. Measured on a
+    2-core AMD EPYC (AVX512-BF16; BENCHMARKS.md, issue 12, run 9; contexts 32-512 keys, 12 heads):
+    on 2 threads the kernel took 0.52-0.79x the loop's time in fp32 at 1-64 sequences and in bf16 at
+    1-16, but 1.2x at 64 bf16 sequences; on 1 thread (the adaptive count's choice on a busy host)
+    it took 1.06-2.2x the loop's time."""
+    if rows < 2 or torch.get_num_threads() < 2:  # batch 1: level with the loop end to end (run 9), kept
+        return False
+    return dtype == torch.float32 or rows <= KERNEL_MAX_ROWS_BF16
 
 
 @dataclass
@@ -82,10 +101,12 @@ class PagedAttention:
     """The attention backend the model calls for one engine step (see engines.model).
 
     `batched_decode` picks the decode strategy: None chooses by device (per sequence, in place,
-    on CPU; one padded gather elsewhere); tests force either to compare them."""
+    on CPU; one padded gather elsewhere); tests force either to compare them. `decode_kernel`
+    (CPU) runs decode through engines.paged_kernel instead: one op per layer over the block table
+    (the caller checked that the kernel loads, see ModelRunner)."""
 
     def __init__(self, cache: KVCache, decode: list[SeqWork], prefill: list[SeqWork], device: torch.device,
-                 batched_decode: bool | None = None):
+                 batched_decode: bool | None = None, decode_kernel: bool = False):
         self.cache = cache
         self._scratch: torch.Tensor | None = None  # fp32 keys/values of one context (bf16 / fp16 decode)
         bs = cache.block_size
@@ -94,13 +115,19 @@ class PagedAttention:
         self.dec_runs: list[list[tuple[int, int]]] = []
         self.dec_index: torch.Tensor | None = None
         self.dec_mask: torch.Tensor | None = None
+        self.dec_table: torch.Tensor | None = None  # (S, max_blocks) block ids, for the kernel
+        self.dec_lens: torch.Tensor | None = None  # (S,) context lengths
         if batched_decode is None:
             batched_decode = torch.device(device).type != "cpu"
         if decode:
             ctx = [w.start_pos + 1 for w in decode]
             self.dec_runs = [block_runs(w.block_ids, bs, c) for w, c in zip(decode, ctx)]
             slots.append(torch.tensor([r[-1][0] + r[-1][1] - 1 for r in self.dec_runs]))
-            if batched_decode and not (len(decode) == 1 and len(self.dec_runs[0]) == 1):
+            if decode_kernel and torch.device(device).type == "cpu":
+                mb = max(len(w.block_ids) for w in decode)
+                self.dec_table = torch.tensor([w.block_ids + [0] * (mb - len(w.block_ids)) for w in decode])
+                self.dec_lens = torch.tensor(ctx)
+            elif batched_decode and not (len(decode) == 1 and len(self.dec_runs[0]) == 1):
                 tables = [w.block_ids for w in decode]
                 max_blocks = max(len(t) for t in tables)
                 table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # (S, max_blocks)
@@ -152,6 +179,8 @@ class PagedAttention:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gqa: bool) -> torch.Tensor:
         S = q.shape[0]
+        if self.dec_table is not None and kernel_pays(S, q.dtype):  # one C++ op over the intra-op threads
+            return paged_decode(q, k_cache, v_cache, self.dec_table, self.dec_lens, self.cache.block_size)
         qd = q[:, :, None, :]  # (S, nh, 1, hd)
         if self.dec_index is not None:
             ks = k_cache[self.dec_index].transpose(1, 2)  # (S, nkv, L, hd)

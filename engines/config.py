@@ -194,6 +194,11 @@ class EngineConfig:
     fails. auto: eager decode on CPU (measured on a 2-core AMD EPYC: bf16 batched decode +12-33%,
     fp32 and batch 1 level, a first start ~105 s of compiling, BENCHMARKS.md issue 12 run 4); where
     no compiler is found it says so with a warning. off: never."""
+    decode_attention: Literal["auto", "kernel", "loop"] = "auto"
+    """CPU decode attention of the eager step. kernel: engines.paged_kernel, one C++ op per layer
+    over the block table on the step's threads (built once per machine with the C++ compiler
+    torch.utils.cpp_extension finds; load fails when it cannot be built). loop: one SDPA call per
+    sequence on one thread. auto: the kernel where it builds, else the loop with a warning."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
@@ -236,6 +241,8 @@ class EngineConfig:
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
         _require(self.static_decode in ("auto", "on", "off"), "static_decode",
                  f"must be auto, on or off, got {self.static_decode!r}")
+        _require(self.decode_attention in ("auto", "kernel", "loop"), "decode_attention",
+                 f"must be auto, kernel or loop, got {self.decode_attention!r}")
         _require(self.compile_decode in ("auto", "on", "off"), "compile_decode",
                  f"must be auto, on or off, got {self.compile_decode!r}")
         _require(not (self.compile_decode == "on" and self.static_decode == "off"), "compile_decode",

@@ -59,8 +59,20 @@ class ModelRunner:
             max_blocks_per_seq=-(-max_model_len(cfg, engine_cfg) // engine_cfg.block_size),
             cuda_graphs=engine_cfg.cuda_graphs, compiled=self.compile_decode) if static else None
         self.compile_s = self._warm_up_compiled() if self.decode_runner is not None else 0.0
+        self.decode_kernel = self._resolve_decode_kernel(engine_cfg.decode_attention)
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype)  # p-tuning, prefill only
+
+    def _resolve_decode_kernel(self, choice: str) -> bool:
+        """Whether eager CPU decode steps use engines.paged_kernel (built or loaded here, not in a step)."""
+        if choice == "loop" or self.device.type != "cpu":
+            return False
+        from engines.paged_kernel import load
+
+        mod, why = load()
+        if mod is None and choice == "kernel":
+            raise RuntimeError(f"decode_attention: 'kernel' but {why}; set decode_attention to auto or loop")
+        return mod is not None
 
     @torch.inference_mode()
     def _warm_up_compiled(self) -> float:
@@ -86,7 +98,7 @@ class ModelRunner:
             pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
         input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
         positions = torch.tensor(pos, device=self.device)[None]
-        backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device)
+        backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device, decode_kernel=self.decode_kernel)
         embeds = None
         if self.prompt_tables.needed(plan.prefill):  # p-tuning: virtual tokens only in prefill chunks
             embeds = self.prompt_tables.embed(self.model.wte, input_ids, works)

@@ -1,0 +1,132 @@
+"""The CPU paged-attention kernel (engines/paged_kernel.py) against the per-sequence SDPA loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines import EngineConfig, SamplingParams
+from engines.attention import KVCache, PagedAttention
+from engines.llm_engine import LLMEngine
+from engines.paged_kernel import load
+from engines.plan import SeqWork
+
+pytestmark = pytest.mark.skipif(load()[0] is None, reason="the C++ kernel cannot be built here")
+
+
+def _decode_case(dtype: torch.dtype, nh: int, nkv: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Five sequences with block tables that are out of order, split into runs and partly filled;
+    (kernel output, loop output) of one layer."""
+    torch.manual_seed(0)
+    bs, hd = 4, 16
+    tables = [[7], [3, 4, 5], [20, 2, 9, 10], [11, 12, 13, 14, 15, 16], [30, 29, 28]]
+    ctx = [1, 9, 16, 23, 10]  # keys each sequence sees, including this step's
+    decode = [SeqWork(seq_id=i, token_ids=[1], start_pos=c - 1, sample=True, block_ids=t)
+              for i, (t, c) in enumerate(zip(tables, ctx))]
+    data = torch.randn(1, 2, 32 * bs, nkv, hd).to(dtype)
+    q, k, v = (torch.randn(5, h, hd).to(dtype) for h in (nh, nkv, nkv))
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for kernel in (True, False):
+            cache = KVCache(1, 32, bs, nkv, hd, dtype)
+            cache.data.copy_(data)
+            outs.append(PagedAttention(cache, decode, [], torch.device("cpu"), decode_kernel=kernel)(0, q, k, v))
+    finally:
+        torch.set_num_threads(before)
+    return outs[0], outs[1]
+
+
+@pytest.mark.parametrize("nh,nkv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_kernel_equals_the_loop_fp32(nh, nkv):
+    got, ref = _decode_case(torch.float32, nh, nkv, threads=2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_equals_the_loop_bf16():
+    got, ref = _decode_case(torch.bfloat16, 4, 2, threads=2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_is_used_only_where_it_pays():
+    from engines.attention import kernel_pays
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernel_pays(64, torch.float32) and kernel_pays(8, torch.bfloat16)
+        assert not kernel_pays(64, torch.bfloat16) and not kernel_pays(1, torch.float32)
+        torch.set_num_threads(1)
+        assert not kernel_pays(1, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_does_not_depend_on_the_thread_count():
+    from engines.paged_kernel import paged_decode
+
+    torch.manual_seed(0)
+    cache_k, cache_v = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    q, table, lens = torch.randn(3, 4, 16), torch.tensor([[3, 1, 2], [0, 9, 0], [15, 14, 13]]), torch.tensor([9, 5, 12])
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(paged_decode(q, cache_k, cache_v, table, lens, 4))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kernel_rejects_a_length_beyond_its_table():
+    from engines.paged_kernel import paged_decode
+
+    cache = torch.zeros(8, 2, 4)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        paged_decode(torch.zeros(1, 2, 4), cache, cache, torch.tensor([[0]]), torch.tensor([5]), 4)
+
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 6, 14, 9, 17, 3)]
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    """Six requests joining at steps 0, 0, 2, 5, 5, 9 and leaving at different steps."""
+    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
+    final, step = {}, 0
+    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
+        for i in arrivals.pop(step, []):
+            engine.add_request(f"r{i}", list(range(3 + i, 20 + 4 * i)), GREEDY[i])
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return final
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_the_kernel_equals_the_loop_through_preemption(gpt2_dir, dtype):
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
+            "dtype": dtype}
+    loop = LLMEngine(gpt2_dir, EngineConfig(decode_attention="loop", **base))
+    kernel = LLMEngine(gpt2_dir, EngineConfig(decode_attention="kernel", **base))
+    assert kernel.executor.runner.decode_kernel and not loop.executor.runner.decode_kernel
+    assert _run(kernel) == _run(loop)
+    assert kernel.scheduler.num_preemptions > 0
+
+
+def test_decode_attention_is_validated():
+    with pytest.raises(ValueError, match="decode_attention"):
+        EngineConfig(decode_attention="fast")
+
+
+def test_kernel_asked_for_but_unavailable_fails_at_load(gpt2_dir, monkeypatch):
+    import engines.paged_kernel as pk
+
+    monkeypatch.setattr(pk, "load", lambda: (None, "no compiler"))
+    with pytest.raises(RuntimeError, match="decode_attention: 'kernel' but no compiler"):
+        LLMEngine(gpt2_dir, EngineConfig(decode_attention="kernel", cpu_linear_autotune=False))
+    auto = LLMEngine(gpt2_dir, EngineConfig(decode_attention="auto", cpu_linear_autotune=False))
+    assert auto.executor.runner.decode_kernel is False
