@@ -22,7 +22,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import sys
 import time
 
 import torch
@@ -148,6 +151,14 @@ def _build_name() -> str:
     return "shardserve_paged_" + hashlib.sha1(ident.encode()).hexdigest()[:12]
 
 
+def _find_ninja() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it beside this
+    interpreter, which is not on PATH when the venv is not activated (make serve, Ray workers)."""
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable). Builds on first use (~1 min on 2
@@ -155,6 +166,7 @@ def load() -> tuple[object | None, str]:
     try:
         from torch.utils.cpp_extension import load_inline
 
+        _find_ninja()
         t = time.perf_counter()
         mod = load_inline(name=_build_name(), cpp_sources=_SOURCE, functions=["paged_decode"],
                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
