@@ -79,6 +79,9 @@ class EngineOptions(_Strict):
     adaptive_threads: bool | None = None
     """In-process CPU engine without worker_threads: each step's thread count (at most the cores
     it has) is chosen by measuring steps while it runs (default true)."""
+    decode_attention: Literal["auto", "kernel", "loop"] | None = None
+    """CPU decode attention: kernel (C++ over the block table, built once per machine; fails without
+    a C++ compiler), loop (one attention per sequence), auto (the kernel where it builds; default)."""
     dist_timeout_s: float | None = Field(None, gt=0, lt=10**7)
     """Deadline of one step in a multi-process executor (seconds)."""
 
