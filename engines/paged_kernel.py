@@ -140,8 +140,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 
 def _build_name() -> str:
-    """Extension name keyed by CPU model, flags and torch version (a -march=native binary is per CPU)."""
-    ident = platform.machine() + torch.__version__
+    """Extension name keyed by CPU model, flags, torch version (a -march=native binary is per CPU) and
+    the environment (torch rebuilds when its include paths change: two venvs sharing one name would
+    rebuild each other's copy at every first load)."""
+    ident = platform.machine() + torch.__version__ + sys.prefix
     try:
         with open("/proc/cpuinfo") as f:
             lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
