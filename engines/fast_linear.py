@@ -40,11 +40,15 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves")
+ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves", "panel")
 """Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where
-the step runs on two threads or more and oneDNN packing is available."""
-MULTI_ROW = ("linear", "pretransposed", "packed", "sliced")
+the step runs on two threads or more and oneDNN packing is available; "panel" (engines/panel_kernel.py)
+where its C++ kernel builds, for fp32 and bf16."""
+MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
+KERNEL_SET = 2
+"""Version of the candidate set, part of the saved choices' key: a choice saved before a kernel was
+added never competed with it, so a new set times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
 BULK_FROM = 65
@@ -65,6 +69,19 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def panel_available(dtype: torch.dtype) -> bool:
+    """Whether engines.panel_kernel builds here (once per machine) and takes `dtype`."""
+    from engines.panel_kernel import available
+
+    return available(dtype)
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    from engines.panel_kernel import pack_panels
+
+    return pack_panels(weight)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight (out, in) reordered once into oneDNN's blocked layout for `_linear_pointwise`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -74,10 +91,12 @@ class FastLinear(nn.Module):
     """y = x @ W^T + b with a kernel per row count: `one` for a single row, `many` for up to
     BULK_FROM - 1 rows, `bulk` above. Kernels: linear (F.linear), pretransposed (addmm on a
     contiguous W^T), gemv (mv, one row only), packed (oneDNN on a prepacked W), sliced (F.linear
-    over WIDE_CHUNK output features at a time, for a vocabulary head)."""
+    over WIDE_CHUNK output features at a time, for a vocabulary head), panel (engines/panel_kernel.py
+    on a copy of W stored in 16-output panels). `prepare` names more kernels to build copies for
+    (the timing probes run every candidate)."""
 
     def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
-                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None):
+                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None, prepare: tuple[str, ...] = ()):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
@@ -85,7 +104,7 @@ class FastLinear(nn.Module):
         self.single = single
         """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
         adaptive thread count, engines.cpu_threads); None: the kernels above at any count."""
-        kinds = {one, many, bulk, *(single or ())}
+        kinds = {one, many, bulk, *(single or ()), *prepare}
         w = linear.weight.detach()
         self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
                              persistent=False)  # (in, out)
@@ -96,6 +115,8 @@ class FastLinear(nn.Module):
                              persistent=False)  # output features [0, half)
         self.register_buffer("packed_hi", pack_weight(w[half:].contiguous()) if "halves" in kinds else None,
                              persistent=False)  # [half, out)
+        self.register_buffer("panels", _panels(w) if "panel" in kinds else None,
+                             persistent=False)  # (ceil(out / 16), in, 16)
 
     def extra_repr(self) -> str:
         one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
@@ -121,6 +142,10 @@ class FastLinear(nn.Module):
             return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
+        if kind == "panel":
+            from engines.panel_kernel import panel_linear
+
+            return panel_linear(x2, self.panels, self.out_features, b)
         if kind == "halves":
             if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
                 return self.run("packed", x2) if self.packed is not None else F.linear(x2, w, b)
@@ -225,7 +250,8 @@ def machine_key() -> str:
 
     flags = " ".join(sorted(read_cpu_flags() or ()))
     digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
-    return f"{cpu_name()}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    return (f"{cpu_name()}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+            f"|kernels v{KERNEL_SET}")
 
 
 def _shape_key(out_f: int, in_f: int, dtype: torch.dtype, bias: bool) -> str:
@@ -271,7 +297,8 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
     saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
     if isinstance(saved, list) and len(saved) == 3 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
-            not {"packed", "halves"} & set(saved) or packing_available(dtype)):
+            not {"packed", "halves"} & set(saved) or packing_available(dtype)) and (
+            "panel" not in saved or panel_available(dtype)):
         _CHOSEN[key] = (saved[0], saved[1], saved[2])
         return _CHOSEN[key]
     packs = packing_available(dtype)
@@ -280,8 +307,10 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
     copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
     halves = packs and torch.get_num_threads() >= 2  # a second core to read the other half
+    panels = panel_available(dtype)
     probes = [FastLinear(_Weights(weight if i == 0 else weight.detach().clone(), bias), "pretransposed",
-                         "packed" if packs else "linear", "halves" if halves else "linear") for i in range(copies)]
+                         "packed" if packs else "linear", "halves" if halves else "linear",
+                         prepare=("panel",) if panels else ()) for i in range(copies)]
     turn = iter(range(1 << 62))
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -290,9 +319,10 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     runs = []
     with torch.no_grad():
         for rows, kinds, min_rounds in (
-                (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)], 5),
+                (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)
+                     and (k != "panel" or panels)], 5),
                 (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
-                             and (k != "sliced" or out_f >= WIDE_MIN_OUT)], 3),
+                             and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
                 (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1)):  # compute-bound
             x = torch.randn(rows, in_f).to(dtype)
             runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))

@@ -10,9 +10,8 @@ thread pool (so the engine's adaptive thread count applies), keys and values rea
 the cache, scores, softmax and the weighted sum of values in fp32 whatever the cache dtype
 (bf16 / fp16 are widened on load, as the eager path's fp32 scratch does).
 
-It is built once per machine with torch.utils.cpp_extension (gcc, -O3 -march=native) into torch's
-extension directory (~/.cache/torch_extensions), under a name that includes the CPU's model and
-flags, so a cache shared between machines never loads a binary built for another CPU. `load()`
+It is built once per machine (engines/cpp_ext.py: gcc, -O3 -march=native, keyed by the CPU's model
+and flags, so a cache shared between machines never loads a binary built for another CPU). `load()`
 returns None with the reason when no compiler is present or the build fails; the engine then
 uses the per-sequence loop and says why (EngineConfig.decode_attention).
 """
@@ -20,17 +19,10 @@ uses the per-sequence loop and says why (EngineConfig.decode_attention).
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
-import time
 
 import torch
 
-log = logging.getLogger(__name__)
+from engines.cpp_ext import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -139,47 +131,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 """
 
 
-def _build_name() -> str:
-    """Extension name keyed by CPU model, flags, torch version (a -march=native binary is per CPU) and
-    the environment (torch rebuilds when its include paths change: two venvs sharing one name would
-    rebuild each other's copy at every first load)."""
-    ident = platform.machine() + torch.__version__ + sys.prefix
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        ident += "".join(lines)
-    except OSError:
-        pass
-    return "shardserve_paged_" + hashlib.sha1(ident.encode()).hexdigest()[:12]
-
-
-def _find_ninja() -> None:
-    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it beside this
-    interpreter, which is not on PATH when the venv is not activated (make serve, Ray workers)."""
-    here = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
-        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-
-
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
-    """(the built module, why) or (None, why it is unavailable). Builds on first use (~1 min on 2
+    """(the built module, why) or (None, why it is unavailable). Builds on first use (~20 s on 2
     cores), then loads from torch's extension cache."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        _find_ninja()
-        t = time.perf_counter()
-        mod = load_inline(name=_build_name(), cpp_sources=_SOURCE, functions=["paged_decode"],
-                          extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
-        why = f"CPU paged-attention kernel ready in {time.perf_counter() - t:.1f} s"
-        log.info(why)
-        return mod, why
-    except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a build error: all mean "not here")
-        why = f"CPU paged-attention kernel unavailable ({type(exc).__name__}: {str(exc)[-300:]})"
-        log.warning(why)
-        return None, why
+    return build("shardserve_paged_", _SOURCE, ["paged_decode"], "CPU paged-attention kernel")
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,

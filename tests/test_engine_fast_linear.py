@@ -22,8 +22,8 @@ def _private_choices(monkeypatch, tmp_path):
 
 
 def _kernels(dtype):
-    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if k not in ("packed", "halves")
-            or packing_available(dtype)]
+    return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if (k not in ("packed", "halves")
+            or packing_available(dtype)) and (k != "panel" or fl.panel_available(dtype))]
 
 
 @pytest.mark.parametrize("kernel", _kernels(torch.float32))

@@ -1,0 +1,55 @@
+"""The panel Linear kernel (engines/panel_kernel.py): what nn.Linear computes, the same bits on any
+thread count and for a row alone or in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines import panel_kernel as pk
+
+pytestmark = pytest.mark.skipif(pk.load()[0] is None, reason="no C++ compiler to build the panel kernel")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_linear(dtype, rows, bias):
+    """Outputs not a multiple of 16 (a padded last panel), rows beyond one block of 16."""
+    torch.manual_seed(0)
+    w = (torch.randn(83, 96) * 0.1).to(dtype)
+    b = torch.randn(83).to(dtype) if bias else None
+    x = torch.randn(rows, 96).to(dtype)
+    got = pk.panel_linear(x, pk.pack_panels(w), 83, b)
+    assert got.dtype == dtype and got.shape == (rows, 83)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # fp32 sums, as the kernel
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_bits_on_any_thread_count_and_batch(dtype):
+    """One thread sums each output in order: 1 or 2 threads, alone or in a batch of 20, equal bits
+    (so the engine's adaptive thread count and batching never change a token)."""
+    torch.manual_seed(1)
+    w = torch.randn(200, 320).to(dtype)
+    x = torch.randn(20, 320).to(dtype)
+    panels = pk.pack_panels(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = pk.panel_linear(x, panels, 200, None)
+        torch.set_num_threads(2)
+        two = pk.panel_linear(x, panels, 200, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    for i in (0, 7, 16, 19):
+        assert torch.equal(pk.panel_linear(x[i:i + 1], panels, 200, None), one[i:i + 1])
+
+
+def test_dtype_mismatch_is_an_error():
+    panels = pk.pack_panels(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        pk.panel_linear(torch.randn(1, 8).to(torch.bfloat16), panels, 16, None)
