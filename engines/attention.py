@@ -7,9 +7,9 @@ the prefill chunks. Per layer, the backend writes the new keys/values into their
     several runs of blocks concatenates just its own runs). On 2 CPU cores this is ~10x faster
     than gathering every context into one padded batch, and a sequence's result cannot depend on
     the others in the batch;
-  - decode on CPU with 2+ threads and 2+ sequences (fp32; bf16 up to 32 sequences), where the
-    C++ kernel of engines.paged_kernel builds: one op per layer walks every sequence's block table
-    on the intra-op threads (kernel_pays says where it measured faster than the loop above);
+  - decode on CPU where the C++ kernel of engines.paged_kernel builds (the default): one op per
+    layer walks every sequence's block table on the intra-op threads (measured 1.05-5.4x faster
+    than the loop above at 1-64 sequences, 1 and 2 threads, fp32 and bf16: BENCHMARKS.md, issue 12);
   - decode elsewhere (CUDA): gathers every decode sequence's context (S, L, nkv, hd) with one
     index computed once per step, masks the padding, and runs one batched attention (one kernel
     launch per layer instead of one per sequence);
@@ -51,21 +51,6 @@ def read_runs(cache: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
         start, length = runs[0]
         return cache[start:start + length]
     return torch.cat([cache[start:start + length] for start, length in runs])
-
-
-KERNEL_MAX_ROWS_BF16 = 32
-"""bf16 / fp16 decode batches above this many sequences keep the loop (see kernel_pays)."""
-
-
-def kernel_pays(rows: int, dtype: torch.dtype) -> bool:
-    """Whether engines.paged_kernel beats the per-sequence loop for this decode step. Measured on a
-    2-core AMD EPYC (AVX512-BF16; BENCHMARKS.md, issue 12, run 9; contexts 32-512 keys, 12 heads):
-    on 2 threads the kernel took 0.52-0.79x the loop's time in fp32 at 1-64 sequences and in bf16 at
-    1-16, but 1.2x at 64 bf16 sequences; on 1 thread (the adaptive count's choice on a busy host)
-    it took 1.06-2.2x the loop's time."""
-    if rows < 2 or torch.get_num_threads() < 2:  # batch 1: level with the loop end to end (run 9), kept
-        return False
-    return dtype == torch.float32 or rows <= KERNEL_MAX_ROWS_BF16
 
 
 @dataclass
@@ -179,7 +164,7 @@ class PagedAttention:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gqa: bool) -> torch.Tensor:
         S = q.shape[0]
-        if self.dec_table is not None and kernel_pays(S, q.dtype):  # one C++ op over the intra-op threads
+        if self.dec_table is not None:  # one C++ op over the intra-op threads
             return paged_decode(q, k_cache, v_cache, self.dec_table, self.dec_lens, self.cache.block_size)
         qd = q[:, :, None, :]  # (S, nh, 1, hd)
         if self.dec_index is not None:

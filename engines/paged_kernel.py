@@ -5,10 +5,15 @@ L keys is 2 x L x nkv x hd elements for ~4 x L x nh x hd FLOPs). In torch ops th
 small SDPA call per sequence from a Python loop (single-threaded, ~0.16 ms a call at ~270 keys
 on the 2-core EPYC of BENCHMARKS.md) or a gather of every context into a padded batch, which
 copies the contexts once more than it reads them and measured 15-30x slower than the loop. This
-kernel walks the block table in C++: one task per (sequence, query head) over torch's intra-op
+kernel walks the block table in C++: one task per sequence (or part of its heads) over torch's intra-op
 thread pool (so the engine's adaptive thread count applies), keys and values read in place from
 the cache, scores, softmax and the weighted sum of values in fp32 whatever the cache dtype
-(bf16 / fp16 are widened on load, as the eager path's fp32 scratch does).
+(bf16 / fp16 are widened on load, as the eager path's fp32 scratch does). A task reads each
+slot's key and value rows of its heads once, front to back (one sequential stream: a task per
+(sequence, head) read 128-256-byte pieces 1.5-3 KB apart and streamed 3-8 GB/s once the contexts
+outgrew the last-level cache); query heads that share a kv head (GQA) share its reads; the block
+table is walked block by block (no division per key); the softmax's exponentials are computed 16
+lanes at a time.
 
 It is built once per machine (engines/cpp_ext.py: gcc, -O3 -march=native, keyed by the CPU's model
 and flags, so a cache shared between machines never loads a binary built for another CPU). `load()`
@@ -27,6 +32,7 @@ from engines.cpp_ext import build
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -34,56 +40,103 @@ _SOURCE = r"""
 
 namespace {
 
-constexpr int64_t W = 16;  // lanes of the partial sums: one AVX-512 register of fp32, two of AVX2
+constexpr int64_t W = 16;  // lanes: one AVX-512 register of fp32, two of AVX2
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
 
-// widen one row of hd elements to fp32 (bf16: the high half of an fp32, so a shift)
-inline void widen(const float* x, float* y, int64_t n) { for (int64_t i = 0; i < n; ++i) y[i] = x[i]; }
-inline void widen(const c10::BFloat16* x, float* y, int64_t n) {
-  const uint16_t* r = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t i = 0; i < n; ++i) { uint32_t b = uint32_t(r[i]) << 16; float f; std::memcpy(&f, &b, 4); y[i] = f; }
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+// W elements widened to fp32 (bf16: the high half of an fp32, so a shift)
+inline vf load16(const float* p) { vf v; std::memcpy(&v, p, sizeof(vf)); return v; }
+inline vf load16(const c10::BFloat16* p) {
+  vh h; std::memcpy(&h, p, sizeof(vh));
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v; std::memcpy(&v, &u, sizeof(vf)); return v;
 }
-inline void widen(const double* x, float* y, int64_t n) { for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]); }
-inline void widen(const c10::Half* x, float* y, int64_t n) { for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]); }
+inline vf load16(const c10::Half* p) { vf v; for (int64_t j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]); return v; }
 
-// W-lane partial sums so the compiler vectorizes the reduction without reassociation flags
-inline float dot(const float* a, const float* b, int64_t n) {
-  float part[W] = {0.f};
+inline float hsum(vf v) { float s = 0.f; for (int64_t j = 0; j < W; ++j) s += v[j]; return s; }
+
+// a (fp32) . b (n elements of T), W lanes of partial sums then the tail
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  vf part = vf{};
   int64_t i = 0;
-  for (; i + W <= n; i += W)
-    for (int64_t j = 0; j < W; ++j) part[j] += a[i + j] * b[i + j];
-  float s = 0.f;
-  for (int64_t j = 0; j < W; ++j) s += part[j];
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i + W <= n; i += W) part += load16(a + i) * load16(b + i);
+  float s = hsum(part);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
-// one (sequence, head) pair: out[hd] = softmax(scale * K q) V over the sequence's first len slots;
-// kc / vc point at this head's first element, row = elements between slots
+// acc (fp32) += p * v (n elements of T)
 template <typename T>
-void attend_one(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs,
-                int64_t row, int64_t hd, float scale, float* qf, float* scores, float* acc, float* tmp, T* out) {
-  widen(q, qf, hd);
-  for (int64_t d = 0; d < hd; ++d) qf[d] *= scale;
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = kc + (table[t / bs] * bs + t % bs) * row;
-    float s;
-    if constexpr (std::is_same_v<T, float>) s = dot(qf, k, hd);  // fp32 read in place
-    else { widen(k, tmp, hd); s = dot(qf, tmp, hd); }
-    scores[t] = s;
-    mx = s > mx ? s : mx;
+inline void axpy(float* acc, float p, const T* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vf a = load16(acc + i) + p * load16(v + i);
+    std::memcpy(acc + i, &a, sizeof(vf));
   }
-  float sum = 0.f;
-  for (int64_t t = 0; t < len; ++t) { scores[t] = std::exp(scores[t] - mx); sum += scores[t]; }
-  for (int64_t d = 0; d < hd; ++d) acc[d] = 0.f;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = vc + (table[t / bs] * bs + t % bs) * row;
-    const float p = scores[t];
-    if constexpr (std::is_same_v<T, float>) { for (int64_t d = 0; d < hd; ++d) acc[d] += p * v[d]; }
-    else { widen(v, tmp, hd); for (int64_t d = 0; d < hd; ++d) acc[d] += p * tmp[d]; }
+  for (; i < n; ++i) acc[i] += p * static_cast<float>(v[i]);
+}
+
+// y[i] = exp(x[i]) for x <= 0, W lanes at a time: 2^(x log2 e) = 2^n 2^f, n = round, |f| <= 1/2,
+// 2^f by a degree-6 polynomial (relative error ~2e-7, below fp32 softmax rounding); x < -87 -> ~0
+inline void exp_nonpos(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vf v; std::memcpy(&v, x + i, sizeof(vf));
+    v = v < -87.f ? vf{} - 87.f : v;
+    vf y = v * 1.44269504088896341f;
+    vf r = (y + 12582912.f) - 12582912.f;  // round to nearest (|y| < 2^22)
+    vf f = y - r;
+    vf p = vf{} + 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
+    vi e = (__builtin_convertvector(r, vi) + 127) << 23;
+    vf scale; std::memcpy(&scale, &e, sizeof(vf));
+    v = p * scale;
+    std::memcpy(x + i, &v, sizeof(vf));
   }
-  const float inv = 1.f / sum;
-  for (int64_t d = 0; d < hd; ++d) out[d] = static_cast<T>(acc[d] * inv);
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// one sequence, nq consecutive query heads (whole kv-head groups of `group`): attention over the first
+// len slots. Keys and values are read in place block by block (no division per key), each slot's
+// row of these heads once, front to back (one sequential stream, not one per head); the query
+// head h reads kv head h / group; scores, softmax and sums in fp32
+template <typename T>
+void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs,
+            int64_t row, int64_t hd, int64_t nq, int64_t group, float scale, float* qf, float* scores,
+            float* acc, T* out, int64_t lpad) {
+  for (int64_t i = 0; i < nq * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const int64_t n = std::min(bs, len - t);
+    const T* k = kc + table[b] * bs * row;
+    for (int64_t i = 0; i < n; ++i, ++t, k += row)
+      for (int64_t h = 0; h < nq; ++h) scores[h * lpad + t] = dot(qf + h * hd, k + h / group * hd, hd);
+  }
+  for (int64_t h = 0; h < nq; ++h) {
+    float* sc = scores + h * lpad;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    for (int64_t t = 0; t < len; ++t) sc[t] -= mx;
+    exp_nonpos(sc, len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += sc[t];
+    sc[len] = 1.f / sum;  // lpad > len: the normaliser rides in the padding
+  }
+  std::fill(acc, acc + nq * hd, 0.f);
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const int64_t n = std::min(bs, len - t);
+    const T* v = vc + table[b] * bs * row;
+    for (int64_t i = 0; i < n; ++i, ++t, v += row)
+      for (int64_t h = 0; h < nq; ++h) axpy(acc + h * hd, scores[h * lpad + t], v + h / group * hd, hd);
+  }
+  for (int64_t h = 0; h < nq; ++h) {
+    const float inv = scores[h * lpad + len];
+    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[h * hd + d] * inv);
+  }
 }
 
 }  // namespace
@@ -109,23 +162,40 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(ln[s] >= 1 && ln[s] <= mb * block_size, "paged_decode: a length outside its block table");
     lmax = ln[s] > lmax ? ln[s] : lmax;
   }
+  const int64_t lpad = lmax + 1;  // one more: each head's softmax normaliser
+  // a task is one sequence's kv heads [c * per, (c + 1) * per): whole rows when there are enough
+  // sequences for the threads, else split so that every thread has work
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t chunks = std::min(nkv, std::max<int64_t>(1, (want + S - 1) / S));
+  const int64_t per = (nkv + chunks - 1) / chunks;
   auto out = torch::empty_like(q);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, S * nh, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(lmax + 3 * hd);  // scores (lmax), scaled q, accumulator, a widened row (hd each)
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
+      // scores (heads x lpad), scaled queries and accumulators (heads x hd each)
+      const int64_t nq_max = per * group;
+      std::vector<float> buf(nq_max * lpad + 2 * nq_max * hd);
+      float* scores = buf.data();
+      float* qf = scores + nq_max * lpad;
+      float* acc = qf + nq_max * hd;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / nh, h = i % nh, kvh = h / group;
-        attend_one<scalar_t>(qp + i * hd, kp + kvh * hd, vp + kvh * hd, tab + s * mb, ln[s], block_size, row, hd,
-                             scale, buf.data() + lmax, buf.data(), buf.data() + lmax + hd, buf.data() + lmax + 2 * hd,
-                             op + i * hd);
+        const int64_t s = i / chunks, g0 = i % chunks * per, g1 = std::min(nkv, g0 + per);
+        if (g0 >= g1) continue;
+        const int64_t h0 = g0 * group;
+        attend<T>(qp + (s * nh + h0) * hd, kp + g0 * hd, vp + g0 * hd, tab + s * mb, ln[s], block_size, row, hd,
+                  (g1 - g0) * group, group, scale, qf, scores, acc, op + (s * nh + h0) * hd, lpad);
       }
     });
-  });
+  };
+  if (q.scalar_type() == torch::kFloat) run(float{});
+  else if (q.scalar_type() == torch::kBFloat16) run(c10::BFloat16{});
+  else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
+  else TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16, got ", q.scalar_type());
   return out;
 }
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engines.paged_kernel as pk
 from engines import EngineConfig, SamplingParams
 from engines.attention import KVCache, PagedAttention
 from engines.llm_engine import LLMEngine
@@ -50,18 +51,30 @@ def test_kernel_equals_the_loop_bf16():
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_kernel_is_used_only_where_it_pays():
-    from engines.attention import kernel_pays
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_uses_the_kernel_at_any_batch(rows, monkeypatch):
+    """With the kernel on, every decode step goes through it, batch 1 included, on any thread count."""
+    import engines.attention as att
 
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return pk.paged_decode(*args)
+
+    monkeypatch.setattr(att, "paged_decode", spy)
+    cache = KVCache(1, 8, 4, 2, 8, torch.float32)
+    work = [SeqWork(seq_id=i, token_ids=[1], start_pos=4, sample=True, block_ids=[2 * i, 2 * i + 1])
+            for i in range(rows)]
+    q, k, v = (torch.randn(rows, 2, 8) for _ in range(3))
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        assert kernel_pays(64, torch.float32) and kernel_pays(8, torch.bfloat16)
-        assert not kernel_pays(64, torch.bfloat16) and not kernel_pays(1, torch.float32)
-        torch.set_num_threads(1)
-        assert not kernel_pays(1, torch.float32)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            PagedAttention(cache, work, [], torch.device("cpu"), decode_kernel=True)(0, q, k, v)
     finally:
         torch.set_num_threads(before)
+    assert calls == [rows, rows]
 
 
 def test_kernel_does_not_depend_on_the_thread_count():
