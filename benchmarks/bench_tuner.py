@@ -22,6 +22,7 @@ import math
 import platform
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from tuner.cost import CostModel, static_batch
 from tuner.probe_model import gpt2_shape
 from tuner.profiles import load_profile
 from tuner.refit import Run, refit
-from tuner.search import Candidate, Workload
+from tuner.search import Candidate, Workload, scheduler_config
 from tuner.validate import ValidateSettings, checkpoint_for, errors, measure, predict_run
 
 MODELS = {
@@ -61,6 +62,15 @@ def _run_from_json(r: dict) -> Run:
                sched=SchedulerConfig(**r["scheduler"]), arrivals=arr["arrivals"],
                input_lens=arr["input_lens"].astype(int), output_lens=arr["output_lens"].astype(int),
                ttft_s=arr["ttft_s"], tpot_s=arr["tpot_s"])
+
+
+def _sched_of(r: dict, profile, args) -> SchedulerConfig:
+    """The simulator's scheduler limits of a saved row's layout, as _measure derives them."""
+    model = MODELS[r["model"]]
+    seqs = r["max_num_seqs"]
+    cand = Candidate(r["tp"], r["pp"], 1, seqs, max(seqs * args.input_len, 512), r.get("weight_dtype", args.dtype))
+    cost = CostModel(model, profile, tp=r["tp"], pp=r["pp"], weight_dtype=cand.weight_dtype)
+    return scheduler_config(cand, model, cost, Workload(args.input_len, args.output_len, args.num_prompts))
 
 
 def _measure(args, profile) -> tuple[list[dict], dict]:
@@ -159,6 +169,9 @@ def main() -> None:
             for k in ("refit_predicted", "refit_error"):
                 r.pop(k, None)
             if args.repredict:  # the given profile's predictions on the saved schedules
+                # with the scheduler limits this code derives (they are the simulator's, not measured)
+                r["_run"] = replace(r["_run"], sched=_sched_of(r, profile, args))
+                r["scheduler"] = {k: getattr(r["_run"].sched, k) for k in r["scheduler"]}
                 r["predicted"] = predict_run(profile, r["_run"], ())
                 r["error"] = errors(r["predicted"], r["measured"])
         print(f"# {env}")

@@ -178,3 +178,26 @@ def test_cpu_host_is_one_device():
     for c in done:
         assert c.metrics["devices"] == 1
         assert c.metrics["goodput_per_device"] == pytest.approx(c.metrics["goodput_req_s"])
+
+
+def test_scheduler_kv_cap_counts_the_bos_token():
+    """The simulator's KV blocks are capped at max_num_seqs requests of max_model_len tokens (the
+    workload's input + output + the tokenizer's BOS): all max_num_seqs requests fit at once, as in
+    the served engine whose cache is sized from memory."""
+    from engines.scheduler import Scheduler
+    from engines.sampling_params import SamplingParams
+    from engines.sequence import Sequence
+    from tuner.cost import CostModel
+    from tuner.search import Workload, scheduler_config
+
+    prof = _cpu_profile()
+    model = ModelConfig(model_type="gpt2", vocab_size=320, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=1024)
+    cand = Candidate(1, 1, 1, 8, 512, "bfloat16")
+    cfg = scheduler_config(cand, model, CostModel(model, prof), Workload(64, 32, 10))
+    assert cfg.max_model_len == 97
+    sched = Scheduler(cfg)
+    for i in range(8):  # 65 prompt tokens (BOS + 64), 32 output tokens each
+        sched.add(Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1] * 65, prompt_len=65,
+                           params=SamplingParams(max_tokens=32, ignore_eos=True)))
+    plan = sched.schedule()
+    assert len(plan.prefill) == 8
