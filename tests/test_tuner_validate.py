@@ -180,6 +180,27 @@ def test_cpu_host_is_one_device():
         assert c.metrics["goodput_per_device"] == pytest.approx(c.metrics["goodput_req_s"])
 
 
+def test_probes_serve_as_deployed():
+    """The profile's probe copies run with the engine options the tuner deploys (tuner.emit): the
+    one-shard copy leaves the thread count to the engine (no worker_threads: its adaptive chooser,
+    at most OMP_NUM_THREADS = every core, as Ray sets it for the deployed replica), several shards
+    fix one thread each; only the CPU reservations are fractions, so that every copy fits."""
+    from pathlib import Path
+
+    from tuner.measure_served import probe_models, server_env
+
+    prof = _cpu_profile()
+    copies = {"a-1x1": (Path("/p/a"), 1, 1), "a-2x1": (Path("/p/a"), 2, 1), "a-1x2": (Path("/p/a"), 1, 2)}
+    models = {m["name"]: m for m in probe_models(copies, prof, "bfloat16")}
+    for name, (_, tp, pp) in copies.items():
+        deployed = deployment(Candidate(tp, pp, 1, 16, 1024, "bfloat16"), "/p/a", prof, name=name)["models"][0]
+        assert models[name]["engine"] == deployed["engine"]
+    assert "worker_threads" not in models["a-1x1"]["engine"]
+    assert models["a-2x1"]["engine"]["worker_threads"] == 1 and models["a-1x2"]["engine"]["worker_threads"] == 1
+    assert sum(m["num_cpus"] + m.get("shard_num_cpus", 0) * 2 for m in models.values()) < 1
+    assert server_env(prof) == {"OMP_NUM_THREADS": "2"}
+
+
 def test_scheduler_kv_cap_counts_the_bos_token():
     """The simulator's KV blocks are capped at max_num_seqs requests of max_model_len tokens (the
     workload's input + output + the tokenizer's BOS): all max_num_seqs requests fit at once, as in

@@ -217,10 +217,10 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             if cfg.n_head % tp or cfg.n_layer < pp or (tp * pp > 1 and i not in MULTI_SHARD_PROBES):
                 continue
             name = f"p{i}-{layout_key(tp, pp)}"
-            copies[name] = (path, tp, pp, base.threads(tp * pp))
+            copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
     progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
-    served = serve_probes(copies, tmp, dtype, progress)
+    served = serve_probes(copies, tmp, dtype, base, progress)
     layouts: dict[str, dict[str, float]] = {}
     notes = []
     for key in dict.fromkeys(k for k, _ in meta.values()):

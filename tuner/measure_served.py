@@ -55,6 +55,8 @@ first. Each class starts on every core and tries the other count on its next ste
 short prefill takes ~5x longer on 2 threads than on 1 (BENCHMARKS.md, issue 12, run 8), so without
 this a probe's few prefills per class are measured mostly while the chooser is still learning,
 which a deployment serving for minutes is not (the accuracy runs' prefills: ~2x faster)."""
+PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
+"""Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
 often would load the probes' cores more than a deployment's): how stale the step windows may be.
@@ -62,11 +64,46 @@ Every copy's steps fit in its replicas' windows (engines.llm_engine.STEP_LOG_LEN
 once, after the last copy's runs."""
 
 
-def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, dtype: str,
+def probe_models(copies: dict[str, tuple[Path, int, int]], profile, dtype: str) -> list[dict]:
+    """The probe server's `models` entries: each copy {name: (checkpoint, tp, pp)} exactly as the
+    tuner deploys that layout (tuner.emit.deployment: engine options, threads per shard, whether
+    the engine picks each step's thread count itself), except the CPU reservations, which are
+    fractions so that every copy fits one Ray instance (one copy is busy at a time).
+
+    Until pass 14 the probes set worker_threads for the one-shard layout too (every core), which
+    fixes the engine's thread count; a deployed one-shard replica leaves it unset and the engine's
+    adaptive chooser (engines.cpu_threads.AdaptiveThreads) runs most steps on one thread, which on
+    a host shared with the gateway and the load tester is faster: the one-shard probes' steps were
+    1.2-1.6x those of the same shapes deployed."""
+    from tuner.emit import deployment
+    from tuner.search import Candidate
+
+    models = []
+    for name, (path, tp, pp) in copies.items():
+        cand = Candidate(tp, pp, 1, PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS, dtype)
+        model = deployment(cand, str(path), profile, name=name)["models"][0]
+        share = round(0.9 / len(copies) / (tp * pp + 1), 3)  # Ray needs only to place them
+        model["num_cpus"] = share
+        if tp * pp > 1:
+            model["shard_num_cpus"] = share
+        models.append(model)
+    return models
+
+
+def server_env(profile) -> dict[str, str]:
+    """Environment of the probe server: OMP_NUM_THREADS as Ray sets it for a deployed one-shard
+    replica (floor of its num_cpus, which tuner.emit makes every core). The probes' fractional
+    reservations would make Ray set 1, and a replica whose engine does not fix its thread count
+    takes OMP_NUM_THREADS as its most (engines.cpu_threads.engine_threads); shard workers and the
+    multi-shard replicas' executors fix theirs (worker_threads)."""
+    return {"OMP_NUM_THREADS": str(profile.threads(1))}
+
+
+def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype: str, profile,
                  progress: Callable[[str], None] = print) -> dict[str, dict]:
-    """Serve every copy {name: (checkpoint, tp, pp, threads per shard)} in one `shardserve serve`
-    (fractional CPU reservations, so that they all fit; threads as the tuner's deployments give
-    them), load-test them one at a time and read each one's steps back:
+    """Serve every copy {name: (checkpoint, tp, pp)} in one `shardserve serve` (probe_models: as
+    the tuner deploys each layout, with fractional CPU reservations so that they all fit),
+    load-test them one at a time and read each one's steps back:
     {name: {"runs": {requests in flight: loadtest Report}, "spans": {requests in flight: (start, end)
     on the monotonic clock}, "steps": [step dicts, oldest first]}}."""
     import yaml
@@ -75,18 +112,12 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
     from loadtest.runner import run
     from tuner.server import Server
 
-    models = []
-    for name, (path, tp, pp, threads) in copies.items():
-        share = 0.9 / len(copies) / (tp * pp + 1)  # Ray needs only to place them; one copy is busy at a time
-        models.append({"name": name, "path": str(path), "num_cpus": round(share, 3),
-                       **({"shard_num_cpus": round(share, 3)} if tp * pp > 1 else {}),
-                       "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
-                                  "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
+    models = probe_models(copies, profile, dtype)
     conf = work_dir / "probe.yaml"
     conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
     want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
-    with Server(["--config", str(conf)], work_dir / "serve.log") as url:
+    with Server(["--config", str(conf)], work_dir / "serve.log", env=server_env(profile)) as url:
         for name, (path, *_rest) in copies.items():
             progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
