@@ -134,6 +134,15 @@ def _report(rows: list[dict], target: float) -> None:
                           f"{st['predicted_mean_cycle_ms']:.2f} / {st['measured_mean_cycle_ms']:.2f} ms "
                           f"({st['median_cycle_error']:+.1%} median over {st['cycles']} steps), batch "
                           f"{st['mean_batch']:.1f}, gap {st['mean_gap_ms']:.2f} ms")
+        if pred == "predicted" and any(r.get("latency_split", {}).get("replica_ttft_mean_ms") for r in sel):
+            print("\nwhere the measured TTFT goes (means over each run's requests): the client's, the replica's "
+                  "own (arrival at the replica to its first token), the engine's queue (taken in to first step)\n")
+            for r in sel:
+                ls = r.get("latency_split", {})
+                if ls.get("replica_ttft_mean_ms"):
+                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: client "
+                          f"{ls['client_ttft_mean_ms']:.1f} ms, replica {ls['replica_ttft_mean_ms']:.1f} ms, engine queue "
+                          f"{ls.get('engine_queue_mean_ms', float('nan')):.1f} ms")
         worst = {k: max(abs(r[err][k]) for r in sel) for k in METRICS}
         per = {k: sum(abs(r[err][k]) <= target for r in sel) for k in METRICS}
         print(f"\n{sum(ok)}/{len(sel)} configurations within {target:.0%} on all three metrics; per metric "
