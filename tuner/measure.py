@@ -254,6 +254,14 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                 "steps": served[name]["steps"],
                                                 "ttft_one_at_a_time_s": [float(x) for x in requests_of(
                                                     served[name]["runs"][1])["ttft"]],
-                                                "span_one_at_a_time": served[name]["spans"][1]}
+                                                "span_one_at_a_time": served[name]["spans"][1],
+                                                # the open-loop run as sent and as measured: the request
+                                                # overhead under load can be studied without serving again
+                                                "open_loop": [[r.sent_s, r.input_tokens, r.requested_output_tokens,
+                                                               r.output_tokens, r.ttft_s if r.ok else None,
+                                                               r.tpot_s if r.ok else None]
+                                                              for r in served[name]["runs"]["open"].records
+                                                              if not r.warmup],
+                                                "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
     return layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")"
