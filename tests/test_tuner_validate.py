@@ -222,3 +222,26 @@ def test_scheduler_kv_cap_counts_the_bos_token():
                            params=SamplingParams(max_tokens=32, ignore_eos=True)))
     plan = sched.schedule()
     assert len(plan.prefill) == 8
+
+
+def test_overhead_per_held_sequence_fits_back():
+    """Open-loop TTFTs simulated with a known overhead per sequence held at arrival (2 ms) are fitted
+    back to it, each copy with its own constant overhead; with 0 the simulator is unchanged."""
+    from tuner.measure_served import overhead_per_seq_s
+    from tuner.simulate import simulate
+
+    def step(w):
+        return 2e-3 + 1e-3 * w.seqs + 2e-5 * w.tokens
+
+    rng = np.random.default_rng(0)
+    runs = []
+    for base in (5e-3, 9e-3):
+        arr = np.cumsum(rng.exponential(0.02, 24))
+        il, ol = np.full(24, 40), np.full(24, 12)
+        truth = simulate(step, _SCHED, arr, il, ol, request_overhead=base, overhead_per_seq=2e-3)
+        plain = simulate(step, _SCHED, arr, il, ol, request_overhead=base)
+        assert plain == simulate(step, _SCHED, arr, il, ol, request_overhead=base, overhead_per_seq=0.0)
+        assert np.median([t.ttft for t in truth]) > np.median([t.ttft for t in plain])
+        runs.append((step, _SCHED, arr, il, ol, np.array([t.ttft for t in truth]), base))
+    per_seq, loss = overhead_per_seq_s(runs)
+    assert per_seq == pytest.approx(2e-3, abs=2e-4) and loss < 0.01

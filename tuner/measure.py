@@ -178,6 +178,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
                         if "retried_from_median_error_pct" in v else "") + ")"
                      for k, v in layouts.items())
     prof = base.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),
+                        request_overhead_per_seq_ms=one.get("request_overhead_per_seq_ms", 0.0),
                         **{k: one[k] for k in ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us",
                                                "seq_layer_overhead_us", "attention_prefill_tflops",
                                                "attention_kv_gb_s")},
@@ -196,15 +197,20 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
 
     from tuner.cost import CostModel
     from tuner.measure_engine import PROBE_POSITIONS, fit_layout, layouts_for
+    from engines.scheduler import SchedulerConfig
     from tuner.measure_served import (
         MULTI_SHARD_PROBES,
+        PROBE_MAX_BATCHED_TOKENS,
+        PROBE_MAX_NUM_SEQS,
         SERVED_PROBES,
+        open_loop_run,
+        overhead_per_seq_s,
         request_overheads_s,
         requests_of,
         serve_probes,
         step_cycles,
     )
-    from tuner.probe_model import gpt2_shape, write_random_checkpoint
+    from tuner.probe_model import gpt2_shape, prompt_extra_tokens, write_random_checkpoint
     from tuner.profiles import layout_key
 
     probes = []
@@ -246,9 +252,33 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                  f"median gap between steps {fit['served_gap_ms']:.2f} ms")
     # the median over every one-shard copy's requests: a probe whose tokenizer makes the gateway slow
     # (the 50,257-entry vocabulary's random tokenizer) is one copy among three
-    over = [o for name, (key, _) in meta.items() if key == "1x1"
-            for o in request_overheads_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])]
+    own = {name: request_overheads_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])
+           for name in meta}
+    over = [o for name, (key, _) in meta.items() if key == "1x1" for o in own[name]]
     request_ms = max(float(np.median(over)), 0.0) * 1e3
+    # under load: the overhead per sequence the engine holds when a request arrives, per layout, from
+    # the open-loop runs simulated with the layout's fitted steps (each copy with its own overhead
+    # one at a time, so that a copy's constant, such as a slow tokenizer, stays out of it)
+    fitted = base.replace(layouts=layouts)
+    for key in layouts:
+        runs = []
+        for name, (k, cost) in meta.items():
+            if k != key:
+                continue
+            ckpt = copies[name][0]
+            arr, il, ol, ttft = open_loop_run(served[name]["runs"]["open"].records,
+                                              prompt_extra_tokens(ckpt / "tokenizer.json"))
+            max_len = int(il.max() + ol.max() + 1)
+            cfg = SchedulerConfig(max_num_seqs=PROBE_MAX_NUM_SEQS, max_num_batched_tokens=PROBE_MAX_BATCHED_TOKENS,
+                                  block_size=16, num_blocks=PROBE_MAX_NUM_SEQS * (-(-max_len // 16) + 1),
+                                  max_model_len=max_len)
+            step = CostModel(cost.model, fitted, tp=cost.tp, pp=cost.pp, weight_dtype=cost.weight_dtype).step_time
+            runs.append((step, cfg, arr, il, ol, ttft, max(float(np.median(own[name])), 0.0)))
+        per_seq, loss = overhead_per_seq_s(runs)
+        layouts[key]["request_overhead_per_seq_ms"] = round(per_seq * 1e3, 3)
+        layouts[key]["served_ttft_log_error"] = round(loss, 4)
+        progress(f"served {key}: request overhead {per_seq * 1e3:.2f} ms per sequence held at arrival "
+                 f"(open-loop TTFTs, mean |log(simulated / measured)| {loss:.3f})")
     if steps_out is not None:  # what the fit saw, for a refit or a look without serving again
         steps_out.write_text(json.dumps({name: {"layout": meta[name][0], "probe": list(SERVED_PROBES[int(name[1])]),
                                                 "steps": served[name]["steps"],

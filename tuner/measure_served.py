@@ -194,3 +194,42 @@ def request_overheads_s(report, steps: list[dict], span: tuple[float, float]) ->
     if not cycles:
         raise RuntimeError("the one-at-a-time probe run reported no prefill step")
     return [float(t - np.median(cycles)) for t in requests_of(report)["ttft"]]
+
+
+PER_SEQ_GRID_MS = tuple(0.5 * i for i in range(17))
+"""Coarse candidates (ms) of the overhead per held sequence (overhead_per_seq_s), refined to 0.1 ms."""
+
+
+def open_loop_run(records, extra_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(arrivals, engine prompt lengths, output lengths, measured TTFT) of a run's measured requests,
+    in seconds from its start; TTFT NaN for a request that failed. `extra_tokens`: what the
+    server's tokenizer adds to each prompt (a BOS)."""
+    recs = [r for r in records if not r.warmup]
+    return (np.array([r.sent_s for r in recs], dtype=float),
+            np.array([max(r.input_tokens, 1) + extra_tokens for r in recs], dtype=int),
+            np.array([r.requested_output_tokens for r in recs], dtype=int),
+            np.array([r.ttft_s if r.ok else np.nan for r in recs], dtype=float))
+
+
+def overhead_per_seq_s(runs: list[tuple], grid_ms: tuple[float, ...] = PER_SEQ_GRID_MS) -> tuple[float, float]:
+    """The request overhead per sequence the engine holds at a request's arrival (s) whose simulated
+    TTFTs come closest to the measured ones: the least sum over requests of |log(simulated /
+    measured)| (robust, and the same weight for short and long TTFTs); and that loss per request.
+    `runs`: (step_cost, SchedulerConfig, arrivals, prompt lengths, output lengths, measured TTFT,
+    the copy's own overhead per request (s)) per served copy, as the fitted layout predicts them."""
+    from tuner.simulate import simulate
+
+    def loss(k_ms: float) -> float:
+        total, n = 0.0, 0
+        for cost, cfg, arr, il, ol, ttft, base in runs:
+            traces = simulate(cost, cfg, arr, il, ol, request_overhead=base, overhead_per_seq=k_ms * 1e-3)
+            sim = np.array([t.ttft for t in traces])
+            ok = np.isfinite(ttft) & (ttft > 0)
+            total += float(np.abs(np.log(sim[ok] / ttft[ok])).sum())
+            n += int(ok.sum())
+        return total / max(n, 1)
+
+    coarse = min(grid_ms, key=loss)
+    fine = [max(0.0, coarse + 0.1 * d) for d in range(-4, 5)]
+    best = min(dict.fromkeys(fine), key=loss)
+    return best * 1e-3, loss(best)

@@ -57,8 +57,9 @@ def _metric(stats: dict, slo: SLO) -> float:
 def _run(cost: CostModel, cfg: SchedulerConfig, w: Workload, rate: float) -> dict:
     times = schedule(w.arrival, rate, w.burstiness, count=w.num_prompts, seed=w.seed)
     n = w.num_prompts
+    base, per_seq = cost.profile.request_overheads_s(cost.tp, cost.pp)
     return summarize(simulate(cost.step_time, cfg, times, np.full(n, w.input_len), np.full(n, w.output_len),
-                              request_overhead=cost.profile.request_overhead_ms * 1e-3))
+                              request_overhead=base, overhead_per_seq=per_seq))
 
 
 def goodput(cost: CostModel, cfg: SchedulerConfig, w: Workload, slos: tuple[SLO, ...],

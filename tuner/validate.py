@@ -79,8 +79,9 @@ def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report, 
 def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...]) -> dict[str, float]:
     """The simulator's TTFT p50, TPOT p50, output throughput and goodput on a measured schedule."""
     cost = CostModel(run.model, profile, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
+    base, per_seq = profile.request_overheads_s(run.tp, run.pp)
     traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                      request_overhead=profile.request_overhead_ms * 1e-3)
+                      request_overhead=base, overhead_per_seq=per_seq)
     return _stats([t.ttft for t in traces], [t.tpot for t in traces],
                   [len(t.token_times) for t in traces], run.arrivals, [t.token_times[-1] for t in traces], slos)
 
