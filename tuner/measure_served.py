@@ -41,12 +41,17 @@ SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts th
 CONCURRENCY = ((1, 2, 16),)
 """(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
 a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost)."""
-OPEN_LOOP = (6.0, 16, 96)
+OPEN_LOOP = (4.0, 18, 96)
 """(mean requests in flight, requests, prompt tokens) of the open-loop run per copy that follows:
 Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end latency), prompts
-that put decode contexts at 97-113, so batches of 1 to ~8. Open loop, as deployments are loaded: a
-closed loop starts with all its requests at once, and the burst through the gateway stretches the
-prefill steps it meets (3x on a 2-layer probe) far beyond what spread arrivals do."""
+that put decode contexts at 97-113. Open loop, as deployments are loaded: a closed loop starts
+with all its requests at once, and the burst through the gateway stretches the prefill steps it
+meets (3x on a 2-layer probe) far beyond what spread arrivals do. Until pass 15 it aimed at 6 in
+flight with 16 requests: the short probes then received all 16 within 0.13-0.5 s, a burst (prefills
+of 400-800 tokens, decode batches of 6-16, hardly any of 2-5, TTFTs that were the gateway's queue),
+not the steady load of 1-5 sequences per step that a deployment below saturation serves; 4 in
+flight and 18 requests keep the run's steps (with the one-at-a-time run's) inside a replica's step
+window (engines.llm_engine.STEP_LOG_LEN, 256) at batches down to ~2."""
 WARMUP = ((2, 2, 16, 4), (1, 3, 16, 2), (2, 6, 96, 3))
 """(in flight, requests, prompt tokens, output tokens) of closed-loop runs before the measured ones
 (not kept): they take each step class the measured runs meet (prefills of 17 and 97 tokens, alone
