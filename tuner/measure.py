@@ -238,11 +238,18 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                 gaps += [gap for _, _, gap in cyc]
         tp, pp = (int(v) for v in key.split("x"))
         # several shards see two probes, which cannot tell the vocabulary's per-sequence cost from the
-        # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice, on its threads
-        vocab = True if tp * pp == 1 else layouts["1x1"]["vocab_seq_ns"] * base.threads(1) / base.threads(tp * pp)
+        # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice (one
+        # thread there too: the one-shard engine's adaptive chooser runs its steps on one thread on a
+        # host this busy; until pass 15, when the probes fixed two threads, it was scaled by the threads)
+        one = layouts.get("1x1", {})
+        vocab = True if tp * pp == 1 else one["vocab_seq_ns"]
         # likewise the LM head's per-step cost (two probes' heads are 0.4M and 3.1M entries): the one-shard layout's
-        head = True if tp * pp == 1 else layouts["1x1"]["head_ns"] * base.threads(1) / base.threads(tp * pp)
-        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True, head=head)
+        head = True if tp * pp == 1 else one["head_ns"]
+        # and the rate of reading weights past the cache, a property of the host's memory: of the two
+        # probes only one outgrows the cache, so its depth and its bytes cannot be told apart (pass 15:
+        # the 1x2 fit read 8.8 GB/s, and charged GPT-2's 77 MB head at it); the one-shard layout's four tell
+        dram = True if tp * pp == 1 else (1e-9 / one["dram_weight_gb_s"] if one.get("dram_weight_gb_s") else False)
+        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True, head=head, dram=dram)
         fit["served_gap_ms"] = float(np.median(gaps)) * 1e3
         layouts[key] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
         notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")
