@@ -41,25 +41,31 @@ SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts th
 CONCURRENCY = ((1, 2, 16),)
 """(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
 a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost)."""
-OPEN_LOOP = (4.0, 18, 96)
-"""(mean requests in flight, requests, prompt tokens) of the open-loop run per copy that follows:
-Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end latency), prompts
-that put decode contexts at 97-113. Open loop, as deployments are loaded: a closed loop starts
-with all its requests at once, and the burst through the gateway stretches the prefill steps it
-meets (3x on a 2-layer probe) far beyond what spread arrivals do. Until pass 15 it aimed at 6 in
-flight with 16 requests: the short probes then received all 16 within 0.13-0.5 s, a burst (prefills
-of 400-800 tokens, decode batches of 6-16, hardly any of 2-5, TTFTs that were the gateway's queue),
-not the steady load of 1-5 sequences per step that a deployment below saturation serves; 4 in
-flight and 18 requests keep the run's steps (with the one-at-a-time run's) inside a replica's step
-window (engines.llm_engine.STEP_LOG_LEN, 256) at batches down to ~2."""
-WARMUP = ((2, 2, 16, 4), (1, 3, 16, 2), (2, 6, 96, 3))
+OPEN_LOOP = (4.0, 12, 96, 0.8)
+"""(mean requests in flight, requests, prompt tokens, least seconds) of the open-loop run per copy
+that follows: Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end
+latency), spread over at least OPEN_LOOP[3] s, prompts that put decode contexts at 97-113. Open
+loop, as deployments are loaded: a closed loop starts with all its requests at once, and the burst
+through the gateway stretches the prefill steps it meets (3x on a 2-layer probe) far beyond what
+spread arrivals do. Until pass 15 it aimed at 6 in flight with 16 requests, in pass 16 at 4 with 18,
+with no least duration: the short probes then received all their requests within 0.13-0.5 s, 30-130
+requests a second, a burst that the gateway's request path could not take in (TTFTs of 100-150 ms
+where the engine's steps account for 20-40 ms: the gateway's queue, not the engine's) and that
+made 400-800-token prefills and batches of 6-16, not the steady load of 1-5 sequences per step that
+a deployment below saturation serves. 12 requests (17 tokens each, 204 with the one-at-a-time
+run's 34) keep every measured step inside a replica's step window (engines.llm_engine.STEP_LOG_LEN,
+256) even at batch 1."""
+WARMUP = ((1, 2, 16, 9), (2, 4, 16, 9), (4, 8, 16, 9), (6, 6, 16, 9), (2, 4, 96, 3))
 """(in flight, requests, prompt tokens, output tokens) of closed-loop runs before the measured ones
-(not kept): they take each step class the measured runs meet (prefills of 17 and 97 tokens, alone
-and beside decodes) through the engine's thread chooser (engines.cpu_threads.AdaptiveThreads)
-first. Each class starts on every core and tries the other count on its next step; on this host a
-short prefill takes ~5x longer on 2 threads than on 1 (BENCHMARKS.md, issue 12, run 8), so without
-this a probe's few prefills per class are measured mostly while the chooser is still learning,
-which a deployment serving for minutes is not (the accuracy runs' prefills: ~2x faster)."""
+(not kept): they take each step class the measured runs meet (decode batches of 1, 2, 3-4 and 5-8,
+~8-16 steps each; prefills of 17 to 194 tokens, alone and beside decodes) through the engine's
+thread chooser (engines.cpu_threads.AdaptiveThreads) first. Each class starts on every core, tries
+the other count on its next step, then again after 8, 16, 32... steps; on this host a 2-thread step
+of a small model waits for a descheduled partner thread (a short prefill ~5x, BENCHMARKS.md issue
+12 run 8), so a class measured while the chooser is young runs more of its steps on the slow count
+than a deployment serving for minutes (pass 16: the probes' decode steps at batches 2-5, a class
+the warm-up then hardly met, took 1.3-1.6x what the fit gave them, and those at batch 1 and 6+
+matched)."""
 PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
 """Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
@@ -137,10 +143,10 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
                                              closed_loop_concurrency=c, num_prompts=n))
                 spans[c] = (t0, time.monotonic())
             e2e = float(np.median([r.done_s - r.sent_s for r in runs[1].records if not r.warmup and r.ok]))
-            in_flight, n, plen = OPEN_LOOP
+            in_flight, n, plen, least_s = OPEN_LOOP
             t0 = time.monotonic()
             runs["open"] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
-                                              request_rate=in_flight / e2e, num_prompts=n))
+                                              request_rate=min(in_flight / e2e, n / least_s), num_prompts=n))
             spans["open"] = (t0, time.monotonic())
             out[name] = {"runs": runs, "spans": spans}
         for name in copies:
