@@ -75,8 +75,10 @@ class HardwareProfile:
     """Gateway + Ray cost per request, outside the engine (adds to TTFT and E2E; fitted)."""
     request_overhead_per_seq_ms: float = 0.0
     """What request_overhead_ms grows by for every sequence the engine holds when a request
-    arrives (the serving side's work per stream in flight delays a new request's way in; fitted on
-    the served probes' open-loop TTFTs). A layout's own value (layouts) wins."""
+    arrives (the serving side's work per stream in flight delays a new request's way in). A
+    layout's own value (layouts) wins. `tune profile` leaves it at 0 and records the value that
+    would fit its probes' open-loop TTFTs as layouts' served_overhead_per_seq_ms (a diagnostic:
+    BENCHMARKS.md, tuner passes 15-17)."""
     matmul_width_factor: dict[int, dict[int, float]] = field(default_factory=dict)
     """Measured rate of a Linear of model width W (W -> 4W, as an MLP's first projection) against
     the rate table's own shape, by W -> rows (one thread, the engine's dtype); interpolated in
@@ -222,7 +224,7 @@ step that samples, whatever its batch (the head's fixed work beyond the rate tab
 the layout's request_overhead_per_seq_ms (HardwareProfile's field of that name)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
                 "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms",
-                "served_ttft_log_error")
+                "served_ttft_log_error", "served_overhead_per_seq_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
 layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept; and
 served_gap_ms, the median time the serving loop spent between two steps (already in the constants,
