@@ -48,9 +48,9 @@ latency), spread over at least OPEN_LOOP[3] s, prompts that put decode contexts 
 loop, as deployments are loaded: a closed loop starts with all its requests at once, and the burst
 through the gateway stretches the prefill steps it meets (3x on a 2-layer probe) far beyond what
 spread arrivals do. Until pass 15 it aimed at 6 in flight with 16 requests, in pass 16 at 4 with 18,
-with no least duration: the short probes then received all their requests within 0.13-0.5 s, 30-130
-requests a second, a burst that the gateway's request path could not take in (TTFTs of 100-150 ms
-where the engine's steps account for 20-40 ms: the gateway's queue, not the engine's) and that
+with no least duration: the short probes then received all their requests within 0.13-0.5 s, 30-120
+requests a second, a burst that the gateway's request path could not take in (TTFT p50 64-136 ms
+where the simulated engine gives 35-84 ms: the gateway's queue, not the engine's) and that
 made 400-800-token prefills and batches of 6-16, not the steady load of 1-5 sequences per step that
 a deployment below saturation serves. 12 requests (17 tokens each, 204 with the one-at-a-time
 run's 34) keep every measured step inside a replica's step window (engines.llm_engine.STEP_LOG_LEN,
@@ -64,8 +64,8 @@ the other count on its next step, then again after 8, 16, 32... steps; on this h
 of a small model waits for a descheduled partner thread (a short prefill ~5x, BENCHMARKS.md issue
 12 run 8), so a class measured while the chooser is young runs more of its steps on the slow count
 than a deployment serving for minutes (pass 16: the probes' decode steps at batches 2-5, a class
-the warm-up then hardly met, took 1.3-1.6x what the fit gave them, and those at batch 1 and 6+
-matched)."""
+the warm-up then hardly met, took 1.3-1.6x what the fit gave them; those at batch 1 and 6+,
+0.95-1.25x)."""
 PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
 """Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
@@ -82,10 +82,11 @@ def probe_models(copies: dict[str, tuple[Path, int, int]], profile, dtype: str) 
     fractions so that every copy fits one Ray instance (one copy is busy at a time).
 
     Until pass 14 the probes set worker_threads for the one-shard layout too (every core), which
-    fixes the engine's thread count; a deployed one-shard replica leaves it unset and the engine's
-    adaptive chooser (engines.cpu_threads.AdaptiveThreads) runs most steps on one thread, which on
-    a host shared with the gateway and the load tester is faster: the one-shard probes' steps were
-    1.2-1.6x those of the same shapes deployed."""
+    fixes the engine's thread count; a deployed one-shard replica leaves it unset, and the engine's
+    adaptive chooser (engines.cpu_threads.AdaptiveThreads) times each step class on both counts and
+    keeps the faster, on a host shared with the gateway and the load tester mostly one thread (two
+    wait on a descheduled partner): the one-shard probes' steps were 1.2-1.6x those of the same
+    shapes deployed, and GPT-2's went from +26..+40% to +3..+7% with this (passes 14, 15, 17)."""
     from tuner.emit import deployment
     from tuner.search import Candidate
 
