@@ -22,6 +22,7 @@ import math
 import platform
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from tuner.cost import CostModel, static_batch
 from tuner.probe_model import gpt2_shape
 from tuner.profiles import load_profile
 from tuner.refit import Run, refit
-from tuner.search import Candidate, Workload
+from tuner.search import Candidate, Workload, scheduler_config
 from tuner.validate import ValidateSettings, checkpoint_for, errors, measure, predict_run
 
 MODELS = {
@@ -61,6 +62,15 @@ def _run_from_json(r: dict) -> Run:
                sched=SchedulerConfig(**r["scheduler"]), arrivals=arr["arrivals"],
                input_lens=arr["input_lens"].astype(int), output_lens=arr["output_lens"].astype(int),
                ttft_s=arr["ttft_s"], tpot_s=arr["tpot_s"])
+
+
+def _sched_of(r: dict, profile, args) -> SchedulerConfig:
+    """The simulator's scheduler limits of a saved row's layout, as _measure derives them."""
+    model = MODELS[r["model"]]
+    seqs = r["max_num_seqs"]
+    cand = Candidate(r["tp"], r["pp"], 1, seqs, max(seqs * args.input_len, 512), r.get("weight_dtype", args.dtype))
+    cost = CostModel(model, profile, tp=r["tp"], pp=r["pp"], weight_dtype=cand.weight_dtype)
+    return scheduler_config(cand, model, cost, Workload(args.input_len, args.output_len, args.num_prompts))
 
 
 def _measure(args, profile) -> tuple[list[dict], dict]:
@@ -124,6 +134,15 @@ def _report(rows: list[dict], target: float) -> None:
                           f"{st['predicted_mean_cycle_ms']:.2f} / {st['measured_mean_cycle_ms']:.2f} ms "
                           f"({st['median_cycle_error']:+.1%} median over {st['cycles']} steps), batch "
                           f"{st['mean_batch']:.1f}, gap {st['mean_gap_ms']:.2f} ms")
+        if pred == "predicted" and any(r.get("latency_split", {}).get("replica_ttft_mean_ms") for r in sel):
+            print("\nwhere the measured TTFT goes (means over each run's requests): the client's, the replica's "
+                  "own (arrival at the replica to its first token), the engine's queue (taken in to first step)\n")
+            for r in sel:
+                ls = r.get("latency_split", {})
+                if ls.get("replica_ttft_mean_ms"):
+                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: client "
+                          f"{ls['client_ttft_mean_ms']:.1f} ms, replica {ls['replica_ttft_mean_ms']:.1f} ms, engine queue "
+                          f"{ls.get('engine_queue_mean_ms', float('nan')):.1f} ms")
         worst = {k: max(abs(r[err][k]) for r in sel) for k in METRICS}
         per = {k: sum(abs(r[err][k]) <= target for r in sel) for k in METRICS}
         print(f"\n{sum(ok)}/{len(sel)} configurations within {target:.0%} on all three metrics; per metric "
@@ -159,6 +178,9 @@ def main() -> None:
             for k in ("refit_predicted", "refit_error"):
                 r.pop(k, None)
             if args.repredict:  # the given profile's predictions on the saved schedules
+                # with the scheduler limits this code derives (they are the simulator's, not measured)
+                r["_run"] = replace(r["_run"], sched=_sched_of(r, profile, args))
+                r["scheduler"] = {k: getattr(r["_run"].sched, k) for k in r["scheduler"]}
                 r["predicted"] = predict_run(profile, r["_run"], ())
                 r["error"] = errors(r["predicted"], r["measured"])
         print(f"# {env}")

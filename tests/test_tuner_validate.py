@@ -178,3 +178,70 @@ def test_cpu_host_is_one_device():
     for c in done:
         assert c.metrics["devices"] == 1
         assert c.metrics["goodput_per_device"] == pytest.approx(c.metrics["goodput_req_s"])
+
+
+def test_probes_serve_as_deployed():
+    """The profile's probe copies run with the engine options the tuner deploys (tuner.emit): the
+    one-shard copy leaves the thread count to the engine (no worker_threads: its adaptive chooser,
+    at most OMP_NUM_THREADS = every core, as Ray sets it for the deployed replica), several shards
+    fix one thread each; only the CPU reservations are fractions, so that every copy fits."""
+    from pathlib import Path
+
+    from tuner.measure_served import probe_models, server_env
+
+    prof = _cpu_profile()
+    copies = {"a-1x1": (Path("/p/a"), 1, 1), "a-2x1": (Path("/p/a"), 2, 1), "a-1x2": (Path("/p/a"), 1, 2)}
+    models = {m["name"]: m for m in probe_models(copies, prof, "bfloat16")}
+    for name, (_, tp, pp) in copies.items():
+        deployed = deployment(Candidate(tp, pp, 1, 16, 1024, "bfloat16"), "/p/a", prof, name=name)["models"][0]
+        assert models[name]["engine"] == deployed["engine"]
+    assert "worker_threads" not in models["a-1x1"]["engine"]
+    assert models["a-2x1"]["engine"]["worker_threads"] == 1 and models["a-1x2"]["engine"]["worker_threads"] == 1
+    assert sum(m["num_cpus"] + m.get("shard_num_cpus", 0) * 2 for m in models.values()) < 1
+    assert server_env(prof) == {"OMP_NUM_THREADS": "2"}
+
+
+def test_scheduler_kv_cap_counts_the_bos_token():
+    """The simulator's KV blocks are capped at max_num_seqs requests of max_model_len tokens (the
+    workload's input + output + the tokenizer's BOS): all max_num_seqs requests fit at once, as in
+    the served engine whose cache is sized from memory."""
+    from engines.scheduler import Scheduler
+    from engines.sampling_params import SamplingParams
+    from engines.sequence import Sequence
+    from tuner.cost import CostModel
+    from tuner.search import Workload, scheduler_config
+
+    prof = _cpu_profile()
+    model = ModelConfig(model_type="gpt2", vocab_size=320, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=1024)
+    cand = Candidate(1, 1, 1, 8, 512, "bfloat16")
+    cfg = scheduler_config(cand, model, CostModel(model, prof), Workload(64, 32, 10))
+    assert cfg.max_model_len == 97
+    sched = Scheduler(cfg)
+    for i in range(8):  # 65 prompt tokens (BOS + 64), 32 output tokens each
+        sched.add(Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1] * 65, prompt_len=65,
+                           params=SamplingParams(max_tokens=32, ignore_eos=True)))
+    plan = sched.schedule()
+    assert len(plan.prefill) == 8
+
+
+def test_overhead_per_held_sequence_fits_back():
+    """Open-loop TTFTs simulated with a known overhead per sequence held at arrival (2 ms) are fitted
+    back to it, each copy with its own constant overhead; with 0 the simulator is unchanged."""
+    from tuner.measure_served import overhead_per_seq_s
+    from tuner.simulate import simulate
+
+    def step(w):
+        return 2e-3 + 1e-3 * w.seqs + 2e-5 * w.tokens
+
+    rng = np.random.default_rng(0)
+    runs = []
+    for base in (5e-3, 9e-3):
+        arr = np.cumsum(rng.exponential(0.02, 24))
+        il, ol = np.full(24, 40), np.full(24, 12)
+        truth = simulate(step, _SCHED, arr, il, ol, request_overhead=base, overhead_per_seq=2e-3)
+        plain = simulate(step, _SCHED, arr, il, ol, request_overhead=base)
+        assert plain == simulate(step, _SCHED, arr, il, ol, request_overhead=base, overhead_per_seq=0.0)
+        assert np.median([t.ttft for t in truth]) > np.median([t.ttft for t in plain])
+        runs.append((step, _SCHED, arr, il, ol, np.array([t.ttft for t in truth]), base))
+    per_seq, loss = overhead_per_seq_s(runs)
+    assert per_seq == pytest.approx(2e-3, abs=2e-4) and loss < 0.01

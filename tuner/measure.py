@@ -196,15 +196,20 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
 
     from tuner.cost import CostModel
     from tuner.measure_engine import PROBE_POSITIONS, fit_layout, layouts_for
+    from engines.scheduler import SchedulerConfig
     from tuner.measure_served import (
         MULTI_SHARD_PROBES,
+        PROBE_MAX_BATCHED_TOKENS,
+        PROBE_MAX_NUM_SEQS,
         SERVED_PROBES,
+        open_loop_run,
+        overhead_per_seq_s,
         request_overheads_s,
         requests_of,
         serve_probes,
         step_cycles,
     )
-    from tuner.probe_model import gpt2_shape, write_random_checkpoint
+    from tuner.probe_model import gpt2_shape, prompt_extra_tokens, write_random_checkpoint
     from tuner.profiles import layout_key
 
     probes = []
@@ -217,10 +222,10 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             if cfg.n_head % tp or cfg.n_layer < pp or (tp * pp > 1 and i not in MULTI_SHARD_PROBES):
                 continue
             name = f"p{i}-{layout_key(tp, pp)}"
-            copies[name] = (path, tp, pp, base.threads(tp * pp))
+            copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
     progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
-    served = serve_probes(copies, tmp, dtype, progress)
+    served = serve_probes(copies, tmp, dtype, base, progress)
     layouts: dict[str, dict[str, float]] = {}
     notes = []
     for key in dict.fromkeys(k for k, _ in meta.values()):
@@ -232,11 +237,18 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                 gaps += [gap for _, _, gap in cyc]
         tp, pp = (int(v) for v in key.split("x"))
         # several shards see two probes, which cannot tell the vocabulary's per-sequence cost from the
-        # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice, on its threads
-        vocab = True if tp * pp == 1 else layouts["1x1"]["vocab_seq_ns"] * base.threads(1) / base.threads(tp * pp)
+        # other per-sequence costs: it is the one-shard layout's, per entry of a shard's slice (one
+        # thread there too: the one-shard engine's adaptive chooser runs its steps on one thread on a
+        # host this busy; until pass 15, when the probes fixed two threads, it was scaled by the threads)
+        one = layouts.get("1x1", {})
+        vocab = True if tp * pp == 1 else one["vocab_seq_ns"]
         # likewise the LM head's per-step cost (two probes' heads are 0.4M and 3.1M entries): the one-shard layout's
-        head = True if tp * pp == 1 else layouts["1x1"]["head_ns"] * base.threads(1) / base.threads(tp * pp)
-        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True, head=head)
+        head = True if tp * pp == 1 else one["head_ns"]
+        # and the rate of reading weights past the cache, a property of the host's memory: of the two
+        # probes only one outgrows the cache, so its depth and its bytes cannot be told apart (pass 15:
+        # the 1x2 fit read 8.8 GB/s, and charged GPT-2's 77 MB head at it); the one-shard layout's four tell
+        dram = True if tp * pp == 1 else (1e-9 / one["dram_weight_gb_s"] if one.get("dram_weight_gb_s") else False)
+        fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True, head=head, dram=dram)
         fit["served_gap_ms"] = float(np.median(gaps)) * 1e3
         layouts[key] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
         notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")
@@ -246,14 +258,49 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                  f"median gap between steps {fit['served_gap_ms']:.2f} ms")
     # the median over every one-shard copy's requests: a probe whose tokenizer makes the gateway slow
     # (the 50,257-entry vocabulary's random tokenizer) is one copy among three
-    over = [o for name, (key, _) in meta.items() if key == "1x1"
-            for o in request_overheads_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])]
+    own = {name: request_overheads_s(served[name]["runs"][1], served[name]["steps"], served[name]["spans"][1])
+           for name in meta}
+    over = [o for name, (key, _) in meta.items() if key == "1x1" for o in own[name]]
     request_ms = max(float(np.median(over)), 0.0) * 1e3
+    # under load: the overhead per sequence the engine holds when a request arrives, per layout, from
+    # the open-loop runs simulated with the layout's fitted steps (each copy with its own overhead
+    # one at a time, so that a copy's constant, such as a slow tokenizer, stays out of it). Kept as
+    # a diagnostic only (served_overhead_per_seq_ms), not used to predict: in passes 15-17 it came
+    # out 0.9-8.3 ms per sequence with the probes' own TTFTs still 12-35% off (mean |log|), while the
+    # gateway's legs of the accuracy runs' TTFT grew by 1-9 ms under load in all (BENCHMARKS.md)
+    fitted = base.replace(layouts=layouts)
+    for key in layouts:
+        runs = []
+        for name, (k, cost) in meta.items():
+            if k != key:
+                continue
+            ckpt = copies[name][0]
+            arr, il, ol, ttft = open_loop_run(served[name]["runs"]["open"].records,
+                                              prompt_extra_tokens(ckpt / "tokenizer.json"))
+            max_len = int(il.max() + ol.max() + 1)
+            cfg = SchedulerConfig(max_num_seqs=PROBE_MAX_NUM_SEQS, max_num_batched_tokens=PROBE_MAX_BATCHED_TOKENS,
+                                  block_size=16, num_blocks=PROBE_MAX_NUM_SEQS * (-(-max_len // 16) + 1),
+                                  max_model_len=max_len)
+            step = CostModel(cost.model, fitted, tp=cost.tp, pp=cost.pp, weight_dtype=cost.weight_dtype).step_time
+            runs.append((step, cfg, arr, il, ol, ttft, max(float(np.median(own[name])), 0.0)))
+        per_seq, loss = overhead_per_seq_s(runs)
+        layouts[key]["served_overhead_per_seq_ms"] = round(per_seq * 1e3, 3)
+        layouts[key]["served_ttft_log_error"] = round(loss, 4)
+        progress(f"served {key}: request overhead {per_seq * 1e3:.2f} ms per sequence held at arrival would fit "
+                 f"the open-loop TTFTs best (mean |log(simulated / measured)| {loss:.3f}; a diagnostic, not used)")
     if steps_out is not None:  # what the fit saw, for a refit or a look without serving again
         steps_out.write_text(json.dumps({name: {"layout": meta[name][0], "probe": list(SERVED_PROBES[int(name[1])]),
                                                 "steps": served[name]["steps"],
                                                 "ttft_one_at_a_time_s": [float(x) for x in requests_of(
                                                     served[name]["runs"][1])["ttft"]],
-                                                "span_one_at_a_time": served[name]["spans"][1]}
+                                                "span_one_at_a_time": served[name]["spans"][1],
+                                                # the open-loop run as sent and as measured: the request
+                                                # overhead under load can be studied without serving again
+                                                "open_loop": [[r.sent_s, r.input_tokens, r.requested_output_tokens,
+                                                               r.output_tokens, r.ttft_s if r.ok else None,
+                                                               r.tpot_s if r.ok else None]
+                                                              for r in served[name]["runs"]["open"].records
+                                                              if not r.warmup],
+                                                "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
     return layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")"

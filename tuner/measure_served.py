@@ -41,20 +41,33 @@ SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts th
 CONCURRENCY = ((1, 2, 16),)
 """(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
 a time with short prompts (batch-1 steps at contexts 17-33, the gateway's per-request cost)."""
-OPEN_LOOP = (6.0, 16, 96)
-"""(mean requests in flight, requests, prompt tokens) of the open-loop run per copy that follows:
-Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end latency), prompts
-that put decode contexts at 97-113, so batches of 1 to ~8. Open loop, as deployments are loaded: a
-closed loop starts with all its requests at once, and the burst through the gateway stretches the
-prefill steps it meets (3x on a 2-layer probe) far beyond what spread arrivals do."""
-WARMUP = ((2, 2, 16, 4), (1, 3, 16, 2), (2, 6, 96, 3))
+OPEN_LOOP = (4.0, 12, 96, 0.8)
+"""(mean requests in flight, requests, prompt tokens, least seconds) of the open-loop run per copy
+that follows: Poisson arrivals at OPEN_LOOP[0] / (the one-at-a-time run's median end-to-end
+latency), spread over at least OPEN_LOOP[3] s, prompts that put decode contexts at 97-113. Open
+loop, as deployments are loaded: a closed loop starts with all its requests at once, and the burst
+through the gateway stretches the prefill steps it meets (3x on a 2-layer probe) far beyond what
+spread arrivals do. Until pass 15 it aimed at 6 in flight with 16 requests, in pass 16 at 4 with 18,
+with no least duration: the short probes then received all their requests within 0.13-0.5 s, 30-120
+requests a second, a burst that the gateway's request path could not take in (TTFT p50 64-136 ms
+where the simulated engine gives 35-84 ms: the gateway's queue, not the engine's) and that
+made 400-800-token prefills and batches of 6-16, not the steady load of 1-5 sequences per step that
+a deployment below saturation serves. 12 requests (17 tokens each, 204 with the one-at-a-time
+run's 34) keep every measured step inside a replica's step window (engines.llm_engine.STEP_LOG_LEN,
+256) even at batch 1."""
+WARMUP = ((1, 2, 16, 9), (2, 4, 16, 9), (4, 8, 16, 9), (6, 6, 16, 9), (2, 4, 96, 3))
 """(in flight, requests, prompt tokens, output tokens) of closed-loop runs before the measured ones
-(not kept): they take each step class the measured runs meet (prefills of 17 and 97 tokens, alone
-and beside decodes) through the engine's thread chooser (engines.cpu_threads.AdaptiveThreads)
-first. Each class starts on every core and tries the other count on its next step; on this host a
-short prefill takes ~5x longer on 2 threads than on 1 (BENCHMARKS.md, issue 12, run 8), so without
-this a probe's few prefills per class are measured mostly while the chooser is still learning,
-which a deployment serving for minutes is not (the accuracy runs' prefills: ~2x faster)."""
+(not kept): they take each step class the measured runs meet (decode batches of 1, 2, 3-4 and 5-8,
+~8-16 steps each; prefills of 17 to 194 tokens, alone and beside decodes) through the engine's
+thread chooser (engines.cpu_threads.AdaptiveThreads) first. Each class starts on every core, tries
+the other count on its next step, then again after 8, 16, 32... steps; on this host a 2-thread step
+of a small model waits for a descheduled partner thread (a short prefill ~5x, BENCHMARKS.md issue
+12 run 8), so a class measured while the chooser is young runs more of its steps on the slow count
+than a deployment serving for minutes (pass 16: the probes' decode steps at batches 2-5, a class
+the warm-up then hardly met, took 1.3-1.6x what the fit gave them; those at batch 1 and 6+,
+0.95-1.25x)."""
+PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
+"""Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
 often would load the probes' cores more than a deployment's): how stale the step windows may be.
@@ -62,11 +75,47 @@ Every copy's steps fit in its replicas' windows (engines.llm_engine.STEP_LOG_LEN
 once, after the last copy's runs."""
 
 
-def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, dtype: str,
+def probe_models(copies: dict[str, tuple[Path, int, int]], profile, dtype: str) -> list[dict]:
+    """The probe server's `models` entries: each copy {name: (checkpoint, tp, pp)} exactly as the
+    tuner deploys that layout (tuner.emit.deployment: engine options, threads per shard, whether
+    the engine picks each step's thread count itself), except the CPU reservations, which are
+    fractions so that every copy fits one Ray instance (one copy is busy at a time).
+
+    Until pass 14 the probes set worker_threads for the one-shard layout too (every core), which
+    fixes the engine's thread count; a deployed one-shard replica leaves it unset, and the engine's
+    adaptive chooser (engines.cpu_threads.AdaptiveThreads) times each step class on both counts and
+    keeps the faster, on a host shared with the gateway and the load tester mostly one thread (two
+    wait on a descheduled partner): the one-shard probes' steps were 1.2-1.6x those of the same
+    shapes deployed, and GPT-2's went from +26..+40% to +3..+7% with this (passes 14, 15, 17)."""
+    from tuner.emit import deployment
+    from tuner.search import Candidate
+
+    models = []
+    for name, (path, tp, pp) in copies.items():
+        cand = Candidate(tp, pp, 1, PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS, dtype)
+        model = deployment(cand, str(path), profile, name=name)["models"][0]
+        share = round(0.9 / len(copies) / (tp * pp + 1), 3)  # Ray needs only to place them
+        model["num_cpus"] = share
+        if tp * pp > 1:
+            model["shard_num_cpus"] = share
+        models.append(model)
+    return models
+
+
+def server_env(profile) -> dict[str, str]:
+    """Environment of the probe server: OMP_NUM_THREADS as Ray sets it for a deployed one-shard
+    replica (floor of its num_cpus, which tuner.emit makes every core). The probes' fractional
+    reservations would make Ray set 1, and a replica whose engine does not fix its thread count
+    takes OMP_NUM_THREADS as its most (engines.cpu_threads.engine_threads); shard workers and the
+    multi-shard replicas' executors fix theirs (worker_threads)."""
+    return {"OMP_NUM_THREADS": str(profile.threads(1))}
+
+
+def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype: str, profile,
                  progress: Callable[[str], None] = print) -> dict[str, dict]:
-    """Serve every copy {name: (checkpoint, tp, pp, threads per shard)} in one `shardserve serve`
-    (fractional CPU reservations, so that they all fit; threads as the tuner's deployments give
-    them), load-test them one at a time and read each one's steps back:
+    """Serve every copy {name: (checkpoint, tp, pp)} in one `shardserve serve` (probe_models: as
+    the tuner deploys each layout, with fractional CPU reservations so that they all fit),
+    load-test them one at a time and read each one's steps back:
     {name: {"runs": {requests in flight: loadtest Report}, "spans": {requests in flight: (start, end)
     on the monotonic clock}, "steps": [step dicts, oldest first]}}."""
     import yaml
@@ -75,18 +124,12 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
     from loadtest.runner import run
     from tuner.server import Server
 
-    models = []
-    for name, (path, tp, pp, threads) in copies.items():
-        share = 0.9 / len(copies) / (tp * pp + 1)  # Ray needs only to place them; one copy is busy at a time
-        models.append({"name": name, "path": str(path), "num_cpus": round(share, 3),
-                       **({"shard_num_cpus": round(share, 3)} if tp * pp > 1 else {}),
-                       "engine": {"dtype": dtype, "worker_threads": threads, "tensor_parallel_size": tp,
-                                  "pipeline_parallel_size": pp, **({"pipeline_microbatches": 1} if pp > 1 else {})}})
+    models = probe_models(copies, profile, dtype)
     conf = work_dir / "probe.yaml"
     conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
     want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
-    with Server(["--config", str(conf)], work_dir / "serve.log") as url:
+    with Server(["--config", str(conf)], work_dir / "serve.log", env=server_env(profile)) as url:
         for name, (path, *_rest) in copies.items():
             progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
@@ -101,10 +144,10 @@ def serve_probes(copies: dict[str, tuple[Path, int, int, int]], work_dir: Path, 
                                              closed_loop_concurrency=c, num_prompts=n))
                 spans[c] = (t0, time.monotonic())
             e2e = float(np.median([r.done_s - r.sent_s for r in runs[1].records if not r.warmup and r.ok]))
-            in_flight, n, plen = OPEN_LOOP
+            in_flight, n, plen, least_s = OPEN_LOOP
             t0 = time.monotonic()
             runs["open"] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
-                                              request_rate=in_flight / e2e, num_prompts=n))
+                                              request_rate=min(in_flight / e2e, n / least_s), num_prompts=n))
             spans["open"] = (t0, time.monotonic())
             out[name] = {"runs": runs, "spans": spans}
         for name in copies:
@@ -163,3 +206,42 @@ def request_overheads_s(report, steps: list[dict], span: tuple[float, float]) ->
     if not cycles:
         raise RuntimeError("the one-at-a-time probe run reported no prefill step")
     return [float(t - np.median(cycles)) for t in requests_of(report)["ttft"]]
+
+
+PER_SEQ_GRID_MS = tuple(0.5 * i for i in range(17))
+"""Coarse candidates (ms) of the overhead per held sequence (overhead_per_seq_s), refined to 0.1 ms."""
+
+
+def open_loop_run(records, extra_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(arrivals, engine prompt lengths, output lengths, measured TTFT) of a run's measured requests,
+    in seconds from its start; TTFT NaN for a request that failed. `extra_tokens`: what the
+    server's tokenizer adds to each prompt (a BOS)."""
+    recs = [r for r in records if not r.warmup]
+    return (np.array([r.sent_s for r in recs], dtype=float),
+            np.array([max(r.input_tokens, 1) + extra_tokens for r in recs], dtype=int),
+            np.array([r.requested_output_tokens for r in recs], dtype=int),
+            np.array([r.ttft_s if r.ok else np.nan for r in recs], dtype=float))
+
+
+def overhead_per_seq_s(runs: list[tuple], grid_ms: tuple[float, ...] = PER_SEQ_GRID_MS) -> tuple[float, float]:
+    """The request overhead per sequence the engine holds at a request's arrival (s) whose simulated
+    TTFTs come closest to the measured ones: the least sum over requests of |log(simulated /
+    measured)| (robust, and the same weight for short and long TTFTs); and that loss per request.
+    `runs`: (step_cost, SchedulerConfig, arrivals, prompt lengths, output lengths, measured TTFT,
+    the copy's own overhead per request (s)) per served copy, as the fitted layout predicts them."""
+    from tuner.simulate import simulate
+
+    def loss(k_ms: float) -> float:
+        total, n = 0.0, 0
+        for cost, cfg, arr, il, ol, ttft, base in runs:
+            traces = simulate(cost, cfg, arr, il, ol, request_overhead=base, overhead_per_seq=k_ms * 1e-3)
+            sim = np.array([t.ttft for t in traces])
+            ok = np.isfinite(ttft) & (ttft > 0)
+            total += float(np.abs(np.log(sim[ok] / ttft[ok])).sum())
+            n += int(ok.sum())
+        return total / max(n, 1)
+
+    coarse = min(grid_ms, key=loss)
+    fine = [max(0.0, coarse + 0.1 * d) for d in range(-4, 5)]
+    best = min(dict.fromkeys(fine), key=loss)
+    return best * 1e-3, loss(best)

@@ -73,6 +73,12 @@ class HardwareProfile:
     """Start-up cost of one pipeline send; 0 uses collective_latency_us."""
     request_overhead_ms: float = 0.0
     """Gateway + Ray cost per request, outside the engine (adds to TTFT and E2E; fitted)."""
+    request_overhead_per_seq_ms: float = 0.0
+    """What request_overhead_ms grows by for every sequence the engine holds when a request
+    arrives (the serving side's work per stream in flight delays a new request's way in). A
+    layout's own value (layouts) wins. `tune profile` leaves it at 0 and records the value that
+    would fit its probes' open-loop TTFTs as layouts' served_overhead_per_seq_ms (a diagnostic:
+    BENCHMARKS.md, tuner passes 15-17)."""
     matmul_width_factor: dict[int, dict[int, float]] = field(default_factory=dict)
     """Measured rate of a Linear of model width W (W -> 4W, as an MLP's first projection) against
     the rate table's own shape, by W -> rows (one thread, the engine's dtype); interpolated in
@@ -110,7 +116,7 @@ class HardwareProfile:
                 raise ProfileError(f"{name}: must be in (0, {top:g}], got {v!r}")
         for name in ("layer_overhead_us", "step_overhead_ms", "collective_latency_us", "reserved_memory_gib",
                      "seq_overhead_us", "seq_layer_overhead_us", "attention_kv_gb_s", "attention_prefill_tflops",
-                     "send_latency_us", "request_overhead_ms", "cache_mib"):
+                     "send_latency_us", "request_overhead_ms", "request_overhead_per_seq_ms", "cache_mib"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ProfileError(f"{name}: must be a number >= 0, got {v!r}")
@@ -129,6 +135,13 @@ class HardwareProfile:
     def layout(self, tp: int, pp: int) -> dict[str, float] | None:
         """The measured constants of layout tp x pp, or None (use the global ones)."""
         return self.layouts.get(layout_key(tp, pp))
+
+    def request_overheads_s(self, tp: int, pp: int) -> tuple[float, float]:
+        """(seconds per request, more seconds per sequence the engine holds at its arrival) outside
+        the engine for layout tp x pp (tuner.simulate.simulate's request_overhead, overhead_per_seq)."""
+        lay = self.layout(tp, pp) or {}
+        per_seq = lay.get("request_overhead_per_seq_ms", self.request_overhead_per_seq_ms)
+        return self.request_overhead_ms * 1e-3, per_seq * 1e-3
 
     def threads(self, shards: int) -> int:
         """Threads of one shard when `shards` processes share the host (CPU profiles)."""
@@ -196,7 +209,8 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 """Fitted constants of one layout (see HardwareProfile.layouts): matmul_scale multiplies the
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
-LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s", "head_ns")
+LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s", "head_ns",
+                   "request_overhead_per_seq_ms")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
 shard of several threads, a factor on the rate table's time at those threads (added to
@@ -206,9 +220,11 @@ elementwise work beside their matmuls: norms, activations, residual adds, copies
 tokens per sequence, so it is not the per-sequence cost); and the rate (GB/s) at which a step reads the
 weights that do not fit the last-level cache (HardwareProfile.cache_mib), beyond the rate table's
 time (0: no such term); and ns per entry of the shard's LM-head weight (vocabulary x width) in a
-step that samples, whatever its batch (the head's fixed work beyond the rate table's matmul)."""
+step that samples, whatever its batch (the head's fixed work beyond the rate table's matmul); and
+the layout's request_overhead_per_seq_ms (HardwareProfile's field of that name)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
-                "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms")
+                "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms",
+                "served_ttft_log_error", "served_overhead_per_seq_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
 layout measured twice (tuner.measure_engine.RETRY_ABOVE_PCT), the error of the pass not kept; and
 served_gap_ms, the median time the serving loop spent between two steps (already in the constants,

@@ -31,12 +31,13 @@ class Server:
     """`with Server(["--config", path], log) as url:` serves until the block ends."""
 
     def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 240.0,
-                 cwd: str | Path | None = None):
+                 cwd: str | Path | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.cwd = cwd
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -52,6 +53,7 @@ class Server:
         # so the profile's probes and the accuracy runs depend on whatever else runs. A measurement
         # runs at its caller's priority (Ray's own job manager does the same for its drivers).
         env["RAY_worker_niceness"] = "0"
+        env.update(self.env)
         self.proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "serve", *self.args],
                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                      start_new_session=True)

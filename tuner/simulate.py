@@ -7,6 +7,7 @@ length (ignore_eos), as the load tester's requests do.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,32 +71,42 @@ class StepRecord:
 
 def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arrivals: np.ndarray,
              input_lens: np.ndarray, output_lens: np.ndarray, max_steps: int = 10_000_000,
-             request_overhead: float = 0.0, steps_out: list[StepRecord] | None = None) -> list[RequestTrace]:
+             request_overhead: float = 0.0, steps_out: list[StepRecord] | None = None,
+             overhead_per_seq: float = 0.0) -> list[RequestTrace]:
     """Run every request to its last token; returns one trace per request, in input order.
 
     `request_overhead` (s) is spent outside the engine (gateway, Ray) before a request reaches
-    the scheduler; its trace still starts at `arrivals`. `steps_out`, when given, receives every
-    step (for the refit)."""
+    the scheduler; its trace still starts at `arrivals`. `overhead_per_seq` (s) adds to it for
+    every sequence the engine holds (running or waiting) when the request arrives: the serving
+    side's own work per stream in flight (each one's tokens handed out every step) delays a new
+    request's way in. `steps_out`, when given, receives every step (for the refit)."""
     sched = Scheduler(cfg)
     arrivals = np.asarray(arrivals, dtype=float)
-    engine_at = arrivals + request_overhead
     seqs: dict[int, Sequence] = {}
     token_times: dict[int, list[float]] = {}
     order = np.argsort(arrivals, kind="stable")
+    transit: list[tuple[float, int, int]] = []  # (time it reaches the engine, arrival rank, request) heap
     now, nxt, steps = 0.0, 0, 0
     n = len(order)
-    while nxt < n or sched.has_work:
-        while nxt < n and engine_at[order[nxt]] <= now:
+    while nxt < n or transit or sched.has_work:
+        # requests that arrived by now (during the last step): their way in depends on what the
+        # engine held then
+        while nxt < n and arrivals[order[nxt]] <= now:
             i = int(order[nxt])
+            held = len(sched.running) + len(sched.waiting)
+            heapq.heappush(transit, (arrivals[i] + request_overhead + overhead_per_seq * held, nxt, i))
+            nxt += 1
+        while transit and transit[0][0] <= now:
+            _, _, i = heapq.heappop(transit)
             params = SamplingParams(max_tokens=int(output_lens[i]), ignore_eos=True)
             seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[_TOKEN] * int(input_lens[i]),
                            prompt_len=int(input_lens[i]), params=params)
             sched.check_fits(seq.prompt_len, params.max_tokens)
             seqs[i] = seq
             sched.add(seq)
-            nxt += 1
         if not sched.has_work:
-            now = float(engine_at[order[nxt]])
+            now = float(min([arrivals[order[nxt]]] if nxt < n else [], default=np.inf))
+            now = min(now, transit[0][0]) if transit else now
             continue
         plan = sched.schedule()
         if plan.empty:

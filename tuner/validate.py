@@ -79,8 +79,9 @@ def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report, 
 def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...]) -> dict[str, float]:
     """The simulator's TTFT p50, TPOT p50, output throughput and goodput on a measured schedule."""
     cost = CostModel(run.model, profile, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
+    base, per_seq = profile.request_overheads_s(run.tp, run.pp)
     traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                      request_overhead=profile.request_overhead_ms * 1e-3)
+                      request_overhead=base, overhead_per_seq=per_seq)
     return _stats([t.ttft for t in traces], [t.tpot for t in traces],
                   [len(t.token_times) for t in traces], run.arrivals, [t.token_times[-1] for t in traces], slos)
 
@@ -141,12 +142,16 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
         loadtest_run(LoadTestConfig(**base, request_rate=math.inf, num_prompts=settings.warmup))  # warm-up
         for rate in rates:
             progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
+            time.sleep(PUSH_WAIT_S)  # the warm-up's (or the last run's) replica metrics reach the hub
+            sums0 = replica_latency_sums(url, "tuned")
             t0 = time.monotonic()
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
             run = run_of(model, cand, sched, rep, extra)
             pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
+            steps = served_steps_check(url, "tuned", t0, cost)  # waits for the replicas' next push
             points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
-                           "error": errors(pred, meas), "steps": served_steps_check(url, "tuned", t0, cost)})
+                           "error": errors(pred, meas), "steps": steps,
+                           "latency_split": latency_split(sums0, replica_latency_sums(url, "tuned"), run)})
             runs.append(run)
         if sweep_from:
             progress(f"  sweeping the rate from {sweep_from:.2f} req/s for the measured goodput")
@@ -165,6 +170,49 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     return out
 
 
+PUSH_WAIT_S = 1.2
+"""Seconds for a replica's metrics to reach the gateway's hub (tuner.measure_served.PUSH_INTERVAL_S)."""
+_LATENCY_SERIES = {"shardserve_time_to_first_token_seconds": "replica_ttft",
+                   "shardserve_request_queue_time_seconds": "engine_queue"}
+
+
+def replica_latency_sums(url: str, model: str) -> dict[str, float]:
+    """The replicas' cumulative TTFT (from a request's arrival at the replica to its first token)
+    and engine queue time (from the engine taking it in to its first scheduled step), as
+    `GET /metrics` exports them: {"<name>_sum": s, "<name>_count": n}; {} when unreadable."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/metrics", timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line.startswith("#") or f'model="{model}"' not in line:
+            continue
+        name, _, value = line.partition("{")
+        for series, key in _LATENCY_SERIES.items():
+            for part in ("sum", "count"):
+                if name == f"{series}_{part}":
+                    out[f"{key}_{part}"] = out.get(f"{key}_{part}", 0.0) + float(value.rsplit(" ", 1)[-1])
+    return out
+
+
+def latency_split(before: dict[str, float], after: dict[str, float], run: Run) -> dict[str, float]:
+    """Where one run's mean TTFT went: the client's (load tester) against the replica's own (its
+    arrival at the replica to its first token) and the engine's queue time, each the mean over the
+    run's requests (the replicas' histogram sums before and after it); the difference between the
+    client's and the replica's is the gateway, HTTP and Ray hops both ways."""
+    out = {"client_ttft_mean_ms": float(np.nanmean(run.ttft_s) * 1e3)}
+    for key in _LATENCY_SERIES.values():
+        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+        if n > 0:
+            out[f"{key}_mean_ms"] = (after[f"{key}_sum"] - before.get(f"{key}_sum", 0.0)) / n * 1e3
+            out[f"{key}_n"] = n
+    return out
+
+
 def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> dict[str, float]:
     """The served replicas' latest steps of a run (at most engines.llm_engine.STEP_LOG_LEN per
     replica, read once after it: nothing polls the server while it is measured) against the cost
@@ -175,7 +223,7 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
 
     from tuner.measure_served import PUSH_INTERVAL_S, step_cycles
 
-    time.sleep(max(PUSH_INTERVAL_S, 1.0) + 0.2)  # the replicas publish their windows every metrics push
+    time.sleep(max(PUSH_INTERVAL_S + 0.2, PUSH_WAIT_S))  # the replicas publish their windows every metrics push
     try:
         r = httpx.get(f"{url}/v1/admin/steps", params={"model": model}, timeout=30)
         r.raise_for_status()
