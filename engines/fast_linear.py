@@ -46,7 +46,7 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 2
+KERNEL_SET = 3
 """Version of the candidate set, part of the saved choices' key: a choice saved before a kernel was
 added never competed with it, so a new set times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128

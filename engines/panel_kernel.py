@@ -10,8 +10,11 @@ panel is one sequential read. One task per panel on torch's intra-op threads kee
 multiplies them by each row's value (the rows are transposed first, so those values are adjacent).
 More rows run in blocks of 16 over the same panel while it is in cache.
 
-The weight may be bf16 (widened on load: a bf16 is the high half of an fp32); sums are fp32; the
-result is rounded to the input's dtype. Every output element is one sequential sum over K in
+A bf16 weight is stored as pairs of inputs per output lane, (ceil(N / 16), ceil(K / 2), 16, 2): where
+the CPU has AVX512-BF16 one vdpbf16ps multiplies a lane's pair by the row's pair and adds both to
+the fp32 sum (twice the products of an fp32 FMA per instruction; oneDNN's bf16 kernel does the
+same); elsewhere both halves are widened (a bf16 is the high half of an fp32) and multiplied in
+fp32. Sums are fp32; the result is rounded to the input's dtype. Every output element is one sequential sum over K in
 order, computed by one thread: the result does not depend on the thread count. Vectors are GCC
 vector extensions, so -march=native makes them AVX-512 or two AVX2 registers. Built once per
 machine (engines/cpp_ext.py); engines/fast_linear.py times it against torch's kernels for each
@@ -35,37 +38,71 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstring>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t NR = 16;  // outputs per panel
 constexpr int MR = 16;      // rows per block: MR vector accumulators
 typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 
-inline vf load16(const float* p) { vf v; std::memcpy(&v, p, sizeof(vf)); return v; }
-inline vf load16(const c10::BFloat16* p) {  // widen: a bf16 is the high 16 bits of an fp32
-  vh h; std::memcpy(&h, p, sizeof(vh));
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf v; std::memcpy(&v, &u, sizeof(vf)); return v;
-}
+inline vf as_f(vu u) { vf v; std::memcpy(&v, &u, sizeof(vf)); return v; }
+inline vu load_u(const void* p) { vu u; std::memcpy(&u, p, sizeof(vu)); return u; }
 
-// acc (R, NR) = xt[:, :R]^T (R, K) @ w (K, NR); xt holds the rows transposed, ldx apart per k
-template <int R, typename T>
-inline void block(const float* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
+// fp32: acc (R, NR) = xt[:, :R]^T (R, K) @ w (K, NR); xt holds the rows transposed, ldx apart per k
+template <int R>
+inline void block(const float* xt, int64_t ldx, const float* w, int64_t K, float* acc) {
   vf c[R];
   for (int m = 0; m < R; ++m) c[m] = vf{};
   for (int64_t k = 0; k < K; ++k) {
-    const vf b = load16(w + k * NR);
+    const vf b = as_f(load_u(w + k * NR));
     const float* xk = xt + k * ldx;
     for (int m = 0; m < R; ++m) c[m] += xk[m] * b;
   }
   for (int m = 0; m < R; ++m) std::memcpy(acc + m * NR, &c[m], sizeof(vf));
 }
 
-template <typename T>
-void rows_block(int r, const float* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
+// bf16: the weight panel is (K2, NR) pairs, a 32-bit lane holding inputs 2k (low half) and 2k + 1
+// (high half) of one output; xp (K2, ldx) the rows' inputs paired the same way. With AVX512-BF16 one
+// vdpbf16ps does both products of a lane (fp32 sums, flushing denormals); elsewhere both halves are
+// widened (a bf16 is the high half of an fp32) and multiplied in fp32
+template <int R>
+inline void block(const uint32_t* xp, int64_t ldx, const c10::BFloat16* w, int64_t K2, float* acc) {
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
+#if defined(__AVX512BF16__)
+  __m512 c[R];
+  for (int m = 0; m < R; ++m) c[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh b = (__m512bh)_mm512_loadu_si512(wp + k * NR);
+    const uint32_t* xk = xp + k * ldx;
+    for (int m = 0; m < R; ++m) c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)_mm512_set1_epi32((int)xk[m]), b);
+  }
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(acc + m * NR, c[m]);
+#else
+  vf c[R];
+  for (int m = 0; m < R; ++m) c[m] = vf{};
+  for (int64_t k = 0; k < K2; ++k) {
+    const vu u = load_u(wp + k * NR);
+    const vf lo = as_f(u << 16), hi = as_f(u & 0xFFFF0000u);
+    const uint32_t* xk = xp + k * ldx;
+    for (int m = 0; m < R; ++m) {
+      uint32_t a = xk[m] << 16, z = xk[m] & 0xFFFF0000u;
+      float xa, xz;
+      std::memcpy(&xa, &a, 4);
+      std::memcpy(&xz, &z, 4);
+      c[m] += xa * lo;
+      c[m] += xz * hi;
+    }
+  }
+  for (int m = 0; m < R; ++m) std::memcpy(acc + m * NR, &c[m], sizeof(vf));
+#endif
+}
+
+template <typename X, typename T>
+void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
   switch (r) {
 #define ROWS(i) case i: block<i>(xt, ldx, w, K, acc); break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
@@ -75,16 +112,18 @@ void rows_block(int r, const float* xt, int64_t ldx, const T* w, int64_t K, floa
   }
 }
 
-template <typename T>
-void run(const float* xt, int64_t M, int64_t K, const T* w, int64_t N, const float* bias, T* out) {
+// xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N)
+template <typename X, typename T>
+void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, T* out) {
   const int64_t P = (N + NR - 1) / NR;
+  const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float acc[MR * NR];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
-        rows_block<T>(r, xt + m0, M, w + p * K * NR, K, acc);
+        rows_block(r, xt + m0, M, w + p * panel, Kp, acc);
         for (int m = 0; m < r; ++m)
           for (int64_t j = 0; j < nn; ++j)
             out[(m0 + m) * N + n0 + j] = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
@@ -95,23 +134,30 @@ void run(const float* xt, int64_t M, int64_t K, const T* w, int64_t N, const flo
 
 }  // namespace
 
-// weight (N, K) -> panels (ceil(N / 16), K, 16), the padded outputs' weights zero
+// weight (N, K) -> fp32 panels (ceil(N / 16), K, 16), or bf16 panels (ceil(N / 16), ceil(K / 2), 16, 2):
+// the padded outputs' (and a padded odd input's) weights zero
 torch::Tensor pack_panels(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_panels: a 2-D weight");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
+  if (weight.scalar_type() == torch::kBFloat16) {
+    const int64_t K2 = (K + 1) / 2;
+    auto padded = torch::zeros({P * NR, 2 * K2}, weight.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+    return padded.view({P, NR, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat, "pack_panels: float32 or bfloat16, got ", weight.scalar_type());
   auto padded = torch::zeros({P * NR, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();
 }
 
-// x (M, K), panels (P, K, 16) of a weight with N outputs, optional bias (N) -> (M, N) in x's dtype
+// x (M, K), panels of a weight with N outputs, optional bias (N) -> (M, N) in x's dtype
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR && panels.size(1) == x.size(1),
-              "panel_linear: x (M, K) and panels (P, K, 16)");
-  TORCH_CHECK(panels.is_contiguous() && panels.size(0) == (N + NR - 1) / NR, "panel_linear: panels of N outputs");
+  TORCH_CHECK(x.dim() == 2, "panel_linear: x (M, K)");
   TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "panel_linear: x and the weight must share a dtype");
+  TORCH_CHECK(panels.is_contiguous() && panels.size(0) == (N + NR - 1) / NR && panels.size(2) == NR,
+              "panel_linear: panels of N outputs");
   const int64_t M = x.size(0), K = x.size(1);
-  auto xt = x.to(torch::kFloat).t().contiguous();  // (K, M): one input feature's row values adjacent
   auto out = torch::empty({M, N}, x.options());
   torch::Tensor bf;
   const float* bp = nullptr;
@@ -119,13 +165,21 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
     bf = bias->to(torch::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
-  if (x.scalar_type() == torch::kFloat)
-    run<float>(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, out.data_ptr<float>());
-  else if (x.scalar_type() == torch::kBFloat16)
-    run<c10::BFloat16>(xt.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, bp,
-                       out.data_ptr<c10::BFloat16>());
-  else
+  if (x.scalar_type() == torch::kFloat) {
+    TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K, "panel_linear: fp32 panels (P, K, 16)");
+    auto xt = x.t().contiguous();  // (K, M): one input's row values adjacent
+    run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, out.data_ptr<float>());
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    const int64_t K2 = (K + 1) / 2;
+    TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
+                "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
+    auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
+    auto xt = xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a row's pair is 32 bits
+    run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
+        N, bp, out.data_ptr<c10::BFloat16>());
+  } else {
     TORCH_CHECK(false, "panel_linear: float32 or bfloat16, got ", x.scalar_type());
+  }
   return out;
 }
 """
@@ -144,7 +198,7 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) -> (ceil(N / 16), K, 16) panels, a copy."""
+    """weight (N, K) -> panels, a copy: fp32 (ceil(N / 16), K, 16), bf16 (ceil(N / 16), ceil(K / 2), 16, 2)."""
     mod, why = load()
     if mod is None:
         raise RuntimeError(why)

@@ -15,12 +15,14 @@ pytestmark = pytest.mark.skipif(pk.load()[0] is None, reason="no C++ compiler to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_linear(dtype, rows, bias):
-    """Outputs not a multiple of 16 (a padded last panel), rows beyond one block of 16."""
+@pytest.mark.parametrize("inputs", [96, 97])
+def test_matches_linear(dtype, rows, bias, inputs):
+    """Outputs not a multiple of 16 (a padded last panel), rows beyond one block of 16, an odd input
+    count (bf16 pairs inputs: the last pair is padded)."""
     torch.manual_seed(0)
-    w = (torch.randn(83, 96) * 0.1).to(dtype)
+    w = (torch.randn(83, inputs) * 0.1).to(dtype)
     b = torch.randn(83).to(dtype) if bias else None
-    x = torch.randn(rows, 96).to(dtype)
+    x = torch.randn(rows, inputs).to(dtype)
     got = pk.panel_linear(x, pk.pack_panels(w), 83, b)
     assert got.dtype == dtype and got.shape == (rows, 83)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # fp32 sums, as the kernel

@@ -1,0 +1,72 @@
+"""The Linears of one GPT-2-124M decode step (12 layers' QKV, out-proj, MLP up and down, and the
+50,257-entry head) at 1-32 rows: the panel kernel (engines/panel_kernel.py) against oneDNN's
+prepacked kernel and plain F.linear, on 1 and 2 threads, fp32 and bf16, each weight read cold
+(a ring of copies larger than the last-level cache, as in a model).
+
+    python benchmarks/bench_panel_kernel.py
+
+Prints the CPU model, the fp32 matmul and streaming-read ceilings measured in the same run, and per
+case the step's Linear time, its GFLOP/s and its weight-read rate."""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import matmul_peak, read_bandwidth
+from engines.fast_linear import pack_weight, packing_available
+from engines.hardware import cpu_name
+from engines.panel_kernel import load, pack_panels, panel_linear
+
+SHAPES = ((2304, 768, 12), (768, 768, 12), (3072, 768, 12), (768, 3072, 12), (50257, 768, 1))
+"""(out, in, count per step): GPT-2-124M's block Linears and its head."""
+
+
+def call(kind: str, x: torch.Tensor, w: torch.Tensor, out_f: int) -> torch.Tensor:
+    if kind == "packed":
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    if kind == "panel":
+        return panel_linear(x, w, out_f, None)
+    return F.linear(x, w)
+
+
+def step_seconds(kind: str, rows: int, dtype: torch.dtype, reps: int = 15) -> float:
+    total = 0.0
+    for out_f, in_f, count in SHAPES:
+        copies = 1 if out_f > 10000 else 8  # 8 x 7-9 MB fp32 > a 32 MB L3
+        ws = [(torch.randn(out_f, in_f) * 0.02).to(dtype) for _ in range(copies)]
+        prepared = [pack_weight(w) if kind == "packed" else pack_panels(w) if kind == "panel" else w for w in ws]
+        x = torch.randn(rows, in_f).to(dtype)
+        for i in range(3):
+            call(kind, x, prepared[i % copies], out_f)
+        t = time.perf_counter()
+        for i in range(reps):
+            call(kind, x, prepared[i % copies], out_f)
+        total += (time.perf_counter() - t) / reps * count
+    return total
+
+
+def main() -> None:
+    print(f"CPU: {cpu_name()}, torch {torch.__version__}")
+    mod, why = load()
+    print(why)
+    if mod is None:
+        raise SystemExit(1)
+    print(f"ceilings: fp32 matmul {matmul_peak(torch.float32) / 1e9:.1f} GFLOP/s, "
+          f"streaming read {read_bandwidth() / 1e9:.1f} GB/s")
+    macs = sum(o * i * c for o, i, c in SHAPES)
+    for dtype in (torch.float32, torch.bfloat16):
+        kinds = ["linear", "packed", "panel"] if packing_available(dtype) else ["linear", "panel"]
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for rows in (1, 4, 8, 16, 32):
+                res = {k: step_seconds(k, rows, dtype) for k in kinds}
+                gb = macs * torch.empty((), dtype=dtype).element_size() / 1e9
+                cells = "  ".join(f"{k} {s * 1e3:6.1f} ms ({2 * macs * rows / s / 1e9:5.0f} GFLOP/s, {gb / s:4.1f} GB/s)"
+                                  for k, s in res.items())
+                best_other = min(v for k, v in res.items() if k != "panel")
+                print(f"{dtype!s:15s} threads={threads} rows={rows:3d}  {cells}  "
+                      f"best other / panel {best_other / res['panel']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
