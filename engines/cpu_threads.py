@@ -102,7 +102,11 @@ class _ClassState:
         self.ema: dict[int, float] = {}
         """Smoothed seconds of a step of this class, per thread count."""
         self.interval = EXPLORE_MIN
-        self.countdown = 1  # the first step measures the current count, the next tries another
+        # the first trial of another count comes after EXPLORE_MIN steps on this one, not at the
+        # second step: a class may hold a handful of long steps (a 16-request mix ran two ~0.6 s
+        # prefills, and trying one thread on the second cost 0.45 s, 6% of the run: BENCHMARKS.md
+        # issue 12 run 11), and a trial only pays back over the steps that follow it
+        self.countdown = EXPLORE_MIN + 1
 
 
 class AdaptiveThreads:

@@ -124,11 +124,12 @@ def test_adaptive_threads_switches_to_the_faster_count_and_back():
     cls = step_class(8, False)
     fast = {1: 0.010, 2: 0.040}  # a loaded host: one thread wins
     seen = []
-    for _ in range(40):
+    for _ in range(60):  # trials of 2 threads at steps 16 and 32 lose; the next comes at 64
         n = a.choose(cls)
         seen.append(n)
         a.record(cls, n, fast[n])
-    assert seen[0] == 2 and seen[1] == 1  # measures its own count, then tries the other
+    # measures its own count for EXPLORE_MIN steps, then tries the other
+    assert seen[:EXPLORE_MIN] == [2] * EXPLORE_MIN and seen[EXPLORE_MIN] == 1
     assert seen[-10:] == [1] * 10 and a.switches == 1
     fast = {1: 0.010, 2: 0.004}  # the host went quiet: two threads win after the next trial
     for _ in range(EXPLORE_MAX + 2):
