@@ -205,8 +205,8 @@ def test_scheduler_kv_cap_counts_the_bos_token():
     """The simulator's KV blocks are capped at max_num_seqs requests of max_model_len tokens (the
     workload's input + output + the tokenizer's BOS): all max_num_seqs requests fit at once, as in
     the served engine whose cache is sized from memory."""
-    from engines.scheduler import Scheduler
     from engines.sampling_params import SamplingParams
+    from engines.scheduler import Scheduler
     from engines.sequence import Sequence
     from tuner.cost import CostModel
     from tuner.search import Workload, scheduler_config

@@ -194,9 +194,9 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     step cycles (tuner.measure_served); (layouts, request_overhead_ms, a note for fit_notes)."""
     import numpy as np
 
+    from engines.scheduler import SchedulerConfig
     from tuner.cost import CostModel
     from tuner.measure_engine import PROBE_POSITIONS, fit_layout, layouts_for
-    from engines.scheduler import SchedulerConfig
     from tuner.measure_served import (
         MULTI_SHARD_PROBES,
         PROBE_MAX_BATCHED_TOKENS,
@@ -269,7 +269,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     # out 0.9-8.3 ms per sequence with the probes' own TTFTs still 12-35% off (mean |log|), while the
     # gateway's legs of the accuracy runs' TTFT grew by 1-9 ms under load in all (BENCHMARKS.md)
     fitted = base.replace(layouts=layouts)
-    for key in layouts:
+    for key, layout in layouts.items():
         runs = []
         for name, (k, cost) in meta.items():
             if k != key:
@@ -284,8 +284,8 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             step = CostModel(cost.model, fitted, tp=cost.tp, pp=cost.pp, weight_dtype=cost.weight_dtype).step_time
             runs.append((step, cfg, arr, il, ol, ttft, max(float(np.median(own[name])), 0.0)))
         per_seq, loss = overhead_per_seq_s(runs)
-        layouts[key]["served_overhead_per_seq_ms"] = round(per_seq * 1e3, 3)
-        layouts[key]["served_ttft_log_error"] = round(loss, 4)
+        layout["served_overhead_per_seq_ms"] = round(per_seq * 1e3, 3)
+        layout["served_ttft_log_error"] = round(loss, 4)
         progress(f"served {key}: request overhead {per_seq * 1e3:.2f} ms per sequence held at arrival would fit "
                  f"the open-loop TTFTs best (mean |log(simulated / measured)| {loss:.3f}; a diagnostic, not used)")
     if steps_out is not None:  # what the fit saw, for a refit or a look without serving again

@@ -6,21 +6,26 @@ Run (light, no lock needed): PYTHONPATH=$PWD .venv/bin/python results/tune/refit
 --fix-dram: multi-shard layouts take the one-shard layout's weight-streaming rate (the code since
 63339ca); --h1: and its vocabulary and head costs unscaled by threads (likewise).
 """
-import json, sys
-import numpy as np
-from tuner.profiles import load_profile
+import json
+import sys
+
 from tuner.cost import CostModel
 from tuner.measure_engine import fit_layout
 from tuner.measure_served import step_cycles
 from tuner.probe_model import gpt2_shape
-prof = load_profile(sys.argv[1]); d = json.load(open(sys.argv[2])); out = sys.argv[3]
+from tuner.profiles import load_profile
+
+prof = load_profile(sys.argv[1])
+with open(sys.argv[2]) as f:
+    d = json.load(f)
+out = sys.argv[3]
 fix_dram = "--fix-dram" in sys.argv
 base = prof.replace(layouts={})
 layouts = {}
 for key in ("1x1", "1x2", "2x1"):
     tp, pp = (int(v) for v in key.split("x"))
     rows = []
-    for name, v in d.items():
+    for v in d.values():
         if v["layout"] != key: continue
         L, H, E, V = v["probe"]; cost = CostModel(gpt2_shape(L, H, E, V, 1024), base, tp=tp, pp=pp)
         rows += [(w, dt + g, cost) for w, dt, g in step_cycles(v["steps"])]
