@@ -77,9 +77,11 @@ def panel_available(dtype: torch.dtype) -> bool:
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """The panel kernel's copy of a weight, in 2 MB pages (a decode step streams it whole)."""
+    from engines.host_memory import huge_page_copy
     from engines.panel_kernel import pack_panels
 
-    return pack_panels(weight)
+    return huge_page_copy(pack_panels(weight))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -55,3 +55,21 @@ def test_dtype_mismatch_is_an_error():
     panels = pk.pack_panels(torch.randn(16, 8))
     with pytest.raises(RuntimeError, match="share a dtype"):
         pk.panel_linear(torch.randn(1, 8).to(torch.bfloat16), panels, 16, None)
+
+
+def test_huge_page_copy_is_an_equal_aligned_copy():
+    """The panel copies of the weights live in 2 MB-aligned memory (Linux), with the same values; a
+    tensor under 2 MB is kept as it is."""
+    import sys
+
+    from engines.host_memory import HUGE_PAGE, huge_page_copy
+
+    small = torch.randn(10, 10)
+    assert huge_page_copy(small) is small
+    big = torch.randn(1024, 1024)  # 4 MB
+    copy = huge_page_copy(big)
+    assert torch.equal(copy, big) and copy.is_contiguous()
+    if sys.platform.startswith("linux"):
+        assert copy.data_ptr() != big.data_ptr() and copy.data_ptr() % HUGE_PAGE == 0
+    del big
+    assert torch.isfinite(copy.sum())  # the copy owns its memory
