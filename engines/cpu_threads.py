@@ -3,15 +3,20 @@
 Two measured facts on a 2-core AMD EPYC shared with other processes (load average 4-8,
 torch 2.13+cpu, libgomp), see BENCHMARKS.md, "Peer benchmark against vLLM's CPU build":
 
-- libgomp's default lets a thread that finished its share of a parallel region spin for a while
-  before it sleeps. When the machine is oversubscribed, the spinning thread burns the time slice
-  its partner (or the Python thread that would issue the next op) needs, and every op with a
-  parallel region waits for the scheduler: the decode step's per-sequence attention loop took
-  123-916 ms per layer with 2 threads against 16 ms with idle threads sleeping
-  (OMP_WAIT_POLICY=PASSIVE), and a (57 x 768) @ (768 x 2304) matmul 22.6 ms against 6.4 ms.
-  On an idle machine a sleeping thread costs a futex wake-up (microseconds) per region.
-  `configure_openmp_env` makes PASSIVE the default of a process that imports `engines` before
-  torch; a user's own OMP_WAIT_POLICY always wins.
+- libgomp lets a thread that finished its share of a parallel region spin before it sleeps
+  (GOMP_SPINCOUNT pause loops: 300,000 by default, several ms; 0 with OMP_WAIT_POLICY=PASSIVE).
+  When the machine is oversubscribed, a long spin burns the time slice its partner (or the Python
+  thread that would issue the next op) needs: with the default, the decode step's per-sequence
+  attention loop took 123-916 ms per layer on 2 threads against 16 ms with PASSIVE, and a
+  (57 x 768) @ (768 x 2304) matmul 22.6 ms against 6.4 ms (load 4-8). But no spin at all makes
+  every region of a step wake its partner through the kernel: on the same machine quiet, PASSIVE
+  cost 12 % of batch-1 decode and 20 % of the offline mix against the default (BENCHMARKS.md issue
+  12 run 11). A short spin keeps nearly all of that (10,000 pauses, a fraction of a ms: batch 1
+  53-54 tok/s against 55 unbounded and 49 PASSIVE; mix 191-208 against 199-215 and 170-176), so a
+  thread still sleeps soon when the step is over or the host is busy; on a busy host the chooser
+  below also moves steps to one thread. `configure_openmp_env` sets GOMP_SPINCOUNT to
+  SPIN_COUNT_DEFAULT in a process that imports `engines` before torch; a user's own
+  OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins.
 - With two threads on two cores shared with other work, every parallel region of the step waits
   for both threads to be scheduled: a batch-57 decode step took 1,860 ms on 2 threads against
   875 ms on 1 (load average 4.2-4.6). On the same machine idle (load ~1) it is the other way round:
@@ -33,16 +38,17 @@ import os
 import sys
 from collections.abc import Iterator
 
-OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
+SPIN_COUNT_DEFAULT = "10000"
+"""GOMP_SPINCOUNT of an engine process: pause loops an idle OpenMP thread waits for the next region."""
 
 
 def configure_openmp_env(environ: dict[str, str] | None = None) -> bool:
-    """Set OMP_WAIT_POLICY=PASSIVE unless the user set it or torch (hence libgomp, which reads it
-    once at load) is already imported. Returns whether it set it."""
+    """Set GOMP_SPINCOUNT to SPIN_COUNT_DEFAULT unless the user set it or OMP_WAIT_POLICY, or torch
+    (hence libgomp, which reads them once at load) is already imported. Returns whether it set it."""
     env = os.environ if environ is None else environ
-    if "OMP_WAIT_POLICY" in env or "torch" in sys.modules:
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env or "torch" in sys.modules:
         return False
-    env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_DEFAULT
+    env["GOMP_SPINCOUNT"] = SPIN_COUNT_DEFAULT
     return True
 
 

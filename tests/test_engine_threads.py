@@ -17,19 +17,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_engines_first(env_extra: dict[str, str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env_extra
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env_extra
     env["PYTHONPATH"] = str(ROOT)
-    code = "import engines, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    code = "import engines, os, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           check=True).stdout.strip()
 
 
-def test_passive_wait_is_the_default_when_engines_loads_before_torch():
-    assert _import_engines_first({}) == "PASSIVE"
+def test_a_short_spin_is_the_default_when_engines_loads_before_torch():
+    from engines.cpu_threads import SPIN_COUNT_DEFAULT
+
+    assert _import_engines_first({}) == f"None {SPIN_COUNT_DEFAULT}"
 
 
-def test_the_users_wait_policy_wins():
-    assert _import_engines_first({"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+def test_the_users_wait_policy_or_spin_count_wins():
+    assert _import_engines_first({"OMP_WAIT_POLICY": "PASSIVE"}) == "PASSIVE None"
+    assert _import_engines_first({"GOMP_SPINCOUNT": "0"}) == "None 0"
 
 
 def test_too_late_once_torch_is_loaded():
