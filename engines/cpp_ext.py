@@ -42,6 +42,34 @@ def find_ninja() -> None:
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
 
 
+STALE_LOCK_S = 600
+"""A build lock older than this is left by a killed process (a build takes ~25 s on 2 cores)."""
+
+
+def clear_stale_lock(name: str) -> bool:
+    """Remove the build lock of extension `name` when it is older than STALE_LOCK_S; whether it did.
+
+    torch's builder takes a lock file in the extension's directory for every load, built or not, and
+    waits for it forever: a process killed while it held the lock (Ctrl-C or a timeout during the
+    first start) left every later engine start hanging at load (seen here: a CI run waited 9 min)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:  # no lock: nothing to clear
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    log.warning("removing a stale build lock %s (%.0f s old, left by a process that was stopped mid-build)",
+                lock, age)
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    return True
+
+
 def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable): no compiler, no ninja or a build
     error all mean "not on this machine"; the caller decides whether that is an error."""
@@ -49,6 +77,7 @@ def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[ob
         from torch.utils.cpp_extension import load_inline
 
         find_ninja()
+        clear_stale_lock(build_name(prefix))
         t = time.perf_counter()
         mod = load_inline(name=build_name(prefix), cpp_sources=source, functions=functions,
                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],

@@ -73,3 +73,28 @@ def test_huge_page_copy_is_an_equal_aligned_copy():
         assert copy.data_ptr() != big.data_ptr() and copy.data_ptr() % HUGE_PAGE == 0
     del big
     assert torch.isfinite(copy.sum())  # the copy owns its memory
+
+
+def test_a_stale_build_lock_does_not_hang_the_load():
+    """A lock left by a process killed mid-build (older than STALE_LOCK_S) is removed before loading;
+    a fresh one (another process building now) is left alone."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from engines.cpp_ext import STALE_LOCK_S, build, build_name, clear_stale_lock
+
+    name = build_name("shardserve_panel_")
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    open(lock, "w").close()
+    try:
+        assert clear_stale_lock(name) is False and os.path.exists(lock)  # fresh: someone is building
+        old = time.time() - STALE_LOCK_S - 60
+        os.utime(lock, (old, old))
+        mod, why = build("shardserve_panel_", pk._SOURCE, ["pack_panels", "panel_linear"], "panel kernel")
+        assert mod is not None, why
+        assert not os.path.exists(lock)
+    finally:
+        if os.path.exists(lock):
+            os.remove(lock)
