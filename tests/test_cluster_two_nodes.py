@@ -58,34 +58,44 @@ class Cluster:
         p.wait(30)
 
     def alive_nodes(self) -> int:
-        code = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
-                "print(sum(n['Alive'] for n in ray.nodes()))")
+        code = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
+                "print('ALIVE_NODES', sum(n['Alive'] for n in ray.nodes()))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
-        return int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else 0
+        if r.returncode != 0 or "ALIVE_NODES" not in r.stdout:
+            return 0  # the head is not up yet
+        return int(_marked_line(r.stdout, "ALIVE_NODES")[0])
 
     def shard_nodes(self) -> list[str]:
         """Node ids of the alive ShardWorker actors (from the GCS actor table: no dashboard here)."""
-        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR'); "
-                "print(' '.join(a['Address']['NodeID'] for a in st.actors().values() "
+        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
+                "print('SHARD_NODES', ' '.join(a['Address']['NodeID'] for a in st.actors().values() "
                 "if a['ActorClassName'].endswith('ShardWorker') and a['State'] == 'ALIVE'))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
         assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout.split()
+        return _marked_line(r.stdout, "SHARD_NODES")
 
     def gateway_on_head(self) -> bool:
         """Whether every alive Gateway replica runs on the head node (it owns the HTTP port)."""
-        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR'); "
+        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
                 "head = [n['NodeID'] for n in ray.nodes() if 'node:__internal_head__' in n['Resources']]; "
                 "gw = [a['Address']['NodeID'] for a in st.actors().values() "
                 "if a['ActorClassName'].endswith('Gateway') and a['State'] == 'ALIVE']; "
-                "print(bool(gw) and all(g in head for g in gw))")
+                "print('GATEWAY_ON_HEAD', bool(gw) and all(g in head for g in gw))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
         assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout.split()[-1] == "True"
+        return _marked_line(r.stdout, "GATEWAY_ON_HEAD") == ["True"]
 
     def stop(self) -> None:
         for name in list(self.nodes):
             self.kill(name)
+
+
+def _marked_line(stdout: str, marker: str) -> list[str]:
+    """The words after `marker` on the one line that starts with it: Ray can print its own lines
+    (a raylet's "node marked dead" notice) on a driver's stdout, around what the probe printed."""
+    lines = [ln.split()[1:] for ln in stdout.splitlines() if ln.split()[:1] == [marker]]
+    assert len(lines) == 1, f"expected one {marker} line in: {stdout[-2000:]}"
+    return lines[0]
 
 
 def wait_until(cond, what: str, timeout: float):
