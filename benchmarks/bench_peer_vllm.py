@@ -48,8 +48,31 @@ def mix_requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return out
 
 
+def adjacent_ceiling(threads: int) -> float:
+    """The streaming-read ceiling (bytes/s) measured in this process on `threads` threads, right
+    beside a timed batch-1 run. This host's ceiling moves 25-53 GB/s from minute to minute (other
+    tenants), so a ceiling from the driver's start does not describe a run a minute later.
+    benchmarks/common.py is loaded by path: vLLM's process must not see our packages on sys.path."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("_bench_common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return common.read_bandwidth()
+    finally:
+        torch.set_num_threads(before)
+
+
 def worker(args) -> dict:
-    """Runs in the engine's own process; returns output tokens and seconds of the workload."""
+    """Runs in the engine's own process; returns output tokens and seconds of the workload (for
+    batch 1 also the read ceiling measured just before and just after the timed run). torch is
+    not imported before the engine: ours sets libgomp's spin count before torch loads it."""
+    threads = len(os.sched_getaffinity(0))  # every core this process may use, as both engines do
     reqs = ([([(7 * i + 3) % 50000 + 1 for i in range(8)], 96)] if args.task == "b1"
             else mix_requests(args.num_requests))
     if args.engine == "vllm":
@@ -60,10 +83,12 @@ def worker(args) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in reqs]
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        bw_before = adjacent_ceiling(threads) if args.task == "b1" else None
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
-        return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt}
+        return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt,
+                **({"bw": [bw_before, adjacent_ceiling(threads)]} if args.task == "b1" else {})}
     from engines import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -72,16 +97,18 @@ def worker(args) -> dict:
     compile_s = llm.engine.executor.runner.compile_s
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     llm.generate([reqs[0][0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    bw_before = adjacent_ceiling(threads) if args.task == "b1" else None
     t = time.perf_counter()
     outs = llm.generate([ids for ids, _ in reqs], params)
     dt = time.perf_counter() - t
+    bw = {"bw": [bw_before, adjacent_ceiling(threads)]} if args.task == "b1" else {}
     from engines import fast_linear
 
     kernels = {f"{o}x{i}@{t}t": "/".join(k) for (o, i, _, t), k in fast_linear._CHOSEN.items()}
     adaptive = llm.engine.executor.adaptive  # the thread count each kind of step settled on
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt, "load_s": load_s,
             "compile_s": compile_s, "kernels": kernels,
-            "threads": adaptive.summary() if adaptive is not None else llm.engine.executor.threads}
+            "threads": adaptive.summary() if adaptive is not None else llm.engine.executor.threads, **bw}
 
 
 # ---------------------------------------------------------------- driver side
@@ -296,7 +323,12 @@ def main() -> None:
                 if "vllm" in tps:
                     line += f" | {eng}/vLLM {tps[eng] / tps['vllm']:.2f}x"
                 if task == "b1":
-                    line += f" | {eng} {tps[eng] * params * weight_bytes[dt] / bw:.0%} of the memory roofline"
+                    rate = tps[eng] * params * weight_bytes[dt]  # weight bytes read per second
+                    line += f" | {eng} {rate / bw:.0%} of the memory roofline at the start's ceiling"
+                    if res[eng].get("bw"):  # the higher of the ceilings just before and after: no flattery
+                        near = max(res[eng]["bw"])
+                        line += (f", {rate / near:.0%} at the ceiling beside the run ({near / 1e9:.1f} GB/s; "
+                                 f"{' / '.join(f'{b / 1e9:.1f}' for b in res[eng]['bw'])} before / after)")
                 if task == "mix" and dt == "float32":
                     line += f" | {eng} {mix_flops(n) / res[eng]['seconds'] / peak:.0%} of the fp32 compute ceiling"
             print(line + f" | load {os.getloadavg()[0]:.1f}", flush=True)
