@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines import panel_kernel
+
 log = logging.getLogger(__name__)
 
 ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves", "panel")
@@ -71,17 +73,14 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 def panel_available(dtype: torch.dtype) -> bool:
     """Whether engines.panel_kernel builds here (once per machine) and takes `dtype`."""
-    from engines.panel_kernel import available
-
-    return available(dtype)
+    return panel_kernel.available(dtype)
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
     """The panel kernel's copy of a weight, in 2 MB pages (a decode step streams it whole)."""
     from engines.host_memory import huge_page_copy
-    from engines.panel_kernel import pack_panels
 
-    return huge_page_copy(pack_panels(weight))
+    return huge_page_copy(panel_kernel.pack_panels(weight))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -145,9 +144,7 @@ class FastLinear(nn.Module):
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
         if kind == "panel":
-            from engines.panel_kernel import panel_linear
-
-            return panel_linear(x2, self.panels, self.out_features, b)
+            return panel_kernel.panel_linear(x2, self.panels, self.out_features, b)
         if kind == "halves":
             if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
                 return self.run("packed", x2) if self.packed is not None else F.linear(x2, w, b)

@@ -35,7 +35,6 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {

@@ -38,6 +38,7 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif

@@ -128,3 +128,13 @@ def test_config_round_trip(model_dir):
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     raw = json.loads((model_dir / "config.json").read_text())
     assert cfg.vocab_size == raw["vocab_size"]
+
+
+def test_engine_model_has_no_dropout_modules(gpt2_dir):
+    """HF GPT-2 configs ask for dropout 0.1: the engine's copy drops the modules (no-ops in eval, ~3 us
+    of calls each), the loaded model keeps them, and the engine's tokens still equal transformers'
+    (test_greedy_tokens_equal_transformers_generate)."""
+    loaded, cfg = load_model(gpt2_dir)
+    assert cfg.dropout > 0 and any(isinstance(m, torch.nn.Dropout) for m in loaded.modules())
+    engine_model = LLM(gpt2_dir).engine.executor.runner.model
+    assert not any(isinstance(m, torch.nn.Dropout) for m in engine_model.modules())
