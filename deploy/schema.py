@@ -82,6 +82,9 @@ class EngineOptions(_Strict):
     decode_attention: Literal["auto", "kernel", "loop"] | None = None
     """CPU decode attention: kernel (C++ over the block table, built once per machine; fails without
     a C++ compiler), loop (one attention per sequence), auto (the kernel where it builds; default)."""
+    fused_decode: Literal["auto", "off"] | None = None
+    """CPU: the blocks of a decode-only step as one C++ call (GPT-2-style models on the panel and
+    paged kernels; auto, the default) or never (off)."""
     dist_timeout_s: float | None = Field(None, gt=0, lt=10**7)
     """Deadline of one step in a multi-process executor (seconds)."""
 

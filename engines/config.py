@@ -199,6 +199,11 @@ class EngineConfig:
     over the block table on the step's threads (built once per machine with the C++ compiler
     torch.utils.cpp_extension finds; load fails when it cannot be built). loop: one SDPA call per
     sequence on one thread. auto: the kernel where it builds, else the loop with a warning."""
+    fused_decode: Literal["auto", "off"] = "auto"
+    """CPU: run the transformer blocks of a decode-only step as one C++ call (engines/fused_decode.py:
+    the same kernels in the same order, bitwise the module path's result, without ~300 Python-entered
+    ops a token). auto: for GPT-2-style models whose block Linears chose the panel kernel and whose
+    attention is the paged kernel, where it builds (else the module path, with a warning). off: never."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
@@ -243,6 +248,8 @@ class EngineConfig:
                  f"must be auto, on or off, got {self.static_decode!r}")
         _require(self.decode_attention in ("auto", "kernel", "loop"), "decode_attention",
                  f"must be auto, kernel or loop, got {self.decode_attention!r}")
+        _require(self.fused_decode in ("auto", "off"), "fused_decode",
+                 f"must be auto or off, got {self.fused_decode!r}")
         _require(self.compile_decode in ("auto", "on", "off"), "compile_decode",
                  f"must be auto, on or off, got {self.compile_decode!r}")
         _require(not (self.compile_decode == "on" and self.static_decode == "off"), "compile_decode",

@@ -70,6 +70,7 @@ class ModelRunner:
             cuda_graphs=engine_cfg.cuda_graphs, compiled=self.compile_decode) if static else None
         self.compile_s = self._warm_up_compiled() if self.decode_runner is not None else 0.0
         self.decode_kernel = self._resolve_decode_kernel(engine_cfg.decode_attention)
+        self.fused = self._resolve_fused(engine_cfg.fused_decode)
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype)  # p-tuning, prefill only
 
@@ -83,6 +84,23 @@ class ModelRunner:
         if mod is None and choice == "kernel":
             raise RuntimeError(f"decode_attention: 'kernel' but {why}; set decode_attention to auto or loop")
         return mod is not None
+
+    def _resolve_fused(self, choice: str):
+        """engines.fused_decode.FusedDecode for this model, or None (off, not applicable, or no build)."""
+        if choice == "off" or not self.decode_kernel or self.decode_runner is not None:
+            return None
+        from engines import fused_decode
+
+        why = fused_decode.why_not(self.model, self.device)
+        if why is not None:
+            log.info("fused decode step not used: %s", why)
+            return None
+        mod, why = fused_decode.load()
+        if mod is None:
+            log.warning("fused decode step not used: %s", why)
+            return None
+        layers = [self.cache.data[i] for i in range(self.cfg.n_layer)]  # (2, slots, nkv, hd) each
+        return fused_decode.FusedDecode(self.model, [kv[0] for kv in layers], [kv[1] for kv in layers])
 
     @torch.inference_mode()
     def _warm_up_compiled(self) -> float:
@@ -109,6 +127,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, device=self.device)[None]  # (1, N)
         positions = torch.tensor(pos, device=self.device)[None]
         backend = PagedAttention(self.cache, plan.decode, plan.prefill, self.device, decode_kernel=self.decode_kernel)
+        if (self.fused is not None and not plan.prefill and backend.dec_table is not None
+                and self.fused.usable(len(works))):
+            return self.fused.run(input_ids, positions, backend.slot_mapping, backend.dec_table, backend.dec_lens,
+                                  self.cache.block_size)[0]  # (N, C)
         embeds = None
         if self.prompt_tables.needed(plan.prefill):  # p-tuning: virtual tokens only in prefill chunks
             embeds = self.prompt_tables.embed(self.model.wte, input_ids, works)

@@ -1,0 +1,77 @@
+"""The fused decode step (engines/fused_decode.py): the blocks of a decode-only step in one C++ call
+give bitwise the module path's tokens and logprobs, and it runs only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+
+import engines.fast_linear as fl
+import engines.fused_decode as fd
+from engines import EngineConfig, SamplingParams
+from engines.llm_engine import LLMEngine
+from engines.paged_kernel import load as load_paged
+from engines.panel_kernel import load as load_panel
+
+pytestmark = pytest.mark.skipif(load_paged()[0] is None or load_panel()[0] is None,
+                                reason="the C++ kernels cannot be built here")
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (20, 6, 14, 9, 17, 3)]
+
+
+def _force(monkeypatch, kinds=("panel", "panel", "linear")):
+    """Every Linear takes these kernels (one row, decode batch, prefill) instead of the timed ones."""
+    monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: kinds)
+
+
+def _run(engine: LLMEngine) -> dict[str, list[tuple]]:
+    """Six requests joining at steps 0, 0, 2, 5, 5, 9 and leaving at different steps: each one's
+    (token, logprob, top-2) per generated token."""
+    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
+    final, step = {}, 0
+    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
+        for i in arrivals.pop(step, []):
+            engine.add_request(f"r{i}", list(range(3 + i, 20 + 4 * i)), PARAMS[i])
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = [(e.token_id, e.logprob, e.top) for e in out.outputs[0].logprobs]
+        step += 1
+    return final
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_dir, monkeypatch, dtype):
+    _force(monkeypatch)
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
+            "max_num_batched_tokens": 16}  # prompts of 17-37 tokens: chunked prefill
+    off = LLMEngine(gpt2_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(gpt2_dir, EngineConfig(fused_decode="auto", **base))
+    assert off.executor.runner.fused is None and fused.executor.runner.fused is not None
+    calls = []
+    run = fused.executor.runner.fused.run
+    monkeypatch.setattr(fused.executor.runner.fused, "run", lambda *a: calls.append(a[0].shape[1]) or run(*a))
+    expect, got = _run(off), _run(fused)
+    assert got == expect  # tokens and logprobs, bit for bit
+    assert fused.scheduler.num_preemptions > 0
+    assert len(calls) > 20 and max(calls) > 1  # decode steps of one and of several sequences ran fused
+
+
+def test_usable_only_where_every_block_linear_runs_the_panel_kernel(gpt2_dir, monkeypatch):
+    _force(monkeypatch, ("panel", "linear", "linear"))  # one row: panel; a decode batch: F.linear
+    runner = LLMEngine(gpt2_dir, EngineConfig(fused_decode="auto")).executor.runner
+    assert runner.fused.usable(1) and not runner.fused.usable(2)
+    assert not runner.fused.usable(fl.BULK_FROM)
+
+
+def test_not_used_where_it_does_not_apply(gpt2_dir, llama_dir, monkeypatch):
+    _force(monkeypatch)
+    llama = LLMEngine(llama_dir, EngineConfig()).executor.runner
+    assert llama.fused is None and "GPT-2" in fd.why_not(llama.model, llama.device)
+    plain = LLMEngine(gpt2_dir, EngineConfig(cpu_linear_autotune=False)).executor.runner  # nn.Linear, no panels
+    assert plain.fused is None and "panel" in fd.why_not(plain.model, plain.device)
+    loop = LLMEngine(gpt2_dir, EngineConfig(decode_attention="loop")).executor.runner  # no paged kernel
+    assert loop.fused is None
+
+
+def test_fused_decode_is_validated():
+    with pytest.raises(ValueError, match="fused_decode"):
+        EngineConfig(fused_decode="on")
