@@ -44,6 +44,9 @@ class Run:
     output_lens: np.ndarray
     ttft_s: np.ndarray  # measured, NaN for a failed request
     tpot_s: np.ndarray
+    text_share: float = 1.0
+    """Share of the served checkpoint's token ids with text (tuner.probe_model.text_token_share):
+    how the client's TPOT is simulated (tuner.simulate.seen_last_times)."""
 
 
 def _unit_profile(p: HardwareProfile) -> tuple[HardwareProfile, dict[str, float]]:
@@ -188,7 +191,7 @@ def _loss(p: HardwareProfile, runs: list[Run]) -> float:
     for run in runs:
         cost = CostModel(run.model, p, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
         traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                          request_overhead=p.request_overhead_ms * 1e-3)
+                          request_overhead=p.request_overhead_ms * 1e-3, text_share=run.text_share)
         for tr, ttft, tpot in zip(traces, run.ttft_s, run.tpot_s, strict=True):
             if np.isfinite(ttft) and ttft > 0:
                 err += np.log(tr.ttft / ttft) ** 2
