@@ -7,7 +7,8 @@ import pytest
 
 from engines.scheduler import SchedulerConfig
 from tuner.probe_model import text_token_share, write_tokenizer
-from tuner.simulate import simulate, stream_interval_s
+from tuner.simulate import simulate
+from tuner.stream import stream_interval_s
 
 STEP = 1 / 128  # 7.8125 ms, exact in binary: chunk boundaries do not depend on rounding
 CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64, max_model_len=64)

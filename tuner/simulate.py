@@ -5,8 +5,8 @@ Time only moves by step costs and arrival gaps; every request asks for exactly i
 length (ignore_eos), as the load tester's requests do.
 
 A request's TPOT is what the load tester measures: from its first token to the last one the client
-sees. A served replica streams tokens in chunks (serving.model_core: the first at once, then at
-most one per STREAM_INTERVAL), and the load tester (as vLLM's benchmark) stops a request's clock at
+sees. A served replica streams tokens in chunks (tuner.stream: the first at once, then at most one
+per stream interval), and the load tester (as vLLM's benchmark) stops a request's clock at
 the last event that carries text: a final chunk whose tokens all decode to nothing does not count,
 so the last token seen is the chunk before it. With a tokenizer that covers the model's
 vocabulary that never happens; with the tuner's random-weight checkpoints (a 360-entry tokenizer
@@ -27,21 +27,9 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
 from tuner.cost import StepWork
+from tuner.stream import stream_interval_s
 
 _TOKEN = 1  # any non-EOS token id: the simulation never stops on EOS
-
-STREAM_CHUNKS_PER_S = 400.0
-STREAM_INTERVAL_BOUNDS_S = (0.02, 0.25)
-"""serving.model_core's adaptive streaming (stream_interval_ms 0, as the tuner's deployments leave
-it: ADAPTIVE_CHUNK_RATE, MIN_ / MAX_ADAPTIVE_INTERVAL_S): the least time between two chunks of one
-request is (requests active in the replica) / STREAM_CHUNKS_PER_S within these bounds. Mirrored, not
-imported: the tuner must not import serving."""
-
-
-def stream_interval_s(active: int) -> float:
-    """Least seconds between two streamed chunks of one request with `active` requests in the replica."""
-    lo, hi = STREAM_INTERVAL_BOUNDS_S
-    return min(hi, max(lo, active / STREAM_CHUNKS_PER_S))
 
 
 def work_of(plan: StepPlan) -> StepWork:
