@@ -52,3 +52,32 @@ def test_text_token_share_of_a_probe_tokenizer(tmp_path):
     # characters and <|endoftext|> decode to no text alone
     assert 0 < share * 8192 <= size - 128 - 1
     assert text_token_share(tmp_path / "tokenizer.json", size) == pytest.approx(share * 8192 / size)
+
+
+def test_refit_reads_truncated_tpots_as_the_client_measures_them():
+    """Runs 'measured' by a client that leaves out final chunks without text (a random checkpoint's
+    tokenizer): the refit, told the share of ids with text, still finds the step factor."""
+    from engines.config import ModelConfig
+    from tuner.cost import CostModel
+    from tuner.profiles import HardwareProfile
+    from tuner.refit import Run, refit
+
+    tiny = ModelConfig(model_type="gpt2", vocab_size=320, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128)
+    base = {"name": "unit-cpu", "kind": "measured", "memory_gib": 8.0, "hbm_bandwidth_gb_s": 10.0,
+            "flops_tflops": {"float32": 0.05}, "intra_node_bandwidth_gb_s": 1.0, "inter_node_bandwidth_gb_s": 1.0,
+            "devices_per_node": 2, "cores": 2, "reserved_memory_gib": 1.0, "layer_overhead_us": 200.0,
+            "collective_latency_us": 300.0, "request_overhead_ms": 5.0}
+    truth = HardwareProfile(**{**base, "step_overhead_ms": 3.0})
+    start = HardwareProfile(**{**base, "step_overhead_ms": 1.0})
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64, max_model_len=100)
+    rng = np.random.default_rng(1)
+    runs = []
+    for rate in (5.0, 20.0):
+        arr = np.cumsum(rng.exponential(1 / rate, 30))
+        ins, outs = rng.integers(8, 40, 30), rng.integers(8, 30, 30)
+        tr = simulate(CostModel(tiny, truth, weight_dtype="float32").step_time, sched, arr, ins, outs,
+                      request_overhead=truth.request_overhead_ms * 1e-3, text_share=0.05)
+        runs.append(Run(tiny, 1, 1, "float32", sched, arr, ins, outs, np.array([t.ttft for t in tr]),
+                        np.array([t.tpot for t in tr]), text_share=0.05))
+    _, factors = refit(start, runs, free=("step", "request"))
+    assert factors["step"] == pytest.approx(3.0, rel=0.1)

@@ -108,7 +108,8 @@ def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray],
     request_unit_s = unit.profile.request_overhead_ms * 1e-3
     steps: list[StepRecord] = []
     traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                      request_overhead=cost.profile.request_overhead_ms * 1e-3, steps_out=steps)
+                      request_overhead=cost.profile.request_overhead_ms * 1e-3, steps_out=steps,
+                      text_share=run.text_share)
     ends = np.array([s.end for s in steps])
     starts = np.array([s.start for s in steps])
     comp = np.array([[unit.components(s.work)[c] for c in COMPONENTS] for s in steps])  # (steps, parts)
@@ -127,7 +128,8 @@ def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray],
         n = len(tr.token_times)
         if n > 1 and np.isfinite(run.tpot_s[i]) and run.tpot_s[i] > 0:
             sel = (ends > first + 1e-12) & (ends <= last + 1e-12)
-            row = np.append(comp[sel].sum(axis=0) / (n - 1), 0.0)
+            seen = (tr.last_seen - first) / max(last - first, 1e-12)  # the share of the span the client sees
+            row = np.append(comp[sel].sum(axis=0) * seen / (n - 1), 0.0)
             rows.append(row / run.tpot_s[i])
             ys.append(1.0)
     return rows, ys
