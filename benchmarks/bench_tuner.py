@@ -17,6 +17,7 @@ metric as predicted / measured (error), and how many are within the target.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -54,14 +55,30 @@ LAYOUTS = [
 METRICS = ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s")
 
 
+@functools.cache
+def _probe_text_share(vocab_size: int) -> float:
+    """Share of token ids with text of the random checkpoint checkpoint_for writes for a model of
+    `vocab_size` ids (its tokenizer is tuner.probe_model.write_tokenizer's, trained the same way
+    each time): for rows saved before accuracy.json recorded it (passes <= 18)."""
+    import tempfile
+
+    from tuner.probe_model import text_token_share, write_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer(Path(tmp), vocab_size=min(512, vocab_size))
+        return text_token_share(Path(tmp) / "tokenizer.json", vocab_size)
+
+
 def _run_from_json(r: dict) -> Run:
     """The measured run of a saved row (accuracy.json), for a refit without serving again."""
     q = r["requests"]
     arr = {k: np.array([math.nan if v is None else v for v in q[k]], dtype=float) for k in q}
-    return Run(model=MODELS[r["model"]], tp=r["tp"], pp=r["pp"], weight_dtype=r.get("weight_dtype", "bfloat16"),
+    model = MODELS[r["model"]]
+    share = r["text_share"] if "text_share" in r else _probe_text_share(model.vocab_size)
+    return Run(model=model, tp=r["tp"], pp=r["pp"], weight_dtype=r.get("weight_dtype", "bfloat16"),
                sched=SchedulerConfig(**r["scheduler"]), arrivals=arr["arrivals"],
                input_lens=arr["input_lens"].astype(int), output_lens=arr["output_lens"].astype(int),
-               ttft_s=arr["ttft_s"], tpot_s=arr["tpot_s"])
+               ttft_s=arr["ttft_s"], tpot_s=arr["tpot_s"], text_share=share)
 
 
 def _sched_of(r: dict, profile, args) -> SchedulerConfig:
@@ -107,6 +124,7 @@ def _measure(args, profile) -> tuple[list[dict], dict]:
                          for k in ("arrivals", "input_lens", "output_lens", "ttft_s", "tpot_s")}
         r["scheduler"] = {k: getattr(run.sched, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                                              "num_blocks", "max_model_len")}
+        r["text_share"] = run.text_share
     return rows, env
 
 

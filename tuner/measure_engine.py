@@ -128,11 +128,20 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
     per-sequence costs); a number fixes it at that many ns; `head` likewise for head_ns; `dram`
     likewise for the seconds per weight byte read past the cache (1 / dram_weight_gb_s / 1e9).
-    `mean=True` fits the mean step, not
-    the typical one: served steps that other processes stretch are part of what a request waits
-    for, so their relative errors are weighted by the fitted time, not reweighted toward least
-    absolute deviations (which would fit the median of a right-skewed spread): relative to the
-    geometric mean of the fitted and the measured time."""
+    By default the fit follows the typical step (relative errors reweighted toward least absolute
+    deviations); `mean=True` fits the mean step instead, relative to the geometric mean of the
+    fitted and the measured time. The served fit (tuner.measure._served) used the mean from pass 9
+    to pass 18, reasoning that steps other processes stretch are part of what a request waits for.
+    But the probes' spread of slow steps is not a deployment's: a one-shard engine times each step
+    class on 1 and 2 threads (engines.cpu_threads.AdaptiveThreads), every class starting on 2 for
+    its first 8 steps, and the probes meet many classes young (pass 18: each prefill class 1-10
+    steps in a copy's measured window, decode batches of 5-16 2-14, beside a few in the warm-up)
+    and in bursts of arrivals; their step times are bimodal (the 6 x 384 probe at batch 6:
+    6.3-8.7 ms, and 12.2-12.9 ms every second or third step). Against the accuracy runs' own served
+    steps (each run's last ~250, passes 17 and 18) the mean fit predicted -7..+24% (+8% on average)
+    of their mean, the typical fit -9..+10% (+1..+2%); and a per-sequence cost inflated by slow
+    steps compounds under load (a bigger batch, a slower step, a longer queue: pass 18's default
+    model TPOT at 0.8 x saturation +77% one-shard, +77% PP2)."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
     fixed = {j: 0.0 if v is False else float(v) * scale for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0))

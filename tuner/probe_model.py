@@ -36,6 +36,20 @@ def prompt_extra_tokens(tokenizer_path: str | Path) -> int:
     return len(tk.encode("a", add_special_tokens=True).ids) - len(tk.encode("a", add_special_tokens=False).ids)
 
 
+def text_token_share(tokenizer_path: str | Path, vocab_size: int) -> float:
+    """The share of a model's `vocab_size` token ids that decode alone to text (neither empty nor
+    part of a UTF-8 character): 1.0 for a tokenizer that covers the vocabulary, 231 / 8,192 for a
+    random-weight probe of the default model's shape (its tokenizer has 360 entries; ids past them
+    decode to nothing). The simulator needs it for TPOT as the load tester measures it
+    (tuner.simulate.seen_last_times)."""
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(tokenizer_path))
+    ids = range(min(tk.get_vocab_size(), vocab_size))
+    texts = (tk.decode([i], skip_special_tokens=True) for i in ids)
+    return sum(1 for t in texts if t and "\ufffd" not in t) / max(vocab_size, 1)
+
+
 def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0) -> Path:
     """Write `cfg` with random weights (and a tokenizer whose ids fit the vocabulary) to out_dir."""
     import torch

@@ -44,6 +44,9 @@ class Run:
     output_lens: np.ndarray
     ttft_s: np.ndarray  # measured, NaN for a failed request
     tpot_s: np.ndarray
+    text_share: float = 1.0
+    """Share of the served checkpoint's token ids with text (tuner.probe_model.text_token_share):
+    how the client's TPOT is simulated (tuner.simulate.seen_last_times)."""
 
 
 def _unit_profile(p: HardwareProfile) -> tuple[HardwareProfile, dict[str, float]]:
@@ -105,7 +108,8 @@ def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray],
     request_unit_s = unit.profile.request_overhead_ms * 1e-3
     steps: list[StepRecord] = []
     traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                      request_overhead=cost.profile.request_overhead_ms * 1e-3, steps_out=steps)
+                      request_overhead=cost.profile.request_overhead_ms * 1e-3, steps_out=steps,
+                      text_share=run.text_share)
     ends = np.array([s.end for s in steps])
     starts = np.array([s.start for s in steps])
     comp = np.array([[unit.components(s.work)[c] for c in COMPONENTS] for s in steps])  # (steps, parts)
@@ -124,7 +128,8 @@ def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray],
         n = len(tr.token_times)
         if n > 1 and np.isfinite(run.tpot_s[i]) and run.tpot_s[i] > 0:
             sel = (ends > first + 1e-12) & (ends <= last + 1e-12)
-            row = np.append(comp[sel].sum(axis=0) / (n - 1), 0.0)
+            seen = (tr.last_seen - first) / max(last - first, 1e-12)  # the share of the span the client sees
+            row = np.append(comp[sel].sum(axis=0) * seen / (n - 1), 0.0)
             rows.append(row / run.tpot_s[i])
             ys.append(1.0)
     return rows, ys
@@ -188,7 +193,7 @@ def _loss(p: HardwareProfile, runs: list[Run]) -> float:
     for run in runs:
         cost = CostModel(run.model, p, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
         traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                          request_overhead=p.request_overhead_ms * 1e-3)
+                          request_overhead=p.request_overhead_ms * 1e-3, text_share=run.text_share)
         for tr, ttft, tpot in zip(traces, run.ttft_s, run.tpot_s, strict=True):
             if np.isfinite(ttft) and ttft > 0:
                 err += np.log(tr.ttft / ttft) ** 2

@@ -64,11 +64,13 @@ def _records(report) -> list:
     return [r for r in report.records if not r.warmup]
 
 
-def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report, extra_tokens: int = 0) -> Run:
+def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report, extra_tokens: int = 0,
+           text_share: float = 1.0) -> Run:
     """A measured load-test run as the refit and the replay need it. `extra_tokens`: what the
-    server's tokenizer adds to each prompt (a BOS), which the load tester's counts leave out."""
+    server's tokenizer adds to each prompt (a BOS), which the load tester's counts leave out;
+    `text_share`: the share of the checkpoint's token ids with text (Run.text_share)."""
     recs = _records(report)
-    return Run(model=model, tp=cand.tp, pp=cand.pp, weight_dtype=cand.weight_dtype, sched=sched,
+    return Run(model=model, tp=cand.tp, pp=cand.pp, weight_dtype=cand.weight_dtype, sched=sched, text_share=text_share,
                arrivals=np.array([r.sent_s for r in recs]),
                input_lens=np.array([max(r.input_tokens, 1) + extra_tokens for r in recs]),
                output_lens=np.array([r.requested_output_tokens for r in recs]),
@@ -81,7 +83,7 @@ def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...]) -> di
     cost = CostModel(run.model, profile, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
     base, per_seq = profile.request_overheads_s(run.tp, run.pp)
     traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                      request_overhead=base, overhead_per_seq=per_seq)
+                      request_overhead=base, overhead_per_seq=per_seq, text_share=run.text_share)
     return _stats([t.ttft for t in traces], [t.tpot for t in traces],
                   [len(t.token_times) for t in traces], run.arrivals, [t.token_times[-1] for t in traces], slos)
 
@@ -122,7 +124,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     from loadtest.runner import run as loadtest_run
     from loadtest.slo_sweep import sweep
     from tuner.emit import deployment, write_yaml
-    from tuner.probe_model import prompt_extra_tokens
+    from tuner.probe_model import prompt_extra_tokens, text_token_share
     from tuner.server import Server
 
     settings = settings or ValidateSettings()
@@ -133,6 +135,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     sched = scheduler_config(cand, model, cost, w)
     tok = checkpoint / "tokenizer.json"
     extra = prompt_extra_tokens(tok) if tok.is_file() else 0
+    share = text_token_share(tok, model.vocab_size) if tok.is_file() else 1.0
     points, runs, sw = [], [], None
     with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
@@ -146,7 +149,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             sums0 = replica_latency_sums(url, "tuned")
             t0 = time.monotonic()
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
-            run = run_of(model, cand, sched, rep, extra)
+            run = run_of(model, cand, sched, rep, extra, share)
             pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
             steps = served_steps_check(url, "tuned", t0, cost)  # waits for the replicas' next push
             points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
@@ -164,7 +167,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
         out["sweep"] = [{"rate": s.rate, "meets_slo": s.meets_slo, "stopped_early": bool(s.stop_reason),
                          "ttft_p50_ms": s.summary.ttft_ms.p50, "tpot_p50_ms": s.summary.tpot_ms.p50} for s in sw.steps]
         out["measured_goodput_req_s"] = sw.best_rate or 0.0
-        runs += [run_of(model, cand, sched, r, extra) for r, s in zip(sw.reports, sw.steps, strict=True)
+        runs += [run_of(model, cand, sched, r, extra, share) for r, s in zip(sw.reports, sw.steps, strict=True)
                  if not s.stop_reason and all(x.ok for x in _records(r))]
     out["n_runs"], out["_runs"] = len(runs), runs
     return out

@@ -2,7 +2,8 @@
 (tuner/measure.py _served), without serving: for model changes tested offline (issue 15, passes 15-17).
 
 Run (light, no lock needed): PYTHONPATH=$PWD .venv/bin/python results/tune/refit_steps.py PROFILE STEPS OUT
-    [--fix-dram] [--h1]
+    [--fix-dram] [--h1] [--mean]
+--mean: fit the mean served step, as `tune profile` did until pass 18 (now the typical one);
 --fix-dram: multi-shard layouts take the one-shard layout's weight-streaming rate (the code since
 63339ca); --h1: and its vocabulary and head costs unscaled by threads (likewise).
 """
@@ -36,10 +37,10 @@ for key in ("1x1", "1x2", "2x1"):
     kw = {}
     if fix_dram and key != "1x1":
         kw["dram"] = 1 / (one["dram_weight_gb_s"] * 1e9) if one["dram_weight_gb_s"] else 0.0
-    fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=True, head=head, **kw)
+    fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean="--mean" in sys.argv, head=head, **kw)
     old = prof.layouts[key]
     fit = {k: round(float(v), 4) if not isinstance(v, int) else v for k, v in fit.items()}
-    for k in ("request_overhead_per_seq_ms", "served_gap_ms", "served_ttft_log_error"):
+    for k in ("request_overhead_per_seq_ms", "served_gap_ms", "served_ttft_log_error", "served_overhead_per_seq_ms"):
         if k in old: fit[k] = old[k]
     layouts[key] = fit
     print(key, "median err", round(fit["probe_median_error_pct"], 1), "ratio", round(fit["probe_mean_ratio"], 3), "dram", fit["dram_weight_gb_s"])
