@@ -14,6 +14,16 @@ STEP = 1 / 128  # 7.8125 ms, exact in binary: chunk boundaries do not depend on 
 CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64, max_model_len=64)
 
 
+def test_mirrored_constants_equal_the_replicas():
+    """tuner.stream mirrors serving.model_core (the tuner may not import serving): a change there
+    must be made here too."""
+    from serving import model_core
+    from tuner import stream
+
+    assert stream.STREAM_CHUNKS_PER_S == model_core.ADAPTIVE_CHUNK_RATE
+    assert stream.STREAM_INTERVAL_BOUNDS_S == (model_core.MIN_ADAPTIVE_INTERVAL_S, model_core.MAX_ADAPTIVE_INTERVAL_S)
+
+
 def test_stream_interval_follows_the_replicas_rule():
     # serving.model_core: active / 400 per second, within [20 ms, 250 ms]
     assert stream_interval_s(1) == 0.02
