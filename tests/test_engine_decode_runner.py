@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from staggered import run_staggered
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines import EngineConfig, SamplingParams
@@ -16,32 +17,17 @@ SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7 + i, max_t
           for i, n in enumerate((20, 6, 14, 9, 17, 3))]
 
 
-def run(engine: LLMEngine, params: list[SamplingParams]) -> dict[str, list[int]]:
-    """Six requests joining at steps 0, 0, 2, 5, 5, 9 with different lengths (so they leave at
-    different steps); returns every request's tokens."""
-    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
-    final, step = {}, 0
-    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
-        for i in arrivals.pop(step, []):
-            engine.add_request(f"r{i}", list(range(3 + i, 20 + 4 * i)), params[i])
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
-        step += 1
-    return final
-
-
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_padded_path_equals_eager_through_joins_leaves_and_preemption(gpt2_dir, params):
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False}
     eager = LLMEngine(gpt2_dir, EngineConfig(static_decode="off", **base))
-    expect = run(eager, params)
+    expect = run_staggered(eager, params)
     static = LLMEngine(gpt2_dir, EngineConfig(static_decode="on", **base))
     runner = static.executor.runner
     used = []
     real_run = runner.decode_runner.run
     runner.decode_runner.run = lambda decode: used.append(len(decode)) or real_run(decode)
-    got = run(static, params)
+    got = run_staggered(static, params)
     assert got == expect
     assert used and max(used) > 1, "the padded path never ran a batch"
     assert static.scheduler.num_preemptions > 0 and eager.scheduler.num_preemptions > 0
@@ -56,8 +42,8 @@ def test_bucket_choice_and_fallback(gpt2_dir):
     sizes = []
     real_run = dr.run
     dr.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
-    expect = run(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", cpu_linear_autotune=False)), GREEDY)
-    assert run(engine, GREEDY) == expect
+    expect = run_staggered(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", cpu_linear_autotune=False)), GREEDY)
+    assert run_staggered(engine, GREEDY) == expect
     assert sizes and max(sizes) <= 2
 
 

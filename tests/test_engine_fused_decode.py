@@ -4,6 +4,7 @@ give bitwise the module path's tokens and logprobs, and it runs only where it ap
 from __future__ import annotations
 
 import pytest
+from staggered import run_staggered
 
 import engines.fast_linear as fl
 import engines.fused_decode as fd
@@ -23,19 +24,8 @@ def _force(monkeypatch, kinds=("panel", "panel", "linear")):
     monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: kinds)
 
 
-def _run(engine: LLMEngine) -> dict[str, list[tuple]]:
-    """Six requests joining at steps 0, 0, 2, 5, 5, 9 and leaving at different steps: each one's
-    (token, logprob, top-2) per generated token."""
-    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
-    final, step = {}, 0
-    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
-        for i in arrivals.pop(step, []):
-            engine.add_request(f"r{i}", list(range(3 + i, 20 + 4 * i)), PARAMS[i])
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = [(e.token_id, e.logprob, e.top) for e in out.outputs[0].logprobs]
-        step += 1
-    return final
+def _tokens_and_logprobs(completion) -> list[tuple]:
+    return [(e.token_id, e.logprob, e.top) for e in completion.logprobs]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -49,7 +39,7 @@ def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_di
     calls = []
     run = fused.executor.runner.fused.run
     monkeypatch.setattr(fused.executor.runner.fused, "run", lambda *a: calls.append(a[0].shape[1]) or run(*a))
-    expect, got = _run(off), _run(fused)
+    expect, got = (run_staggered(e, PARAMS, _tokens_and_logprobs) for e in (off, fused))
     assert got == expect  # tokens and logprobs, bit for bit
     assert fused.scheduler.num_preemptions > 0
     assert len(calls) > 20 and max(calls) > 1  # decode steps of one and of several sequences ran fused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from staggered import run_staggered
 
 import engines.paged_kernel as pk
 from engines import EngineConfig, SamplingParams
@@ -105,20 +106,6 @@ def test_kernel_rejects_a_length_beyond_its_table():
 GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 6, 14, 9, 17, 3)]
 
 
-def _run(engine: LLMEngine) -> dict[str, list[int]]:
-    """Six requests joining at steps 0, 0, 2, 5, 5, 9 and leaving at different steps."""
-    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
-    final, step = {}, 0
-    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
-        for i in arrivals.pop(step, []):
-            engine.add_request(f"r{i}", list(range(3 + i, 20 + 4 * i)), GREEDY[i])
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
-        step += 1
-    return final
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_the_kernel_equals_the_loop_through_preemption(gpt2_dir, dtype):
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
@@ -126,7 +113,7 @@ def test_engine_with_the_kernel_equals_the_loop_through_preemption(gpt2_dir, dty
     loop = LLMEngine(gpt2_dir, EngineConfig(decode_attention="loop", **base))
     kernel = LLMEngine(gpt2_dir, EngineConfig(decode_attention="kernel", **base))
     assert kernel.executor.runner.decode_kernel and not loop.executor.runner.decode_kernel
-    assert _run(kernel) == _run(loop)
+    assert run_staggered(kernel, GREEDY) == run_staggered(loop, GREEDY)
     assert kernel.scheduler.num_preemptions > 0
 
 
