@@ -8,13 +8,14 @@ import logging
 
 import pytest
 import torch
+from staggered import run_staggered
 
 from engines import EngineConfig
 from engines import compiled as compiled_mod
 from engines.compiled import CompileUnavailable, cpp_compiler, resolve_compile
 from engines.config import ConfigError
 from engines.llm_engine import LLMEngine
-from tests.test_engine_decode_runner import GREEDY, SEEDED, run
+from tests.test_engine_decode_runner import GREEDY, SEEDED
 
 needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU kernels")
 
@@ -33,7 +34,7 @@ def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, gpt2_d
     path = gpt2_dir if model == "gpt2" else llama_dir
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
             "dtype": "float32"}
-    expect = [run(LLMEngine(path, EngineConfig(static_decode="off", **base)), p) for p in (GREEDY, SEEDED)]
+    expect = [run_staggered(LLMEngine(path, EngineConfig(static_decode="off", **base)), p) for p in (GREEDY, SEEDED)]
     engine = LLMEngine(path, EngineConfig(compile_decode="on", **base))
     runner = engine.executor.runner
     dr = runner.decode_runner
@@ -42,7 +43,7 @@ def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, gpt2_d
     real_run, real_fn = dr.run, dr.compiled.fn
     dr.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
     dr.compiled.fn = lambda *a: rows.append(a[1].shape[0]) or real_fn(*a)
-    assert [run(engine, p) for p in (GREEDY, SEEDED)] == expect
+    assert [run_staggered(engine, p) for p in (GREEDY, SEEDED)] == expect
     assert engine.scheduler.num_preemptions > 0
     assert 1 in sizes and 2 in sizes, "the compiled step never ran a batch of one and one of two"
     assert len(rows) == len(sizes) and 1 in rows  # batch 1 runs its own graph
@@ -58,10 +59,10 @@ def test_warm_up_compiles_the_graphs_and_steps_never_recompile(gpt2_dir):
     real_run = engine.executor.runner.decode_runner.run
     engine.executor.runner.decode_runner.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
     dutils.counters.clear()
-    got = run(engine, GREEDY)  # batches 1-4 (buckets 1, 2, 4), contexts of 17-56 tokens: the warmed graph
+    got = run_staggered(engine, GREEDY)  # batches 1-4 (buckets 1, 2, 4), contexts of 17-56 tokens: the warmed graph
     assert not dutils.counters["stats"].get("unique_graphs"), dict(dutils.counters["stats"])
     assert max(sizes) >= 3
-    assert got == run(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", **base)), GREEDY)
+    assert got == run_staggered(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", **base)), GREEDY)
 
 
 def test_option_is_validated_with_the_field_name():
@@ -81,7 +82,7 @@ def test_no_compiler_auto_warns_and_runs_eager_on_fails(gpt2_dir, monkeypatch, c
         engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="auto", cpu_linear_autotune=False))
     assert engine.executor.runner.decode_runner is None  # eager decode
     assert any("no C++ compiler" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
-    assert run(engine, GREEDY)  # and it serves
+    assert run_staggered(engine, GREEDY)  # and it serves
 
 
 def test_inductor_failure_under_on_is_an_error(gpt2_dir, monkeypatch, tmp_path):
