@@ -106,14 +106,15 @@ def why_not(model: nn.Module, device: torch.device) -> str | None:
         return "not a CPU engine"
     if cfg is None or cfg.model_type != "gpt2" or cfg.activation not in ("gelu", "gelu_tanh") or cfg.uses_rope:
         return "only GPT-2-style models (LayerNorm, GELU, learned positions)"
-    for block in getattr(model, "blocks", []):
+    blocks = list(getattr(model, "blocks", []))
+    if not blocks:
+        return "no transformer blocks"
+    for block in blocks:
         if not isinstance(block.norm1, nn.LayerNorm) or not isinstance(block.norm2, nn.LayerNorm):
             return "a block's norm is not a LayerNorm"
         for lin in (block.attn.qkv, block.attn.proj, block.mlp.up, block.mlp.down):
             if not isinstance(lin, FastLinear) or lin.panels is None:
                 return "a block Linear has no panel-kernel copy (another kernel was chosen, or FP8 / TP layers)"
-    if not any(True for _ in getattr(model, "blocks", [])):
-        return "no transformer blocks"
     return None
 
 
@@ -127,12 +128,10 @@ class FusedDecode:
         self.mod, self.model, cfg = mod, model, model.cfg
         self.k_caches, self.v_caches = k_caches, v_caches
         empty = torch.empty(0)
+        self.linears = [lin for b in model.blocks for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
         self.weights: list[torch.Tensor] = []
-        self.linears = []
         for b in model.blocks:
             a, m = b.attn, b.mlp
-            for lin in (a.qkv, a.proj, m.up, m.down):
-                self.linears.append(lin)
             self.weights += [b.norm1.weight, b.norm1.bias, a.qkv.panels, _bias(a.qkv, empty), a.proj.panels,
                              _bias(a.proj, empty), b.norm2.weight, b.norm2.bias, m.up.panels, _bias(m.up, empty),
                              m.down.panels, _bias(m.down, empty)]
