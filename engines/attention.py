@@ -133,10 +133,18 @@ class PagedAttention:
                                             block_runs(w.block_ids, bs, end) if w.start_pos > 0 else None))
             q_start += len(w.token_ids)
         self.slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
+        self.kv_prefix: list[tuple[int, int, torch.Tensor]] = []
+        """P-tuning of every layer: (first row, rows, (layers, rows, 2, nkv, hd)) keys/values that
+        replace those rows' own in every layer (engines/prompt_inject.py SeqTables.kv_rows)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, nh, hd), k/v (N, nkv, hd) for this step's N tokens -> (N, nh, hd)."""
         k_cache, v_cache = self.cache.data[layer]  # (slots, nkv, hd) each
+        if self.kv_prefix:  # before the cache write, so prefill attention and later steps both see them
+            k, v = k.clone(), v.clone()
+            for row, n, kv in self.kv_prefix:
+                k[row:row + n] = kv[layer, :, 0].to(k.dtype)
+                v[row:row + n] = kv[layer, :, 1].to(v.dtype)
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]

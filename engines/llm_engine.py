@@ -19,7 +19,7 @@ from engines.executor import Executor, InProcessExecutor
 from engines.hardware import resolve_engine_config
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob
-from engines.ptuning import Task, TaskRegistry, attach_tables, virtual_ids
+from engines.ptuning import ModelShape, Task, TaskRegistry, attach_tables, virtual_ids
 from engines.sampling_params import RequestError, SamplingParams
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
@@ -102,7 +102,7 @@ class LLMEngine:
             block_size=self.config.block_size, num_blocks=self.executor.num_blocks,
             max_model_len=self.max_model_len, eos_token_ids=eos,
             admission_reserves_growth=self.config.admission_reserves_growth))
-        self.tasks = TaskRegistry(model_dir, self.model_config.n_embd)
+        self.tasks = TaskRegistry(model_dir, ModelShape.of(self.model_config))
         """P-tuned tasks (engines/ptuning.py); requests name one to prepend its virtual tokens."""
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, Sequence] = {}

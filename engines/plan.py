@@ -42,6 +42,8 @@ class SeqInit:
     prompt_table: object = None
     """P-tuning: the task's (N, hidden) float32 numpy table, whose rows replace the embeddings of
     the sequence's first N (virtual) tokens during prefill (engines/ptuning.py); None: no task."""
+    prompt_every_layer: bool = False
+    """The table is (N, layers * 2 * kv_width): every layer's keys/values of the N virtual tokens."""
 
 
 @dataclass

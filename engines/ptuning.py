@@ -1,4 +1,4 @@
-"""P-tuned tasks in the engine: a task is an (N, hidden) table of virtual-token embeddings.
+"""P-tuned tasks in the engine: N virtual tokens, as input embeddings or as keys/values of every layer.
 
 A request of a task runs as `[V, V+1, ..., V+N-1] + prompt` where V is the vocabulary size: the
 N virtual ids take positions 0..N-1 (as PEFT prepends its prompt embeddings), count against the
@@ -6,8 +6,17 @@ context window and the KV blocks, and during prefill the worker replaces their e
 the table's rows. Decode never sees them (they are all prompt positions), and the LM head only
 reads rows of real tokens' successors, so virtual ids never reach the sampler or detokenizer.
 
+A task of every layer (P-tuning v2, PEFT's PREFIX_TUNING) carries, per virtual token, the keys and
+values of every layer instead: an (N, layers * 2 * kv_width) table laid out as PEFT saves it (layer 0's
+key, layer 0's value, layer 1's key, ...; kv_width = KV heads x head size). The same virtual ids hold
+the positions; during prefill the attention backend writes the table's keys/values into those
+positions of every layer's cache (engines/prompt_inject.py), so the prompt's tokens attend to them in
+every layer, not only through the first layer's input. Keys are taken as they are (after rotary
+embedding, as PEFT injects them into the cache).
+
 On disk a task is a PEFT prompt-learning adapter directory (`adapter_config.json` +
-`adapter_model.safetensors` with the tensor `prompt_embeddings`, (N, hidden)) plus our
+`adapter_model.safetensors` with the tensor `prompt_embeddings`, (N, hidden) or (N, layers * 2 *
+kv_width)) plus our
 `task.json`. Nothing here unpickles: tensors come from safetensors only.
 
 This module imports no torch (the gateway validates task names with it); the worker-side
@@ -34,7 +43,8 @@ from engines.sampling_params import RequestError
 
 TASK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_VIRTUAL_TOKENS = 512
-PEFT_TYPES = ("P_TUNING", "PROMPT_TUNING")
+PEFT_TYPES = ("P_TUNING", "PROMPT_TUNING", "PREFIX_TUNING")
+INPUT_TYPES = ("P_TUNING", "PROMPT_TUNING")  # virtual-token embeddings; PREFIX_TUNING: every layer's keys/values
 TENSOR_NAME = "prompt_embeddings"
 
 
@@ -82,12 +92,37 @@ def base_model_hashes(model_dir: str | Path) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """What a task's table must fit: the hidden size (input tasks) and layers x KV width (every layer)."""
+
+    hidden: int
+    n_layer: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def prefix_width(self) -> int:
+        return self.n_layer * 2 * self.kv_width
+
+    @classmethod
+    def of(cls, cfg) -> ModelShape:
+        return cls(cfg.n_embd, cfg.n_layer, cfg.kv_heads, cfg.hd)
+
+
+@dataclass(frozen=True)
 class Task:
     name: str
     table: np.ndarray
-    """(N, hidden) float32, read-only: the snapshot every request of this task carries."""
+    """(N, hidden) float32, or (N, layers * 2 * kv_width) for a task of every layer; read-only: the
+    snapshot every request of this task carries."""
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
     """task.json contents (template, metrics, hashes); empty for a bare PEFT adapter."""
+    every_layer: bool = False
+    """PREFIX_TUNING: the table holds every layer's keys/values, not input embeddings."""
 
     @property
     def num_virtual_tokens(self) -> int:
@@ -100,16 +135,17 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def read_task_dir(path: str | Path, hidden: int | None = None, expect: dict[str, str] | None = None,
+def read_task_dir(path: str | Path, shape: ModelShape | None = None, expect: dict[str, str] | None = None,
                   name: str | None = None) -> Task:
-    """Load and validate a task directory (PEFT adapter files, optional task.json)."""
+    """Load and validate a task directory (PEFT adapter files, optional task.json) against `shape`."""
     d = Path(path)
     if not d.is_dir():
         raise TaskError(f"path: {str(d)!r} is not a directory", param="path", code="task_path_not_found")
     cfg_path, st_path = d / "adapter_config.json", d / "adapter_model.safetensors"
     if not cfg_path.is_file() or not st_path.is_file():
         raise TaskError(f"path: {str(d)!r} must hold adapter_config.json and adapter_model.safetensors "
-                        "(a PEFT P_TUNING or PROMPT_TUNING adapter; .bin files are refused: never unpickled)",
+                        "(a PEFT P_TUNING, PROMPT_TUNING or PREFIX_TUNING adapter; .bin files are refused: never "
+                        "unpickled)",
                         param="path", code="invalid_task_files")
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -131,9 +167,15 @@ def read_task_dir(path: str | Path, hidden: int | None = None, expect: dict[str,
         raise TaskError(f"adapter_model.safetensors: {TENSOR_NAME} must be (N, hidden) with 1 <= N <= "
                         f"{MAX_VIRTUAL_TOKENS}, got shape {tuple(table.shape)}", param="path",
                         code="invalid_task_files")
-    if hidden is not None and table.shape[1] != hidden:
-        raise TaskError(f"adapter_model.safetensors: {TENSOR_NAME} has hidden size {table.shape[1]} but the "
-                        f"model's is {hidden}", param="path", code="task_model_mismatch")
+    every_layer = cfg["peft_type"] == "PREFIX_TUNING"
+    if every_layer and shape is not None:
+        check_prefix_config(cfg, shape)
+    want = (shape.prefix_width if every_layer else shape.hidden) if shape is not None else None
+    if want is not None and table.shape[1] != want:
+        what = (f"layers x 2 x KV width is {shape.n_layer} x 2 x {shape.kv_width} = {want}" if every_layer
+                else f"hidden size is {want}")
+        raise TaskError(f"adapter_model.safetensors: {TENSOR_NAME} is {table.shape[1]} wide but this model's "
+                        f"{what}", param="path", code="task_model_mismatch")
     if not np.isfinite(table).all():
         raise TaskError(f"adapter_model.safetensors: {TENSOR_NAME} holds NaN or inf", param="path",
                         code="invalid_task_files")
@@ -150,17 +192,36 @@ def read_task_dir(path: str | Path, hidden: int | None = None, expect: dict[str,
                                 "the task was trained for another base model", param="path",
                                 code="task_model_mismatch")
     name = check_task_name(name or meta.get("name") or d.name)
-    return Task(name, _readonly(table), meta)
+    return Task(name, _readonly(table), meta, every_layer)
+
+
+def check_prefix_config(cfg: dict, shape: ModelShape) -> None:
+    """A PREFIX_TUNING adapter_config.json must describe this model's layers and KV heads."""
+    for key, want in (("num_layers", shape.n_layer), ("num_attention_heads", shape.kv_heads),
+                      ("token_dim", shape.kv_width)):
+        have = cfg.get(key)
+        if have is not None and have != want:
+            raise TaskError(f"adapter_config.json: {key} is {have} but this model has {want} (PREFIX_TUNING "
+                            "needs one key and value per layer and KV head)", param="path",
+                            code="task_model_mismatch")
+    if cfg.get("prefix_projection"):
+        raise TaskError("adapter_config.json: prefix_projection adapters saved for training are not servable; "
+                        "save the adapter with inference_mode (its prompt_embeddings are then the projected "
+                        "keys/values)", param="path", code="invalid_task_files")
 
 
 def write_task_dir(path: str | Path, name: str, table, *, base_model: str = "",
-                   peft_type: str = "P_TUNING", meta: dict | None = None, encoder_hidden_size: int | None = None) -> Path:
+                   peft_type: str = "P_TUNING", meta: dict | None = None, encoder_hidden_size: int | None = None,
+                   shape: ModelShape | None = None) -> Path:
     """Write a task as PEFT writes an inference adapter, plus task.json. Returns the directory."""
     check_task_name(name)
     if peft_type not in PEFT_TYPES:
         raise TaskError(f"peft_type: {peft_type!r} is not one of {PEFT_TYPES}", param="peft_type")
     arr = table.detach().float().cpu().numpy() if hasattr(table, "detach") else np.asarray(table, np.float32)
     n, hidden = arr.shape
+    if peft_type == "PREFIX_TUNING" and (shape is None or hidden != shape.prefix_width):
+        raise TaskError(f"table: a PREFIX_TUNING table is (N, layers x 2 x KV width), got {arr.shape} for {shape}",
+                        param="table")
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     cfg = {"peft_type": peft_type, "task_type": "CAUSAL_LM", "inference_mode": True, "num_virtual_tokens": n,
@@ -169,6 +230,9 @@ def write_task_dir(path: str | Path, name: str, table, *, base_model: str = "",
     if peft_type == "P_TUNING":
         cfg.update(encoder_reparameterization_type="MLP", encoder_hidden_size=encoder_hidden_size or hidden,
                    encoder_num_layers=2, encoder_dropout=0.0)
+    elif peft_type == "PREFIX_TUNING":  # PEFT's layout: token_dim and heads are the KV heads' (GQA too)
+        cfg.update(num_layers=shape.n_layer, num_attention_heads=shape.kv_heads, token_dim=shape.kv_width,
+                   prefix_projection=False, encoder_hidden_size=shape.hidden)
     else:
         cfg.update(prompt_tuning_init="RANDOM", prompt_tuning_init_text=None, tokenizer_name_or_path=None,
                    tokenizer_kwargs=None)
@@ -176,15 +240,15 @@ def write_task_dir(path: str | Path, name: str, table, *, base_model: str = "",
     (d / "adapter_model.safetensors.tmp").replace(d / "adapter_model.safetensors")
     (d / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     (d / "task.json").write_text(json.dumps({"name": name, "num_virtual_tokens": n, "hidden_size": hidden,
-                                             **(meta or {})}, indent=2))
+                                             "every_layer": peft_type == "PREFIX_TUNING", **(meta or {})}, indent=2))
     return d
 
 
 class TaskRegistry:
     """The engine's loaded tasks by name. Thread-safe: the server loads tasks while steps run."""
 
-    def __init__(self, model_dir: str | Path, hidden: int):
-        self.model_dir, self.hidden = Path(model_dir), hidden
+    def __init__(self, model_dir: str | Path, shape: ModelShape):
+        self.model_dir, self.shape = Path(model_dir), shape
         self.hashes = base_model_hashes(model_dir)
         self._tasks: dict[str, Task] = {}
         self._lock = threading.Lock()
@@ -192,16 +256,19 @@ class TaskRegistry:
     def load(self, name: str, path: str | Path | None = None) -> Task:
         """Load (or replace) a task from `path`, by default `<model>/ptuning/<name>`."""
         check_task_name(name)
-        task = read_task_dir(path if path is not None else self.model_dir / "ptuning" / name,
-                             hidden=self.hidden, expect=self.hashes, name=name)
+        task = self.read(path if path is not None else self.model_dir / "ptuning" / name, name)
         with self._lock:
             self._tasks[name] = task
         return task
 
+    def read(self, path: str | Path, name: str | None = None) -> Task:
+        """Validate a task directory against this model without loading it."""
+        return read_task_dir(path, shape=self.shape, expect=self.hashes, name=name)
+
     def add(self, task: Task) -> None:
-        if task.table.shape[1] != self.hidden:
-            raise TaskError(f"task: table hidden size {task.table.shape[1]} != the model's {self.hidden}",
-                            code="task_model_mismatch")
+        want = self.shape.prefix_width if task.every_layer else self.shape.hidden
+        if task.table.shape[1] != want:
+            raise TaskError(f"task: table width {task.table.shape[1]} != the model's {want}", code="task_model_mismatch")
         with self._lock:
             self._tasks[check_task_name(task.name)] = dataclasses.replace(task, table=_readonly(task.table))
 
@@ -243,7 +310,8 @@ def attach_tables(plan, task_of) -> None:
     task_of(seq_id) -> Task | None. The table crosses to the workers once, in SeqInit."""
     if any(task_of(init.seq_id) is not None for init in plan.new_seqs):
         plan.new_seqs = [init if (t := task_of(init.seq_id)) is None
-                         else dataclasses.replace(init, prompt_table=t.table) for init in plan.new_seqs]
+                         else dataclasses.replace(init, prompt_table=t.table, prompt_every_layer=t.every_layer)
+                         for init in plan.new_seqs]
 
 
 MAX_DATASET_BYTES = 64 * 2**20

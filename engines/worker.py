@@ -72,7 +72,8 @@ class ModelRunner:
         self.decode_kernel = self._resolve_decode_kernel(engine_cfg.decode_attention)
         self.fused = self._resolve_fused(engine_cfg.fused_decode)
         self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
-        self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype)  # p-tuning, prefill only
+        self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype, cfg.n_layer, cfg.kv_heads,
+                                       cfg.hd)  # p-tuning, prefill only
 
     def _resolve_decode_kernel(self, choice: str) -> bool:
         """Whether eager CPU decode steps use engines.paged_kernel (built or loaded here, not in a step)."""
@@ -134,6 +135,7 @@ class ModelRunner:
         embeds = None
         if self.prompt_tables.needed(plan.prefill):  # p-tuning: virtual tokens only in prefill chunks
             embeds = self.prompt_tables.embed(self.model.wte, input_ids, works)
+            backend.kv_prefix = self.prompt_tables.kv_rows(works)
         return self.model(input_ids, positions, backend, inputs_embeds=embeds)[0]  # (N, C)
 
     @torch.inference_mode()

@@ -34,7 +34,6 @@ from engines.ptuning import (
     TaskRegistry,
     check_task_name,
     read_dataset,
-    read_task_dir,
 )
 from serving.wire import ErrorInfo
 
@@ -48,7 +47,7 @@ MAX_RESTARTS = 3
 LAUNCH_GRACE_S = 60.0
 """A launched job that has not written its pid within this is taken as lost."""
 HOST = socket.gethostname()
-RECIPE_KEYS = ("num_virtual_tokens", "encoder", "encoder_hidden_size", "encoder_residual", "init_text", "append_eos",
+RECIPE_KEYS = ("num_virtual_tokens", "prompt_depth", "encoder", "encoder_hidden_size", "encoder_residual", "init_text", "append_eos",
                "template", "lr", "warmup_steps", "batch_size", "max_steps", "eval_every", "patience", "val_fraction",
                "max_examples", "precision", "time_budget_s", "seed")
 """training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
@@ -142,7 +141,7 @@ class PtuningAdmin:
             if not isinstance(path, str) or not path:
                 raise TaskError("path: a directory holding a PEFT prompt adapter is required", param="path",
                                 code="missing_required_parameter")
-            read_task_dir(path, hidden=self.registry.hidden, expect=self.registry.hashes, name=name)
+            self.registry.read(path, name)
         except TaskError as exc:
             raise _task_error(exc) from None
         src, dst = Path(path).resolve(), self.root / name

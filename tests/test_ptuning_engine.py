@@ -11,7 +11,7 @@ import torch
 from engines import LLM, SamplingParams
 from engines.config import EngineConfig
 from engines.llm_engine import LLMEngine
-from engines.ptuning import TaskError, UnknownTaskError, write_task_dir
+from engines.ptuning import ModelShape, TaskError, UnknownTaskError, write_task_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["the king said", "to be or not to be that is", "my lord", "love is a smoke raised with the fume of sighs"]
@@ -22,13 +22,20 @@ def _table(n: int, hidden: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(0, 1.0, (n, hidden)).astype(np.float32)
 
 
+def _prefix_table(n: int, shape: ModelShape, seed: int) -> np.ndarray:
+    """A task of every layer: (n, layers x 2 x KV width) keys/values."""
+    return np.random.default_rng(seed).normal(0, 1.0, (n, shape.prefix_width)).astype(np.float32)
+
+
 def _peft_model(model_dir, peft_type: str, n: int):
-    from peft import PromptEncoderConfig, PromptTuningConfig, get_peft_model
+    from peft import PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     if peft_type == "P_TUNING":
         cfg = PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, encoder_hidden_size=32)
+    elif peft_type == "PREFIX_TUNING":
+        cfg = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n)
     else:
         cfg = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n)
     return base, get_peft_model(base, cfg)
@@ -47,7 +54,8 @@ def _peft_greedy(model, tok_ids: list[int], max_new: int) -> list[int]:
     return seq[len(tok_ids):]
 
 
-@pytest.mark.parametrize("family,peft_type", [("gpt2", "P_TUNING"), ("llama", "PROMPT_TUNING")])
+@pytest.mark.parametrize("family,peft_type", [("gpt2", "P_TUNING"), ("llama", "PROMPT_TUNING"),
+                                              ("gpt2", "PREFIX_TUNING"), ("llama", "PREFIX_TUNING")])
 def test_peft_adapter_loads_and_matches_peft_generate(gpt2_dir, llama_dir, tmp_path, family, peft_type):
     model_dir = gpt2_dir if family == "gpt2" else llama_dir
     torch.manual_seed(0)
@@ -91,9 +99,28 @@ def test_our_task_loads_in_peft(llama_dir, tmp_path):
         assert o.outputs[0].token_ids == _peft_greedy(ref, llm.tokenizer.encode(p), 10)
 
 
-def _write_tasks(model_dir, hidden: int) -> None:
+def test_our_every_layer_task_loads_in_peft(llama_dir, tmp_path):
+    """PREFIX_TUNING both ways: our table's layout is PEFT's (keys and values per layer, KV heads)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(llama_dir)
+    shape = ModelShape.of(llm.engine.model_config)
+    write_task_dir(tmp_path / "deep", "deep", _prefix_table(5, shape, 2), peft_type="PREFIX_TUNING",
+                   base_model=str(llama_dir), shape=shape)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_dir).eval(), tmp_path / "deep")
+    llm.load_task("deep", tmp_path / "deep")
+    outs = llm.generate(PROMPTS[:2], GREEDY, task="deep")
+    for p, o, q in zip(PROMPTS[:2], outs, llm.generate(PROMPTS[:2], GREEDY)):
+        assert o.outputs[0].token_ids == _peft_greedy(ref, llm.tokenizer.encode(p), 10)
+        assert o.outputs[0].token_ids != q.outputs[0].token_ids
+
+
+def _write_tasks(model_dir, shape: ModelShape) -> None:
     for i, n in enumerate((4, 9, 20)):
-        write_task_dir(model_dir / "ptuning" / f"t{i}", f"t{i}", _table(n, hidden, 10 + i), base_model="x")
+        write_task_dir(model_dir / "ptuning" / f"t{i}", f"t{i}", _table(n, shape.hidden, 10 + i), base_model="x")
+    write_task_dir(model_dir / "ptuning" / "t3", "t3", _prefix_table(6, shape, 13), base_model="x",
+                   peft_type="PREFIX_TUNING", shape=shape)  # every layer's keys/values
 
 
 def test_mixed_batch_invariance_with_chunked_prefill_and_preemption(gpt2_dir, tmp_path):
@@ -102,10 +129,10 @@ def test_mixed_batch_invariance_with_chunked_prefill_and_preemption(gpt2_dir, tm
     d = tmp_path / "m"
     shutil.copytree(gpt2_dir, d)
     llm = LLM(d)
-    _write_tasks(d, llm.engine.model_config.n_embd)
-    for i in range(3):
+    _write_tasks(d, ModelShape.of(llm.engine.model_config))
+    for i in range(4):
         llm.load_task(f"t{i}")
-    reqs = [(p, t) for p in PROMPTS[1:] for t in (None, "t0", "t1", "t2")]
+    reqs = [(p, t) for p in PROMPTS[1:] for t in (None, "t0", "t1", "t2", "t3")]
     alone = {(p, t): llm.generate(p, GREEDY, task=t)[0].outputs[0].token_ids for p, t in reqs}
     assert len({tuple(v) for v in alone.values()}) > len(PROMPTS)  # tasks change the outputs
     # small token budget (chunked prefill, chunks ending inside the virtual tokens) and few KV blocks
@@ -164,8 +191,14 @@ def test_bad_tasks_are_refused_and_nothing_changes(gpt2_dir, llama_dir, tmp_path
             llm.load_task(bad, tmp_path / "good")
         assert e.value.code == "invalid_task_name"
     write_task_dir(tmp_path / "wide", "wide", _table(4, hidden + 8, 4))
-    with pytest.raises(TaskError, match="hidden size 72 but the model's is 64"):
+    with pytest.raises(TaskError, match="is 72 wide but this model's hidden size is 64"):
         llm.load_task("good", tmp_path / "wide")
+    shape = ModelShape.of(llm.engine.model_config)
+    other = ModelShape(shape.hidden, shape.n_layer + 1, shape.kv_heads, shape.head_dim)
+    write_task_dir(tmp_path / "deeper", "deeper", _prefix_table(4, other, 4), peft_type="PREFIX_TUNING", shape=other)
+    with pytest.raises(TaskError, match="num_layers is 3 but this model has 2") as e:
+        llm.load_task("good", tmp_path / "deeper")
+    assert e.value.code == "task_model_mismatch"
     # a task trained for another base model (task.json hashes) is refused
     write_task_dir(tmp_path / "other", "other", _table(4, hidden, 5), meta={"base_model_sha256": "0" * 64})
     with pytest.raises(TaskError, match="another base model"):
@@ -193,16 +226,21 @@ def test_bad_tasks_are_refused_and_nothing_changes(gpt2_dir, llama_dir, tmp_path
 def test_tp_and_pp_equal_one_shard_with_a_task(llama_dir, tmp_path, layout):
     """TP adds the table after the vocabulary-parallel lookup's all-reduce (never times 2); PP
     injects on the first stage only. Chunked prefill splits the virtual tokens across steps."""
-    hidden = 64
-    write_task_dir(tmp_path / "t", "t", _table(7, hidden, 7))
     opts = {"num_kv_blocks": 64, "max_num_batched_tokens": 16}
     ref_llm = LLM(llama_dir, **opts)
-    ref_llm.load_task("t", tmp_path / "t")
-    tasks = ["t", None, "t"]
-    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS[:3], GREEDY, task=tasks)]
+    shape = ModelShape.of(ref_llm.engine.model_config)
+    write_task_dir(tmp_path / "t", "t", _table(7, shape.hidden, 7))
+    # every layer: each stage injects its layers' rows, each TP rank its KV heads'
+    write_task_dir(tmp_path / "d", "d", _prefix_table(9, shape, 8), peft_type="PREFIX_TUNING", shape=shape)
+    tasks = ["t", None, "t", "d"]
+    for name in ("t", "d"):
+        ref_llm.load_task(name, tmp_path / name)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, GREEDY, task=tasks)]
+    assert ref[3] != ref_llm.generate(PROMPTS[3], GREEDY)[0].outputs[0].token_ids
     llm = LLM(llama_dir, **opts, **layout, worker_threads=1)
     try:
-        llm.load_task("t", tmp_path / "t")
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, task=tasks)] == ref
+        for name in ("t", "d"):
+            llm.load_task(name, tmp_path / name)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, task=tasks)] == ref
     finally:
         llm.engine.shutdown()

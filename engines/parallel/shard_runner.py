@@ -71,7 +71,11 @@ class ShardRunner:
                              local_kv_heads(self.cfg, layout.tp, self.tp_rank)[1], self.cfg.hd, self.dtype, self.device)
         self.samples = self.last and self.tp_rank == 0
         self.sampler = Sampler(self.cfg.vocab_size, engine_cfg.seed, self.device) if self.samples else None
-        self.prompt_tables = SeqTables(self.cfg.vocab_size, self.device, self.dtype) if self.first else None
+        # p-tuning: input tasks' embedding rows on the first stage, every-layer tasks' keys/values on
+        # every rank (its layers and KV heads)
+        self.prompt_tables = SeqTables(self.cfg.vocab_size, self.device, self.dtype, self.cfg.n_layer,
+                                       self.cfg.kv_heads, self.cfg.hd, layers=(start, end),
+                                       local_kv=local_kv_heads(self.cfg, layout.tp, self.tp_rank))
         self.params: dict[int, SamplingParams] = {}
         """Sampling options of the live sequences, kept by every last-stage rank so that all of
         them take the same (combined-argmax or gathered) path."""
@@ -97,8 +101,7 @@ class ShardRunner:
                 self.params[init.seq_id] = init.params
                 if self.sampler is not None:
                     self.sampler.add(init)
-        if self.prompt_tables is not None:  # p-tuning: injected on the first stage only
-            self.prompt_tables.update(plan)
+        self.prompt_tables.update(plan)
         result = StepResult(step=plan.step) if self.samples else None
         if plan.empty:
             return result, None
@@ -120,6 +123,8 @@ class ShardRunner:
             backend = PagedAttention(self.cache, [works[i] for i in group if i < n_decode],
                                      [works[i] for i in group if i >= n_decode], self.device)
             embeds = None
+            if self.prompt_tables.needed(ws):
+                backend.kv_prefix = self.prompt_tables.kv_rows(ws)
             if self.first:
                 x = torch.tensor(ids, device=self.device)[None]  # (1, n) token ids
                 if self.prompt_tables.needed(ws):  # every TP rank of the stage: the lookup all-reduces
