@@ -67,6 +67,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.hd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_head * cfg.hd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = _dropout(cfg.dropout)
+        self.kv_hook = None
+        """Training of p-tuned tasks of every layer (training/ptune.py): (layer, k, v) -> (k, v), with
+        k/v (B, T, nkv, hd) after rotary embedding, as the engine's backend sees them. None here."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 backend: AttentionBackend | None) -> torch.Tensor:
@@ -78,6 +81,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.kv_hook is not None:
+            k, v = self.kv_hook(self.layer, k, v)
         if backend is None:
             y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                  dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hd)

@@ -195,7 +195,7 @@ def test_hot_load_and_delete_while_requests_run(model_dir, tmp_path):
             assert hot.status_code == 200 and hot.json()["usage"]["virtual_tokens"] == 5
             r = c.post("/v1/ptuning/tasks", headers=ADMIN, json={"model": "m", "name": "hot2",
                                                                   "path": str(tmp_path / "wide")})
-            assert r.status_code == 400 and "hidden size 65" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "65 wide but this model's hidden size is 64" in r.json()["error"]["message"]
             assert c.delete("/v1/ptuning/tasks/hot", headers=ADMIN).status_code == 200
             events = [json.loads(ln[6:]) for ln in [first, *lines] if ln.startswith("data: ") and ln != "data: [DONE]"]
         assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == alone  # never noticed

@@ -37,7 +37,7 @@ def model_copy(gpt2_dir, tmp_path):
 def test_trained_task_is_served_as_trained(model_copy, tmp_path):
     _dataset(tmp_path / "d.jsonl")
     recipe = PtuneRecipe(num_virtual_tokens=4, lr=0.05, max_steps=40, eval_every=10, batch_size=8,
-                         template="Q: {input} A:")
+                         template="Q: {input} A:", prompt_depth="input", encoder="mlp")
     seen = []
     m = train_task(model_copy, "yes", tmp_path / "d.jsonl", recipe, progress=False, on_progress=seen.append)
     assert m["base_grad_bytes"] == 0 and m["trainable_param_bytes"] < m["base_param_bytes"]
@@ -94,7 +94,8 @@ def test_cli_and_cancel(model_copy, tmp_path):
 
     _dataset(tmp_path / "d.jsonl", n=12)
     r = CliRunner().invoke(app, ["ptune", "--model", str(model_copy), "--task", "c", "--data", str(tmp_path / "d.jsonl"),
-                                 "--set", "max_steps=3", "--set", "encoder=lstm", "--set", "eval_every=2",
+                                 "--set", "max_steps=3", "--set", "prompt_depth=input", "--set", "encoder=lstm",
+                                 "--set", "eval_every=2",
                                  "--no-progress"])
     assert r.exit_code == 0, r.output
     assert json.loads((model_copy / "ptuning/c/task.json").read_text())["metrics"]["steps"] == 3
@@ -137,7 +138,8 @@ def test_text_init_residual_encoder_schedule_and_answer_only_loss(model_copy, tm
     assert tokenize_examples(rec, tok, "{input}", 2, 64)[0].output_ids == tok.encode(" yes", add_special_tokens=False) + [2]
     assert tokenize_examples(rec, tok, "{input}", None, 64)[0].output_ids == tok.encode(" yes", add_special_tokens=False)
     _dataset(tmp_path / "d.jsonl", n=24)
-    recipe = ptune_recipe_from_dict({"num_virtual_tokens": 3, "encoder": "mlp", "encoder_residual": True,
+    recipe = ptune_recipe_from_dict({"num_virtual_tokens": 3, "prompt_depth": "input", "encoder": "mlp",
+                                     "encoder_residual": True,
                                      "init_text": "the king", "append_eos": False, "warmup_steps": 2,
                                      "max_steps": 6, "eval_every": 3, "batch_size": 4})
     m = train_task(model_copy, "ti", tmp_path / "d.jsonl", recipe, progress=False)
@@ -172,3 +174,55 @@ def test_bf16_autocast_training_matches_fp32(model_copy, tmp_path):
                        ptune_recipe_from_dict({"precision": prec, "max_steps": 2, "eval_every": 2, "batch_size": 4}),
                        progress=False)
         assert m["precision"] == prec and math.isfinite(m["best_val_loss"])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_layer_task_trains_and_is_served_as_trained(gpt2_dir, llama_dir, tmp_path, family):
+    """prompt_depth every_layer (P-tuning v2): each layer's keys/values of the virtual tokens. The
+    training forward (hooks after rotary embedding) and the engine's paged backend agree."""
+    from engines.tokenizer import Tokenizer
+    from training.ptune import LayerPrefix, hooked
+
+    d = tmp_path / "m"
+    shutil.copytree(gpt2_dir if family == "gpt2" else llama_dir, d)
+    model, cfg = load_model(d)
+    model.eval().requires_grad_(False)
+    tok = Tokenizer.from_dir(d)
+    # started from a text's keys/values, the prefix is that text: same logits as the text itself
+    init = torch.tensor((tok.encode("the king and the queen", add_special_tokens=False) * 4)[:5])
+    prefix = LayerPrefix.from_text(model, init)
+    assert prefix.kv.shape == (cfg.n_layer, 5, 2, cfg.kv_heads, cfg.hd)
+    ids = torch.tensor(tok.encode("fair lady night"))
+    with torch.no_grad():
+        want = model.logits(model(torch.cat([init, ids])[None]))[0, 5:]
+        with hooked(model, prefix.hook):
+            got = model.logits(model(torch.cat([torch.zeros(5, dtype=torch.long), ids])[None]))[0, 5:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    _dataset(tmp_path / "d.jsonl")
+    recipe = ptune_recipe_from_dict({"prompt_depth": "every_layer", "encoder": "embedding", "num_virtual_tokens": 4,
+                                     "lr": 0.3, "max_steps": 40, "eval_every": 10, "batch_size": 8,
+                                     "template": "Q: {input} A:", "init_text": "the king", "precision": "fp32"})
+    m = train_task(d, "deep", tmp_path / "d.jsonl", recipe, progress=False)
+    assert m["base_grad_bytes"] == 0
+    losses = [json.loads(x)["loss"] for x in (d / "ptuning/deep/metrics.jsonl").read_text().splitlines()]
+    assert min(losses[-5:]) < 0.5 * losses[0]
+    cfg_json = json.loads((d / "ptuning/deep/adapter_config.json").read_text())
+    assert cfg_json["peft_type"] == "PREFIX_TUNING" and cfg_json["num_layers"] == cfg.n_layer
+    assert json.loads((d / "ptuning/deep/task.json").read_text())["every_layer"] is True
+    llm = LLM(d)
+    assert llm.engine.tasks.load_dir() == ["deep"]
+    prompts = ["Q: war and blood A:", "Q: fair lady night A:", "Q: the king A:"]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    served = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, params, task="deep")]
+    table = torch.from_numpy(load_file(d / "ptuning/deep/adapter_model.safetensors")["prompt_embeddings"])
+    saved = LayerPrefix(table.view(4, cfg.n_layer, 2, cfg.kv_heads, cfg.hd).permute(1, 0, 2, 3, 4))
+    with torch.no_grad(), hooked(model, saved.hook):
+        for p, t in zip(prompts, served):
+            ids = torch.tensor([[0] * 4 + llm.tokenizer.encode(p)])
+            assert model.logits(model(ids))[0, -1].argmax() == t
+    assert [o.outputs[0].token_ids[0] for o in llm.generate(prompts, params)] != served
+    with pytest.raises(ConfigError, match="encoder"):
+        ptune_recipe_from_dict({"prompt_depth": "every_layer", "encoder": "mlp"})
+    with pytest.raises(ConfigError, match="prompt_depth"):
+        ptune_recipe_from_dict({"prompt_depth": "deep"})

@@ -9,6 +9,7 @@ encoder's own weights sit beside it (prompt_encoder.safetensors) so a run can be
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -23,7 +24,14 @@ from torch import nn
 
 from engines.checkpoint import load_model
 from engines.hardware import detect
-from engines.ptuning import DatasetError, base_model_hashes, check_task_name, read_dataset, write_task_dir
+from engines.ptuning import (
+    DatasetError,
+    ModelShape,
+    base_model_hashes,
+    check_task_name,
+    read_dataset,
+    write_task_dir,
+)
 from engines.tokenizer import Tokenizer
 from training.metrics import MetricsLog, Progress, plot_loss_curve
 from training.ptune_recipe import PtuneRecipe
@@ -64,6 +72,54 @@ class PromptEncoder(nn.Module):
         else:
             return e
         return e + x if self.residual else x
+
+
+class LayerPrefix(nn.Module):
+    """A task of every layer (P-tuning v2): each layer's keys/values of the N virtual tokens,
+    (layers, N, 2, KV heads, head_dim), trained directly.
+
+    While `installed`, every attention layer of the model takes these as the keys/values of
+    positions 0..N-1 (after rotary embedding, as the engine's backend injects them), so the
+    prompt's tokens attend to them in every layer."""
+
+    def __init__(self, init: torch.Tensor):
+        super().__init__()
+        self.kv = nn.Parameter(init.clone())
+
+    @classmethod
+    def from_text(cls, model, ids: torch.Tensor) -> LayerPrefix:
+        """Start from the keys/values the frozen model computes for these N tokens at positions 0..N-1."""
+        got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def keep(layer, k, v):
+            got[layer] = (k[0].detach().float(), v[0].detach().float())
+            return k, v
+
+        with hooked(model, keep), torch.no_grad():
+            model(ids[None])
+        return cls(torch.stack([torch.stack(got[i]) for i in range(len(got))]).transpose(1, 2).contiguous())
+
+    def hook(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, B = self.kv.shape[1], k.shape[0]
+        pk, pv = (self.kv[layer, :, j].to(k.dtype)[None].expand(B, -1, -1, -1) for j in (0, 1))
+        return torch.cat([pk, k[:, n:]], 1), torch.cat([pv, v[:, n:]], 1)
+
+    def peft_table(self) -> torch.Tensor:
+        """(N, layers * 2 * kv_width) in PEFT's PREFIX_TUNING row layout (layer 0 key, layer 0 value, ...)."""
+        return self.kv.detach().permute(1, 0, 2, 3, 4).reshape(self.kv.shape[1], -1).clone()
+
+
+@contextlib.contextmanager
+def hooked(model, fn):
+    """While open, every attention layer of `model` calls fn(layer, k, v) -> (k, v)."""
+    attns = [b.attn for b in model.blocks]
+    for a in attns:
+        a.kv_hook = fn
+    try:
+        yield
+    finally:
+        for a in attns:
+            a.kv_hook = None
 
 
 @dataclass(frozen=True)
@@ -198,8 +254,18 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
     val = [examples[i] for i in order[:n_val]]
     train = [examples[i] for i in order[n_val:]]
-    init = model.wte.weight[init_token_ids(recipe, tok, cfg.vocab_size)].detach().clone()  # (N, C)
-    enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init, recipe.encoder_residual)
+    init_ids = init_token_ids(recipe, tok, cfg.vocab_size)
+    every_layer = recipe.prompt_depth == "every_layer"
+    if every_layer:
+        enc = LayerPrefix.from_text(model, init_ids)
+        inputs = torch.zeros(n, cfg.n_embd)  # the virtual positions' inputs: never read (every layer's k/v replaced)
+        table_of = enc.peft_table
+        session = hooked(model, enc.hook)
+    else:
+        init = model.wte.weight[init_ids].detach().clone()  # (N, C)
+        enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init, recipe.encoder_residual)
+        table_of = lambda: enc().detach().clone()
+        session = contextlib.nullcontext()
     if resume and (out / "prompt_encoder.safetensors").is_file():
         enc.load_state_dict(load_file(out / "prompt_encoder.safetensors"))
     # everything is written to a hidden staging folder first: a cancelled or failed run leaves the
@@ -208,7 +274,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     enc_path = out / "prompt_encoder.safetensors"
-    opt = torch.optim.AdamW(enc.parameters(), lr=recipe.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(enc.parameters(), lr=recipe.peak_lr, weight_decay=0.0)
     warmup = min(recipe.warmup_steps, recipe.max_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup, recipe.max_steps))
     log = MetricsLog(out / "metrics.jsonl")
@@ -218,13 +284,15 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     stopped = "max_steps"
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     enc_bytes = sum(p.numel() * p.element_size() for p in enc.parameters())
+    hooks = contextlib.ExitStack()
     try:
+        hooks.enter_context(session)
         while step < recipe.max_steps:
             if should_stop is not None and should_stop():
                 raise InterruptedError("cancelled")
             batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
             with _autocast(precision):
-                loss, _, _ = _batch_loss(model, enc(), batch)
+                loss, _, _ = _batch_loss(model, inputs if every_layer else enc(), batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -234,8 +302,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             rec = {"step": step, "loss": loss.item(), "elapsed_s": elapsed}
             if step % recipe.eval_every == 0 or step == recipe.max_steps:
                 with torch.no_grad():
-                    table = enc().detach().clone()
-                vl, va = evaluate(model, table, val, recipe.batch_size, precision)
+                    table = table_of()
+                vl, va = evaluate(model, inputs if every_layer else table, val, recipe.batch_size, precision)
                 rec.update(val_loss=vl, val_accuracy=va)
                 if vl < best[0]:
                     best, bad_evals = (vl, table, va), 0
@@ -253,25 +321,27 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             if recipe.time_budget_s and elapsed >= recipe.time_budget_s:
                 stopped = "time_budget"
                 break
+        if best[1] is None:  # ended before the first evaluation
+            with torch.no_grad():
+                table = table_of()
+            vl, va = evaluate(model, inputs if every_layer else table, val, recipe.batch_size, precision)
+            best = (vl, table, va)
+            save_file(enc.state_dict(), str(enc_path))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     finally:
+        hooks.close()
         bar.close()
         log.close()
-    if best[1] is None:  # ended before the first evaluation
-        with torch.no_grad():
-            table = enc().detach().clone()
-        vl, va = evaluate(model, table, val, recipe.batch_size, precision)
-        best = (vl, table, va)
-        save_file(enc.state_dict(), str(enc_path))
     metrics = {"steps": step, "stopped": stopped, "precision": precision, "train_seconds": round(time.perf_counter() - t0, 2),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
                "val_examples": len(val), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
                "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                                       if p.grad is not None)}
-    write_task_dir(out, task, best[1], base_model=str(model_dir),
-                   peft_type="PROMPT_TUNING" if recipe.encoder == "embedding" else "P_TUNING",
+    peft_type = ("PREFIX_TUNING" if every_layer else "PROMPT_TUNING" if recipe.encoder == "embedding"
+                 else "P_TUNING")
+    write_task_dir(out, task, best[1], base_model=str(model_dir), peft_type=peft_type, shape=ModelShape.of(cfg),
                    encoder_hidden_size=recipe.encoder_hidden_size or cfg.n_embd,
                    meta={**base_model_hashes(model_dir), "template": recipe.template, "metrics": metrics,
                          "recipe": recipe.to_dict()})

@@ -19,9 +19,17 @@ from training.recipe import _build, _require
 class PtuneRecipe:
     num_virtual_tokens: int = 16
     """N: virtual tokens prepended to every input (they count against the context window)."""
-    encoder: Literal["mlp", "lstm", "embedding"] = "mlp"
-    """Reparameterisation of the table while training: mlp (PEFT's PromptEncoder default), lstm
-    (bidirectional, as in the p-tuning paper), or embedding (plain prompt tuning)."""
+    prompt_depth: Literal["input", "every_layer"] = "every_layer"
+    """input: the virtual tokens are input embeddings (p-tuning / prompt tuning; PEFT P_TUNING or
+    PROMPT_TUNING). every_layer: they are keys and values in every layer (P-tuning v2, PEFT
+    PREFIX_TUNING), trained directly from the keys/values the init text gives (encoder must be
+    `embedding`; a learning rate near 0.3 suits it). A small base that a prefix of input embeddings
+    cannot steer follows one of every layer: on the default model the format task went from 0% to
+    100% compliance (BENCHMARKS.md, issue 14)."""
+    encoder: Literal["mlp", "lstm", "embedding"] = "embedding"
+    """Reparameterisation of the table while training: embedding (the table itself: prompt tuning,
+    and the only choice for every_layer), mlp (PEFT's PromptEncoder default) or lstm (bidirectional,
+    as in the p-tuning paper), both for prompt_depth input."""
     encoder_hidden_size: int = 0
     """Width of the encoder's hidden layers; 0: the model's hidden size."""
     encoder_residual: bool = False
@@ -36,8 +44,10 @@ class PtuneRecipe:
     that the caller reads with a fixed max_tokens: then the loss is on the answer tokens alone."""
     template: str = "{input}"
     """How an example's `input` becomes the prompt; exactly one {input} slot. Saved in task.json."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate of the encoder (no weight decay)."""
+    lr: float = 0.0
+    """Peak AdamW learning rate of the table or encoder (no weight decay). 0: by what is trained,
+    the rates that worked on the default model (BENCHMARKS.md, issue 14): 0.3 for every_layer's
+    keys/values, 0.1 for an input embedding table, 3e-3 for an mlp/lstm encoder."""
     warmup_steps: int = 10
     """Linear warm-up from lr/10 to lr over these steps (at most max_steps), then cosine decay to
     lr/10 at max_steps; 0: start at lr."""
@@ -65,15 +75,26 @@ class PtuneRecipe:
             v = getattr(self, key)
             _require(isinstance(v, int) and v > 0, key, f"must be a positive integer, got {v!r}")
         _require(self.num_virtual_tokens <= 512, "num_virtual_tokens", "must be at most 512")
+        _require(self.prompt_depth in ("input", "every_layer"), "prompt_depth",
+                 f"must be 'input' or 'every_layer', got {self.prompt_depth!r}")
+        _require(self.prompt_depth == "input" or self.encoder == "embedding", "encoder",
+                 f"prompt_depth every_layer trains each layer's keys/values directly: set encoder to 'embedding' "
+                 f"(got {self.encoder!r})")
         _require(self.encoder_hidden_size >= 0, "encoder_hidden_size", "must be >= 0")
         _require(self.patience >= 0, "patience", "must be >= 0")
         _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
                  f"must be an integer >= 0, got {self.warmup_steps!r}")
         _require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.lr >= 0, "lr", f"must be > 0 (or 0: chosen by prompt_depth and encoder), got {self.lr}")
         _require(self.time_budget_s >= 0, "time_budget_s", "must be >= 0")
         _require(self.template.count("{input}") == 1, "template",
                  f"must contain exactly one {{input}} slot, got {self.template!r}")
+
+    @property
+    def peak_lr(self) -> float:
+        if self.lr:
+            return self.lr
+        return 0.3 if self.prompt_depth == "every_layer" else 0.1 if self.encoder == "embedding" else 3e-3
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
