@@ -127,7 +127,8 @@ class PtuningAdmin:
     def _task_info(self, name: str) -> dict:
         t = self.registry.get(name)
         return {"object": "ptuning.task", "name": name, "model": self.model_name,
-                "num_virtual_tokens": t.num_virtual_tokens, "template": t.meta.get("template"),
+                "num_virtual_tokens": t.num_virtual_tokens,
+                "prompt_depth": "every_layer" if t.every_layer else "input", "template": t.meta.get("template"),
                 "metrics": t.meta.get("metrics")}
 
     def list_tasks(self) -> list[dict]:
