@@ -44,7 +44,6 @@ from engines.sampling_params import RequestError
 TASK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_VIRTUAL_TOKENS = 512
 PEFT_TYPES = ("P_TUNING", "PROMPT_TUNING", "PREFIX_TUNING")
-INPUT_TYPES = ("P_TUNING", "PROMPT_TUNING")  # virtual-token embeddings; PREFIX_TUNING: every layer's keys/values
 TENSOR_NAME = "prompt_embeddings"
 
 
@@ -196,7 +195,8 @@ def read_task_dir(path: str | Path, shape: ModelShape | None = None, expect: dic
 
 
 def check_prefix_config(cfg: dict, shape: ModelShape) -> None:
-    """A PREFIX_TUNING adapter_config.json must describe this model's layers and KV heads."""
+    """A PREFIX_TUNING adapter_config.json must describe this model's layers and KV heads. (With
+    prefix_projection PEFT saves the projected keys/values, the same (N, layers x 2 x KV width).)"""
     for key, want in (("num_layers", shape.n_layer), ("num_attention_heads", shape.kv_heads),
                       ("token_dim", shape.kv_width)):
         have = cfg.get(key)
@@ -204,10 +204,6 @@ def check_prefix_config(cfg: dict, shape: ModelShape) -> None:
             raise TaskError(f"adapter_config.json: {key} is {have} but this model has {want} (PREFIX_TUNING "
                             "needs one key and value per layer and KV head)", param="path",
                             code="task_model_mismatch")
-    if cfg.get("prefix_projection"):
-        raise TaskError("adapter_config.json: prefix_projection adapters saved for training are not servable; "
-                        "save the adapter with inference_mode (its prompt_embeddings are then the projected "
-                        "keys/values)", param="path", code="invalid_task_files")
 
 
 def write_task_dir(path: str | Path, name: str, table, *, base_model: str = "",

@@ -36,6 +36,9 @@ def _peft_model(model_dir, peft_type: str, n: int):
         cfg = PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, encoder_hidden_size=32)
     elif peft_type == "PREFIX_TUNING":
         cfg = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n)
+    elif peft_type == "PREFIX_TUNING+projection":  # PEFT saves the projected keys/values
+        cfg = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prefix_projection=True,
+                                 encoder_hidden_size=32)
     else:
         cfg = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n)
     return base, get_peft_model(base, cfg)
@@ -55,7 +58,8 @@ def _peft_greedy(model, tok_ids: list[int], max_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("family,peft_type", [("gpt2", "P_TUNING"), ("llama", "PROMPT_TUNING"),
-                                              ("gpt2", "PREFIX_TUNING"), ("llama", "PREFIX_TUNING")])
+                                              ("gpt2", "PREFIX_TUNING"), ("llama", "PREFIX_TUNING"),
+                                              ("gpt2", "PREFIX_TUNING+projection")])
 def test_peft_adapter_loads_and_matches_peft_generate(gpt2_dir, llama_dir, tmp_path, family, peft_type):
     model_dir = gpt2_dir if family == "gpt2" else llama_dir
     torch.manual_seed(0)

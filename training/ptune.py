@@ -78,7 +78,7 @@ class LayerPrefix(nn.Module):
     """A task of every layer (P-tuning v2): each layer's keys/values of the N virtual tokens,
     (layers, N, 2, KV heads, head_dim), trained directly.
 
-    While `installed`, every attention layer of the model takes these as the keys/values of
+    Inside `hooked(model, prefix.hook)`, every attention layer of the model takes these as the keys/values of
     positions 0..N-1 (after rotary embedding, as the engine's backend injects them), so the
     prompt's tokens attend to them in every layer."""
 
