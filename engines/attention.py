@@ -140,8 +140,9 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, nh, hd), k/v (N, nkv, hd) for this step's N tokens -> (N, nh, hd)."""
         k_cache, v_cache = self.cache.data[layer]  # (slots, nkv, hd) each
-        if self.kv_prefix:  # before the cache write, so prefill attention and later steps both see them
-            k, v = k.clone(), v.clone()
+        # before the cache write, so prefill attention and later steps both see them; in place: this
+        # step's k/v (views of the qkv output, or rotary's fresh tensors) are read nowhere else
+        if self.kv_prefix:
             for row, n, kv in self.kv_prefix:
                 k[row:row + n] = kv[layer, :, 0].to(k.dtype)
                 v[row:row + n] = kv[layer, :, 1].to(v.dtype)

@@ -77,8 +77,7 @@ class SeqTables:
         for w in works:
             n = len(w.token_ids)
             table = self.tables.get(w.seq_id)
-            if table is not None and w.start_pos < table.shape[0]:
-                k = min(n, table.shape[0] - w.start_pos)  # virtual tokens in this chunk: its first k
+            if table is not None and (k := self._covers(w)):  # virtual tokens in this chunk: its first k
                 x[0, offset:offset + k] = table[w.start_pos:w.start_pos + k].to(x.dtype)
             offset += n
         return x
@@ -90,9 +89,7 @@ class SeqTables:
             return []
         out, offset = [], 0
         for w in works:
-            t = self.kv.get(w.seq_id)
-            if t is not None and w.start_pos < t.shape[1]:
-                k = min(len(w.token_ids), t.shape[1] - w.start_pos)
-                out.append((offset, k, t[:, w.start_pos:w.start_pos + k]))
+            if w.seq_id in self.kv and (k := self._covers(w)):
+                out.append((offset, k, self.kv[w.seq_id][:, w.start_pos:w.start_pos + k]))
             offset += len(w.token_ids)
         return out

@@ -123,11 +123,12 @@ class ShardRunner:
             backend = PagedAttention(self.cache, [works[i] for i in group if i < n_decode],
                                      [works[i] for i in group if i >= n_decode], self.device)
             embeds = None
-            if self.prompt_tables.needed(ws):
+            virtual = self.prompt_tables.needed(ws)
+            if virtual:
                 backend.kv_prefix = self.prompt_tables.kv_rows(ws)
             if self.first:
                 x = torch.tensor(ids, device=self.device)[None]  # (1, n) token ids
-                if self.prompt_tables.needed(ws):  # every TP rank of the stage: the lookup all-reduces
+                if virtual:  # every TP rank of the stage: the lookup all-reduces
                     embeds = self.prompt_tables.embed(self.stage.wte, x, ws)
             else:
                 x = self.comm.recv_prev((1, len(ids), self.cfg.n_embd), self.dtype, tag=m)  # (1, n, C)
