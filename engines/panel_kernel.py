@@ -102,6 +102,51 @@ inline void block(const uint32_t* xp, int64_t ldx, const c10::BFloat16* w, int64
 #endif
 }
 
+// one row through G panels at once (fp32): one output's sum is still in order over k, but G
+// independent FMA chains keep the loads streaming where a single panel's chain would wait on each
+// FMA's latency (one 64-byte line per ~4 cycles, below a fast host's memory rate; BENCHMARKS.md issue 12)
+template <int G>
+inline void row_panels(const float* x, const float* w, int64_t panel, int64_t K, float* acc) {
+  vf c[G];
+  for (int g = 0; g < G; ++g) c[g] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const float xk = x[k];
+    for (int g = 0; g < G; ++g) c[g] += xk * as_f(load_u(w + g * panel + k * NR));
+  }
+  for (int g = 0; g < G; ++g) std::memcpy(acc + g * NR, &c[g], sizeof(vf));
+}
+
+// bf16, as block<R> above for one row
+template <int G>
+inline void row_panels(const uint32_t* xp, const c10::BFloat16* w, int64_t panel, int64_t K2, float* acc) {
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
+  const int64_t lanes = panel / 2;  // 32-bit lanes per panel
+#if defined(__AVX512BF16__)
+  __m512 c[G];
+  for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[k]);
+    for (int g = 0; g < G; ++g) c[g] = _mm512_dpbf16_ps(c[g], a, (__m512bh)_mm512_loadu_si512(wp + g * lanes + k * NR));
+  }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * NR, c[g]);
+#else
+  vf c[G];
+  for (int g = 0; g < G; ++g) c[g] = vf{};
+  for (int64_t k = 0; k < K2; ++k) {
+    uint32_t a = xp[k] << 16, z = xp[k] & 0xFFFF0000u;
+    float xa, xz;
+    std::memcpy(&xa, &a, 4);
+    std::memcpy(&xz, &z, 4);
+    for (int g = 0; g < G; ++g) {
+      const vu u = load_u(wp + g * lanes + k * NR);
+      c[g] += xa * as_f(u << 16);
+      c[g] += xz * as_f(u & 0xFFFF0000u);
+    }
+  }
+  for (int g = 0; g < G; ++g) std::memcpy(acc + g * NR, &c[g], sizeof(vf));
+#endif
+}
+
 template <typename X, typename T>
 void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
   switch (r) {
@@ -120,7 +165,19 @@ void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float*
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float acc[MR * NR];
-    for (int64_t p = p0; p < p1; ++p) {
+    int64_t p = p0;
+    if (M == 1) {  // G = 4 panels a pass (the same sums, in the same order, as one panel at a time)
+      constexpr int G = 4;
+      for (; p + G <= p1; p += G) {
+        row_panels<G>(xt, w + p * panel, panel, Kp, acc);
+        for (int g = 0; g < G; ++g) {
+          const int64_t n0 = (p + g) * NR, nn = std::min(NR, N - n0);
+          for (int64_t j = 0; j < nn; ++j)
+            out[n0 + j] = static_cast<T>(acc[g * NR + j] + (bias ? bias[n0 + j] : 0.f));
+        }
+      }
+    }
+    for (; p < p1; ++p) {
       const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
