@@ -100,6 +100,17 @@ inline void exp_nonpos(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// a task's piece of a slot's row is a few hundred bytes every row's length apart, and the cache
+// holds no context between steps (every Linear's weights stream through it): the hardware
+// prefetchers do not follow such a walk, so each piece would wait for memory. Rows AHEAD slots on
+// are requested while this one is used (in situ on GPT-2 batch-1 decode: -0.25 ms a token, of
+// ~1.5 ms of attention and small ops; BENCHMARKS.md issue 12)
+constexpr int64_t AHEAD = 4;
+inline void ahead(const void* p, int64_t nbytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(c + o);
+}
+
 // one sequence, nq consecutive query heads (whole kv-head groups of `group`): attention over the first
 // len slots. Keys and values are read in place block by block (no division per key), each slot's
 // row of these heads once, front to back (one sequential stream, not one per head); the query
@@ -109,11 +120,14 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t 
             int64_t row, int64_t hd, int64_t nq, int64_t group, float scale, float* qf, float* scores,
             float* acc, T* out, int64_t lpad) {
   for (int64_t i = 0; i < nq * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  const int64_t nbytes = nq / group * hd * static_cast<int64_t>(sizeof(T));  // this task's part of a slot's row
   for (int64_t b = 0, t = 0; t < len; ++b) {
     const int64_t n = std::min(bs, len - t);
     const T* k = kc + table[b] * bs * row;
-    for (int64_t i = 0; i < n; ++i, ++t, k += row)
+    for (int64_t i = 0; i < n; ++i, ++t, k += row) {
+      if (i + AHEAD < n) ahead(k + AHEAD * row, nbytes);
       for (int64_t h = 0; h < nq; ++h) scores[h * lpad + t] = dot(qf + h * hd, k + h / group * hd, hd);
+    }
   }
   for (int64_t h = 0; h < nq; ++h) {
     float* sc = scores + h * lpad;
@@ -129,8 +143,10 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t 
   for (int64_t b = 0, t = 0; t < len; ++b) {
     const int64_t n = std::min(bs, len - t);
     const T* v = vc + table[b] * bs * row;
-    for (int64_t i = 0; i < n; ++i, ++t, v += row)
+    for (int64_t i = 0; i < n; ++i, ++t, v += row) {
+      if (i + AHEAD < n) ahead(v + AHEAD * row, nbytes);
       for (int64_t h = 0; h < nq; ++h) axpy(acc + h * hd, scores[h * lpad + t], v + h / group * hd, hd);
+    }
   }
   for (int64_t h = 0; h < nq; ++h) {
     const float inv = scores[h * lpad + len];
@@ -163,8 +179,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   const int64_t lpad = lmax + 1;  // one more: each head's softmax normaliser
   // a task is one sequence's kv heads [c * per, (c + 1) * per): whole rows when there are enough
-  // sequences for the threads, else split so that every thread has work
-  const int64_t want = 4 * at::get_num_threads();
+  // sequences for the threads (several tasks a thread, for balance), else each sequence's heads
+  // split evenly over the threads (one long stream a thread rather than several short ones)
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = S >= threads ? 4 * threads : threads;
   const int64_t chunks = std::min(nkv, std::max<int64_t>(1, (want + S - 1) / S));
   const int64_t per = (nkv + chunks - 1) / chunks;
   auto out = torch::empty_like(q);
