@@ -163,6 +163,13 @@ template <typename X, typename T>
 void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, T* out) {
   const int64_t P = (N + NR - 1) / NR;
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
+  // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
+  auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
+    const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
+    for (int m = 0; m < r; ++m)
+      for (int64_t j = 0; j < nn; ++j)
+        out[(m0 + m) * N + n0 + j] = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+  };
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float acc[MR * NR];
     int64_t p = p0;
@@ -170,23 +177,15 @@ void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float*
       constexpr int G = 4;
       for (; p + G <= p1; p += G) {
         row_panels<G>(xt, w + p * panel, panel, Kp, acc);
-        for (int g = 0; g < G; ++g) {
-          const int64_t n0 = (p + g) * NR, nn = std::min(NR, N - n0);
-          for (int64_t j = 0; j < nn; ++j)
-            out[n0 + j] = static_cast<T>(acc[g * NR + j] + (bias ? bias[n0 + j] : 0.f));
-        }
+        for (int g = 0; g < G; ++g) store(p + g, 0, 1, acc + g * NR);
       }
     }
-    for (; p < p1; ++p) {
-      const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
+    for (; p < p1; ++p)
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
         rows_block(r, xt + m0, M, w + p * panel, Kp, acc);
-        for (int m = 0; m < r; ++m)
-          for (int64_t j = 0; j < nn; ++j)
-            out[(m0 + m) * N + n0 + j] = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+        store(p, m0, r, acc);
       }
-    }
   });
 }
 
