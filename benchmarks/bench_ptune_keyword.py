@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--only-fold", type=int, default=-1, help="train and score this fold only (exploration)")
     ap.add_argument("--train-split", choices=("val", "train"), default="val",
                     help="val: k-fold cross-validation on the validation split's lines; train: one task trained "
-                         "on the training split's labelled lines (balanced, --train-lines per class), scored on "
+                         "on the training split's labelled lines (--train-lines per class at most), scored on "
                          "every validation line (the task never sees one; the base never saw the split)")
     ap.add_argument("--train-lines", type=int, default=1000, help="--train-split train: lines per class at most")
     ap.add_argument("--aug", choices=("none", "windows"), default="windows")
@@ -144,6 +144,9 @@ def main() -> None:
     ap.add_argument("--labels", default=",".join(LABELS), help="the love and war label tokens, comma-separated")
     ap.add_argument("--set", dest="set_", action="append", default=[], help="recipe override (repeatable)")
     args = ap.parse_args()
+    if args.balance == "natural" if args.train_split == "val" else args.balance == "over":
+        ap.error(f"--balance {args.balance} does not apply to --train-split {args.train_split} "
+                 "(val: under or over; train: under or natural)")
     model = Path(args.model)
     tok = Tokenizer.from_dir(model)
     labels = tuple(args.labels.split(","))
