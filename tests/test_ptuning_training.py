@@ -154,6 +154,43 @@ def test_text_init_residual_encoder_schedule_and_answer_only_loss(model_copy, tm
         ptune_recipe_from_dict({"precision": "fp16"})
 
 
+def test_choice_loss_is_the_labels_cross_entropy_among_the_labels(model_copy, tmp_path):
+    from training.ptune import Example, _batch_loss, answer_choices
+
+    ex = [Example([3, 4, 5], [7, 2]), Example([6, 3], [9, 2]), Example([8, 8, 4], [7, 2])]
+    assert answer_choices(ex, 32).tolist() == [7, 9]
+    assert answer_choices(ex[:1] + ex[2:], 32) is None  # one label: nothing to choose between
+    assert answer_choices(ex, 1) is None  # more labels than the limit: not a classification
+    model, _ = load_model(model_copy)
+    model.eval().requires_grad_(False)
+    table = torch.randn(2, model.wte.weight.shape[1]) * 0.1
+    choices = torch.tensor([7, 9])
+    plain, exact, n = _batch_loss(model, table, ex)
+    both, exact2, _ = _batch_loss(model, table, ex, choices, 0.5)
+    assert (exact, n) == (exact2, 3)
+    # by hand: the row before each first answer token, its logits of 7 and 9 alone
+    rows = []
+    for e in ex:
+        ids = torch.tensor(e.input_ids)[None]
+        emb = torch.cat([table[None], model.wte(ids)], 1)
+        rows.append(model.logits(model(torch.zeros(emb.shape[:2], dtype=torch.long), inputs_embeds=emb)[0, -1]))
+    pair = torch.stack(rows)[:, [7, 9]].float()
+    want = torch.nn.functional.cross_entropy(pair, torch.tensor([0, 1, 0]))
+    torch.testing.assert_close(both - plain, 0.5 * want, rtol=1e-4, atol=1e-5)
+    # a shift shared by both labels' logits leaves the choice term unchanged: its gradient is the difference
+    torch.testing.assert_close(torch.nn.functional.cross_entropy(pair + 3.0, torch.tensor([0, 1, 0])), want)
+    # the trainer takes the labels from the data and reports how many
+    rows = [{"input": f"line {i}", "output": (" yes", " no")[i % 2]} for i in range(24)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    small = {"num_virtual_tokens": 3, "append_eos": False, "max_steps": 4, "eval_every": 2, "batch_size": 4}
+    assert train_task(model_copy, "cl", tmp_path / "c.jsonl", ptune_recipe_from_dict(small), progress=False)[
+        "answer_choices"] == 2  # on by default
+    assert train_task(model_copy, "cl", tmp_path / "c.jsonl", ptune_recipe_from_dict({**small, "choice_loss": 0}),
+                      progress=False)["answer_choices"] == 0
+    with pytest.raises(ConfigError, match="choice_loss"):
+        ptune_recipe_from_dict({"choice_loss": -1})
+
+
 def test_bf16_autocast_training_matches_fp32(model_copy, tmp_path):
     from engines.tokenizer import Tokenizer
     from training.ptune import evaluate, resolve_precision, tokenize_examples

@@ -143,8 +143,17 @@ def tokenize_examples(records: list[dict], tok: Tokenizer, template: str, eos: i
     return out
 
 
-def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch.Tensor, int, int]:
-    """Mean answer-token cross-entropy of a batch, and (answers fully right by argmax, count)."""
+def answer_choices(examples: list[Example], limit: int) -> torch.Tensor | None:
+    """The distinct first answer tokens of a classification-like dataset ((K,) ids, 2 <= K <= limit),
+    or None when the answers' first tokens take one value or more than `limit` values."""
+    firsts = sorted({e.output_ids[0] for e in examples})
+    return torch.tensor(firsts) if 2 <= len(firsts) <= limit else None
+
+
+def _batch_loss(model, table: torch.Tensor, batch: list[Example], choices: torch.Tensor | None = None,
+                choice_weight: float = 0.0) -> tuple[torch.Tensor, int, int]:
+    """Mean answer-token cross-entropy of a batch (plus choice_weight x the cross-entropy of the first
+    answer token among `choices` alone), and (answers fully right by argmax, count)."""
     n = table.shape[0]
     seqs = [e.input_ids + e.output_ids[:-1] for e in batch]  # the last answer token is only a target
     T = max(len(s) for s in seqs)
@@ -154,15 +163,22 @@ def _batch_loss(model, table: torch.Tensor, batch: list[Example]) -> tuple[torch
     embeds = torch.cat([table[None].expand(len(batch), -1, -1), model.wte(ids)], 1)  # (B, N+T, C)
     # right padding is harmless under causal attention: no real token attends to a later pad
     hidden = model(torch.zeros(embeds.shape[:2], dtype=torch.long), inputs_embeds=embeds)  # (B, N+T, C)
-    rows_b, rows_t, targets = [], [], []
+    rows_b, rows_t, targets, firsts = [], [], [], []
     for b, e in enumerate(batch):
         first = n + len(e.input_ids) - 1  # the row that predicts the first answer token
+        firsts.append(len(targets))
         rows_b += [b] * len(e.output_ids)
         rows_t += range(first, first + len(e.output_ids))
         targets += e.output_ids
     logits = model.logits(hidden[rows_b, rows_t]).float()  # (answer tokens, V); fp32 loss under autocast
     tgt = torch.tensor(targets)
     loss = nn.functional.cross_entropy(logits, tgt)
+    if choices is not None and choice_weight:
+        # the label among the labels alone: its gradient is the classes' difference only, which the
+        # full-vocabulary loss buries under the shared "answer with a label" direction (PET's verbaliser loss)
+        first_logits = logits[firsts][:, choices]  # (B, K)
+        which = (tgt[firsts][:, None] == choices[None]).float().argmax(-1)
+        loss = loss + choice_weight * nn.functional.cross_entropy(first_logits, which)
     right = (logits.argmax(-1) == tgt).tolist()
     k, exact = 0, 0
     for e in batch:
@@ -255,6 +271,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     val = [examples[i] for i in order[:n_val]]
     train = [examples[i] for i in order[n_val:]]
     init_ids = init_token_ids(recipe, tok, cfg.vocab_size)
+    choices = answer_choices(examples, recipe.choice_limit) if recipe.choice_loss else None
     every_layer = recipe.prompt_depth == "every_layer"
     if every_layer:
         enc = LayerPrefix.from_text(model, init_ids)
@@ -292,7 +309,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
                 raise InterruptedError("cancelled")
             batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
             with _autocast(precision):
-                loss, _, _ = _batch_loss(model, inputs if every_layer else enc(), batch)
+                loss, _, _ = _batch_loss(model, inputs if every_layer else enc(), batch, choices, recipe.choice_loss)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -336,7 +353,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
         log.close()
     metrics = {"steps": step, "stopped": stopped, "precision": precision, "train_seconds": round(time.perf_counter() - t0, 2),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
-               "val_examples": len(val), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
+               "val_examples": len(val), "answer_choices": 0 if choices is None else len(choices), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
                "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                                       if p.grad is not None)}
     peft_type = ("PREFIX_TUNING" if every_layer else "PROMPT_TUNING" if recipe.encoder == "embedding"
