@@ -126,13 +126,15 @@ def _features(w, cost) -> list[float]:
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
-               mean: bool = False, head: bool | float = True, dram: bool | float = True) -> dict[str, float]:
+               mean: bool = False, head: bool | float = True, dram: bool | float = True,
+               prefill: bool | float = True) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
     cost models carry the layout's tp and pp and a profile without layout constants. `threads`
     per shard bound matmul_scale from below: t threads at best divide the one-thread time by t.
     `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
     per-sequence costs); a number fixes it at that many ns; `head` likewise for head_ns; `dram`
-    likewise for the seconds per weight byte read past the cache (1 / dram_weight_gb_s / 1e9).
+    likewise for the seconds per weight byte read past the cache (1 / dram_weight_gb_s / 1e9);
+    `prefill` likewise for prefill_step_ms (ms).
     By default the fit follows the typical step (relative errors reweighted toward least absolute
     deviations); `mean=True` fits the mean step instead, relative to the geometric mean of the
     fitted and the measured time. The served fit (tuner.measure._served) used the mean from pass 9
@@ -149,7 +151,8 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     model TPOT at 0.8 x saturation +77% one-shard, +77% PP2)."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
-    fixed = {j: 0.0 if v is False else float(v) * scale for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0))
+    fixed = {j: 0.0 if v is False else float(v) * scale
+             for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0), (13, prefill, 1e-3))
              if v is not True}
     full = a.copy()
     for j, v in fixed.items():
