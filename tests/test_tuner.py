@@ -236,7 +236,8 @@ def test_fit_layout_recovers_known_constants():
                     cores=2, collective_latency_us=100.0, cache_mib=4.0)  # the 6 x 256 probe's 9.4 MB outgrow it
     truth = {"step_overhead_ms": 2.0, "layer_overhead_us": 300.0, "seq_layer_overhead_us": 20.0, "seq_overhead_us": 50.0,
              "matmul_scale": 1.5, "comm_scale": 2.0, "attention_prefill_tflops": 0.05, "attention_kv_gb_s": 3.0,
-             "vocab_seq_ns": 4.0, "token_layer_width_ns": 0.5, "dram_weight_gb_s": 7.0, "head_ns": 0.3}
+             "vocab_seq_ns": 4.0, "token_layer_width_ns": 0.5, "dram_weight_gb_s": 7.0, "head_ns": 0.3,
+             "prefill_step_ms": 1.5}
     works = [StepWork(tokens=b * n, sampled=b, prefill_attn_pairs=b * n * (n + 1) // 2)
              for b, n in ((1, 16), (4, 64), (1, 300), (8, 32), (2, 128))]
     works += [StepWork(tokens=b, sampled=b, decode_context=b * c) for b in (1, 8, 32) for c in (20, 200)]
@@ -390,3 +391,18 @@ def test_served_steps_fit_back_to_known_constants():
             "prefill_attention_pairs": 190 * (1 - i % 2), "sampled": 1} for i in range(6)]
     assert request_overheads_s(SimpleNamespace(records=recs), one, (0.5, 7.0)) == pytest.approx([0.0288] * 3)
 
+
+
+def test_prefill_step_cost_only_on_steps_with_a_prefill():
+    """A layout's prefill_step_ms adds to a step that holds a prefill chunk, never to a decode-only
+    step; a layout without it (older profiles) predicts as before."""
+    model = ModelConfig(model_type="gpt2", vocab_size=1000, n_layer=4, n_head=4, n_embd=128, max_position_embeddings=64)
+    lay = {"step_overhead_ms": 1.0, "layer_overhead_us": 10.0, "seq_overhead_us": 5.0, "seq_layer_overhead_us": 0.0,
+           "matmul_scale": 1.0, "comm_scale": 1.0, "attention_prefill_tflops": 1.0, "attention_kv_gb_s": 10.0}
+    old = _profile(cores=2).replace(layouts={"1x1": lay})
+    new = old.replace(layouts={"1x1": {**lay, "prefill_step_ms": 2.5}})
+    dec = StepWork(tokens=3, sampled=3, decode_context=60)
+    pre = StepWork(tokens=19, sampled=2, prefill_attn_pairs=16 * 17 // 2, decode_context=20, seqs=4)
+    assert CostModel(model, new).step_time(dec) == pytest.approx(CostModel(model, old).step_time(dec))
+    assert CostModel(model, new).step_time(pre) == pytest.approx(CostModel(model, old).step_time(pre) + 2.5e-3)
+    assert CostModel(model, new).components(pre)["step"] == pytest.approx(3.5e-3)

@@ -176,7 +176,9 @@ class CostModel:
                                 + (lay.get("vocab_seq_ns", 0.0) * 1e-9 * m.vocab_size / self.tp if lay else 0.0))
                    # the LM head's per-step work beyond its matmul, by the size of its weight slice
                    + (lay.get("head_ns", 0.0) * 1e-9 * m.vocab_size * m.n_embd / self.tp if lay and w.sampled else 0.0),
-            "step": const["step_overhead_ms"] * 1e-3,
+            "step": const["step_overhead_ms"] * 1e-3
+                    # a step with a prefill chunk: its own fixed work (prefill attention's setup, the module path)
+                    + (lay.get("prefill_step_ms", 0.0) * 1e-3 if lay and w.prefill_attn_pairs else 0.0),
         }
 
     def matmul_time(self, w: StepWork, threads: int = 0) -> float:

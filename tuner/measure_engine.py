@@ -11,6 +11,7 @@ squares on relative errors, as
            + layers * prefill_flops / attention_prefill_rate + layers * kv_bytes / attention_kv_rate
            + comm_scale * comm(gloo measurement) + sampled * vocab / tp * vocab_seq
            + streamed weight bytes / dram_weight_rate + [sampled > 0] * vocab * width / tp * head
+           + [the step holds a prefill chunk] * prefill_step
 
 matmul comes from the profile's one-thread bare-matmul table (its shape in rows and width; the
 multi-thread table moves with whatever else runs on a shared host) and matmul_scale is where the
@@ -18,7 +19,10 @@ engine's Linear layers in that layout land against it (threads per shard, kernel
 sharing the cores); vocab_seq is the LM head's per-sequence work beyond its matmul; comm (TP all-reduces, PP sends) comes from tuner.measure_comm and comm_scale
 is what the executor's real collectives and sends cost against it; streamed weight bytes are
 those of a copy that outgrows the last-level cache (tuner.cost.CostModel.weight_stream_bytes: the
-rate table is measured cache-resident); head is the LM head's per-step work by its size. Two probe checkpoints of different depth and width (and
+rate table is measured cache-resident); head is the LM head's per-step work by its size;
+prefill_step is a prefill step's own fixed work (without it the probes' short prefills, 16 tokens
+on a 2-layer probe costing 5x a decode step, were charged to per-token terms, which then
+over-predicted GPT-2's 65-token prefills by 24-44%: BENCHMARKS.md, issue 15, w15-tuner6). Two probe checkpoints of different depth and width (and
 vocabulary) let the fit tell the terms apart.
 """
 
@@ -117,17 +121,20 @@ def _features(w, cost) -> list[float]:
             layers * pre_flops, layers * kv_bytes, cost.comm_time(w), w.sampled * m.vocab_size / cost.tp,
             cost.matmul_time(w, threads=shard_threads) if shard_threads > 1 else 0.0,
             layers * w.tokens * m.n_embd / cost.tp, cost.weight_stream_bytes(w),
-            m.vocab_size * m.n_embd / cost.tp if w.sampled else 0.0]
+            m.vocab_size * m.n_embd / cost.tp if w.sampled else 0.0,
+            float(w.prefill_attn_pairs > 0)]
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
-               mean: bool = False, head: bool | float = True, dram: bool | float = True) -> dict[str, float]:
+               mean: bool = False, head: bool | float = True, dram: bool | float = True,
+               prefill: bool | float = True) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
     cost models carry the layout's tp and pp and a profile without layout constants. `threads`
     per shard bound matmul_scale from below: t threads at best divide the one-thread time by t.
     `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
     per-sequence costs); a number fixes it at that many ns; `head` likewise for head_ns; `dram`
-    likewise for the seconds per weight byte read past the cache (1 / dram_weight_gb_s / 1e9).
+    likewise for the seconds per weight byte read past the cache (1 / dram_weight_gb_s / 1e9);
+    `prefill` likewise for prefill_step_ms (ms).
     By default the fit follows the typical step (relative errors reweighted toward least absolute
     deviations); `mean=True` fits the mean step instead, relative to the geometric mean of the
     fitted and the measured time. The served fit (tuner.measure._served) used the mean from pass 9
@@ -144,7 +151,8 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     model TPOT at 0.8 x saturation +77% one-shard, +77% PP2)."""
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
-    fixed = {j: 0.0 if v is False else float(v) * scale for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0))
+    fixed = {j: 0.0 if v is False else float(v) * scale
+             for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0), (13, prefill, 1e-3))
              if v is not True}
     full = a.copy()
     for j, v in fixed.items():
@@ -188,6 +196,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "token_layer_width_ns": x[10] * 1e9,
             "dram_weight_gb_s": 1 / x[11] / 1e9 if x[11] > 0 else 0.0,  # 0: no step read weights past the cache
             "head_ns": x[12] * 1e9,
+            "prefill_step_ms": x[13] * 1e3,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
             "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}

@@ -210,7 +210,7 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
 LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s", "head_ns",
-                   "request_overhead_per_seq_ms")
+                   "request_overhead_per_seq_ms", "prefill_step_ms")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
 shard of several threads, a factor on the rate table's time at those threads (added to
@@ -221,7 +221,10 @@ tokens per sequence, so it is not the per-sequence cost); and the rate (GB/s) at
 weights that do not fit the last-level cache (HardwareProfile.cache_mib), beyond the rate table's
 time (0: no such term); and ns per entry of the shard's LM-head weight (vocabulary x width) in a
 step that samples, whatever its batch (the head's fixed work beyond the rate table's matmul); and
-the layout's request_overhead_per_seq_ms (HardwareProfile's field of that name)."""
+the layout's request_overhead_per_seq_ms (HardwareProfile's field of that name); and ms of a step
+that holds a prefill chunk, beyond what its tokens and layers cost (the prefill path's own fixed
+work: the module path's dispatch of its ops, each prefill's attention call and causal mask, the
+chunk's block-table and slot bookkeeping)."""
 LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
                 "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms",
                 "served_ttft_log_error", "served_overhead_per_seq_ms")

@@ -78,6 +78,7 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
                                     "attention_kv_gb_s": round(lay["attention_kv_gb_s"] / t["attention"], 6),
                                     "vocab_seq_ns": round(lay.get("vocab_seq_ns", 0.0) * t["seq"], 6),
                                     "head_ns": round(lay.get("head_ns", 0.0) * t["seq"], 6),
+                                    "prefill_step_ms": round(lay.get("prefill_step_ms", 0.0) * t["step"], 6),
                                     # weights read past the cache are part of the matmul time
                                     "dram_weight_gb_s": round(lay.get("dram_weight_gb_s", 0.0) / t["matmul"], 6),
                                     # a layout's matmul reads the one-thread table: where its shards run
