@@ -48,6 +48,7 @@ LAUNCH_GRACE_S = 60.0
 """A launched job that has not written its pid within this is taken as lost."""
 HOST = socket.gethostname()
 RECIPE_KEYS = ("num_virtual_tokens", "prompt_depth", "encoder", "encoder_hidden_size", "encoder_residual", "init_text", "append_eos",
+               "choice_loss", "choice_limit",
                "template", "lr", "warmup_steps", "batch_size", "max_steps", "eval_every", "patience", "val_fraction",
                "max_examples", "precision", "time_budget_s", "seed")
 """training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
