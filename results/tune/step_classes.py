@@ -12,6 +12,7 @@ median of predicted / measured.
 """
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def report(title: str, cost: CostModel, rows) -> None:
 
 def main() -> None:
     prof = load_profile(sys.argv[1])
-    data = json.loads(open(sys.argv[2]).read())
+    data = json.loads(Path(sys.argv[2]).read_text())
     only = sys.argv[3] if len(sys.argv) > 3 else None
     if "rows" in data:  # accuracy.json
         for r in data["rows"]:
