@@ -392,7 +392,6 @@ def test_served_steps_fit_back_to_known_constants():
     assert request_overheads_s(SimpleNamespace(records=recs), one, (0.5, 7.0)) == pytest.approx([0.0288] * 3)
 
 
-
 def test_prefill_step_cost_only_on_steps_with_a_prefill():
     """A layout's prefill_step_ms adds to a step that holds a prefill chunk, never to a decode-only
     step; a layout without it (older profiles) predicts as before."""

@@ -177,7 +177,7 @@ def _batch_loss(model, table: torch.Tensor, batch: list[Example], choices: torch
         # the label among the labels alone: its gradient is the classes' difference only, which the
         # full-vocabulary loss buries under the shared "answer with a label" direction (PET's verbaliser loss)
         first_logits = logits[firsts][:, choices]  # (B, K)
-        which = (tgt[firsts][:, None] == choices[None]).float().argmax(-1)
+        which = torch.searchsorted(choices, tgt[firsts])  # answer_choices gives them sorted
         loss = loss + choice_weight * nn.functional.cross_entropy(first_logits, which)
     right = (logits.argmax(-1) == tgt).tolist()
     k, exact = 0, 0
@@ -353,7 +353,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
         log.close()
     metrics = {"steps": step, "stopped": stopped, "precision": precision, "train_seconds": round(time.perf_counter() - t0, 2),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
-               "val_examples": len(val), "answer_choices": 0 if choices is None else len(choices), "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
+               "val_examples": len(val), "answer_choices": 0 if choices is None else len(choices),
+               "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
                "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                                       if p.grad is not None)}
     peft_type = ("PREFIX_TUNING" if every_layer else "PROMPT_TUNING" if recipe.encoder == "embedding"

@@ -16,12 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_tuner import MODELS
 from tuner.cost import CostModel, StepWork
 from tuner.probe_model import gpt2_shape
 from tuner.profiles import load_profile
-
-MODELS = {"default": gpt2_shape(4, 6, 384, vocab_size=8192, positions=256),
-          "gpt2-124m": gpt2_shape(12, 12, 768, vocab_size=50257, positions=1024)}  # as benchmarks/bench_tuner.py
 
 
 def report(title: str, cost: CostModel, rows) -> None:
