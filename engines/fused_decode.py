@@ -6,9 +6,11 @@ attention, GELU, residual adds, FastLinear's dispatch; BENCHMARKS.md issue 12 ru
 waits on the interpreter while no weight is read. Here the blocks of a decode-only step run as one
 C++ function calling the same kernels in the same order as engines/model.py with FastLinear "panel"
 Linears and engines/paged_kernel attention: at::layer_norm, the panel Linear (engines/panel_kernel.py)
-with its bias, the KV writes (index_copy_), paged decode attention, the output projection plus the
-residual, layer_norm, the up projection, GELU, the down projection plus the residual. The same ops
-on the same inputs: the hidden states are bitwise those of the module path (tests).
+with its bias, the KV writes (one memcpy a row: what index_copy_ does), paged decode attention, the
+output projection plus the residual (added in the Linear's store loop, after its result is rounded,
+as torch's add), layer_norm, the up projection, GELU, the down projection plus the residual. The same
+arithmetic on the same inputs: the hidden states are bitwise those of the module path (tests). The
+blocks' ~170 weight and cache tensors are handed to C++ once (`bind`); a step passes a handle.
 
 It applies where the module path would run exactly those kernels: a GPT-2-style model (LayerNorm,
 GELU, learned positions, no gated MLP) on CPU, every block Linear a FastLinear whose timed choice for
@@ -35,16 +37,43 @@ namespace {
 c10::optional<torch::Tensor> given(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
+
+// cache[slots[m]] = qkv[m, off:off + n] for each of the step's M rows (what index_copy_ does), one
+// memcpy a row where the cache is a contiguous (slots, n) table of qkv's dtype; index_copy_ otherwise
+void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& qkv, int64_t off,
+                int64_t nkv, int64_t hd) {
+  const int64_t M = qkv.size(0), n = nkv * hd;
+  if (!cache.is_contiguous() || cache.scalar_type() != qkv.scalar_type() || !qkv.is_contiguous() ||
+      slots.scalar_type() != at::kLong || !slots.is_contiguous() || cache.numel() != cache.size(0) * n) {
+    cache.index_copy_(0, slots, qkv.narrow(1, off, n).view({M, nkv, hd}));
+    return;
+  }
+  const int64_t S = cache.size(0), ld = qkv.size(1), es = qkv.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(qkv.data_ptr());
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(sp[m] >= 0 && sp[m] < S, "decode_blocks: cache slot ", sp[m], " out of range [0, ", S, ")");
+    std::memcpy(dst + sp[m] * n * es, src + (m * ld + off) * es, n * es);
+  }
+}
+
+// the tensors of one model's blocks, bound once (bind): a step passes a handle, not ~170 tensors
+struct Bound {
+  std::vector<torch::Tensor> w, k_caches, v_caches;
+};
+std::mutex bound_mu;
+std::vector<std::shared_ptr<Bound>> bound;
 }  // namespace
 
 // x (M, C): the step's M decode tokens after the embeddings; w: 12 tensors a layer (norm1 weight,
 // bias; qkv panels, bias; proj panels, bias; norm2 weight, bias; up panels, bias; down panels, bias;
 // an empty tensor for no bias); k_caches / v_caches (slots, nkv, hd) a layer; slots (M) int64 cache
 // slots of this step's keys; table (M, max_blocks), lens (M) as paged_decode -> (M, C) after the blocks
-torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<torch::Tensor> k_caches,
-                            std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor table,
-                            torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn, double eps,
-                            bool gelu_tanh) {
+torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                            torch::Tensor slots, torch::Tensor table, torch::Tensor lens, int64_t block_size,
+                            int64_t n_head, int64_t ffn, double eps, bool gelu_tanh) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && static_cast<int64_t>(w.size()) == 12 * L &&
               static_cast<int64_t>(v_caches.size()) == L, "decode_blocks: x (M, C), 12 tensors and 2 caches a layer");
@@ -52,22 +81,46 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> w, std::
   const int64_t nkv = k_caches[0].size(1), hd = k_caches[0].size(2);
   const int64_t qn = n_head * hd, kn = nkv * hd;
   const c10::string_view approximate = gelu_tanh ? "tanh" : "none";
+  x = x.contiguous();
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* p = w.data() + 12 * l;
     auto h = at::layer_norm(x, {C}, p[0], p[1], eps);
     auto qkv = panel_src::panel_linear(h, p[2], qn + 2 * kn, given(p[3]));  // (M, qn + 2 kn)
-    auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});
-    auto v = qkv.narrow(1, qn + kn, kn).view({M, nkv, hd});
-    k_caches[l].index_copy_(0, slots, k);
-    v_caches[l].index_copy_(0, slots, v);
+    write_rows(k_caches[l], slots, qkv, qn, nkv, hd);
+    write_rows(v_caches[l], slots, qkv, qn + kn, nkv, hd);
     auto y = paged_src::paged_decode(qkv.narrow(1, 0, qn).view({M, n_head, hd}), k_caches[l], v_caches[l],
                                      table, lens, block_size);  // (M, nh, hd)
-    x = x + panel_src::panel_linear(y.view({M, qn}), p[4], C, given(p[5]));
+    x = panel_src::panel_linear_res(y.view({M, qn}), p[4], C, given(p[5]), x);  // x + proj(y)
     h = at::layer_norm(x, {C}, p[6], p[7], eps);
     auto u = at::gelu(panel_src::panel_linear(h, p[8], ffn, given(p[9])), approximate);
-    x = x + panel_src::panel_linear(u, p[10], C, given(p[11]));
+    x = panel_src::panel_linear_res(u, p[10], C, given(p[11]), x);  // x + down(u)
   }
   return x;
+}
+
+int64_t bind(std::vector<torch::Tensor> w, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
+  TORCH_CHECK(!k_caches.empty() && w.size() == 12 * k_caches.size() && v_caches.size() == k_caches.size(),
+              "bind: 12 tensors and 2 caches a layer");
+  std::lock_guard<std::mutex> g(bound_mu);
+  bound.push_back(std::make_shared<Bound>(Bound{std::move(w), std::move(k_caches), std::move(v_caches)}));
+  return static_cast<int64_t>(bound.size()) - 1;
+}
+
+void unbind(int64_t handle) {
+  std::lock_guard<std::mutex> g(bound_mu);
+  if (handle >= 0 && handle < static_cast<int64_t>(bound.size())) bound[handle].reset();
+}
+
+// decode_blocks on the tensors bound under `handle`
+torch::Tensor decode_bound(int64_t handle, torch::Tensor x, torch::Tensor slots, torch::Tensor table, torch::Tensor lens,
+                           int64_t block_size, int64_t n_head, int64_t ffn, double eps, bool gelu_tanh) {
+  std::shared_ptr<Bound> b;
+  {
+    std::lock_guard<std::mutex> g(bound_mu);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle], "decode_bound: no tensors bound as ", handle);
+    b = bound[handle];
+  }
+  return decode_blocks(x, b->w, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps, gelu_tanh);
 }
 """
 
@@ -87,14 +140,15 @@ def combined_source() -> str:
         includes += [i for i in inc if i not in includes and "immintrin" not in i]
         parts.append(f"namespace {name} {{\n{body}\n}}  // namespace {name}\n")
     # immintrin.h only where the panel kernel uses it (its own guard, kept in its body, is now empty)
-    head = "\n".join(includes) + "\n#include <vector>\n#if defined(__AVX512BF16__)\n#include <immintrin.h>\n#endif\n"
+    head = "\n".join(includes) + "\n#include <memory>\n#include <mutex>\n#include <vector>\n#if defined(__AVX512BF16__)\n#include <immintrin.h>\n#endif\n"
     return head + "".join(parts) + _LOOP
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable); built on first use."""
-    return build("shardserve_fused_", combined_source(), ["decode_blocks"], "CPU fused decode step")
+    return build("shardserve_fused_", combined_source(), ["decode_blocks", "bind", "unbind", "decode_bound"],
+                 "CPU fused decode step")
 
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:
@@ -135,6 +189,7 @@ class FusedDecode:
             self.weights += [b.norm1.weight, b.norm1.bias, a.qkv.panels, _bias(a.qkv, empty), a.proj.panels,
                              _bias(a.proj, empty), b.norm2.weight, b.norm2.bias, m.up.panels, _bias(m.up, empty),
                              m.down.panels, _bias(m.down, empty)]
+        self.handle = mod.bind(self.weights, k_caches, v_caches)  # held in C++: a step passes only the handle
         self.n_head, self.ffn, self.eps = cfg.n_head, cfg.ffn_dim, cfg.norm_eps
         self.gelu_tanh = cfg.activation == "gelu_tanh"
         self._ok: dict[tuple[bool, bool], bool] = {}
@@ -162,9 +217,14 @@ class FusedDecode:
         """input_ids, positions (1, M) of M decode tokens -> hidden states (1, M, C) after the final norm."""
         model = self.model
         x = model.wte(input_ids) + model.wpe(positions)  # (1, M, C), as GPT.forward
-        x = self.mod.decode_blocks(x[0], self.weights, self.k_caches, self.v_caches, slots, table, lens,
-                                   block_size, self.n_head, self.ffn, self.eps, self.gelu_tanh)
+        x = self.mod.decode_bound(self.handle, x[0], slots, table, lens, block_size, self.n_head, self.ffn,
+                                  self.eps, self.gelu_tanh)
         return model.norm_f(x[None])
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            self.mod.unbind(handle)  # the engine is gone: its weights and caches may be freed
 
 
 def _bias(lin: nn.Module, empty: torch.Tensor) -> torch.Tensor:

@@ -158,17 +158,21 @@ void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* a
   }
 }
 
-// xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N)
+// xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N); with res
+// (M, N), out = res + (the Linear's output rounded to T), rounded to T: what `res + linear(x)` gives
 template <typename X, typename T>
-void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, T* out) {
+void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out) {
   const int64_t P = (N + NR - 1) / NR;
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
   auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
     const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
     for (int m = 0; m < r; ++m)
-      for (int64_t j = 0; j < nn; ++j)
-        out[(m0 + m) * N + n0 + j] = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+      for (int64_t j = 0; j < nn; ++j) {
+        const int64_t i = (m0 + m) * N + n0 + j;
+        const T y = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+        out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
+      }
   };
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float acc[MR * NR];
@@ -208,14 +212,20 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();
 }
 
-// x (M, K), panels of a weight with N outputs, optional bias (N) -> (M, N) in x's dtype
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+// x (M, K), panels of a weight with N outputs, optional bias (N), optional residual (M, N) -> (M, N) in
+// x's dtype: x @ W^T + bias, plus the residual (added after the Linear's result is rounded, as torch's add)
+torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
+                               c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2, "panel_linear: x (M, K)");
   TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "panel_linear: x and the weight must share a dtype");
   TORCH_CHECK(panels.is_contiguous() && panels.size(0) == (N + NR - 1) / NR && panels.size(2) == NR,
               "panel_linear: panels of N outputs");
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, x.options());
+  const bool with_res = residual.has_value() && residual->defined();
+  if (with_res)
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->is_contiguous() && residual->dim() == 2 &&
+                residual->size(0) == M && residual->size(1) == N, "panel_linear: a contiguous (M, N) residual of x's dtype");
   torch::Tensor bf;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -225,7 +235,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
   if (x.scalar_type() == torch::kFloat) {
     TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K, "panel_linear: fp32 panels (P, K, 16)");
     auto xt = x.t().contiguous();  // (K, M): one input's row values adjacent
-    run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, out.data_ptr<float>());
+    run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, with_res ? residual->data_ptr<float>() : nullptr,
+        out.data_ptr<float>());
   } else if (x.scalar_type() == torch::kBFloat16) {
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
@@ -233,11 +244,15 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
     auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
     auto xt = xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a row's pair is 32 bits
     run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
-        N, bp, out.data_ptr<c10::BFloat16>());
+        N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(false, "panel_linear: float32 or bfloat16, got ", x.scalar_type());
   }
   return out;
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  return panel_linear_res(x, panels, N, bias, c10::nullopt);
 }
 """
 

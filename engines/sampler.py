@@ -48,9 +48,12 @@ def completion_seed(seed: int, index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int, device: torch.device):
+    def __init__(self, vocab_size: int, seed: int, device: torch.device, argmax=None):
+        """argmax: a function (S, V) fp32 CPU logits -> (S) int64 that equals torch.argmax(dim=-1)
+        (engines/paged_kernel.py argmax_rows, vectorized); None: torch's."""
         self.vocab_size = vocab_size
         self.device = device
+        self._argmax = argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.states: dict[int, SeqSamplerState] = {}
 
@@ -81,13 +84,13 @@ class Sampler:
         logits = self._suppress_and_penalise(states, logits)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
         elif not any(greedy):
             tokens = self._draw(states, logits)
         else:
             tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
             g = torch.tensor(greedy, device=logits.device)
-            tokens[g] = logits[g].argmax(dim=-1)
+            tokens[g] = self.argmax(logits[g])
             rows = [i for i, x in enumerate(greedy) if not x]
             tokens[rows] = self._draw([states[i] for i in rows], logits[rows])
         tok_list = tokens.tolist()
@@ -101,6 +104,12 @@ class Sampler:
                 entry = self.logprob_entry(raw_lp[i], tok, params[i].logprobs)
             out.append((tok, entry))
         return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (S, V) -> (S) greedy tokens: the first index of each row's maximum."""
+        if self._argmax is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self._argmax(logits)
+        return logits.argmax(dim=-1)
 
     @staticmethod
     def logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:

@@ -71,7 +71,12 @@ class ModelRunner:
         self.compile_s = self._warm_up_compiled() if self.decode_runner is not None else 0.0
         self.decode_kernel = self._resolve_decode_kernel(engine_cfg.decode_attention)
         self.fused = self._resolve_fused(engine_cfg.fused_decode)
-        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device)
+        argmax = None
+        if self.decode_kernel:  # the paged kernel's module also has a vectorized argmax
+            from engines.paged_kernel import load
+
+            argmax = load()[0].argmax_rows
+        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device, argmax=argmax)
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype, cfg.n_layer, cfg.kv_heads,
                                        cfg.hd)  # p-tuning, prefill only
 

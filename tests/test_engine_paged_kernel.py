@@ -130,3 +130,31 @@ def test_kernel_asked_for_but_unavailable_fails_at_load(gpt2_dir, monkeypatch):
         LLMEngine(gpt2_dir, EngineConfig(decode_attention="kernel", cpu_linear_autotune=False))
     auto = LLMEngine(gpt2_dir, EngineConfig(decode_attention="auto", cpu_linear_autotune=False))
     assert auto.executor.runner.decode_kernel is False
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_is_torch_argmax(threads):
+    """The vectorized greedy pick: first index of the maximum, ties across lanes and the tail, -inf
+    rows, +inf, NaN (torch counts a NaN as the maximum: its first NaN), short rows and a GPT-2 row."""
+    argmax_rows = load()[0].argmax_rows
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for V in (1, 5, 16, 31, 32, 33, 47, 100, 50257):
+            x = torch.randn(9, V)
+            x[1] = 0.5  # every entry tied: index 0
+            x[2] = float("-inf")  # a fully banned row
+            x[3, V // 2:] = x[3].max() + 1  # ties from the middle on: the first of them
+            x[4, -1] = float("inf")
+            x[5, V // 3] = float("nan")
+            x[6, (V - 1, V // 2)] = float("nan")  # two NaNs: the earlier one
+            x[7] = torch.randint(0, 3, (V,)).float()  # many ties at 2
+            x[8, 0] = float("nan")
+            assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), V
+        half = torch.randn(4, 2 * 50257)[:, ::2]  # not contiguous
+        assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="float32"):
+        argmax_rows(torch.randn(2, 8).to(torch.bfloat16))
