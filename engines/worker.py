@@ -172,8 +172,8 @@ class ModelRunner:
                 lp_rows.append((w.seq_id, offset + w.prompt_lp_from - w.start_pos, len(w.prompt_lp_targets)))
             offset += len(w.token_ids)
         if sample_rows:
-            rows = torch.tensor(sample_rows, device=self.device)
-            logits = self.model.logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[rows])
+            logits = self.model.logits(hidden if len(sample_rows) == hidden.shape[0]
+                                       else hidden[torch.tensor(sample_rows, device=self.device)])
             for seq_id, (tok, lp) in zip(sample_ids, self.sampler.sample(sample_ids, logits)):
                 result.seqs[seq_id] = SeqResult(token_id=tok, logprob=lp)
         by_id = {w.seq_id: w for w in works}
