@@ -42,6 +42,10 @@ class ValidateSettings:
     sweep_tolerance: float = 0.05
     startup_timeout_s: float = 240.0
     seed: int = 0
+    recalibrate: bool = False
+    """Before each load test (the server up and idle) take the host reference (tuner.hostref) and
+    predict with the profile recalibrated to it; the profile's own prediction is kept beside it
+    as "predicted_as_profiled". Needs a profile with a host_reference."""
 
 
 def checkpoint_for(model: ModelConfig, model_path: str | None, work_dir: Path) -> Path:
@@ -124,6 +128,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     from loadtest.runner import run as loadtest_run
     from loadtest.slo_sweep import sweep
     from tuner.emit import deployment, write_yaml
+    from tuner.hostref import host_reference, recalibrated
     from tuner.probe_model import prompt_extra_tokens, text_token_share
     from tuner.server import Server
 
@@ -147,13 +152,25 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
             time.sleep(PUSH_WAIT_S)  # the warm-up's (or the last run's) replica metrics reach the hub
             sums0 = replica_latency_sums(url, "tuned")
+            now, prof = {}, profile
+            if settings.recalibrate and profile.host_reference:  # the host's state just before the run
+                now = host_reference(cache_mib=profile.cache_mib or 32.0)
+                prof = recalibrated(profile, now)
             t0 = time.monotonic()
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
             run = run_of(model, cand, sched, rep, extra, share)
-            pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
-            steps = served_steps_check(url, "tuned", t0, cost)  # waits for the replicas' next push
-            points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
-                           "error": errors(pred, meas), "steps": steps,
+            pred, meas = predict_run(prof, run, slos), measured_run(run, rep, slos)
+            point = {"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
+                     "error": errors(pred, meas)}
+            if now:
+                own = predict_run(profile, run, slos)
+                point.update(host_reference_now=now, host_scale=prof.host_scale, predicted_as_profiled=own,
+                             error_as_profiled=errors(own, meas))
+            steps = served_steps_check(url, "tuned", t0, CostModel(model, prof, tp=cand.tp, pp=cand.pp,
+                                                                    weight_dtype=cand.weight_dtype))
+            if now:  # a diagnostic: the host after the run (not used to predict it)
+                point["host_reference_after"] = host_reference(cache_mib=profile.cache_mib or 32.0)
+            points.append({**point, "steps": steps,
                            "latency_split": latency_split(sums0, replica_latency_sums(url, "tuned"), run)})
             runs.append(run)
         if sweep_from:
