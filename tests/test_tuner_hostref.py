@@ -42,6 +42,7 @@ def test_scales_are_time_ratios_now_against_the_profile_clamped():
                     {"decode_us": 900.0, "read_gb_s": 45.0, "steal_pct": 3.0}])
     assert both["decode_us"] == pytest.approx(600.0) and both["read_gb_s"] == pytest.approx(30.0)
     assert both["steal_pct"] == 2.0 and both["samples"] == 2
+    assert (both["decode_us_first"], both["decode_us_last"]) == (400.0, 900.0)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -80,7 +81,7 @@ def test_profile_yaml_keeps_the_reference_and_checks_the_scale(tmp_path):
 
 def test_host_reference_measures_this_host():
     ref = host_reference(budget_s=0.2)
-    assert ref["decode_us"] > 0 and ref["read_gb_s"] > 0 and 0 <= ref["steal_pct"] <= 100
+    assert ref["decode_us"] > 0 and ref["read_gb_s"] > 0 and ref["matmul_us"] > 0 and 0 <= ref["steal_pct"] <= 100
 
 
 def test_predict_recalibrate(tmp_path):

@@ -233,10 +233,10 @@ def search_cmd(
     typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
     if validate:
         _validate(ranked, validate, m, profile, Workload(input_len, output_len, num_prompts), slos, objective, out,
-                  model_path, validate_prompts)
+                  model_path, validate_prompts, recalibrate)
 
 
-def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts) -> None:
+def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts, recalibrate=False) -> None:
     from tuner.closed_loop import closed_loop
     from tuner.server import ServeError
     from tuner.validate import METRICS, ValidateSettings
@@ -246,7 +246,8 @@ def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompt
               f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
     try:
         rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
-                          ValidateSettings(num_prompts=prompts), progress=lambda s: typer.echo(s, err=True))
+                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate),
+                          progress=lambda s: typer.echo(s, err=True))
     except (ServeError, FileNotFoundError) as exc:
         _fail(str(exc))
     typer.echo("\npredicted / measured (error) on each candidate's accuracy run; goodput by rate sweep")

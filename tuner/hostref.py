@@ -13,7 +13,8 @@ constants are fitted in minutes of one host state and a deployment may run in an
 - `read_gb_s`: a float32 sum over a buffer four times the last-level cache (the weight-streaming
   rate of a model copy that outgrows the cache);
 - `steal_pct`: the share of the CPUs' time the hypervisor gave to other guests meanwhile
-  (/proc/stat; a diagnostic).
+  (/proc/stat), `matmul_us` (a 4-row 768 -> 3072 Linear) and `load1` (the 1-minute load average):
+  diagnostics, not used to scale.
 
 `tune profile` takes it while its probes are served (the probe server up, before and after the
 probes' load tests) and saves it as the profile's `host_reference`; `recalibrated(profile, now)`
@@ -80,16 +81,25 @@ def host_reference(budget_s: float = 0.6, cache_mib: float = 32.0) -> dict[str, 
                 x = x + F.linear(F.gelu(F.linear(h, up)), down)
 
         times = []
-        t_end = time.perf_counter() + budget_s * 0.6
+        t_end = time.perf_counter() + budget_s * 0.5
         decode()
         while time.perf_counter() < t_end or len(times) < 20:
             t0 = time.perf_counter()
             decode()
             times.append(time.perf_counter() - t0)
         decode_us = statistics.median(times) * 1e6
+        # a diagnostic (not used to scale): a 4-row (768 -> 3072) Linear, the rate table's shape
+        xw, ww = rnd(4, 768), rnd(3072, 768)
+        mms = []
+        t_end = time.perf_counter() + budget_s * 0.15
+        F.linear(xw, ww)
+        while time.perf_counter() < t_end or len(mms) < 20:
+            t0 = time.perf_counter()
+            F.linear(xw, ww)
+            mms.append(time.perf_counter() - t0)
         buf = torch.ones(int(4 * max(cache_mib, 8.0) * 2**20) // 4, dtype=torch.float32)
         reads = []
-        t_end = time.perf_counter() + budget_s * 0.4
+        t_end = time.perf_counter() + budget_s * 0.35
         buf.sum()
         while time.perf_counter() < t_end or len(reads) < 5:
             t0 = time.perf_counter()
@@ -100,16 +110,21 @@ def host_reference(budget_s: float = 0.6, cache_mib: float = 32.0) -> dict[str, 
         torch.set_num_threads(before)
     s1 = _steal_jiffies()
     steal = 100.0 * (s1[0] - s0[0]) / max(s1[1] - s0[1], 1) if s0 and s1 else 0.0
-    return {"decode_us": round(decode_us, 2), "read_gb_s": round(read_gb_s, 2), "steal_pct": round(steal, 2)}
+    return {"decode_us": round(decode_us, 2), "read_gb_s": round(read_gb_s, 2), "steal_pct": round(steal, 2),
+            "matmul_us": round(statistics.median(mms) * 1e6, 2),
+            "load1": float(Path("/proc/loadavg").read_text().split()[0]) if Path("/proc/loadavg").exists() else 0.0}
 
 
 def combine(refs: list[dict[str, float]]) -> dict[str, float]:
-    """One reference of several taken over a measurement (geometric means; steal: the mean)."""
+    """One reference of several taken over a measurement (geometric means; the diagnostics: means)."""
     out = {}
     for key in ("decode_us", "read_gb_s"):
         out[key] = round(math.exp(sum(math.log(r[key]) for r in refs) / len(refs)), 2)
-    out["steal_pct"] = round(sum(r.get("steal_pct", 0.0) for r in refs) / len(refs), 2)
+    for key in ("steal_pct", "matmul_us", "load1"):
+        if all(key in r for r in refs):
+            out[key] = round(sum(r[key] for r in refs) / len(refs), 2)
     out["samples"] = len(refs)
+    out["decode_us_first"], out["decode_us_last"] = refs[0]["decode_us"], refs[-1]["decode_us"]
     return out
 
 
