@@ -150,14 +150,17 @@ def _report(rows: list[dict], target: float) -> None:
             print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} "
                   f"({r['share_of_predicted_saturation']:.2f}) | {cells} | {r['load_start'][0]} -> {r['load_end'][0]} |")
         if pred == "predicted" and any("host_scale" in r for r in sel):
-            print("\nthe host reference (tuner.hostref) of the profile, before each run and after it: decode_us, "
-                  "read GB/s -> the scales applied (cpu, memory)\n")
+            print("\nthe host reference (tuner.hostref: decode_us, read GB/s) of the profile; of each layout before its "
+                  "server starts (used), with the server up before the run and after it (diagnostics) -> the scales "
+                  "applied (cpu, memory)\n")
             print(f"- profile: {json.dumps(rows[0].get('profile_host_reference', {}))}")
             for r in sel:
                 if "host_scale" in r:
                     b, a = r["host_reference_now"], r.get("host_reference_after", {})
-                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: before "
+                    sv = r.get("host_reference_served", {})
+                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: no server "
                           f"{b['decode_us']:.0f} us, {b['read_gb_s']:.1f} GB/s (steal {b.get('steal_pct', 0):.1f}%); "
+                          f"server up {sv.get('decode_us', float('nan')):.0f} us, {sv.get('read_gb_s', float('nan')):.1f} GB/s; "
                           f"after {a.get('decode_us', float('nan')):.0f} us, {a.get('read_gb_s', float('nan')):.1f} GB/s"
                           f" -> cpu x{r['host_scale']['cpu']:.3f}, memory x{r['host_scale']['memory']:.3f}")
         if pred == "predicted" and any(r.get("steps", {}).get("cycles") for r in sel):

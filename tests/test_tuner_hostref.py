@@ -43,6 +43,9 @@ def test_scales_are_time_ratios_now_against_the_profile_clamped():
     assert both["decode_us"] == pytest.approx(600.0) and both["read_gb_s"] == pytest.approx(30.0)
     assert both["steal_pct"] == 2.0 and both["samples"] == 2
     assert (both["decode_us_first"], both["decode_us_last"]) == (400.0, 900.0)
+    # a diagnostic in one reference only (the probe server's, taken once) is kept as it is
+    one = combine([{"decode_us": 400.0, "read_gb_s": 20.0, "served_decode_us": 700.0}, {"decode_us": 900.0, "read_gb_s": 45.0}])
+    assert one["served_decode_us"] == 700.0 and "steal_pct" not in one
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -16,8 +16,9 @@ constants are fitted in minutes of one host state and a deployment may run in an
   (/proc/stat), `matmul_us` (a 4-row 768 -> 3072 Linear) and `load1` (the 1-minute load average):
   diagnostics, not used to scale.
 
-`tune profile` takes it while its probes are served (the probe server up, before and after the
-probes' load tests) and saves it as the profile's `host_reference`; `recalibrated(profile, now)`
+`tune profile` takes it with no server of its own up, before its probe server starts and after it
+stops, and saves it as the profile's `host_reference` (with one taken with the idle probe server up
+as served_decode_us / served_read_gb_s, a diagnostic); `recalibrated(profile, now)`
 scales the profile's CPU-bound step terms (matmuls, attention, fixed per-step / layer / sequence
 costs, collectives, the request overhead) by now.decode_us / profile's, and the weight-streaming
 term by profile's read_gb_s / now's (HardwareProfile.host_scale). The constants of a prediction are
@@ -120,7 +121,10 @@ def combine(refs: list[dict[str, float]]) -> dict[str, float]:
     out = {}
     for key in ("decode_us", "read_gb_s"):
         out[key] = round(math.exp(sum(math.log(r[key]) for r in refs) / len(refs)), 2)
-    for key in ("steal_pct", "matmul_us", "load1"):
+    for key in ("steal_pct", "matmul_us", "load1", "served_decode_us", "served_read_gb_s"):
+        if any(key in r for r in refs) and not all(key in r for r in refs):
+            out[key] = next(r[key] for r in refs if key in r)
+            continue
         if all(key in r for r in refs):
             out[key] = round(sum(r[key] for r in refs) / len(refs), 2)
     out["samples"] = len(refs)

@@ -195,7 +195,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             steps_out: Path | None = None) -> tuple[dict[str, dict[str, float]], float, str, list[dict]]:
     """Serve the probes in every layout of this host and fit each layout's constants on its served
     step cycles (tuner.measure_served); (layouts, request_overhead_ms, a note for fit_notes, the host
-    references taken with the probe server up: tuner.hostref)."""
+    references taken before and after the probe server: tuner.hostref)."""
     import numpy as np
 
     from engines.scheduler import SchedulerConfig
@@ -228,14 +228,18 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             name = f"p{i}-{layout_key(tp, pp)}"
             copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
-    progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
     from tuner.hostref import host_reference
 
-    served = serve_probes(copies, tmp, dtype, base, progress,
-                          reference=lambda: host_reference(cache_mib=base.cache_mib or 32.0))
-    refs = served.pop("_host_reference")
-    progress("host reference with the probes served (before, after): "
-             + ", ".join(f"{r['decode_us']:.0f} us a decode, {r['read_gb_s']:.1f} GB/s" for r in refs))
+    def reference() -> dict:
+        return host_reference(cache_mib=base.cache_mib or 32.0)
+
+    # the host reference with no server of ours up, before the probes and after them (as bench_tuner
+    # and `--recalibrate` take theirs: passes 21-22 took it with the probe server up, and the idle
+    # eight-copy server slowed it 10-20% where it did not slow the probes' steps alike)
+    refs = [reference()]
+    progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
+    served = serve_probes(copies, tmp, dtype, base, progress, reference=reference)
+    served_ref = served.pop("_host_reference")[0]
     layouts: dict[str, dict[str, float]] = {}
     notes = []
     for key in dict.fromkeys(k for k, _ in meta.values()):
@@ -315,5 +319,10 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                               if not r.warmup],
                                                 "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
+    refs.append(reference())  # the probe server is gone (and its fits done: Ray's processes had time to exit)
+    progress("host reference without a server (before, after the probes): "
+             + ", ".join(f"{r['decode_us']:.0f} us a decode, {r['read_gb_s']:.1f} GB/s" for r in refs)
+             + f"; with the probe server up (idle): {served_ref['decode_us']:.0f} us, {served_ref['read_gb_s']:.1f} GB/s")
+    refs[0] = {**refs[0], "served_decode_us": served_ref["decode_us"], "served_read_gb_s": served_ref["read_gb_s"]}
     return (layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")",
             refs)

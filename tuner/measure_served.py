@@ -119,8 +119,8 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
     load-test them one at a time and read each one's steps back:
     {name: {"runs": {requests in flight: loadtest Report}, "spans": {requests in flight: (start, end)
     on the monotonic clock}, "steps": [step dicts, oldest first]}}. With `reference`, its result
-    taken with the server up before the first copy's requests and after the last one's is under
-    the key "_host_reference" (a list of two: tuner.hostref)."""
+    taken with the server up before the first copy's requests is under the key "_host_reference"
+    (a list of one: tuner.hostref; a diagnostic of what the idle server costs the host)."""
     import yaml
 
     from loadtest.config import LoadTestConfig
@@ -156,8 +156,6 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
                                               request_rate=min(in_flight / e2e, n / least_s), num_prompts=n))
             spans["open"] = (t0, time.monotonic())
             out[name] = {"runs": runs, "spans": spans}
-        if reference is not None:
-            refs.append(reference())
         for name in copies:
             out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
     if refs:

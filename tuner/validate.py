@@ -43,9 +43,11 @@ class ValidateSettings:
     startup_timeout_s: float = 240.0
     seed: int = 0
     recalibrate: bool = False
-    """Before each load test (the server up and idle) take the host reference (tuner.hostref) and
-    predict with the profile recalibrated to it; the profile's own prediction is kept beside it
-    as "predicted_as_profiled". Needs a profile with a host_reference."""
+    """Before the candidate's server starts take the host reference (tuner.hostref; with no server
+    of ours up, as `tune profile` takes its own) and predict its runs with the profile recalibrated
+    to it; the profile's own prediction is kept beside it as "predicted_as_profiled", and references
+    taken with the server up (idle) before each run and after it as diagnostics. Needs a profile
+    with a host_reference."""
 
 
 def checkpoint_for(model: ModelConfig, model_path: str | None, work_dir: Path) -> Path:
@@ -142,6 +144,9 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     extra = prompt_extra_tokens(tok) if tok.is_file() else 0
     share = text_token_share(tok, model.vocab_size) if tok.is_file() else 1.0
     points, runs, sw = [], [], None
+    recal = bool(settings.recalibrate and profile.host_reference)
+    now = host_reference(cache_mib=profile.cache_mib or 32.0) if recal else {}  # no server of ours up
+    prof = recalibrated(profile, now) if recal else profile
     with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
                 "burstiness": w.burstiness, "random_input_len": w.input_len, "random_output_len": w.output_len,
@@ -152,23 +157,20 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
             time.sleep(PUSH_WAIT_S)  # the warm-up's (or the last run's) replica metrics reach the hub
             sums0 = replica_latency_sums(url, "tuned")
-            now, prof = {}, profile
-            if settings.recalibrate and profile.host_reference:  # the host's state just before the run
-                now = host_reference(cache_mib=profile.cache_mib or 32.0)
-                prof = recalibrated(profile, now)
+            served_now = host_reference(cache_mib=profile.cache_mib or 32.0) if recal else {}  # a diagnostic
             t0 = time.monotonic()
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
             run = run_of(model, cand, sched, rep, extra, share)
             pred, meas = predict_run(prof, run, slos), measured_run(run, rep, slos)
             point = {"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
                      "error": errors(pred, meas)}
-            if now:
+            if recal:
                 own = predict_run(profile, run, slos)
-                point.update(host_reference_now=now, host_scale=prof.host_scale, predicted_as_profiled=own,
-                             error_as_profiled=errors(own, meas))
+                point.update(host_reference_now=now, host_reference_served=served_now, host_scale=prof.host_scale,
+                             predicted_as_profiled=own, error_as_profiled=errors(own, meas))
             steps = served_steps_check(url, "tuned", t0, CostModel(model, prof, tp=cand.tp, pp=cand.pp,
                                                                     weight_dtype=cand.weight_dtype))
-            if now:  # a diagnostic: the host after the run (not used to predict it)
+            if recal:  # a diagnostic: the host after the run (not used to predict it)
                 point["host_reference_after"] = host_reference(cache_mib=profile.cache_mib or 32.0)
             points.append({**point, "steps": steps,
                            "latency_split": latency_split(sums0, replica_latency_sums(url, "tuned"), run)})
@@ -275,4 +277,5 @@ def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwarePro
     return {**res, "accuracy_rate_req_s": rate, "predicted": acc["predicted"], "measured": acc["measured"],
             "error": acc["error"], "predicted_goodput_req_s": cand.metrics["goodput_req_s"],
             "predicted_goodput_per_device": cand.metrics["goodput_per_device"],
-            "measured_goodput_per_device": measured_goodput / cand.metrics["devices"]}
+            "measured_goodput_per_device": measured_goodput / cand.metrics["devices"],
+            **{k: acc[k] for k in ("host_scale", "error_as_profiled") if k in acc}}
