@@ -9,7 +9,15 @@ from typer.testing import CliRunner
 
 from engines.config import ModelConfig
 from tuner.cost import COMPONENTS, CostModel, StepWork
-from tuner.hostref import SCALE_RANGE, combine, host_reference, host_scales, recalibrated
+from tuner.hostref import (
+    SCALE_RANGE,
+    combine,
+    host_reference,
+    host_scales,
+    recalibrated,
+    reference_without_server,
+    server_processes,
+)
 from tuner.profiles import HardwareProfile, ProfileError, load_profile
 
 LAYOUT = {"step_overhead_ms": 0.5, "layer_overhead_us": 100.0, "seq_layer_overhead_us": 10.0, "seq_overhead_us": 80.0,
@@ -82,9 +90,22 @@ def test_profile_yaml_keeps_the_reference_and_checks_the_scale(tmp_path):
         _profile(host_scale={"cpu": 0.0})
 
 
+def test_server_processes_are_counted_from_proc(tmp_path):
+    for pid, cmd in ((10, b"/usr/bin/python\0-m\0shardserve.cli\0serve\0--config\0x.yaml"),
+                     (11, b"/site-packages/ray/core/src/ray/raylet/raylet\0--node"), (12, b"ray::ServeReplica:tuned"),
+                     (13, b"/usr/bin/python\0benchmarks/bench_tuner.py"), (14, b"")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmd)
+    (tmp_path / "self").mkdir()
+    assert server_processes(tmp_path) == 3
+    assert server_processes(tmp_path / "none") == 0
+
+
 def test_host_reference_measures_this_host():
     ref = host_reference(budget_s=0.2)
     assert ref["decode_us"] > 0 and ref["read_gb_s"] > 0 and ref["matmul_us"] > 0 and 0 <= ref["steal_pct"] <= 100
+    quick = reference_without_server(max_wait_s=0.0, budget_s=0.1)
+    assert quick["decode_us"] > 0 and quick["waited_s"] >= 0 and quick["left"] >= 0
 
 
 def test_predict_recalibrate(tmp_path):

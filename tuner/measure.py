@@ -228,7 +228,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             name = f"p{i}-{layout_key(tp, pp)}"
             copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
-    from tuner.hostref import host_reference
+    from tuner.hostref import host_reference, reference_without_server
 
     def reference() -> dict:
         return host_reference(cache_mib=base.cache_mib or 32.0)
@@ -319,7 +319,8 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                               if not r.warmup],
                                                 "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
-    refs.append(reference())  # the probe server is gone (and its fits done: Ray's processes had time to exit)
+    # the probe server is gone: its Ray processes exit while the fits run (at most 5 s more of waiting)
+    refs.append(reference_without_server(max_wait_s=5.0, cache_mib=base.cache_mib or 32.0))
     progress("host reference without a server (before, after the probes): "
              + ", ".join(f"{r['decode_us']:.0f} us a decode, {r['read_gb_s']:.1f} GB/s" for r in refs)
              + f"; with the probe server up (idle): {served_ref['decode_us']:.0f} us, {served_ref['read_gb_s']:.1f} GB/s")
