@@ -32,6 +32,7 @@ from tqdm import tqdm
 from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
 from tuner.cost import CostModel, static_batch
+from tuner.hostref import recalibrated
 from tuner.probe_model import gpt2_shape
 from tuner.profiles import load_profile
 from tuner.refit import Run, refit
@@ -110,12 +111,14 @@ def _measure(args, profile) -> tuple[list[dict], dict]:
         rates = [max(s * sat, args.num_prompts / args.max_run_s) for s in shares]
         load = Path("/proc/loadavg").read_text().split()[:3]
         res = measure(cand, model, profile, w, (), ckpt, args.out / f"{name}-tp{tp}-pp{pp}-s{seqs}",
-                      rates, ValidateSettings(num_prompts=args.num_prompts), progress=lambda m: tqdm.write(m))
+                      rates, ValidateSettings(num_prompts=args.num_prompts, recalibrate=args.recalibrate),
+                      progress=lambda m: tqdm.write(m))
         load_end = Path("/proc/loadavg").read_text().split()[:3]
         for pt, run in zip(res["points"], res["_runs"], strict=True):
             rows.append({"model": name, "tp": tp, "pp": pp, "max_num_seqs": seqs, "weight_dtype": args.dtype, **pt,
                          "predicted_saturation_req_s": sat, "share_of_predicted_saturation": pt["rate_req_s"] / sat,
-                         "load_start": load, "load_end": load_end, "_run": run})
+                         "load_start": load, "load_end": load_end, "_run": run,
+                         "profile_host_reference": profile.host_reference})
     env["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
     env["elapsed_s"] = time.perf_counter() - t0
     for r in rows:  # the measured requests, so that a refit can be redone offline (--from-json)
@@ -129,7 +132,11 @@ def _measure(args, profile) -> tuple[list[dict], dict]:
 
 
 def _report(rows: list[dict], target: float) -> None:
-    for pred, err, title in (("predicted", "error", "profile as measured by `tune profile`"),
+    for pred, err, title in (("predicted_as_profiled", "error_as_profiled",
+                              "profile as measured by `tune profile`, not recalibrated"),
+                             ("predicted", "error", "profile as measured by `tune profile`"
+                              + (", recalibrated to the host's state before each run (tuner.hostref)"
+                                 if any("host_scale" in r for r in rows) else "")),
                              ("refit_predicted", "refit_error", "refitted on the other layouts' runs (held out)")):
         sel = [r for r in rows if err in r]
         if not sel:
@@ -142,6 +149,20 @@ def _report(rows: list[dict], target: float) -> None:
             cells = " | ".join(f"{r[pred][k]:.1f} / {r['measured'][k]:.1f} ({r[err][k]:+.1%})" for k in METRICS)
             print(f"| {r['model']} | {r['tp']} | {r['pp']} | {r['max_num_seqs']} | {r['rate_req_s']:.2f} "
                   f"({r['share_of_predicted_saturation']:.2f}) | {cells} | {r['load_start'][0]} -> {r['load_end'][0]} |")
+        if pred == "predicted" and any("host_scale" in r for r in sel):
+            print("\nthe host reference (tuner.hostref: decode_us, read GB/s) of the profile; of each layout before its "
+                  "server starts (used), with the server up before the run and after it (diagnostics) -> the scales "
+                  "applied (cpu, memory)\n")
+            print(f"- profile: {json.dumps(rows[0].get('profile_host_reference', {}))}")
+            for r in sel:
+                if "host_scale" in r:
+                    b, a = r["host_reference_now"], r.get("host_reference_after", {})
+                    sv = r.get("host_reference_served", {})
+                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: no server "
+                          f"{b['decode_us']:.0f} us, {b['read_gb_s']:.1f} GB/s (steal {b.get('steal_pct', 0):.1f}%); "
+                          f"server up {sv.get('decode_us', float('nan')):.0f} us, {sv.get('read_gb_s', float('nan')):.1f} GB/s; "
+                          f"after {a.get('decode_us', float('nan')):.0f} us, {a.get('read_gb_s', float('nan')):.1f} GB/s"
+                          f" -> cpu x{r['host_scale']['cpu']:.3f}, memory x{r['host_scale']['memory']:.3f}")
         if pred == "predicted" and any(r.get("steps", {}).get("cycles") for r in sel):
             print("\nthe run's own served steps (the last of them, read after it): mean step cycle (step + "
                   "the gap after it) predicted / measured, the median per-step error, mean batch, mean gap\n")
@@ -184,6 +205,9 @@ def main() -> None:
                     "(CPU work after the measurements: run it with --from-json outside the bench lock)")
     ap.add_argument("--from-json", type=Path, default=None, help="an accuracy.json of an earlier run: report "
                     "(and with --refit, refit) without serving anything")
+    ap.add_argument("--recalibrate", action="store_true", help="before each run take the host reference "
+                    "(tuner.hostref) and predict with the profile recalibrated to it (the profile's own prediction "
+                    "is reported too)")
     ap.add_argument("--repredict", action="store_true", help="with --from-json: predict the saved runs with "
                     "--hardware (another profile) instead of reporting the saved predictions")
     args = ap.parse_args()
@@ -199,7 +223,13 @@ def main() -> None:
                 # with the scheduler limits this code derives (they are the simulator's, not measured)
                 r["_run"] = replace(r["_run"], sched=_sched_of(r, profile, args))
                 r["scheduler"] = {k: getattr(r["_run"].sched, k) for k in r["scheduler"]}
-                r["predicted"] = predict_run(profile, r["_run"], ())
+                prof = profile
+                if r.get("host_reference_now") and profile.host_reference:  # as the run was predicted
+                    prof = recalibrated(profile, r["host_reference_now"])
+                    r["host_scale"], r["profile_host_reference"] = prof.host_scale, profile.host_reference
+                    r["predicted_as_profiled"] = predict_run(profile, r["_run"], ())
+                    r["error_as_profiled"] = errors(r["predicted_as_profiled"], r["measured"])
+                r["predicted"] = predict_run(prof, r["_run"], ())
                 r["error"] = errors(r["predicted"], r["measured"])
         print(f"# {env}")
     else:

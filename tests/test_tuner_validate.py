@@ -145,9 +145,11 @@ def test_search_validate_closed_loop(tmp_path):
     and reports predicted against measured, the goodput sweep and a refitted profile."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY.to_hf()))
-    _cpu_profile().save(tmp_path / "cpu.yaml")
+    # with a host reference: --recalibrate scales the search's profile and the validation's runs to
+    # the host's state now (tuner.hostref)
+    _cpu_profile(host_reference={"decode_us": 600.0, "read_gb_s": 30.0}).save(tmp_path / "cpu.yaml")
     out = tmp_path / "out"
-    run = CliRunner().invoke(app, ["tune", "search", "--model", str(cfg), "--hardware", str(tmp_path / "cpu.yaml"),
+    run = CliRunner().invoke(app, ["tune", "search", "--recalibrate", "--model", str(cfg), "--hardware", str(tmp_path / "cpu.yaml"),
                                    "--input-len", "8", "--output-len", "24", "--num-prompts", "20",
                                    "--slo", "ttft_p99_ms=2000", "--slo", "tpot_p99_ms=500", "--tp", "1", "--pp", "1",
                                    "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
@@ -160,6 +162,8 @@ def test_search_validate_closed_loop(tmp_path):
         assert c["measured"][key] > 0 and c["predicted"][key] > 0
         assert math.isfinite(c["error"][key])
     assert c["measured_goodput_req_s"] > 0 and c["sweep"]
+    assert set(c["host_scale"]) == {"cpu", "memory"} and all(0.5 <= v <= 2.0 for v in c["host_scale"].values())
+    assert all(math.isfinite(v) for v in c["error_as_profiled"].values())
     assert rep["pick_within_pct_of_best"] == pytest.approx(0.0)
     assert load_profile(str(out / "refit.yaml")).kind == "measured"
     assert (out / "validation.png").stat().st_size > 1000

@@ -33,13 +33,29 @@ def _model(path: Path):
         _fail(f"--model: {path} is not a GPT-2 or Llama config.json ({exc})")
 
 
-def _cost(model_json: Path, hardware: str, tp: int, pp: int, weight_dtype: str):
+RECALIBRATE_HELP = ("Measured profiles: take the host reference now (~1 s) and scale the profile's CPU-bound "
+                    "and memory-bound terms by this host's speed now against its speed while it was profiled "
+                    "(tuner.hostref; for shared or cloud hosts whose speed drifts).")
+
+
+def _recalibrated(profile, recalibrate: bool):
+    if not recalibrate:
+        return profile
+    if not profile.host_reference:
+        _fail(f"--recalibrate: profile {profile.name!r} has no host_reference (built-in profiles and profiles "
+              "measured before it existed); measure one with `shardserve tune profile`")
+    from tuner.hostref import host_reference, recalibrated
+
+    return recalibrated(profile, host_reference(cache_mib=profile.cache_mib or 32.0))
+
+
+def _cost(model_json: Path, hardware: str, tp: int, pp: int, weight_dtype: str, recalibrate: bool = False):
     from tuner.cost import CostModel, LayoutError
     from tuner.profiles import ProfileError, load_profile
 
     model = _model(model_json)
     try:
-        profile = load_profile(hardware)
+        profile = _recalibrated(load_profile(hardware), recalibrate)
         return CostModel(model, profile, tp=tp, pp=pp, weight_dtype=weight_dtype)
     except (ProfileError, LayoutError) as exc:
         _fail(str(exc))
@@ -56,6 +72,7 @@ def predict(
     input_len: int = typer.Option(128, "--input-len", help="Prompt tokens per request."),
     output_len: int = typer.Option(128, "--output-len", help="Output tokens per request."),
     weight_dtype: str = typer.Option("bfloat16", "--weight-dtype", help="bfloat16, float16, float32 or fp8."),
+    recalibrate: bool = typer.Option(False, "--recalibrate", help=RECALIBRATE_HELP),
 ) -> None:
     """Predict a static batch (all requests arrive together; latency until the last token, as
     FasterTransformer and NeMo report it) and print one JSON object."""
@@ -64,9 +81,11 @@ def predict(
     for name, v in (("--batch", batch), ("--input-len", input_len), ("--output-len", output_len)):
         if v < 1:
             _fail(f"{name}: must be >= 1, got {v}")
-    cost = _cost(model, hardware, tp, pp, weight_dtype)
+    cost = _cost(model, hardware, tp, pp, weight_dtype, recalibrate)
     out = static_batch(cost, batch, input_len, output_len)
     out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+    if cost.profile.host_scale:
+        out["host_scale"] = cost.profile.host_scale
     typer.echo(json.dumps({**out, "hardware": cost.profile.name, "tp": tp, "pp": pp, "batch": batch,
                            "input_len": input_len, "output_len": output_len, "weight_dtype": weight_dtype}))
 
@@ -147,6 +166,7 @@ def search_cmd(
     validate: int = typer.Option(0, "--validate", help="Serve the top K configs with `shardserve serve`, "
                                  "load-test them, print predicted against measured, refit and re-rank."),
     validate_prompts: int = typer.Option(40, "--validate-prompts", help="Requests per validation load test."),
+    recalibrate: bool = typer.Option(False, "--recalibrate", help=RECALIBRATE_HELP),
 ) -> None:
     """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
     ranked table, write results.json, pareto.png and the chosen config as deployment YAML.
@@ -179,7 +199,7 @@ def search_cmd(
         _fail(str(exc))
     m = _model(model)
     try:
-        profile = load_profile(hardware)
+        profile = _recalibrated(load_profile(hardware), recalibrate)
     except ProfileError as exc:
         _fail(str(exc))
     t0 = time.perf_counter()
@@ -213,10 +233,10 @@ def search_cmd(
     typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
     if validate:
         _validate(ranked, validate, m, profile, Workload(input_len, output_len, num_prompts), slos, objective, out,
-                  model_path, validate_prompts)
+                  model_path, validate_prompts, recalibrate)
 
 
-def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts) -> None:
+def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts, recalibrate=False) -> None:
     from tuner.closed_loop import closed_loop
     from tuner.server import ServeError
     from tuner.validate import METRICS, ValidateSettings
@@ -226,7 +246,8 @@ def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompt
               f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
     try:
         rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
-                          ValidateSettings(num_prompts=prompts), progress=lambda s: typer.echo(s, err=True))
+                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate),
+                          progress=lambda s: typer.echo(s, err=True))
     except (ServeError, FileNotFoundError) as exc:
         _fail(str(exc))
     typer.echo("\npredicted / measured (error) on each candidate's accuracy run; goodput by rate sweep")

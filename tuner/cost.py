@@ -157,13 +157,16 @@ class CostModel:
             if lay.get("matmul_mt_scale") and p.threads(shards) > 1:
                 mm += self.matmul_time(w, threads=p.threads(shards)) * lay["matmul_mt_scale"]
             if lay.get("dram_weight_gb_s"):  # weights past the last-level cache, read from memory
-                mm += self.weight_stream_bytes(w) / (lay["dram_weight_gb_s"] * 1e9)
+                # at the host's read bandwidth now against the profile's (host_scale, tuner.hostref;
+                # divided by the cpu scale that every part gets below)
+                mm += (self.weight_stream_bytes(w) / (lay["dram_weight_gb_s"] * 1e9)
+                       * p.scale("memory") / p.scale("cpu"))
             comm *= lay["comm_scale"]
             const = {k: lay[k] for k in const}
         else:
             mm = self.matmul_time(w)
         multi = bool(p.cores and p.matmul_tflops and p.threads(shards) > 1)
-        return {
+        parts = {
             "matmul": 0.0 if multi else mm,
             "matmul_mt": mm if multi else 0.0,
             "attention": layers * attn,
@@ -180,6 +183,10 @@ class CostModel:
                     # a step with a prefill chunk: its own fixed work (prefill attention's setup, the module path)
                     + (lay.get("prefill_step_ms", 0.0) * 1e-3 if lay and w.prefill_attn_pairs else 0.0),
         }
+        # a recalibrated profile (tuner.hostref): the host's CPU speed now against the profile's; the
+        # weight-streaming share of "matmul" was set to its memory scale above (divided by cpu here)
+        cpu = p.scale("cpu")
+        return {k: v * cpu for k, v in parts.items()} if cpu != 1.0 else parts
 
     def matmul_time(self, w: StepWork, threads: int = 0) -> float:
         """Seconds of a step's Linear layers on one shard (its layers and the LM head): per Linear

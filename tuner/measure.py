@@ -141,6 +141,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
     import torch
 
     from engines.config import EngineConfig, resolved_dtype
+    from tuner.hostref import combine, host_reference
     from tuner.measure_comm import measure_gloo
     from tuner.measure_engine import measure_layouts
 
@@ -168,16 +169,18 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         cache_mib=last_level_cache_mib())
     with tempfile.TemporaryDirectory(prefix="shardserve-profile-") as tmp:
         if serve:
-            layouts, request_ms, notes = _served(base, Path(tmp), dtype, progress, steps_out)
+            layouts, request_ms, notes, refs = _served(base, Path(tmp), dtype, progress, steps_out)
         else:
+            refs = [host_reference(cache_mib=base.cache_mib or 32.0)]
             layouts, request_ms = measure_layouts(base, Path(tmp), dtype, progress), 0.0
+            refs.append(host_reference(cache_mib=base.cache_mib or 32.0))
             notes = "the engine's steps in isolation (--no-serve: no request overhead, no serving loop)"
     one = layouts["1x1"]
     errs = ", ".join(f"{k} {v['probe_median_error_pct']:.0f}% (max {v['probe_max_error_pct']:.0f}%"
                      + (f"; measured twice, the other pass {v['retried_from_median_error_pct']:.0f}%"
                         if "retried_from_median_error_pct" in v else "") + ")"
                      for k, v in layouts.items())
-    prof = base.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3),
+    prof = base.replace(layouts=layouts, request_overhead_ms=round(float(request_ms), 3), host_reference=combine(refs),
                         **{k: one[k] for k in ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us",
                                                "seq_layer_overhead_us", "attention_prefill_tflops",
                                                "attention_kv_gb_s")},
@@ -189,9 +192,10 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
 
 
 def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[str], None],
-            steps_out: Path | None = None) -> tuple[dict[str, dict[str, float]], float, str]:
+            steps_out: Path | None = None) -> tuple[dict[str, dict[str, float]], float, str, list[dict]]:
     """Serve the probes in every layout of this host and fit each layout's constants on its served
-    step cycles (tuner.measure_served); (layouts, request_overhead_ms, a note for fit_notes)."""
+    step cycles (tuner.measure_served); (layouts, request_overhead_ms, a note for fit_notes, the host
+    references taken before and after the probe server: tuner.hostref)."""
     import numpy as np
 
     from engines.scheduler import SchedulerConfig
@@ -224,8 +228,18 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             name = f"p{i}-{layout_key(tp, pp)}"
             copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
+    from tuner.hostref import host_reference, reference_without_server
+
+    def reference() -> dict:
+        return host_reference(cache_mib=base.cache_mib or 32.0)
+
+    # the host reference with no server of ours up, before the probes and after them (as bench_tuner
+    # and `--recalibrate` take theirs: passes 21-22 took it with the probe server up, and the idle
+    # eight-copy server slowed it 10-20% where it did not slow the probes' steps alike)
+    refs = [reference()]
     progress(f"served probes: `shardserve serve` of {len(copies)} copies ({', '.join(copies)}), load tester requests")
-    served = serve_probes(copies, tmp, dtype, base, progress)
+    served = serve_probes(copies, tmp, dtype, base, progress, reference=reference)
+    served_ref = served.pop("_host_reference")[0]
     layouts: dict[str, dict[str, float]] = {}
     notes = []
     for key in dict.fromkeys(k for k, _ in meta.values()):
@@ -305,4 +319,11 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                               if not r.warmup],
                                                 "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
-    return layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")"
+    # the probe server is gone: its Ray processes exit while the fits run (at most 5 s more of waiting)
+    refs.append(reference_without_server(max_wait_s=5.0, cache_mib=base.cache_mib or 32.0))
+    progress("host reference without a server (before, after the probes): "
+             + ", ".join(f"{r['decode_us']:.0f} us a decode, {r['read_gb_s']:.1f} GB/s" for r in refs)
+             + f"; with the probe server up (idle): {served_ref['decode_us']:.0f} us, {served_ref['read_gb_s']:.1f} GB/s")
+    refs[0] = {**refs[0], "served_decode_us": served_ref["decode_us"], "served_read_gb_s": served_ref["read_gb_s"]}
+    return (layouts, request_ms, "served step cycles (step + the serving loop's gap after it; " + "; ".join(notes) + ")",
+            refs)

@@ -112,12 +112,15 @@ def server_env(profile) -> dict[str, str]:
 
 
 def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype: str, profile,
-                 progress: Callable[[str], None] = print) -> dict[str, dict]:
+                 progress: Callable[[str], None] = print,
+                 reference: Callable[[], dict] | None = None) -> dict[str, dict]:
     """Serve every copy {name: (checkpoint, tp, pp)} in one `shardserve serve` (probe_models: as
     the tuner deploys each layout, with fractional CPU reservations so that they all fit),
     load-test them one at a time and read each one's steps back:
     {name: {"runs": {requests in flight: loadtest Report}, "spans": {requests in flight: (start, end)
-    on the monotonic clock}, "steps": [step dicts, oldest first]}}."""
+    on the monotonic clock}, "steps": [step dicts, oldest first]}}. With `reference`, its result
+    taken with the server up before the first copy's requests is under the key "_host_reference"
+    (a list of one: tuner.hostref; a diagnostic of what the idle server costs the host)."""
     import yaml
 
     from loadtest.config import LoadTestConfig
@@ -129,7 +132,10 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
     conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
     want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
+    refs = []
     with Server(["--config", str(conf)], work_dir / "serve.log", env=server_env(profile)) as url:
+        if reference is not None:
+            refs.append(reference())
         for name, (path, *_rest) in copies.items():
             progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
@@ -152,6 +158,8 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
             out[name] = {"runs": runs, "spans": spans}
         for name in copies:
             out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
+    if refs:
+        out["_host_reference"] = refs
     return out
 
 

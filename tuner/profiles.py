@@ -94,6 +94,13 @@ class HardwareProfile:
     """CPU profiles: the last-level cache the shards of one model copy share (MiB). A copy whose
     weights outgrow it reads them from memory at every step, which the cache-resident rate table
     does not see (CostModel.weight_stream_bytes); 0: not modelled (devices, built-in profiles)."""
+    host_reference: dict[str, float] = field(default_factory=dict)
+    """Measured profiles: how fast the host ran while the probes were served (tuner.hostref:
+    decode_us, read_gb_s, steal_pct). Empty: no recalibration is possible."""
+    host_scale: dict[str, float] = field(default_factory=dict)
+    """Recalibration of a measured profile to the host's state now (tuner.hostref.recalibrated):
+    "cpu" multiplies the CPU-bound step terms and the request overhead, "memory" the weight-streaming
+    term. Empty: 1.0 (the host as profiled)."""
     fit_notes: str = ""
     """What the efficiency factors were fitted on."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -126,6 +133,13 @@ class HardwareProfile:
             raise ProfileError(f"kind: must be analytic or measured, got {self.kind!r}")
         _check_rate_table(self.matmul_tflops)
         _check_layouts(self.layouts)
+        for name in ("host_reference", "host_scale"):
+            table = getattr(self, name)
+            if not (isinstance(table, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in table.values())):
+                raise ProfileError(f"{name}: must map names to numbers >= 0, got {table!r}")
+        unknown = sorted(set(self.host_scale) - {"cpu", "memory"})
+        if unknown or not all(v > 0 for v in self.host_scale.values()):
+            raise ProfileError(f"host_scale: keys cpu and memory with factors > 0, got {self.host_scale!r}")
         for w, by_rows in self.matmul_width_factor.items():
             if not (isinstance(w, int) and w >= 1 and isinstance(by_rows, dict) and by_rows
                     and all(isinstance(r, int) and r >= 1 and isinstance(v, (int, float)) and v > 0
@@ -141,7 +155,12 @@ class HardwareProfile:
         the engine for layout tp x pp (tuner.simulate.simulate's request_overhead, overhead_per_seq)."""
         lay = self.layout(tp, pp) or {}
         per_seq = lay.get("request_overhead_per_seq_ms", self.request_overhead_per_seq_ms)
-        return self.request_overhead_ms * 1e-3, per_seq * 1e-3
+        cpu = self.scale("cpu")
+        return self.request_overhead_ms * 1e-3 * cpu, per_seq * 1e-3 * cpu
+
+    def scale(self, kind: str) -> float:
+        """host_scale's factor for `kind` ("cpu" or "memory"), 1.0 when not recalibrated."""
+        return float(self.host_scale.get(kind, 1.0))
 
     def threads(self, shards: int) -> int:
         """Threads of one shard when `shards` processes share the host (CPU profiles)."""

@@ -42,6 +42,12 @@ class ValidateSettings:
     sweep_tolerance: float = 0.05
     startup_timeout_s: float = 240.0
     seed: int = 0
+    recalibrate: bool = False
+    """Before the candidate's server starts take the host reference (tuner.hostref; with no server
+    of ours up, as `tune profile` takes its own) and predict its runs with the profile recalibrated
+    to it; the profile's own prediction is kept beside it as "predicted_as_profiled", and references
+    taken with the server up (idle) before each run and after it as diagnostics. Needs a profile
+    with a host_reference."""
 
 
 def checkpoint_for(model: ModelConfig, model_path: str | None, work_dir: Path) -> Path:
@@ -124,6 +130,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     from loadtest.runner import run as loadtest_run
     from loadtest.slo_sweep import sweep
     from tuner.emit import deployment, write_yaml
+    from tuner.hostref import host_reference, recalibrated, reference_without_server
     from tuner.probe_model import prompt_extra_tokens, text_token_share
     from tuner.server import Server
 
@@ -137,6 +144,9 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     extra = prompt_extra_tokens(tok) if tok.is_file() else 0
     share = text_token_share(tok, model.vocab_size) if tok.is_file() else 1.0
     points, runs, sw = [], [], None
+    recal = bool(settings.recalibrate and profile.host_reference)
+    now = reference_without_server(cache_mib=profile.cache_mib or 32.0) if recal else {}  # no server up
+    prof = recalibrated(profile, now) if recal else profile
     with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
                 "burstiness": w.burstiness, "random_input_len": w.input_len, "random_output_len": w.output_len,
@@ -147,13 +157,22 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             progress(f"  {settings.num_prompts} requests at {rate:.2f} req/s")
             time.sleep(PUSH_WAIT_S)  # the warm-up's (or the last run's) replica metrics reach the hub
             sums0 = replica_latency_sums(url, "tuned")
+            served_now = host_reference(cache_mib=profile.cache_mib or 32.0) if recal else {}  # a diagnostic
             t0 = time.monotonic()
             rep = loadtest_run(LoadTestConfig(**base, request_rate=rate, num_prompts=settings.num_prompts))
             run = run_of(model, cand, sched, rep, extra, share)
-            pred, meas = predict_run(profile, run, slos), measured_run(run, rep, slos)
-            steps = served_steps_check(url, "tuned", t0, cost)  # waits for the replicas' next push
-            points.append({"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
-                           "error": errors(pred, meas), "steps": steps,
+            pred, meas = predict_run(prof, run, slos), measured_run(run, rep, slos)
+            point = {"rate_req_s": rate, "failed": rep.summary.failed, "predicted": pred, "measured": meas,
+                     "error": errors(pred, meas)}
+            if recal:
+                own = predict_run(profile, run, slos)
+                point.update(host_reference_now=now, host_reference_served=served_now, host_scale=prof.host_scale,
+                             predicted_as_profiled=own, error_as_profiled=errors(own, meas))
+            steps = served_steps_check(url, "tuned", t0, CostModel(model, prof, tp=cand.tp, pp=cand.pp,
+                                                                    weight_dtype=cand.weight_dtype))
+            if recal:  # a diagnostic: the host after the run (not used to predict it)
+                point["host_reference_after"] = host_reference(cache_mib=profile.cache_mib or 32.0)
+            points.append({**point, "steps": steps,
                            "latency_split": latency_split(sums0, replica_latency_sums(url, "tuned"), run)})
             runs.append(run)
         if sweep_from:
@@ -258,4 +277,5 @@ def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwarePro
     return {**res, "accuracy_rate_req_s": rate, "predicted": acc["predicted"], "measured": acc["measured"],
             "error": acc["error"], "predicted_goodput_req_s": cand.metrics["goodput_req_s"],
             "predicted_goodput_per_device": cand.metrics["goodput_per_device"],
-            "measured_goodput_per_device": measured_goodput / cand.metrics["devices"]}
+            "measured_goodput_per_device": measured_goodput / cand.metrics["devices"],
+            **{k: acc[k] for k in ("host_scale", "error_as_profiled") if k in acc}}
