@@ -28,9 +28,13 @@ def _tokens_and_logprobs(completion) -> list[tuple]:
     return [(e.token_id, e.logprob, e.top) for e in completion.logprobs]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_dir, monkeypatch, dtype):
-    _force(monkeypatch)
+@pytest.mark.parametrize(("dtype", "kinds"), [
+    ("float32", ("panel", "panel", "linear")), ("bfloat16", ("panel", "panel", "linear")),
+    ("float32", ("panel", "packed", "linear")), ("bfloat16", ("packed", "linear", "linear")),
+    ("float32", ("pretransposed", "pretransposed", "linear"))])
+def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_dir, monkeypatch, dtype, kinds):
+    """Every kernel the C++ loop calls (one row / a decode batch), against the module path."""
+    _force(monkeypatch, kinds)
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
             "max_num_batched_tokens": 16}  # prompts of 17-37 tokens: chunked prefill
     off = LLMEngine(gpt2_dir, EngineConfig(fused_decode="off", **base))
@@ -45,11 +49,12 @@ def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_di
     assert len(calls) > 20 and max(calls) > 1  # decode steps of one and of several sequences ran fused
 
 
-def test_usable_only_where_every_block_linear_runs_the_panel_kernel(gpt2_dir, monkeypatch):
-    _force(monkeypatch, ("panel", "linear", "linear"))  # one row: panel; a decode batch: F.linear
+def test_usable_only_where_every_block_linear_runs_a_kernel_it_calls(gpt2_dir, monkeypatch):
+    _force(monkeypatch, ("panel", "sliced", "linear"))  # one row: panel; a decode batch: sliced (not called)
     runner = LLMEngine(gpt2_dir, EngineConfig(fused_decode="auto")).executor.runner
     assert runner.fused.usable(1) and not runner.fused.usable(2)
     assert not runner.fused.usable(fl.BULK_FROM)
+    assert runner.fused.kinds(1) == [fd.KERNELS["panel"]] * len(runner.fused.linears)
 
 
 def test_not_used_where_it_does_not_apply(gpt2_dir, llama_dir, monkeypatch):
