@@ -224,16 +224,15 @@ class FusedDecode:
         if mod is None:
             raise RuntimeError(why)
         self.mod, self.model, cfg = mod, model, model.cfg
-        self.k_caches, self.v_caches = k_caches, v_caches
         empty = torch.empty(0)
         self.linears = [lin for b in model.blocks for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
-        self.weights: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         for b in model.blocks:
-            self.weights += [b.norm1.weight, b.norm1.bias, b.norm2.weight, b.norm2.bias]
+            weights += [b.norm1.weight, b.norm1.bias, b.norm2.weight, b.norm2.bias]
             for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):
-                self.weights += [lin.weight, *(t if t is not None else empty
-                                               for t in (lin.bias, lin.panels, lin.packed, lin.weight_t))]
-        self.handle = mod.bind(self.weights, k_caches, v_caches)  # held in C++: a step passes only the handle
+                weights += [lin.weight, *(t if t is not None else empty
+                                          for t in (lin.bias, lin.panels, lin.packed, lin.weight_t))]
+        self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
         self.n_head, self.ffn, self.eps = cfg.n_head, cfg.ffn_dim, cfg.norm_eps
         self.gelu_tanh = cfg.activation == "gelu_tanh"
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
