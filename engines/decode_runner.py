@@ -13,9 +13,12 @@ With `compiled` (CPU, EngineConfig.compile_decode), the step is engines.compiled
 compiled by inductor: it reads the cache only, over the block table sliced to the longest row's
 blocks, and its new keys and values are written after the graph (see engines/compiled.py).
 
-Attention gathers each row's context through the block table into (B, L, nkv, hd), L =
-max_blocks_per_seq x block_size, and masks keys at or beyond the row's length. That is one fused
-kernel per layer on a GPU; on CPU the eager path reads each context in place and is faster
+Attention gathers each row's context through the first N columns of the block table into
+(B, N x block_size, nkv, hd) and masks keys at or beyond the row's length. N is a context bucket,
+the smallest power of two (or max_blocks_per_seq) that holds the step's longest row, so a step
+reads what its rows hold, not max_model_len for every row; a graph is captured per (batch bucket,
+context bucket) met, lazily, all in one shared memory pool (they never run at once). That is one
+fused kernel per layer on a GPU; on CPU the eager path reads each context in place and is faster
 (benchmarks/bench_peer_vllm.py), which is why the runner is off there unless asked for.
 """
 
@@ -31,6 +34,15 @@ from engines.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
 from engines.plan import SeqWork
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def context_buckets(max_blocks: int) -> tuple[int, ...]:
+    """Block-table widths a decode step is padded to: powers of two below max_blocks, and max_blocks."""
+    out, n = [], 1
+    while n < max_blocks:
+        out.append(n)
+        n *= 2
+    return (*out, max_blocks)
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int | None:
@@ -78,7 +90,10 @@ class DecodeRunner:
         self.lens = torch.ones(bmax, dtype=torch.long, device=dev)
         self._offsets = torch.arange(bs, device=dev)
         self._keys = torch.arange(max_blocks_per_seq * bs, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.context_buckets = context_buckets(max_blocks_per_seq)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """(batch bucket, context bucket) -> the captured step and its output buffer."""
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.compiled = CompiledDecode(model, bs) if compiled and not self.cuda_graphs else None
 
     def warm_up(self) -> float:
@@ -108,10 +123,16 @@ class DecodeRunner:
         self.table[:B].copy_(torch.tensor(table), non_blocking=True)
         self.lens[:B].copy_(torch.tensor(pos) + 1, non_blocking=True)
 
-    def _step(self, B: int) -> torch.Tensor:
-        """The padded step on buffers only (what a graph captures): hidden states (B, C)."""
-        index = (self.table[:B, :, None] * self.bs + self._offsets).view(B, -1)  # (B, L) cache slots
-        mask = (self._keys[None, :] < self.lens[:B, None]).view(B, 1, 1, -1)  # (B, 1, 1, L)
+    def context_bucket(self, decode: list[SeqWork]) -> int:
+        """Block-table columns the step reads: the smallest context bucket holding its longest row."""
+        return pick_bucket(self.context_buckets, max(len(w.block_ids) for w in decode))
+
+    def _step(self, B: int, nblk: int | None = None) -> torch.Tensor:
+        """The padded step on buffers only (what a graph captures): hidden states (B, C). It reads
+        the first nblk block-table columns of each row (all of them when None)."""
+        nblk = nblk or self.max_blocks
+        index = (self.table[:B, :nblk, None] * self.bs + self._offsets).view(B, -1)  # (B, L) cache slots
+        mask = (self._keys[None, :nblk * self.bs] < self.lens[:B, None]).view(B, 1, 1, -1)  # (B, 1, 1, L)
         backend = StaticDecodeBackend(self.cache, self.slots[:B], index, mask)
         return self.model(self.ids[None, :B], self.pos[None, :B], backend)[0]
 
@@ -125,23 +146,25 @@ class DecodeRunner:
             hidden, new_kv = self.compiled(self.cache.data, self.ids[:B], self.pos[:B], self.table[:B, :nblk])
             write_new_kv(self.cache.data, self.slots[:B], new_kv)
             return hidden[:len(decode)]
+        nblk = self.context_bucket(decode)
         if not self.cuda_graphs:
-            return self._step(B)[:len(decode)]
-        if B not in self.graphs:
-            self.graphs[B] = self._capture(B)
-        graph, out = self.graphs[B]
+            return self._step(B, nblk)[:len(decode)]
+        if (B, nblk) not in self.graphs:
+            self.graphs[B, nblk] = self._capture(B, nblk)
+        graph, out = self.graphs[B, nblk]
         graph.replay()
         return out[:len(decode)]
 
-    def _capture(self, B: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (allocator, kernels), then capture the bucket's step."""
+    def _capture(self, B: int, nblk: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (allocator, kernels), then capture the bucket's step into the
+        runner's shared pool (graphs never replay at once, and each keeps its output buffer alive)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(B)
+                self._step(B, nblk)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(B)
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._step(B, nblk)
         return graph, out

@@ -8,7 +8,7 @@ from staggered import run_staggered
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines import EngineConfig, SamplingParams
-from engines.decode_runner import pick_bucket
+from engines.decode_runner import context_buckets, pick_bucket
 from engines.llm_engine import LLMEngine
 from engines.plan import SeqWork
 
@@ -71,3 +71,29 @@ def test_no_host_sync_inside_the_step(gpt2_dir):
     syncs = [op for op in log.ops if any(s in op for s in ("_local_scalar_dense", "item", "nonzero", "masked_select",
                                                            "unique", "repeat_interleave"))]
     assert not syncs, f"host syncs inside the decode step: {syncs}"
+
+
+def test_context_buckets_read_only_what_the_rows_hold(gpt2_dir):
+    assert context_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert context_buckets(5) == (1, 2, 4, 5) and context_buckets(1) == (1,)
+    engine = LLMEngine(gpt2_dir, EngineConfig(static_decode="on", block_size=4, num_kv_blocks=40,
+                                              cpu_linear_autotune=False))
+    dr = engine.executor.runner.decode_runner
+    assert dr.max_blocks == 64  # 256 positions / 4
+    g = torch.Generator().manual_seed(0)
+    for layer in dr.cache.data:  # a cache full of random keys and values
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    # rows of 1, 3 and 6 blocks: the step reads 8 columns of the table (bucket of 6)
+    work = [SeqWork(seq_id=i, token_ids=[5 + i], start_pos=4 * n - 2, block_ids=list(range(12 * i, 12 * i + n)),
+                    sample=True) for i, n in enumerate((1, 3, 6))]
+    assert dr.context_bucket(work) == 8
+    B = dr.bucket_for(work)
+    with torch.inference_mode():
+        dr._fill(work, B)
+        whole = dr._step(B).clone()  # every column of the table
+        dr._fill(work, B)  # the same keys and values written again: the same inputs
+        part = dr._step(B, 8)
+        dr._fill(work, B)
+        short = dr._step(B, 4)  # too few columns: the 6-block row loses context
+    torch.testing.assert_close(part[:3], whole[:3], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(short[2], whole[2], atol=1e-3)  # the check can fail

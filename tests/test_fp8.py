@@ -272,6 +272,24 @@ def test_w8a8_glue_equals_dequantize_then_matmul():
     assert (y.float().reshape(-1, 96) - wo).abs().max() < 0.1 * wo.abs().max()
 
 
+def test_w8a8_bias_in_the_product_equals_bias_after():
+    """A bf16 bias goes into _scaled_mm's epilogue (one kernel less a call); same result as adding it
+    after the product, up to the one bf16 rounding the fused add saves."""
+    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.bias.mul_(50)  # a bias that matters against the product
+    mm = ScaledMMLinear(Fp8Linear.quantize(lin))
+    assert mm.fuse_bias
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16) * 3
+    fused = mm(x)
+    assert mm.fuse_bias, "this torch build refused the fused bias"
+    mm.fuse_bias = False
+    after = mm(x)
+    assert fused.shape == after.shape == (3, 5, 96) and fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), after.float(), rtol=2**-7, atol=2**-7 * 50)
+    assert (after.float() - mm(torch.zeros_like(x)).float()).abs().max() > 1  # the product is not nothing
+
+
 def test_cuda_layout_rules_on_meta():
     """What torch._scaled_mm demands on a GPU, checked by its meta kernel: the weight operand is the
     column-major transpose of our (out, in) storage, scales are fp32 (M, 1) and (1, N), K and N
