@@ -2,9 +2,12 @@
 
 Source: NVIDIA/FasterTransformer docs/gpt_guide.md, "Performance" (8x A100-80GB SXM per node,
 NVSwitch; FP16; latency of a static batch from the request to the last output token, in ms).
-Fitted on: GPT-20B, input 20 / output 8, every batch and TP 1/2/4/8 (36 points). Held out:
-every other row below (GPT-20B 60/20, 128/20, 80/200; GPT-175B and GPT-89B at TP 8), compared
-by `python -m tuner.published`.
+Fitted on: GPT-20B, input 20 / output 8, every batch and TP 1/2/4/8 (36 points), and the one-GPU
+input 128 / output 8 rows of GPT-6.7B, GPT-1.3B and GPT-350M (21 points): models of 24, 32 and 44
+layers, so that a step's fixed cost splits into a per-layer and a per-step part (from GPT-20B alone
+the two are the same column: every point has 44 layers). Held out: every other row below (GPT-20B
+60/20, 128/20, 80/200; the 512 / 32 rows of the small models; GPT-175B and GPT-89B at TP 8, which
+the guide measured through Triton), compared by `python -m tuner.published`.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from tuner.cost import CostModel, static_batch
 from tuner.profiles import PROFILE_DIR, HardwareProfile, load_profile
 
 
-def gpt(n_head: int, n_layer: int) -> ModelConfig:
-    """A GPT-3-shaped model as FasterTransformer benchmarks it (head size 128, vocab 51200)."""
+def gpt(n_head: int, n_layer: int, head_size: int = 128) -> ModelConfig:
+    """A GPT-3-shaped model as FasterTransformer benchmarks it (vocab 51200)."""
     return ModelConfig(model_type="gpt2", vocab_size=51200, n_layer=n_layer, n_head=n_head,
-                       n_embd=n_head * 128, max_position_embeddings=2048)
+                       n_embd=n_head * head_size, max_position_embeddings=2048)
 
 
-MODELS = {"gpt-20b": gpt(48, 44), "gpt-89b": gpt(96, 48), "gpt-175b": gpt(96, 96)}
+MODELS = {"gpt-20b": gpt(48, 44), "gpt-89b": gpt(96, 48), "gpt-175b": gpt(96, 96), "gpt-6.7b": gpt(32, 32),
+          "gpt-1.3b": gpt(32, 24, 64), "gpt-350m": gpt(16, 24, 64)}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -81,6 +85,13 @@ POINTS: list[Point] = [
     *_table("gpt-89b", 128, 8, {8: [279.44, 280.24, 317.71, 377.50, 524.80, 786.57]},
             batches=(1, 2, 4, 8, 16, 32)),
     *_table("gpt-89b", 512, 32, {8: [887.52, 940.11, 1133.22, 1415.02, 1952.2]}, batches=(1, 2, 4, 8, 16)),
+    # GPT-6.7B (32 x 128, 32 layers), GPT-1.3B (32 x 64, 24 layers), GPT-350M (16 x 64, 24 layers), one GPU.
+    *_table("gpt-6.7b", 128, 8, {1: [98.29, 106.74, 123.47, 162.51, 241.16, 400.35, 718.07]}, fitted=True),
+    *_table("gpt-6.7b", 512, 32, {1: [384.70, 425.88, 514.93, 699.62, 1068.88, 1814.03, 3306.41]}),
+    *_table("gpt-1.3b", 128, 8, {1: [36.76, 39.16, 43.32, 52.92, 74.44, 116.74, 201.71]}, fitted=True),
+    *_table("gpt-1.3b", 512, 32, {1: [135.85, 150.57, 178.25, 232.11, 345.96, 578.52, 1036.21]}),
+    *_table("gpt-350m", 128, 8, {1: [25.43, 26.42, 28.00, 32.56, 42.87, 62.61, 104.51]}, fitted=True),
+    *_table("gpt-350m", 512, 32, {1: [92.01, 97.87, 110.70, 136.45, 189.91, 296.15, 529.18]}),
 ]
 
 
