@@ -14,7 +14,11 @@ the prefill chunks. Per layer, the backend writes the new keys/values into their
     index computed once per step, masks the padding, and runs one batched attention (one kernel
     launch per layer instead of one per sequence);
   - prefill: a fresh prompt attends to its own keys causally; a later chunk of a long prompt
-    reads its cached context (by runs, as above) and uses an offset causal mask.
+    reads its cached context (by runs, as above) and uses an offset causal mask. On CUDA the
+    step's fresh prompts (two or more) run as one padded batch: one attention call per layer
+    with a causal and key-padding mask, instead of one call and ~5 launches per prompt (64
+    prompts of 60 tokens: ~1,500 launches a layer fewer); on CPU one prompt at a time (no
+    padding work, and a prompt's result cannot depend on the others).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import torch.nn.functional as F
 from engines.cpu_threads import single_threaded
 from engines.paged_kernel import paged_decode
 from engines.plan import SeqWork
+
+BATCHED_PREFILL_MAX_MASK = 1 << 26
+"""Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for
+very uneven prompt lengths, the prompts run one at a time."""
 
 
 def block_runs(block_ids: list[int], block_size: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -91,7 +99,8 @@ class PagedAttention:
     (the caller checked that the kernel loads, see ModelRunner)."""
 
     def __init__(self, cache: KVCache, decode: list[SeqWork], prefill: list[SeqWork], device: torch.device,
-                 batched_decode: bool | None = None, decode_kernel: bool = False):
+                 batched_decode: bool | None = None, decode_kernel: bool = False,
+                 batched_prefill: bool | None = None):
         self.cache = cache
         self._scratch: torch.Tensor | None = None  # fp32 keys/values of one context (bf16 / fp16 decode)
         bs = cache.block_size
@@ -133,6 +142,26 @@ class PagedAttention:
                                             block_runs(w.block_ids, bs, end) if w.start_pos > 0 else None))
             q_start += len(w.token_ids)
         self.slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
+        if batched_prefill is None:
+            batched_prefill = torch.device(device).type != "cpu"
+        self.pf: tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """Batched fresh prompts: (P, T, gather index (P*T,), mask (P, 1, T, T), valid flat
+        positions, their rows of the step)."""
+        fresh = [p for p in self.prefill if p.ctx_runs is None]
+        if batched_prefill and len(fresh) >= 2:
+            P, T = len(fresh), max(p.q_len for p in fresh)
+            if P * T * T <= BATCHED_PREFILL_MAX_MASK and 2 * sum(p.q_len for p in fresh) >= P * T:
+                index = torch.zeros(P, T, dtype=torch.long)  # padding gathers row 0 (masked out as a key)
+                valid = torch.zeros(P, T, dtype=torch.bool)
+                for i, p in enumerate(fresh):
+                    index[i, :p.q_len] = torch.arange(p.q_start, p.q_start + p.q_len)
+                    valid[i, :p.q_len] = True
+                # query i of a prompt sees its keys j <= i; a padded query row still sees key 0 (no NaN)
+                mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (P, T, T)
+                sel = valid.view(-1).nonzero().view(-1)
+                self.pf = (P, T, index.view(-1).to(device), mask[:, None].to(device), sel.to(device),
+                           index.view(-1)[sel].to(device))
+                self.prefill = [p for p in self.prefill if p.ctx_runs is not None]
         self.kv_prefix: list[tuple[int, int, torch.Tensor]] = []
         """P-tuning of every layer: (first row, rows, (layers, rows, 2, nkv, hd)) keys/values that
         replace those rows' own in every layer (engines/prompt_inject.py SeqTables.kv_rows)."""
@@ -149,11 +178,18 @@ class PagedAttention:
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
-        if not self.prefill:
+        if not self.prefill and self.pf is None:
             return self._decode(q, k_cache, v_cache, gqa)
         out = torch.empty_like(q)
         if self.n_decode:
             out[:self.n_decode] = self._decode(q[:self.n_decode], k_cache, v_cache, gqa)
+        if self.pf is not None:  # the fresh prompts, one padded batch
+            P, T, index, mask, sel, rows = self.pf
+            qs = q[index].view(P, T, *q.shape[1:]).transpose(1, 2)  # (P, nh, T, hd)
+            ks = k[index].view(P, T, *k.shape[1:]).transpose(1, 2)  # (P, nkv, T, hd)
+            vs = v[index].view(P, T, *v.shape[1:]).transpose(1, 2)
+            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)  # (P, nh, T, hd)
+            out[rows] = y.transpose(1, 2).reshape(P * T, *q.shape[1:])[sel]
         for p in self.prefill:
             qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]  # (1, nh, T, hd)
             if p.ctx_runs is None:

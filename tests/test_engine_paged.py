@@ -160,3 +160,30 @@ def test_low_precision_decode_attends_in_fp32(dtype):
         out = PagedAttention(cache, decode, [], torch.device("cpu"), batched_decode=False)(0, q, k, v)
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out.float(), ref, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_batched_fresh_prefill_equals_one_prompt_at_a_time(gqa):
+    """CUDA's padded batch of fresh prompts (forced here on CPU) = the per-prompt path, in a step that
+    also holds decode rows and a later chunk of a long prompt (which keeps its own path)."""
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, hd, bs = 4, (2 if gqa else 4), 8, 4
+    decode = [SeqWork(seq_id=0, token_ids=[1], start_pos=6, block_ids=[0, 1], sample=True)]
+    prefill = [SeqWork(seq_id=1, token_ids=[1] * 7, start_pos=0, block_ids=[2, 3], sample=True),
+               SeqWork(seq_id=2, token_ids=[1] * 3, start_pos=0, block_ids=[4], sample=True),
+               SeqWork(seq_id=3, token_ids=[1] * 5, start_pos=8, block_ids=[5, 6, 7, 8], sample=True),  # a later chunk
+               SeqWork(seq_id=4, token_ids=[1] * 6, start_pos=0, block_ids=[9, 10], sample=True)]
+    n = 1 + 7 + 3 + 5 + 6
+    q = torch.randn(n, nh, hd, generator=g)
+    k, v = torch.randn(n, nkv, hd, generator=g), torch.randn(n, nkv, hd, generator=g)
+    base = torch.randn(1, 2, 16 * bs, nkv, hd, generator=g)  # earlier keys/values (the chunk's context)
+    outs = {}
+    for batched in (False, True):
+        cache = KVCache(1, 16, bs, nkv, hd, torch.float32)
+        cache.data.copy_(base)
+        att = PagedAttention(cache, decode, prefill, torch.device("cpu"), batched_prefill=batched)
+        assert (att.pf is not None) == batched and len(att.prefill) == (1 if batched else 4)
+        outs[batched] = att(0, q.clone(), k.clone(), v.clone())
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    # and the fresh prompts are really attended (a prompt's last row differs from its first)
+    assert not torch.allclose(outs[True][7], outs[True][1])
