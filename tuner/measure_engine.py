@@ -242,3 +242,97 @@ def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, di
             fit["retried_from_median_error_pct"] = other[id(fit)]["probe_median_error_pct"]  # the pass not kept
         out[layout_key(tp, pp)] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
     return out
+
+
+DECODE_BATCHES = ((1, 64, 8), (2, 64, 8), (4, 64, 8), (8, 64, 6), (16, 64, 5))
+"""(batch, prompt tokens, output tokens) of the one-shard layout's in-process probe (fit_on_engine):
+decode steps of 1, 2, 4, 8 and 16 sequences at contexts 65-72 (the accuracy runs' prompts), each
+batch's prefill before them (not fitted). The served probes' open-loop runs keep 1-5 requests in
+flight and meet batches past 1 in a handful of steps each, in bursts of arrivals through the
+gateway: until pass 25 a decode step's cost per sequence came from those alone. Since the engine
+runs decode batches of 2-64 through one fused C++ call (engines.fused_decode, main 852545a), a
+sequence more costs a fraction of what it did: in one process on this host (one thread) the
+6 x 384 probe's decode step is 1.3 / 2.3 / 2.4 / 3.5 / 5.5 ms at 1 / 2 / 4 / 8 / 16 sequences and
+the 12 x 768 one's 7.2 / 10.2 / 9.9 / 15.5 / 26.3 ms, where pass 25's served fit gave the default
+model (4 x 384) 1.7 / 2.5 / 4.5 / 8.4 / 16.2 ms and GPT-2 12.7 / 14.4 / 19.8 / 30.2 / 50.7 ms; the
+simulator then queued at 0.8 x predicted saturation where the engine did not (pass 25: default
+model TPOT +106%, GPT-2 +43%)."""
+ENGINE_THREADS = 1
+"""Threads of the in-process probe engine: a served one-shard engine on this shared host runs its
+steps on one thread mostly (engines.cpu_threads.AdaptiveThreads; tuner.measure_served.probe_models)."""
+
+
+def _fitted_times(fit: dict[str, float], rows: list[tuple[object, float, object]]) -> np.ndarray:
+    """Seconds the layout constants `fit` give each (StepWork, seconds, CostModel) row."""
+    from tuner.cost import CostModel
+    from tuner.profiles import layout_key
+
+    out = []
+    for w, _, cost in rows:
+        key = layout_key(cost.tp, cost.pp)
+        prof = cost.profile.replace(layouts={key: {**fit}})
+        out.append(CostModel(cost.model, prof, tp=cost.tp, pp=cost.pp, weight_dtype=cost.weight_dtype).step_time(w))
+    return np.array(out)
+
+
+def _lad_line(x: np.ndarray, y: np.ndarray, iterations: int = 20) -> tuple[float, float]:
+    """(a, b) >= 0 of y ~ a * x + b by least absolute relative deviations (iteratively reweighted
+    non-negative least squares on y's scale): the typical served step, not the mean (fit_layout)."""
+    a_mat = np.stack([x, np.ones_like(x)], axis=1)
+    wgt = 1.0 / np.maximum(y, 1e-9)
+    sol = np.zeros(2)
+    for _ in range(iterations):
+        sol = nnls(a_mat * wgt[:, None], y * wgt)
+        res = np.abs((a_mat @ sol) / y - 1)
+        wgt = 1.0 / np.maximum(y, 1e-9) / np.sqrt(np.maximum(res, 0.02))
+    return float(sol[0]), float(sol[1])
+
+
+def fit_on_engine(engine_rows: list[tuple[object, float, object]], served_rows: list[tuple[object, float, object]],
+                  threads: int = 1, **kw) -> dict[str, float]:
+    """Decode-step constants of a layout (profiles.LAYOUT_DECODE): fit_layout's formula fitted on
+    the engine's own decode steps in one process (`engine_rows`: DECODE_BATCHES, batches of 1-16;
+    prefill rows are left out), then placed where the served decode steps are (`served_rows`:
+    (StepWork, cycle seconds, CostModel), cycles of step + the serving loop's gap; prefill rows are
+    left out) by
+
+        served decode step = served_decode_scale * engine decode step + served_step_ms
+
+    fitted by least absolute relative deviations over the served decode steps (probes of four
+    sizes: the scale from the deep ones, the per-step cost from the shallow ones). So the cost of a
+    sequence more in a decode step comes from batches the engine really ran up to 16, and the level
+    from the hundreds of served steps (mostly batch 1: a deployment below saturation runs 1-5
+    sequences a step); steps with a prefill chunk keep the served fit. `kw` goes to fit_layout
+    (vocab, head, dram). Diagnostics: engine_median_error_pct (the in-process fit on its own steps)
+    and probe_* (the placed constants on the served decode steps)."""
+    rows = [r for r in engine_rows if not r[0].prefill_attn_pairs]
+    if not rows:
+        raise ValueError("fit_on_engine: no decode step among the engine's rows")
+    fit = fit_layout(rows, threads, prefill=False, **kw)
+    fit["engine_median_error_pct"] = fit.pop("probe_median_error_pct")
+    for k in ("probe_steps", "probe_mean_ratio", "probe_max_error_pct"):
+        fit.pop(k)
+    served = [r for r in served_rows if not r[0].prefill_attn_pairs]
+    if not served:
+        return fit
+    pred = _fitted_times(fit, served)
+    meas = np.array([dt for _, dt, _ in served])
+    scale, step_s = _lad_line(pred, meas)
+    fit.update(served_decode_scale=scale, served_step_ms=step_s * 1e3)
+    rel = np.abs((pred * scale + step_s) / meas - 1) * 100
+    fit.update(probe_steps=len(served), probe_median_error_pct=float(np.median(rel)),
+               probe_mean_ratio=float((pred * scale + step_s).sum() / meas.sum()), probe_max_error_pct=float(rel.max()))
+    return fit
+
+
+def engine_decode_rows(probes: list[tuple[object, Path, object]], dtype: str,
+                       progress=print) -> list[tuple[object, float, object]]:
+    """(StepWork, seconds, CostModel) of every step of DECODE_BATCHES on each (config, checkpoint,
+    one-shard CostModel) probe, in this process on ENGINE_THREADS threads."""
+    rows = []
+    for cfg, ckpt, cost in probes:
+        progress(f"engine steps in one process, probe {cfg.n_layer} x {cfg.n_embd} (vocabulary {cfg.vocab_size}): "
+                 f"decode batches {', '.join(str(b) for b, _, _ in DECODE_BATCHES)}")
+        rows += [(w, dt, cost) for w, dt in engine_steps(ckpt, DECODE_BATCHES, dtype, 1, 1, ENGINE_THREADS,
+                                                          cfg.vocab_size)]
+    return rows
