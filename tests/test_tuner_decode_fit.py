@@ -126,3 +126,22 @@ def test_refit_moves_the_decode_constants_too():
     model = MODELS[0]
     assert CostModel(model, moved).step_time(w) > CostModel(model, prof).step_time(w)
     assert np.isfinite(CostModel(model, moved).step_time(w))
+
+
+def test_fit_on_engine_tells_the_batch_kernels_per_layer_cost():
+    # the engine's decode batches of 2+ rows cost 150 us more per layer than its batch-1 path
+    jump = {**ENGINE, "decode_batch_layer_us": 150.0}
+    base = _profile()
+    eng_rows, served_rows = [], []
+    for model in MODELS:
+        truth = CostModel(model, base.replace(layouts={"1x1": jump}))
+        cost = CostModel(model, base)
+        for b, _, _ in DECODE_BATCHES:
+            eng_rows += [(_decode(b, ctx), truth.step_time(_decode(b, ctx)), cost) for ctx in (33, 35)]
+        served_rows += [(_decode(1, 90 + i), SCALE * truth.step_time(_decode(1, 90 + i)) + STEP_MS * 1e-3, cost)
+                        for i in range(10)]
+    fit = fit_on_engine(eng_rows, served_rows, threads=1)
+    assert fit["decode_batch_layer_us"] == pytest.approx(150.0, rel=0.05)
+    got = CostModel(MODELS[3], base.replace(layouts={"1x1": {**SERVED, LAYOUT_DECODE: fit}}))
+    d = got.step_time(_decode(2)) - got.step_time(_decode(1))
+    assert d > SCALE * MODELS[3].n_layer * 150e-6  # the jump from 1 to 2 sequences, at the served level

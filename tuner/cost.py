@@ -177,6 +177,10 @@ class CostModel:
             "attention": layers * attn,
             "comm": comm,
             "layer": layers * (const["layer_overhead_us"] * 1e-6
+                               # a decode step of 2+ rows: the batch kernels' own cost per layer beyond
+                               # the batch-1 path's (engines.fused_decode; tuner.measure_engine.fit_on_engine)
+                               + (lay.get("decode_batch_layer_us", 0.0) * 1e-6
+                                  if lay and not w.prefill_attn_pairs and seqs >= 2 else 0.0)
                                + (lay.get("token_layer_width_ns", 0.0) * 1e-9 * w.tokens * m.n_embd / self.tp
                                   if lay else 0.0)),
             "seq_layer": layers * seqs * const["seq_layer_overhead_us"] * 1e-6,

@@ -77,6 +77,8 @@ def _scaled_layout(p: HardwareProfile, key: str, lay: dict, t: dict[str, float])
            # several threads, it moves by matmul_mt, not by the shared efficiency
            "matmul_scale": round(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
                                  if p.threads(_shards(key)) > 1 else 1.0), 6)}
+    if "decode_batch_layer_us" in lay:  # a per-layer cost of decode batches (fit_on_engine)
+        out["decode_batch_layer_us"] = round(lay["decode_batch_layer_us"] * t["layer"], 6)
     if "served_step_ms" in lay:  # the served decode step's own ms (fit_on_engine): a per-step cost
         out["served_step_ms"] = round(lay["served_step_ms"] * t["step"], 6)
     if isinstance(lay.get(LAYOUT_DECODE), dict):
