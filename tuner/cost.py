@@ -138,6 +138,11 @@ class CostModel:
         bw = p.hbm_bandwidth_gb_s * 1e9 * p.bw_efficiency
         act_dtype = "float32" if self.weight_dtype == "float32" else "bfloat16"
         lay = p.layout(self.tp, self.pp)
+        if lay is not None and not w.prefill_attn_pairs and isinstance(lay.get("decode"), dict):
+            # a decode step of a layout with constants of its own for them: fitted on the engine's
+            # decode batches of 1-16 in one process, placed at the served steps' level
+            # (tuner.measure_engine.fit_on_engine)
+            lay = lay["decode"]
         if lay is not None:  # fitted on this layout's own engine steps (real executor, its threads)
             kv_rate, pre_rate = lay["attention_kv_gb_s"] * 1e9, lay["attention_prefill_tflops"] * 1e12
         else:
@@ -172,6 +177,10 @@ class CostModel:
             "attention": layers * attn,
             "comm": comm,
             "layer": layers * (const["layer_overhead_us"] * 1e-6
+                               # a decode step of 2+ rows: the batch kernels' own cost per layer beyond
+                               # the batch-1 path's (engines.fused_decode; tuner.measure_engine.fit_on_engine)
+                               + (lay.get("decode_batch_layer_us", 0.0) * 1e-6
+                                  if lay and not w.prefill_attn_pairs and seqs >= 2 else 0.0)
                                + (lay.get("token_layer_width_ns", 0.0) * 1e-9 * w.tokens * m.n_embd / self.tp
                                   if lay else 0.0)),
             "seq_layer": layers * seqs * const["seq_layer_overhead_us"] * 1e-6,
@@ -183,6 +192,11 @@ class CostModel:
                     # a step with a prefill chunk: its own fixed work (prefill attention's setup, the module path)
                     + (lay.get("prefill_step_ms", 0.0) * 1e-3 if lay and w.prefill_attn_pairs else 0.0),
         }
+        if lay is not None and lay.get("served_decode_scale"):
+            # decode constants fitted on the engine's own steps in one process: a served decode
+            # step is served_decode_scale times that plus served_step_ms (fit_on_engine)
+            parts = {k: v * lay["served_decode_scale"] for k, v in parts.items()}
+            parts["step"] += lay.get("served_step_ms", 0.0) * 1e-3
         # a recalibrated profile (tuner.hostref): the host's CPU speed now against the profile's; the
         # weight-streaming share of "matmul" was set to its memory scale above (divided by cpu here)
         cpu = p.scale("cpu")

@@ -24,6 +24,7 @@ What is measured, and which profile field it becomes:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -214,7 +215,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
         step_cycles,
     )
     from tuner.probe_model import gpt2_shape, prompt_extra_tokens, write_random_checkpoint
-    from tuner.profiles import layout_key
+    from tuner.profiles import LAYOUT_DECODE, layout_key
 
     probes = []
     for n_layer, n_head, n_embd, vocab in SERVED_PROBES:
@@ -229,6 +230,13 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
     from tuner.hostref import host_reference, reference_without_server
+    from tuner.measure_engine import engine_decode_rows, fit_on_engine
+
+    # the one-shard layout's decode batches of 1-16 in this process, before any server of ours is up
+    # (tuner.measure_engine.DECODE_BATCHES: the served probes meet batches past 1 in a handful of
+    # steps each; fit_on_engine places them at the served steps' level)
+    engine_rows = engine_decode_rows([(cfg, path, CostModel(cfg, base, weight_dtype=dtype)) for cfg, path in probes],
+                                     dtype, progress)
 
     def reference() -> dict:
         return host_reference(cache_mib=base.cache_mib or 32.0)
@@ -267,6 +275,13 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
         fit = fit_layout(rows, base.threads(tp * pp), vocab=vocab, mean=False, head=head, dram=dram)
         fit["served_gap_ms"] = float(np.median(gaps)) * 1e3
         layouts[key] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
+        if tp * pp == 1:  # its decode steps: the engine's own batches of 1-16, at the served level
+            dec = fit_on_engine(engine_rows, rows, base.threads(1))
+            layouts[key][LAYOUT_DECODE] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in dec.items()}
+            progress(f"served {key} decode steps: the engine's decode batches 1-16 in one process fitted "
+                     f"(median error {dec['engine_median_error_pct']:.1f}%), x {dec['served_decode_scale']:.3f} + "
+                     f"{dec['served_step_ms']:.3f} ms on the served decode cycles (median error "
+                     f"{dec.get('probe_median_error_pct', float('nan')):.1f}%)")
         notes.append(f"{key} {len(rows)} cycles, median gap {fit['served_gap_ms']:.2f} ms")
         progress(f"served {key}: {len(rows)} step cycles, fit median / max error "
                  f"{fit['probe_median_error_pct']:.1f}% / {fit['probe_max_error_pct']:.0f}%, "
@@ -319,6 +334,10 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                               if not r.warmup],
                                                 "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
+    if steps_out is not None:  # and the one-shard decode batches in one process (fit_on_engine's rows)
+        engine_out = steps_out.with_name(steps_out.name.removesuffix(".json") + ".engine.json")
+        engine_out.write_text(json.dumps([[[c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.vocab_size],
+                                           dataclasses.asdict(w), dt] for w, dt, c in engine_rows]))
     # the probe server is gone: its Ray processes exit while the fits run (at most 5 s more of waiting)
     refs.append(reference_without_server(max_wait_s=5.0, cache_mib=base.cache_mib or 32.0))
     progress("host reference without a server (before, after the probes): "

@@ -122,19 +122,26 @@ def _features(w, cost) -> list[float]:
             cost.matmul_time(w, threads=shard_threads) if shard_threads > 1 else 0.0,
             layers * w.tokens * m.n_embd / cost.tp, cost.weight_stream_bytes(w),
             m.vocab_size * m.n_embd / cost.tp if w.sampled else 0.0,
-            float(w.prefill_attn_pairs > 0)]
+            float(w.prefill_attn_pairs > 0),
+            layers if multi_row_decode(w) else 0.0]
+
+
+def multi_row_decode(w) -> bool:
+    """A decode-only step of two sequences or more (tuner.cost: decode_batch_layer_us)."""
+    return not w.prefill_attn_pairs and (w.seqs or w.sampled) >= 2
 
 
 def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, vocab: bool | float = True,
                mean: bool = False, head: bool | float = True, dram: bool | float = True,
-               prefill: bool | float = True) -> dict[str, float]:
+               prefill: bool | float = True, multi_row: bool | float = False) -> dict[str, float]:
     """A layout's constants (profiles.LAYOUT_KEYS) from (StepWork, seconds, CostModel) rows; the
     cost models carry the layout's tp and pp and a profile without layout constants. `threads`
     per shard bound matmul_scale from below: t threads at best divide the one-thread time by t.
     `vocab=False` leaves vocab_seq_ns at 0 (steps of two probes cannot tell it from the other
     per-sequence costs); a number fixes it at that many ns; `head` likewise for head_ns; `dram`
     likewise for the seconds per weight byte read past the cache (1 / dram_weight_gb_s / 1e9);
-    `prefill` likewise for prefill_step_ms (ms).
+    `prefill` likewise for prefill_step_ms (ms); `multi_row` likewise for decode_batch_layer_us (us; off
+    by default: only fit_on_engine's decode batches tell it).
     By default the fit follows the typical step (relative errors reweighted toward least absolute
     deviations); `mean=True` fits the mean step instead, relative to the geometric mean of the
     fitted and the measured time. The served fit (tuner.measure._served) used the mean from pass 9
@@ -152,7 +159,8 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     a = np.array([_features(w, cost) for w, _, cost in steps])
     dts = np.array([dt for _, dt, _ in steps])
     fixed = {j: 0.0 if v is False else float(v) * scale
-             for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0), (13, prefill, 1e-3))
+             for j, v, scale in ((8, vocab, 1e-9), (12, head, 1e-9), (11, dram, 1.0), (13, prefill, 1e-3),
+                                 (14, multi_row, 1e-6))
              if v is not True}
     full = a.copy()
     for j, v in fixed.items():
@@ -197,6 +205,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
             "dram_weight_gb_s": 1 / x[11] / 1e9 if x[11] > 0 else 0.0,  # 0: no step read weights past the cache
             "head_ns": x[12] * 1e9,
             "prefill_step_ms": x[13] * 1e3,
+            "decode_batch_layer_us": x[14] * 1e6,
             "probe_steps": len(steps), "probe_median_error_pct": float(np.median(rel)),
             "probe_mean_ratio": float(np.sum(a @ x) / np.sum(dts)),
             "probe_max_error_pct": float(rel.max())}
@@ -242,3 +251,100 @@ def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, di
             fit["retried_from_median_error_pct"] = other[id(fit)]["probe_median_error_pct"]  # the pass not kept
         out[layout_key(tp, pp)] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit.items()}
     return out
+
+
+DECODE_BATCHES = ((1, 32, 6), (2, 32, 6), (4, 32, 6), (8, 32, 5), (16, 32, 4))
+"""(batch, prompt tokens, output tokens) of the one-shard layout's in-process probe (fit_on_engine):
+decode steps of 1, 2, 4, 8 and 16 sequences at contexts 33-37, each batch's prefill before them (not
+fitted; short prompts for the profile's time budget: a decode step's attention over its context is a
+small part of it, and the served decode steps at contexts 97-113 set the level). The served probes' open-loop runs keep 1-5 requests in
+flight and meet batches past 1 in a handful of steps each, in bursts of arrivals through the
+gateway: until pass 25 a decode step's cost per sequence came from those alone. Since the engine
+runs decode batches of 2-64 through one fused C++ call (engines.fused_decode, main 852545a), a
+sequence more costs a fraction of what it did: in one process on this host (one thread) the
+6 x 384 probe's decode step is 1.3 / 2.3 / 2.4 / 3.5 / 5.5 ms at 1 / 2 / 4 / 8 / 16 sequences and
+the 12 x 768 one's 7.2 / 10.2 / 9.9 / 15.5 / 26.3 ms, where pass 25's served fit gave the default
+model (4 x 384) 1.7 / 2.5 / 4.5 / 8.4 / 16.2 ms and GPT-2 12.7 / 14.4 / 19.8 / 30.2 / 50.7 ms; the
+simulator then queued at 0.8 x predicted saturation where the engine did not (pass 25: default
+model TPOT +106%, GPT-2 +43%). A decode step of 2 sequences or more costs more per layer than the
+batch-1 path beyond its rows (decode_batch_layer_us: the 6 x 384 probe 1.3 -> 2.3 ms from 1 to 2
+sequences, then 2.4 ms at 4)."""
+ENGINE_THREADS = 1
+"""Threads of the in-process probe engine: a served one-shard engine on this shared host runs its
+steps on one thread mostly (engines.cpu_threads.AdaptiveThreads; tuner.measure_served.probe_models)."""
+
+
+def _fitted_times(fit: dict[str, float], rows: list[tuple[object, float, object]]) -> np.ndarray:
+    """Seconds the layout constants `fit` give each (StepWork, seconds, CostModel) row."""
+    from tuner.cost import CostModel
+    from tuner.profiles import layout_key
+
+    out = []
+    for w, _, cost in rows:
+        key = layout_key(cost.tp, cost.pp)
+        prof = cost.profile.replace(layouts={key: {**fit}})
+        out.append(CostModel(cost.model, prof, tp=cost.tp, pp=cost.pp, weight_dtype=cost.weight_dtype).step_time(w))
+    return np.array(out)
+
+
+def _lad_line(x: np.ndarray, y: np.ndarray, iterations: int = 20) -> tuple[float, float]:
+    """(a, b) >= 0 of y ~ a * x + b by least absolute relative deviations (iteratively reweighted
+    non-negative least squares on y's scale): the typical served step, not the mean (fit_layout)."""
+    a_mat = np.stack([x, np.ones_like(x)], axis=1)
+    wgt = 1.0 / np.maximum(y, 1e-9)
+    sol = np.zeros(2)
+    for _ in range(iterations):
+        sol = nnls(a_mat * wgt[:, None], y * wgt)
+        res = np.abs((a_mat @ sol) / y - 1)
+        wgt = 1.0 / np.maximum(y, 1e-9) / np.sqrt(np.maximum(res, 0.02))
+    return float(sol[0]), float(sol[1])
+
+
+def fit_on_engine(engine_rows: list[tuple[object, float, object]], served_rows: list[tuple[object, float, object]],
+                  threads: int = 1, **kw) -> dict[str, float]:
+    """Decode-step constants of a layout (profiles.LAYOUT_DECODE): fit_layout's formula fitted on
+    the engine's own decode steps in one process (`engine_rows`: DECODE_BATCHES, batches of 1-16;
+    prefill rows are left out), then placed where the served decode steps are (`served_rows`:
+    (StepWork, cycle seconds, CostModel), cycles of step + the serving loop's gap; prefill rows are
+    left out) by
+
+        served decode step = served_decode_scale * engine decode step + served_step_ms
+
+    fitted by least absolute relative deviations over the served decode steps (probes of four
+    sizes: the scale from the deep ones, the per-step cost from the shallow ones). So the cost of a
+    sequence more in a decode step comes from batches the engine really ran up to 16, and the level
+    from the hundreds of served steps (mostly batch 1: a deployment below saturation runs 1-5
+    sequences a step); steps with a prefill chunk keep the served fit. `kw` goes to fit_layout
+    (vocab, head, dram). Diagnostics: engine_median_error_pct (the in-process fit on its own steps)
+    and probe_* (the placed constants on the served decode steps)."""
+    rows = [r for r in engine_rows if not r[0].prefill_attn_pairs]
+    if not rows:
+        raise ValueError("fit_on_engine: no decode step among the engine's rows")
+    fit = fit_layout(rows, threads, prefill=False, multi_row=True, **kw)
+    fit["engine_median_error_pct"] = fit.pop("probe_median_error_pct")
+    for k in ("probe_steps", "probe_mean_ratio", "probe_max_error_pct"):
+        fit.pop(k)
+    served = [r for r in served_rows if not r[0].prefill_attn_pairs]
+    if not served:
+        return fit
+    pred = _fitted_times(fit, served)
+    meas = np.array([dt for _, dt, _ in served])
+    scale, step_s = _lad_line(pred, meas)
+    fit.update(served_decode_scale=scale, served_step_ms=step_s * 1e3)
+    rel = np.abs((pred * scale + step_s) / meas - 1) * 100
+    fit.update(probe_steps=len(served), probe_median_error_pct=float(np.median(rel)),
+               probe_mean_ratio=float((pred * scale + step_s).sum() / meas.sum()), probe_max_error_pct=float(rel.max()))
+    return {k: v if isinstance(v, int) else float(v) for k, v in fit.items()}
+
+
+def engine_decode_rows(probes: list[tuple[object, Path, object]], dtype: str,
+                       progress=print) -> list[tuple[object, float, object]]:
+    """(StepWork, seconds, CostModel) of every step of DECODE_BATCHES on each (config, checkpoint,
+    one-shard CostModel) probe, in this process on ENGINE_THREADS threads."""
+    rows = []
+    for cfg, ckpt, cost in probes:
+        progress(f"engine steps in one process, probe {cfg.n_layer} x {cfg.n_embd} (vocabulary {cfg.vocab_size}): "
+                 f"decode batches {', '.join(str(b) for b, _, _ in DECODE_BATCHES)}")
+        rows += [(w, dt, cost) for w, dt in engine_steps(ckpt, DECODE_BATCHES, dtype, 1, 1, ENGINE_THREADS,
+                                                          cfg.vocab_size)]
+    return rows

@@ -229,7 +229,8 @@ LAYOUT_KEYS = ("step_overhead_ms", "layer_overhead_us", "seq_overhead_us", "seq_
 one-thread rate table's matmul time, comm_scale the gloo-measured collective and send time; the
 attention rates are per shard."""
 LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s", "head_ns",
-                   "request_overhead_per_seq_ms", "prefill_step_ms")
+                   "request_overhead_per_seq_ms", "prefill_step_ms", "served_decode_scale", "served_step_ms",
+                   "decode_batch_layer_us")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
 shard of several threads, a factor on the rate table's time at those threads (added to
@@ -243,8 +244,16 @@ step that samples, whatever its batch (the head's fixed work beyond the rate tab
 the layout's request_overhead_per_seq_ms (HardwareProfile's field of that name); and ms of a step
 that holds a prefill chunk, beyond what its tokens and layers cost (the prefill path's own fixed
 work: the module path's dispatch of its ops, each prefill's attention call and causal mask, the
-chunk's block-table and slot bookkeeping)."""
-LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
+chunk's block-table and slot bookkeeping); and, for constants fitted on the engine's own steps in one
+process (LAYOUT_DECODE), the factor a served decode step takes against them (0: none; every part
+of the step moves by it) and the ms a served step adds to that; and us per layer of a decode-only
+step of two sequences or more (the fused decode step's batch kernels against its batch-1 path) (the serving loop and the processes beside the engine, per step)."""
+LAYOUT_DECODE = "decode"
+"""A layout may hold, under this key, a mapping of the same constants that its decode-only steps use
+instead (tuner.measure_engine.fit_on_engine: fitted on the engine's decode batches of 1-16 in one
+process, with served_decode_scale and served_step_ms placing them at the served steps' level); its
+steps that hold a prefill chunk keep the layout's own (fitted on the served steps)."""
+LAYOUT_NOTES = ("probe_steps", "probe_median_error_pct", "engine_median_error_pct", "probe_max_error_pct", "probe_mean_ratio", "retried_from_median_error_pct",
                 "served_scale", "served_attention_scale", "served_fit_error_pct", "served_gap_ms",
                 "served_ttft_log_error", "served_overhead_per_seq_ms")
 """Diagnostics stored beside them: steps fitted on, the fit's own relative error on them and, for a
@@ -262,6 +271,9 @@ def _check_layouts(layouts: Any) -> None:
     if not isinstance(layouts, dict):
         raise ProfileError("layouts: must map 'TPxPP' to a mapping of fitted constants")
     for key, consts in layouts.items():
+        if isinstance(consts, dict) and LAYOUT_DECODE in consts:
+            _check_layouts({key: consts[LAYOUT_DECODE]})
+            consts = {k: v for k, v in consts.items() if k != LAYOUT_DECODE}
         parts = str(key).split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
             raise ProfileError(f"layouts: keys must be 'TPxPP' with TP, PP >= 1 (e.g. '2x1'), got {key!r}")

@@ -19,7 +19,7 @@ import numpy as np
 from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
 from tuner.cost import COMPONENTS, CostModel
-from tuner.profiles import HardwareProfile
+from tuner.profiles import LAYOUT_DECODE, HardwareProfile
 from tuner.simulate import StepRecord, simulate
 
 COEFFICIENTS = (*COMPONENTS, "request")
@@ -62,6 +62,30 @@ def _unit_profile(p: HardwareProfile) -> tuple[HardwareProfile, dict[str, float]
     return p.replace(**changes), prior
 
 
+def _scaled_layout(p: HardwareProfile, key: str, lay: dict, t: dict[str, float]) -> dict:
+    """A layout's constants moved by the factors `t` (apply); its decode-step constants
+    (profiles.LAYOUT_DECODE) likewise."""
+    out = {**lay, **{f: round(lay[f] * t[c], 6) for c, f in _FIELD.items() if c != "request"},
+           "attention_prefill_tflops": round(lay["attention_prefill_tflops"] / t["attention"], 6),
+           "attention_kv_gb_s": round(lay["attention_kv_gb_s"] / t["attention"], 6),
+           "vocab_seq_ns": round(lay.get("vocab_seq_ns", 0.0) * t["seq"], 6),
+           "head_ns": round(lay.get("head_ns", 0.0) * t["seq"], 6),
+           "prefill_step_ms": round(lay.get("prefill_step_ms", 0.0) * t["step"], 6),
+           # weights read past the cache are part of the matmul time
+           "dram_weight_gb_s": round(lay.get("dram_weight_gb_s", 0.0) / t["matmul"], 6),
+           # a layout's matmul reads the one-thread table: where its shards run
+           # several threads, it moves by matmul_mt, not by the shared efficiency
+           "matmul_scale": round(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
+                                 if p.threads(_shards(key)) > 1 else 1.0), 6)}
+    if "decode_batch_layer_us" in lay:  # a per-layer cost of decode batches (fit_on_engine)
+        out["decode_batch_layer_us"] = round(lay["decode_batch_layer_us"] * t["layer"], 6)
+    if "served_step_ms" in lay:  # the served decode step's own ms (fit_on_engine): a per-step cost
+        out["served_step_ms"] = round(lay["served_step_ms"] * t["step"], 6)
+    if isinstance(lay.get(LAYOUT_DECODE), dict):
+        out[LAYOUT_DECODE] = _scaled_layout(p, key, lay[LAYOUT_DECODE], t)
+    return out
+
+
 def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
     """The profile whose step-time parts are `theta` times those of `p` (p from _unit_profile)."""
     t = {c: max(float(theta.get(c, 1.0)), 1e-6) for c in COEFFICIENTS}
@@ -73,19 +97,7 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
         changes["matmul_tflops"] = {th: ({d: {r: round(v * rel, 6) for r, v in rows.items()} for d, rows in tab.items()}
                                          if int(th) > 1 else tab) for th, tab in p.matmul_tflops.items()}
     if p.layouts:  # per-layout constants move with the same factors as the global ones
-        changes["layouts"] = {key: {**lay, **{f: round(lay[f] * t[c], 6) for c, f in _FIELD.items() if c != "request"},
-                                    "attention_prefill_tflops": round(lay["attention_prefill_tflops"] / t["attention"], 6),
-                                    "attention_kv_gb_s": round(lay["attention_kv_gb_s"] / t["attention"], 6),
-                                    "vocab_seq_ns": round(lay.get("vocab_seq_ns", 0.0) * t["seq"], 6),
-                                    "head_ns": round(lay.get("head_ns", 0.0) * t["seq"], 6),
-                                    "prefill_step_ms": round(lay.get("prefill_step_ms", 0.0) * t["step"], 6),
-                                    # weights read past the cache are part of the matmul time
-                                    "dram_weight_gb_s": round(lay.get("dram_weight_gb_s", 0.0) / t["matmul"], 6),
-                                    # a layout's matmul reads the one-thread table: where its shards run
-                                    # several threads, it moves by matmul_mt, not by the shared efficiency
-                                    "matmul_scale": round(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
-                                                          if p.threads(_shards(key)) > 1 else 1.0), 6)}
-                              for key, lay in p.layouts.items()}
+        changes["layouts"] = {key: _scaled_layout(p, key, lay, t) for key, lay in p.layouts.items()}
     if p.attention_kv_gb_s:
         changes["attention_kv_gb_s"] = p.attention_kv_gb_s / t["attention"]
     if p.attention_prefill_tflops:
