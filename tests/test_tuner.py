@@ -13,7 +13,7 @@ from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
 from shardserve.cli import app
 from tuner.cost import CostModel, LayoutError, StepWork, layout_problem, static_batch
-from tuner.profiles import HardwareProfile, ProfileError, load_profile
+from tuner.profiles import HardwareProfile, ProfileError, builtin_names, load_profile
 from tuner.simulate import simulate, summarize
 
 TINY = ModelConfig(model_type="gpt2", vocab_size=100, n_layer=2, n_head=4, n_embd=32, max_position_embeddings=64)
@@ -405,3 +405,18 @@ def test_prefill_step_cost_only_on_steps_with_a_prefill():
     assert CostModel(model, new).step_time(dec) == pytest.approx(CostModel(model, old).step_time(dec))
     assert CostModel(model, new).step_time(pre) == pytest.approx(CostModel(model, old).step_time(pre) + 2.5e-3)
     assert CostModel(model, new).components(pre)["step"] == pytest.approx(3.5e-3)
+
+
+def test_prefill_layer_overhead_charges_prefill_steps_only():
+    """An engine that replays CUDA graphs for decode but prefills eagerly (tuner/profiles/h200-shardserve.yaml)."""
+    base = load_profile("h200")
+    eager = base.replace(prefill_layer_overhead_us=400.0)
+    model = ModelConfig(model_type="gpt2", vocab_size=1000, n_layer=6, n_head=4, n_embd=256)
+    prefill = StepWork(tokens=32, sampled=1, prefill_attn_pairs=32 * 33 // 2)
+    decode = StepWork(tokens=4, sampled=4, decode_context=4 * 40)
+    a, b = CostModel(model, base), CostModel(model, eager)
+    assert b.step_time(decode) == pytest.approx(a.step_time(decode))
+    assert b.step_time(prefill) - a.step_time(prefill) == pytest.approx(6 * 400e-6)
+    assert "h200-shardserve" in builtin_names() and load_profile("h200-shardserve").prefill_layer_overhead_us > 0
+    with pytest.raises(ProfileError, match="prefill_layer_overhead_us"):
+        base.replace(prefill_layer_overhead_us=-1.0)

@@ -177,6 +177,7 @@ class CostModel:
             "attention": layers * attn,
             "comm": comm,
             "layer": layers * (const["layer_overhead_us"] * 1e-6
+                               + (p.prefill_layer_overhead_us * 1e-6 if w.prefill_attn_pairs else 0.0)
                                # a decode step of 2+ rows: the batch kernels' own cost per layer beyond
                                # the batch-1 path's (engines.fused_decode; tuner.measure_engine.fit_on_engine)
                                + (lay.get("decode_batch_layer_us", 0.0) * 1e-6

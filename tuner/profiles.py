@@ -65,6 +65,10 @@ class HardwareProfile:
     """Fixed cost per sequence in a step (sampling, bookkeeping, streaming its token; fitted)."""
     seq_layer_overhead_us: float = 0.0
     """Fixed cost per sequence per layer (per-sequence attention calls on CPU; fitted)."""
+    prefill_layer_overhead_us: float = 0.0
+    """Fixed cost per layer of a step that holds a prefill chunk, on top of layer_overhead_us: an
+    engine whose decode steps replay CUDA graphs but whose prefill runs eagerly (shardserve on a GPU)
+    launches its kernels one by one only there (fitted; 0 for the published engines' profiles)."""
     attention_kv_gb_s: float = 0.0
     """Rate at which decode attention reads its KV context (GB/s); 0 uses the memory bandwidth."""
     attention_prefill_tflops: float = 0.0
@@ -122,7 +126,8 @@ class HardwareProfile:
             if not (isinstance(v, (int, float)) and 0 < v <= top):
                 raise ProfileError(f"{name}: must be in (0, {top:g}], got {v!r}")
         for name in ("layer_overhead_us", "step_overhead_ms", "collective_latency_us", "reserved_memory_gib",
-                     "seq_overhead_us", "seq_layer_overhead_us", "attention_kv_gb_s", "attention_prefill_tflops",
+                     "seq_overhead_us", "seq_layer_overhead_us", "prefill_layer_overhead_us", "attention_kv_gb_s",
+                     "attention_prefill_tflops",
                      "send_latency_us", "request_overhead_ms", "request_overhead_per_seq_ms", "cache_mib"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):

@@ -100,17 +100,22 @@ def predict(profile: HardwareProfile, p: Point) -> float:
     return static_batch(cost, p.batch, p.input_len, p.output_len)["latency_ms"]
 
 
-def fit(profile: HardwareProfile, points: list[Point]) -> HardwareProfile:
-    """Grid over the two efficiency factors; for each, the three fixed costs (which enter the
-    latency linearly) by non-negative least squares on the relative error."""
+FIXED_COSTS = ("layer_overhead_us", "step_overhead_ms", "collective_latency_us")
+
+
+def fit(profile: HardwareProfile, points: list, predict_fn=None, consts: tuple[str, ...] = FIXED_COSTS
+        ) -> HardwareProfile:
+    """Grid over the two efficiency factors; for each, the fixed costs `consts` (which enter the
+    latency linearly) by non-negative least squares on the relative error. `points` have a
+    latency_ms; predict_fn(profile, point) -> ms (default: the published GPT points' static batch)."""
+    predict_fn = predict_fn or predict
     meas = np.array([p.latency_ms for p in points])
-    consts = ("layer_overhead_us", "step_overhead_ms", "collective_latency_us")
     zero = {c: 0.0 for c in consts}
     best = None
     for be, fe in itertools.product(np.round(np.arange(0.40, 1.0001, 0.02), 3), np.round(np.arange(0.30, 1.0001, 0.02), 3)):
         base_prof = profile.replace(bw_efficiency=float(be), flops_efficiency=float(fe), **zero)
-        base = np.array([predict(base_prof, p) for p in points])
-        cols = [np.array([predict(base_prof.replace(**{c: 1.0}), p) for p in points]) - base for c in consts]
+        base = np.array([predict_fn(base_prof, p) for p in points])
+        cols = [np.array([predict_fn(base_prof.replace(**{c: 1.0}), p) for p in points]) - base for c in consts]
         a = np.stack(cols, axis=1) / meas[:, None]
         r = 1.0 - base / meas
         x = np.clip(np.linalg.lstsq(a, r, rcond=None)[0], 0, None)
