@@ -14,12 +14,15 @@ Sections (each runs alone: one that fails is reported and the others go on):
            on and off (the same static decode path) and the eager paged path (static_decode off); the
            time and pool memory of each bucket's capture; each as a fraction of the HBM roofline
            (every weight and each stream's context read once a step at the copy rate measured here).
-           Batch 64 also with max_model_len 1024 (the static step gathers the whole block table).
+           Batch 64 also with max_model_len 1024: context buckets (the step reads the table columns its
+           longest row needs) against the whole block table read every step (as before them).
   fp8      the same model with weight_dtype fp8 (W8A8 through torch._scaled_mm on sm89+) against bf16
            at batch 1 / 8 / 64, graphs on; and greedy-token agreement of fp8 with bf16.
+  fp8big   the same on a Llama-8B shape (64 new tokens a stream).
   tuner    the static batch the tuner's `predict` describes (B requests of 60 input and 20 output
            tokens arriving together, until the last token) measured on our engine for GPT-2-medium,
-           a GPT-2-XL shape and a Llama-1B shape (GQA) at B = 1, 8, 64, against the built-in profile of
+           a GPT-2-XL, a Llama-1B (GQA) and a Llama-8B shape at B = 1, 8, 64 (bf16, and fp8 for all but
+           GPT-2-medium), against the built-in profile of
            this device (h200 / h100-sxm / a100-80gb by name), so the analytic profile meets a real card.
 
 Prints a summary table last; writes everything to --out (JSON).
