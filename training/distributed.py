@@ -21,6 +21,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -129,10 +130,23 @@ def init_context(device_kind: str = "auto") -> DistContext:
     return DistContext(rank, world, local, device, dist.group.WORLD, owns_group=True)
 
 
-def shutdown(ctx: DistContext) -> None:
-    # only a group this module created; Ray Train tears down its own
+def shutdown(ctx: DistContext, all_done: bool = False) -> None:
+    """Tear down the process group this module created (Ray Train tears down its own). all_done:
+    this rank finished normally, so every rank should arrive: meet them first, so that no rank tears
+    its side down while a peer's gloo threads still talk to it (a peer aborted in teardown once,
+    "terminate called without an active exception"); a rank that does not arrive within a minute
+    fails the barrier instead of hanging it."""
     if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+        if all_done and ctx.world_size > 1:
+            try:
+                if dist.get_backend() == "gloo":
+                    dist.monitored_barrier(timeout=timedelta(seconds=60))
+                else:
+                    dist.barrier()
+            finally:
+                dist.destroy_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 def free_port() -> int:

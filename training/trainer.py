@@ -86,10 +86,13 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True, on_step: 
           log=print) -> TrainResult:
     """Train (or resume) `recipe` on this rank; a launcher runs it on every rank."""
     ctx = init_context(recipe.train.device)
+    done = False
     try:
-        return _train(recipe, ctx, resume, progress, on_step, log if ctx.is_main else (lambda *a, **k: None))
+        result = _train(recipe, ctx, resume, progress, on_step, log if ctx.is_main else (lambda *a, **k: None))
+        done = True
+        return result
     finally:
-        shutdown(ctx)
+        shutdown(ctx, all_done=done)
 
 
 def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, on_step: StepCallback | None,
