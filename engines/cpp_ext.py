@@ -70,6 +70,16 @@ def clear_stale_lock(name: str) -> bool:
     return True
 
 
+def bindings(functions: list[str]) -> str:
+    """The module's Python bindings of `functions`, each called with the GIL released (as torch's own
+    ops are): a kernel bound as load_inline's `functions=` would hold it for its whole run, and the
+    serving process's event loop (HTTP, streaming, new requests) then stalls for each engine step
+    that runs one (a whole fused decode step: BENCHMARKS.md, issue 15). The functions take and
+    return tensors and plain values only, and their shared state has its own locks."""
+    defs = "".join(f'  m.def("{f}", &{f}, "{f}", py::call_guard<py::gil_scoped_release>());\n' for f in functions)
+    return f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
+
+
 def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable): no compiler, no ninja or a build
     error all mean "not on this machine"; the caller decides whether that is an error."""
@@ -79,7 +89,7 @@ def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[ob
         find_ninja()
         clear_stale_lock(build_name(prefix))
         t = time.perf_counter()
-        mod = load_inline(name=build_name(prefix), cpp_sources=source, functions=functions,
+        mod = load_inline(name=build_name(prefix), cpp_sources=source + bindings(functions), functions=None,
                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         why = f"{what} ready in {time.perf_counter() - t:.1f} s"

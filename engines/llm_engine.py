@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -27,6 +28,20 @@ from engines.tokenizer import Detokenizer, Tokenizer
 
 STEP_LOG_LEN = 256
 """Working steps kept in LLMEngine.step_log (a replica's admission fits step time to tokens from it)."""
+STEP_DETAIL_ENV = "SHARDSERVE_STEP_DETAIL_LEN"
+"""Environment variable: working steps kept in LLMEngine.step_detail (default STEP_LOG_LEN). The
+tuner's accuracy runs set it so that a whole run's steps can be read after it (tuner.validate)."""
+STEP_DETAIL_MAX = 1_000_000
+
+
+def step_detail_len() -> int:
+    """Steps LLMEngine.step_detail keeps: $SHARDSERVE_STEP_DETAIL_LEN, else STEP_LOG_LEN."""
+    raw = os.environ.get(STEP_DETAIL_ENV, "").strip()
+    if not raw:
+        return STEP_LOG_LEN
+    if not raw.isdigit() or not 1 <= int(raw) <= STEP_DETAIL_MAX:
+        raise ValueError(f"{STEP_DETAIL_ENV}: must be an integer in [1, {STEP_DETAIL_MAX}], got {raw!r}")
+    return int(raw)
 
 Prompt = str | list[int]
 ExecutorFactory = Callable[[str, EngineConfig], Executor]
@@ -113,7 +128,7 @@ class LLMEngine:
         self.step_log: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=STEP_LOG_LEN)
         """(end, tokens, seconds) of the latest working steps: end on time.monotonic(), tokens the step
         computed (one per decode, a chunk per prefill). Read by other threads: copy it with tuple()."""
-        self.step_detail: collections.deque[tuple] = collections.deque(maxlen=STEP_LOG_LEN)
+        self.step_detail: collections.deque[tuple] = collections.deque(maxlen=step_detail_len())
         """(end, seconds, gap, decode sequences, decode context tokens, prefill sequences, prefill
         tokens, prefill attention pairs, sampled) of the same steps, for the tuner's served-step fit:
         gap is the seconds since the previous step ended when that step left requests unfinished (the

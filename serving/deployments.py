@@ -87,7 +87,7 @@ class _Publisher:
         if self.steps is None:
             return None
         window = self.steps()
-        last = window["steps"][-1]["end_s"] if window["steps"] else None
+        last = window["rows"][-1][0] if window["rows"] else None  # end_s of its newest step
         if last == self._last_step:
             return None
         self._last_step = last

@@ -3,7 +3,8 @@
     GET /v1/admin/steps?model=NAME[&limit=N]
 
 One entry per replica of the model: its layout (TP x PP, threads, batch limits) and its latest
-working steps, oldest first (at most `limit`, at most engines.llm_engine.STEP_LOG_LEN): each step's
+working steps, oldest first (at most `limit`, at most what the engine keeps: engines.llm_engine.
+step_detail_len(), 256 unless $SHARDSERVE_STEP_DETAIL_LEN says otherwise): each step's
 wall seconds, the gap before it (the loop's time since the previous step while requests were
 unfinished; null when the engine may have idled), its decode sequences and their context tokens,
 its prefill sequences, tokens and attention pairs, and the sequences it sampled. `shardserve tune
@@ -30,29 +31,37 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 
 
 def step_window(engine: Any, layout: dict[str, Any], replica: str, clock_s: float) -> dict[str, Any]:
-    """A replica's window as the route returns it (`engine`: its LLMEngine; `clock_s`: now on the
-    replica's monotonic clock, so that a reader can tell how old each step is)."""
-    steps = [dict(zip(STEP_FIELDS, s, strict=True)) for s in tuple(engine.step_detail)]
+    """A replica's window as it is published (`engine`: its LLMEngine; `clock_s`: now on the
+    replica's monotonic clock, so that a reader can tell how old each step is): the steps as tuples
+    in STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle several
+    times faster than dicts, which matters for a window of thousands of steps); `as_route` turns it
+    into what the route returns."""
+    return {"replica": replica, "layout": layout, "clock_s": clock_s, "rows": tuple(engine.step_detail)}
+
+
+def as_route(window: dict[str, Any], limit: int) -> dict[str, Any]:
+    """A published window as the route returns it: its latest `limit` steps as dicts, gap_s None
+    where the engine may have idled."""
+    steps = [dict(zip(STEP_FIELDS, s, strict=True)) for s in window["rows"][-limit:]]
     for s in steps:
         if s["gap_s"] < 0:
             s["gap_s"] = None
-    return {"replica": replica, "layout": layout, "clock_s": clock_s, "steps": steps}
+    return {**{k: v for k, v in window.items() if k != "rows"}, "steps": steps}
 
 
 @router.get("/v1/admin/steps")
 async def steps(request: Request, model: str | None = None, limit: str | None = None) -> JSONResponse:
-    from engines.llm_engine import STEP_LOG_LEN
+    from engines.llm_engine import step_detail_len
 
     gw = gateway_of(request)
     if model is None and len(gw.names) == 1:
         model = gw.names[0]
     if model is None:
         raise errors.invalid(f"model: required (served: {', '.join(gw.names)})", "model", "missing_required_parameter")
-    n = STEP_LOG_LEN if limit is None else int(limit) if limit.strip().isdigit() else 0
-    if not 1 <= n <= STEP_LOG_LEN:
-        raise errors.invalid(f"limit: must be an integer in [1, {STEP_LOG_LEN}], got {limit!r}", "limit")
+    most = step_detail_len()
+    n = most if limit is None else int(limit) if limit.strip().isdigit() else 0
+    if not 1 <= n <= most:
+        raise errors.invalid(f"limit: must be an integer in [1, {most}], got {limit!r}", "limit")
     served = await gw.model(model)
-    windows = await served.backend.step_windows()
-    for w in windows:
-        w["steps"] = w["steps"][-n:]
+    windows = [as_route(w, n) for w in await served.backend.step_windows()]
     return JSONResponse({"object": "list", "model": model, "data": sorted(windows, key=lambda w: w["replica"])})

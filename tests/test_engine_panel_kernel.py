@@ -98,3 +98,36 @@ def test_a_stale_build_lock_does_not_hang_the_load():
     finally:
         if os.path.exists(lock):
             os.remove(lock)
+
+
+def test_kernel_calls_release_the_gil():
+    """A kernel call runs without the GIL (engines/cpp_ext.bindings), as torch's ops do: the serving
+    process's event loop keeps running during an engine step that is one long kernel call. While
+    another thread is inside one call of ~0.1-1 s, this thread's Python loop runs many times; holding
+    the GIL, the call would let it run only before and after (no time bound is asserted: only that
+    Python ran during the call's middle half)."""
+    import threading
+    import time
+
+    torch.manual_seed(2)
+    w = torch.randn(4096, 4096)
+    x = torch.randn(1024, 4096)  # ~34 GFLOP: far longer than the interpreter's 5 ms switch interval
+    panels = pk.pack_panels(w)
+    span: list[float] = []
+
+    def call() -> None:
+        with torch.inference_mode():
+            span.append(time.perf_counter())
+            pk.panel_linear(x, panels, 4096, None)
+            span.append(time.perf_counter())
+
+    ticks: list[float] = []
+    th = threading.Thread(target=call)
+    th.start()
+    while th.is_alive():
+        ticks.append(time.perf_counter())
+    th.join()
+    t0, t1 = span
+    quarter = (t1 - t0) / 4
+    inside = [t for t in ticks if t0 + quarter < t < t1 - quarter]
+    assert len(inside) > 10, f"{len(inside)} Python iterations in the middle half of a {t1 - t0:.3f} s kernel call"

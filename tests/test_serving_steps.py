@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from deploy.schema import validate_config
-from engines.llm_engine import STEP_LOG_LEN
+from engines.llm_engine import STEP_DETAIL_ENV, STEP_LOG_LEN, step_detail_len
 from serving.app import create_local_app
 from serving.steps_api import STEP_FIELDS
 
@@ -73,6 +73,25 @@ def test_bad_arguments_are_named(gpt2_dir):
             assert str(STEP_LOG_LEN) in r.json()["error"]["message"]
         r = c.get("/v1/admin/steps", params={"model": "nope"})
         assert r.status_code == 404, r.text
+
+
+def test_a_longer_window_keeps_a_whole_run(gpt2_dir, monkeypatch):
+    """$SHARDSERVE_STEP_DETAIL_LEN (the tuner's accuracy runs) keeps more than STEP_LOG_LEN steps,
+    and the route's limit follows it; a bad value names the variable."""
+    for bad in ("0", "x", "-1", "2000000"):
+        monkeypatch.setenv(STEP_DETAIL_ENV, bad)
+        with pytest.raises(ValueError, match=STEP_DETAIL_ENV):
+            step_detail_len()
+    monkeypatch.delenv(STEP_DETAIL_ENV)
+    assert step_detail_len() == STEP_LOG_LEN
+    monkeypatch.setenv(STEP_DETAIL_ENV, str(STEP_LOG_LEN + 100))
+    with _client(gpt2_dir) as c:
+        for _ in range(STEP_LOG_LEN // 16 + 2):  # a prefill and 15 decodes each: past STEP_LOG_LEN steps
+            _complete(c, [1, 2, 3], 16)
+        steps = c.get("/v1/admin/steps").json()["data"][0]["steps"]
+        assert len(steps) == (STEP_LOG_LEN // 16 + 2) * 16 > STEP_LOG_LEN
+        assert c.get("/v1/admin/steps", params={"limit": str(STEP_LOG_LEN + 100)}).status_code == 200
+        assert c.get("/v1/admin/steps", params={"limit": str(STEP_LOG_LEN + 101)}).status_code == 400
 
 
 def test_admin_key_required_when_keys_are_configured(gpt2_dir):

@@ -34,9 +34,17 @@ and past a 32 MiB last-level cache; head counts even, so every probe splits over
 third was 4 x 256 with 50,257 entries and there was no fourth: with depth and width rising together
 across the probes, the fit could not tell a per-layer constant from width-dependent work or a
 per-step one. The fourth serves in the one-shard layout only, for the time budget.)"""
-MULTI_SHARD_PROBES = (0, 1)
-"""The probes a layout of several shards is served with (the profile's time budget: each such copy
-starts tp x pp shard actors beside its replica, and starting processes is most of the profile)."""
+MULTI_SHARD_PROBES = {"1x2": (0, 1), "2x1": (0, 1)}
+"""The probes each layout of several shards is served with (the profile's time budget: each such
+copy starts tp x pp shard actors beside its replica, and starting processes is most of the profile).
+Tried in pass 32: PP2 with 6 x 384 as a third probe. The fit's constants came out physical (6 ms a
+step, the stages' coordination; the unfused layer path's matmuls 2.5x the rate table) and the
+default model's PP2 decode steps went from 1.3-1.5x to 1.1-1.2x of measured, but the same matmul
+scale then charged GPT-2's PP2 prefills 1.58x (TTFT +40%, from within 10% in passes 26-31):
+not kept (BENCHMARKS.md, issue 15)."""
+MULTI_SHARD_WARMUP = ((1, 2, 16, 9), (2, 4, 96, 3))
+"""The warm-up of a copy of several shards (WARMUP's first and last runs): its shards run a fixed
+thread count (worker_threads), so there is no thread chooser to train, only first-step costs."""
 SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts them)
 CONCURRENCY = ((1, 2, 16),)
 """(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
@@ -136,11 +144,11 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
     with Server(["--config", str(conf)], work_dir / "serve.log", env=server_env(profile)) as url:
         if reference is not None:
             refs.append(reference())
-        for name, (path, *_rest) in copies.items():
+        for name, (path, tp, pp) in copies.items():
             progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
                     "ignore_eos": True, "progress": False, "seed": 1}
-            for c, n, plen, o in WARMUP:
+            for c, n, plen, o in WARMUP if tp * pp == 1 else MULTI_SHARD_WARMUP:
                 run(LoadTestConfig(**base, random_input_len=plen, random_output_len=o, closed_loop_concurrency=c,
                                    num_prompts=n))
             runs, spans = {}, {}

@@ -10,6 +10,7 @@ goodput on the very schedule that was sent), then sweep the request rate with th
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -126,6 +127,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             sweep_from: float | None = None, progress=print) -> dict:
     """Serve `cand` from its emitted YAML; one load test per rate in `rates` (each compared with
     the simulator on the schedule actually sent) and, with `sweep_from`, a goodput sweep from there."""
+    from engines.llm_engine import STEP_DETAIL_ENV
     from loadtest.config import LoadTestConfig, SweepConfig
     from loadtest.runner import run as loadtest_run
     from loadtest.slo_sweep import sweep
@@ -147,7 +149,9 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     recal = bool(settings.recalibrate and profile.host_reference)
     now = reference_without_server(cache_mib=profile.cache_mib or 32.0) if recal else {}  # no server up
     prof = recalibrated(profile, now) if recal else profile
-    with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
+    # every step of a run is kept (not the latest 256) so that served_steps_check sees the whole run
+    with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s,
+                env={STEP_DETAIL_ENV: str(RUN_STEPS_KEPT)}) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
                 "burstiness": w.burstiness, "random_input_len": w.input_len, "random_output_len": w.output_len,
                 "ignore_eos": True, "progress": False, "tokenizer": tok if tok.is_file() else None, "slos": slos,
@@ -192,6 +196,9 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     return out
 
 
+RUN_STEPS_KEPT = 50_000
+"""Steps a validated replica keeps (engines.llm_engine.STEP_DETAIL_ENV): more than any run of
+ValidateSettings' size takes, so that served_steps_check reads all of a run's steps, not its tail."""
 PUSH_WAIT_S = 1.2
 """Seconds for a replica's metrics to reach the gateway's hub (tuner.measure_served.PUSH_INTERVAL_S)."""
 _LATENCY_SERIES = {"shardserve_time_to_first_token_seconds": "replica_ttft",
@@ -236,11 +243,11 @@ def latency_split(before: dict[str, float], after: dict[str, float], run: Run) -
 
 
 def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> dict[str, float]:
-    """The served replicas' latest steps of a run (at most engines.llm_engine.STEP_LOG_LEN per
-    replica, read once after it: nothing polls the server while it is measured) against the cost
-    model's step times for the same work: how much of a TPOT or TTFT error is the step model's.
-    `raw`: each step cycle as [tokens, sampled, prefill attention pairs, decode context, sequences,
-    step seconds, gap seconds after it]."""
+    """The served replicas' steps of a run (all of them with measure's RUN_STEPS_KEPT, read once
+    after it: nothing polls the server while it is measured) against the cost model's step times
+    for the same work: how much of a TPOT or TTFT error is the step model's. `raw`: each step cycle
+    as [tokens, sampled, prefill attention pairs, decode context, sequences, step seconds, gap
+    seconds after it, seconds from `since` to the step's end]."""
     import httpx
 
     from tuner.measure_served import PUSH_INTERVAL_S, step_cycles
@@ -252,7 +259,9 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
         windows = r.json()["data"]
     except httpx.HTTPError as exc:
         return {"error": repr(exc)}
-    cyc = [c for wdw in windows for c in step_cycles([s for s in wdw["steps"] if s["end_s"] > since])]
+    runs = [[s for s in wdw["steps"] if s["end_s"] > since] for wdw in windows]
+    cyc = [c for steps in runs for c in step_cycles(steps)]
+    ends = [s["end_s"] - since for steps in runs for s, nxt in itertools.pairwise(steps) if nxt["gap_s"] is not None]
     if not cyc:
         return {"cycles": 0}
     meas = np.array([dt + gap for _, dt, gap in cyc])
@@ -261,7 +270,11 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
             "predicted_mean_cycle_ms": float(pred.mean() * 1e3), "median_cycle_error": float(np.median(pred / meas - 1)),
             "mean_gap_ms": float(np.mean([g for _, _, g in cyc]) * 1e3),
             "mean_batch": float(np.mean([w.seqs for w, _, _ in cyc])),
-            "raw": [[w.tokens, w.sampled, w.prefill_attn_pairs, w.decode_context, w.seqs, dt, gap] for w, dt, gap in cyc]}
+            "raw": [[w.tokens, w.sampled, w.prefill_attn_pairs, w.decode_context, w.seqs, dt, gap, end]
+                    for (w, dt, gap), end in zip(cyc, ends, strict=True)],
+            # every step of the run, also those after which the engine may have idled (gap_s None), as
+            # the route's fields (serving.steps_api.STEP_FIELDS) with end_s from `since`
+            "all": [[s["end_s"] - since, *(v for k, v in s.items() if k != "end_s")] for steps in runs for s in steps]}
 
 
 def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Workload,
