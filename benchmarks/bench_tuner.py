@@ -31,8 +31,9 @@ from tqdm import tqdm
 
 from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
-from tuner.cost import CostModel, static_batch
+from tuner.cost import CostModel, StepWork, static_batch
 from tuner.hostref import recalibrated
+from tuner.measure_engine import nnls
 from tuner.probe_model import gpt2_shape
 from tuner.profiles import load_profile
 from tuner.refit import Run, refit
@@ -131,6 +132,27 @@ def _measure(args, profile) -> tuple[list[dict], dict]:
     return rows, env
 
 
+def _own_step_features(w: StepWork) -> list[float]:
+    pre = bool(w.prefill_attn_pairs)
+    return [float(not pre), float(pre), 0.0 if pre else w.tokens, w.tokens if pre else 0.0,
+            w.decode_context / 1e3, w.prefill_attn_pairs / 1e4]
+
+
+def own_steps_prediction(profile, run: Run, raw: list[list[float]]) -> dict[str, float] | None:
+    """The simulator on the run's schedule with the run's own served steps as its step model (a
+    line per kind of step, decode-only and with a prefill chunk, in tokens, context and attention
+    pairs, fitted on every step cycle of the run, relative errors): what the profile's prediction
+    would be with a step model right on average, so that a miss splits into the step model's part
+    and the rest's (request overheads, scheduling, streaming). None without the run's steps."""
+    if len(raw) < 20:
+        return None
+    works = [StepWork(*(int(v) for v in s[:5])) for s in raw]
+    y = np.array([s[5] + s[6] for s in raw])
+    a = np.array([_own_step_features(w) for w in works])
+    coef = nnls(a / y[:, None], np.ones_like(y))
+    return predict_run(profile, run, (), step_time=lambda w: float(np.dot(_own_step_features(w), coef)))
+
+
 def _report(rows: list[dict], target: float) -> None:
     for pred, err, title in (("predicted_as_profiled", "error_as_profiled",
                               "profile as measured by `tune profile`, not recalibrated"),
@@ -164,8 +186,9 @@ def _report(rows: list[dict], target: float) -> None:
                           f"after {a.get('decode_us', float('nan')):.0f} us, {a.get('read_gb_s', float('nan')):.1f} GB/s"
                           f" -> cpu x{r['host_scale']['cpu']:.3f}, memory x{r['host_scale']['memory']:.3f}")
         if pred == "predicted" and any(r.get("steps", {}).get("cycles") for r in sel):
-            print("\nthe run's own served steps (the last of them, read after it): mean step cycle (step + "
-                  "the gap after it) predicted / measured, the median per-step error, mean batch, mean gap\n")
+            print("\nthe run's own served steps (every step of it since pass 31, read after it; before, the last "
+                  "~250): mean step cycle (step + the gap after it) predicted / measured, the median per-step "
+                  "error, mean batch, mean gap\n")
             for r in sel:
                 st = r.get("steps", {})
                 if st.get("cycles"):
@@ -173,6 +196,16 @@ def _report(rows: list[dict], target: float) -> None:
                           f"{st['predicted_mean_cycle_ms']:.2f} / {st['measured_mean_cycle_ms']:.2f} ms "
                           f"({st['median_cycle_error']:+.1%} median over {st['cycles']} steps), batch "
                           f"{st['mean_batch']:.1f}, gap {st['mean_gap_ms']:.2f} ms")
+        if pred == "predicted" and any("own_steps_error" in r for r in sel):
+            print("\nthe simulator with each run's own served steps as its step model (tokens, context and "
+                  "attention pairs fitted on every step of the run; the profile's request overheads): TTFT p50 and "
+                  "TPOT p50 predicted / measured (error); what is left when the step model is right on average\n")
+            for r in sel:
+                if "own_steps_error" in r:
+                    o, e = r["own_steps_predicted"], r["own_steps_error"]
+                    print(f"- {r['model']} TP{r['tp']} PP{r['pp']} at {r['rate_req_s']:.2f} req/s: TTFT "
+                          f"{o['ttft_p50_ms']:.1f} / {r['measured']['ttft_p50_ms']:.1f} ({e['ttft_p50_ms']:+.1%}), TPOT "
+                          f"{o['tpot_p50_ms']:.2f} / {r['measured']['tpot_p50_ms']:.2f} ({e['tpot_p50_ms']:+.1%})")
         if pred == "predicted" and any(r.get("latency_split", {}).get("replica_ttft_mean_ms") for r in sel):
             print("\nwhere the measured TTFT goes (means over each run's requests): the client's, the replica's "
                   "own (arrival at the replica to its first token), the engine's queue (taken in to first step)\n")
@@ -242,6 +275,10 @@ def main() -> None:
                 fitted, _ = refit(profile, others, polish=40)
                 r["refit_predicted"] = predict_run(fitted, r["_run"], ())
                 r["refit_error"] = errors(r["refit_predicted"], r["measured"])
+    for r in rows:  # every step of the run is saved since pass 31 (tuner.validate.RUN_STEPS_KEPT)
+        own = own_steps_prediction(profile, r["_run"], r.get("steps", {}).get("raw", []))
+        if own is not None:
+            r["own_steps_predicted"], r["own_steps_error"] = own, errors(own, r["measured"])
     _report(rows, args.target)
     print(f"# load before {env['load_before']}, after {env['load_after']}, {env['elapsed_s']:.0f} s of measurement")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
 from loadtest.config import SLO
-from tuner.cost import CostModel
+from tuner.cost import CostModel, StepWork
 from tuner.profiles import HardwareProfile
 from tuner.refit import Run
 from tuner.search import Candidate, Workload, scheduler_config
@@ -85,11 +86,13 @@ def run_of(model: ModelConfig, cand: Candidate, sched: SchedulerConfig, report, 
                tpot_s=np.array([r.tpot_s if r.ok else math.nan for r in recs]))
 
 
-def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...]) -> dict[str, float]:
-    """The simulator's TTFT p50, TPOT p50, output throughput and goodput on a measured schedule."""
+def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...],
+                step_time: Callable[[StepWork], float] | None = None) -> dict[str, float]:
+    """The simulator's TTFT p50, TPOT p50, output throughput and goodput on a measured schedule;
+    `step_time` replaces the profile's step model (the profile's request overheads stay)."""
     cost = CostModel(run.model, profile, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
     base, per_seq = profile.request_overheads_s(run.tp, run.pp)
-    traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
+    traces = simulate(step_time or cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
                       request_overhead=base, overhead_per_seq=per_seq, text_share=run.text_share)
     return _stats([t.ttft for t in traces], [t.tpot for t in traces],
                   [len(t.token_times) for t in traces], run.arrivals, [t.token_times[-1] for t in traces], slos)
