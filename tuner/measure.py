@@ -224,8 +224,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     copies, meta = {}, {}
     for tp, pp in layouts_for(base.cores):
         for i, (cfg, path) in enumerate(probes):
-            if cfg.n_head % tp or cfg.n_layer < pp or (tp * pp > 1
-                                                       and i not in MULTI_SHARD_PROBES.get(layout_key(tp, pp), ())):
+            if cfg.n_head % tp or cfg.n_layer < pp or (tp * pp > 1 and i not in MULTI_SHARD_PROBES):
                 continue
             name = f"p{i}-{layout_key(tp, pp)}"
             copies[name] = (path, tp, pp)

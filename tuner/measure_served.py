@@ -34,17 +34,14 @@ and past a 32 MiB last-level cache; head counts even, so every probe splits over
 third was 4 x 256 with 50,257 entries and there was no fourth: with depth and width rising together
 across the probes, the fit could not tell a per-layer constant from width-dependent work or a
 per-step one. The fourth serves in the one-shard layout only, for the time budget.)"""
-MULTI_SHARD_PROBES = {"1x2": (0, 1), "2x1": (0, 1)}
-"""The probes each layout of several shards is served with (the profile's time budget: each such
+MULTI_SHARD_PROBES = (0, 1)
+"""The probes a layout of several shards is served with (the profile's time budget: each such
 copy starts tp x pp shard actors beside its replica, and starting processes is most of the profile).
 Tried in pass 32: PP2 with 6 x 384 as a third probe. The fit's constants came out physical (6 ms a
 step, the stages' coordination; the unfused layer path's matmuls 2.5x the rate table) and the
 default model's PP2 decode steps went from 1.3-1.5x to 1.1-1.2x of measured, but the same matmul
 scale then charged GPT-2's PP2 prefills 1.58x (TTFT +40%, from within 10% in passes 26-31):
 not kept (BENCHMARKS.md, issue 15)."""
-MULTI_SHARD_WARMUP = ((1, 2, 16, 9), (2, 4, 96, 3))
-"""The warm-up of a copy of several shards (WARMUP's first and last runs): its shards run a fixed
-thread count (worker_threads), so there is no thread chooser to train, only first-step costs."""
 SERVE_OUTPUT = 17  # tokens of every probe request (as the load tester counts them)
 CONCURRENCY = ((1, 2, 16),)
 """(requests in flight, requests measured, prompt tokens) of the closed-loop run per copy: one at
@@ -74,6 +71,9 @@ of a small model waits for a descheduled partner thread (a short prefill ~5x, BE
 than a deployment serving for minutes (pass 16: the probes' decode steps at batches 2-5, a class
 the warm-up then hardly met, took 1.3-1.6x what the fit gave them; those at batch 1 and 6+,
 0.95-1.25x)."""
+MULTI_SHARD_WARMUP = (WARMUP[0], WARMUP[-1])
+"""The warm-up of a copy of several shards (WARMUP's first and last runs): its shards run a fixed
+thread count (worker_threads), so there is no thread chooser to train, only first-step costs."""
 PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
 """Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
@@ -189,15 +189,23 @@ def fetch_steps(url: str, model: str, since: float, want_sampled: int, timeout_s
         time.sleep(PUSH_INTERVAL_S / 2)
 
 
+def _cycle_pairs(steps: list[dict]):
+    """(step, the next one) of each step that another followed without the engine idling between."""
+    return ((s, nxt) for s, nxt in itertools.pairwise(steps) if nxt["gap_s"] is not None)
+
+
+def cycle_ends(steps: list[dict]) -> list[float]:
+    """end_s of each step step_cycles returns, in its order."""
+    return [s["end_s"] for s, _ in _cycle_pairs(steps)]
+
+
 def step_cycles(steps: list[dict]) -> list[tuple[object, float, float]]:
     """(StepWork, step seconds, gap after it) of each step that another followed without the engine
     idling in between (one replica's steps, oldest first)."""
     from tuner.cost import StepWork
 
     out = []
-    for s, nxt in itertools.pairwise(steps):
-        if nxt["gap_s"] is None:
-            continue
+    for s, nxt in _cycle_pairs(steps):
         w = StepWork(tokens=s["decode_seqs"] + s["prefill_tokens"], sampled=s["sampled"],
                      prefill_attn_pairs=s["prefill_attention_pairs"], decode_context=s["decode_context_tokens"],
                      seqs=s["decode_seqs"] + s["prefill_seqs"])

@@ -10,7 +10,6 @@ goodput on the very schedule that was sent), then sweep the request rate with th
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -253,7 +252,7 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
     seconds after it, seconds from `since` to the step's end]."""
     import httpx
 
-    from tuner.measure_served import PUSH_INTERVAL_S, step_cycles
+    from tuner.measure_served import PUSH_INTERVAL_S, cycle_ends, step_cycles
 
     time.sleep(max(PUSH_INTERVAL_S + 0.2, PUSH_WAIT_S))  # the replicas publish their windows every metrics push
     try:
@@ -264,7 +263,7 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
         return {"error": repr(exc)}
     runs = [[s for s in wdw["steps"] if s["end_s"] > since] for wdw in windows]
     cyc = [c for steps in runs for c in step_cycles(steps)]
-    ends = [s["end_s"] - since for steps in runs for s, nxt in itertools.pairwise(steps) if nxt["gap_s"] is not None]
+    ends = [end - since for steps in runs for end in cycle_ends(steps)]
     if not cyc:
         return {"cycles": 0}
     meas = np.array([dt + gap for _, dt, gap in cyc])
