@@ -89,6 +89,42 @@ def test_pruning_reasons():
     assert static_batch(CostModel(big, a100, tp=8), 1, 60, 20)["fits"]
 
 
+def test_published_triton_request_cost():
+    """FasterTransformer's GPT-175B / GPT-89B tables are latencies through Triton: a constant per
+    request, fitted on GPT-89B alone by the closed form of least squared relative error, is added
+    to those rows only; the engine-only rows and the device fit's points are left as they were."""
+    from tuner.published import POINTS, Point, compare, device_points, fit_triton_request_ms, predict
+
+    a100 = load_profile("a100-80gb")
+    pts = [Point("gpt-89b", 8, 1, 128, 8, 0.0, True, True), Point("gpt-89b", 8, 4, 128, 8, 0.0, True, True)]
+    base = [predict(a100, p) for p in pts]
+    # published = engine + 50 ms and engine + 70 ms: the relative-error optimum weighs each by 1/m^2
+    meas = [base[0] + 50.0, base[1] + 70.0]
+    pts = [Point(p.model, p.tp, p.batch, p.input_len, p.output_len, m, True, True) for p, m in zip(pts, meas)]
+    want = (50 / meas[0] ** 2 + 70 / meas[1] ** 2) / (1 / meas[0] ** 2 + 1 / meas[1] ** 2)
+    assert fit_triton_request_ms(a100, pts) == pytest.approx(want)
+    assert predict(a100, pts[0], 40.0) == pytest.approx(base[0] + 40.0)
+    engine_only = next(p for p in POINTS if p.model == "gpt-20b")
+    assert predict(a100, engine_only, 40.0) == pytest.approx(predict(a100, engine_only))
+    assert all(not p.via_triton for p in device_points())
+    rows = compare(a100)
+    held = [r for r in rows if r["model"] == "gpt-175b"]
+    assert held and not any(r["fitted"] for r in held) and all("triton_request_ms" in r for r in held)
+    assert not any("triton_request_ms" in r for r in rows if r["model"] == "gpt-20b")
+
+
+def test_profile_cli_rejects_serving_cores_the_host_lacks(tmp_path):
+    """`tune profile --serving-cores N` needs N below this host's cores (the engine keeps one at
+    least): a bad N fails at once, naming the option, before anything is measured."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    for bad in (-1, cores):
+        run = CliRunner().invoke(app, ["tune", "profile", "--out", str(tmp_path / "p.yaml"), "--serving-cores", str(bad)])
+        assert run.exit_code == 2 and "--serving-cores" in run.output and f"{cores} cores" in run.output, run.output
+        assert not (tmp_path / "p.yaml").exists()
+
+
 def test_profiles_load_and_reject():
     for name in ("a100-80gb", "h100-sxm", "h200"):
         assert load_profile(name).hbm_bandwidth_gb_s > 1000

@@ -16,7 +16,7 @@ from loadtest.config import SLO
 from shardserve.cli import app
 from tuner.cost import StepWork
 from tuner.emit import deployment
-from tuner.profiles import HardwareProfile, load_profile
+from tuner.profiles import HardwareProfile, ProfileError, load_profile
 from tuner.refit import Run, refit
 from tuner.search import Candidate
 from tuner.simulate import simulate
@@ -203,6 +203,26 @@ def test_probes_serve_as_deployed():
     assert models["a-2x1"]["engine"]["worker_threads"] == 1 and models["a-1x2"]["engine"]["worker_threads"] == 1
     assert sum(m["num_cpus"] + m.get("shard_num_cpus", 0) * 2 for m in models.values()) < 1
     assert server_env(prof) == {"OMP_NUM_THREADS": "2"}
+
+
+def test_serving_cores_fix_the_one_shard_engine_threads():
+    """A profile that keeps a core for the serving side (`tune profile` measures so by default)
+    deploys a one-shard copy on every core's reservation with its engine fixed at the rest
+    (worker_threads), and the probes serve it so; several shards split the cores as before."""
+    from pathlib import Path
+
+    from tuner.measure_served import probe_models
+
+    prof = _cpu_profile(cores=4, devices_per_node=4, serving_cores=1)
+    assert (prof.threads(1), prof.threads(2), prof.threads(4)) == (3, 2, 1)
+    one = deployment(Candidate(1, 1, 1, 8, 512, "bfloat16"), "models/x", prof)["models"][0]
+    assert one["num_cpus"] == 4 and one["engine"]["worker_threads"] == 3
+    two = deployment(Candidate(2, 1, 1, 8, 512, "bfloat16"), "models/x", prof)["models"][0]
+    assert two["engine"]["worker_threads"] == 2 and two["shard_num_cpus"] == 2
+    probe = probe_models({"a-1x1": (Path("/p/a"), 1, 1)}, prof, "bfloat16")[0]
+    assert probe["engine"]["worker_threads"] == 3
+    with pytest.raises(ProfileError, match="serving_cores"):
+        _cpu_profile(serving_cores=2)  # every core of the host: nothing left for the engine
 
 
 def test_scheduler_kv_cap_counts_the_bos_token():

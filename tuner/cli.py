@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -299,6 +300,10 @@ def profile_cmd(
                                "`shardserve serve` (gateway + Ray overhead per request and per token)."),
     dtype: str = typer.Option("auto", "--dtype", help="Engine dtype the step constants are fitted in: auto (what "
                               "the engine picks here), bfloat16 or float32."),
+    serving_cores: int = typer.Option(0, "--serving-cores", help="Cores a copy of one shard leaves to the serving "
+                                      "side (event loop, Ray, gateway, streams): its engine runs a fixed cores - N "
+                                      "threads, measured and deployed so (default 0: the engine picks each step's "
+                                      "count itself; at most cores - 1)."),
 ) -> None:
     """Measure this machine (matmul rate per dtype, row count and threads; read bandwidth; the
     engine's per-step, per-layer, per-sequence and attention costs; gloo all-reduce and send;
@@ -310,9 +315,13 @@ def profile_cmd(
 
     if dtype not in ("auto", "bfloat16", "float32"):
         _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not 0 <= serving_cores < cores:
+        _fail(f"--serving-cores: must be an integer >= 0 and below this host's {cores} cores (the engine keeps "
+              f"at least one), got {serving_cores}")
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    prof = measure(name, serve=serve, dtype=dtype, steps_out=out.with_suffix(".steps.json") if serve else None,
+    prof = measure(name, serve=serve, dtype=dtype, serving_cores=serving_cores, steps_out=out.with_suffix(".steps.json") if serve else None,
                    progress=lambda msg: typer.echo(f"[{time.perf_counter() - t0:5.1f} s] {msg}", err=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)

@@ -12,7 +12,9 @@ def deployment(cand, model_path: str, profile: HardwareProfile, name: str = "def
                block_size: int = 16) -> dict[str, Any]:
     """The deploy/ schema dict of one candidate, validated as `shardserve serve` will read it.
 
-    On a CPU profile every shard gets cores // (tp * pp) threads, as the cost model assumes."""
+    On a CPU profile every shard gets cores // (tp * pp) threads, as the cost model assumes; a
+    copy of one shard reserves every core and, where the profile keeps serving_cores for the
+    serving side, runs its engine on the rest (worker_threads), else leaves the count to the engine."""
     from deploy.schema import validate_config
 
     dtype = "bfloat16" if cand.weight_dtype == "fp8" else cand.weight_dtype
@@ -31,7 +33,9 @@ def deployment(cand, model_path: str, profile: HardwareProfile, name: str = "def
         model["engine"]["pipeline_microbatches"] = 1
     if profile.cores:
         per_shard = profile.threads(shards)
-        model["num_cpus"] = per_shard if shards == 1 else 1
+        model["num_cpus"] = profile.cores if shards == 1 else 1
+        if shards == 1 and profile.serving_cores:
+            model["engine"]["worker_threads"] = per_shard
         if shards > 1:
             model["shard_num_cpus"] = per_shard
             model["engine"]["worker_threads"] = per_shard

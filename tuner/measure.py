@@ -134,11 +134,12 @@ def last_level_cache_mib(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[str], None] = print,
-            dtype: str = "auto", steps_out: Path | None = None) -> HardwareProfile:
+            dtype: str = "auto", steps_out: Path | None = None, serving_cores: int = 0) -> HardwareProfile:
     """Measure this machine; `serve=False` skips the gateway probe (request_overhead_ms stays 0);
     `steps_out`: a JSON file for the served probes' steps (what the fit saw).
     The engine constants are fitted on steps in `dtype` ("auto": what the engine picks here, bf16
-    on CPUs with AMX or AVX512-BF16, else float32), the dtype the profile's configs should serve in."""
+    on CPUs with AMX or AVX512-BF16, else float32), the dtype the profile's configs should serve in.
+    `serving_cores`: HardwareProfile.serving_cores (below the host's cores)."""
     import torch
 
     from engines.config import EngineConfig, resolved_dtype
@@ -167,7 +168,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
         inter_node_bandwidth_gb_s=round(comm["allreduce_gb_s"], 3), devices_per_node=cores,
         bw_efficiency=1.0, flops_efficiency=1.0, collective_latency_us=round(comm["allreduce_latency_us"], 1),
         send_latency_us=round(comm["send_latency_us"], 1), reserved_memory_gib=1.0,
-        cache_mib=last_level_cache_mib())
+        cache_mib=last_level_cache_mib(), serving_cores=serving_cores)
     with tempfile.TemporaryDirectory(prefix="shardserve-profile-") as tmp:
         if serve:
             layouts, request_ms, notes, refs = _served(base, Path(tmp), dtype, progress, steps_out)
@@ -230,13 +231,13 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
             copies[name] = (path, tp, pp)
             meta[name] = (layout_key(tp, pp), CostModel(cfg, base, tp=tp, pp=pp, weight_dtype=dtype))
     from tuner.hostref import host_reference, reference_without_server
-    from tuner.measure_engine import engine_decode_rows, fit_on_engine
+    from tuner.measure_engine import ENGINE_THREADS, engine_decode_rows, fit_on_engine
 
     # the one-shard layout's decode batches of 1-16 in this process, before any server of ours is up
     # (tuner.measure_engine.DECODE_BATCHES: the served probes meet batches past 1 in a handful of
     # steps each; fit_on_engine places them at the served steps' level)
     engine_rows = engine_decode_rows([(cfg, path, CostModel(cfg, base, weight_dtype=dtype)) for cfg, path in probes],
-                                     dtype, progress)
+                                     dtype, progress, threads=base.threads(1) if base.serving_cores else ENGINE_THREADS)
 
     def reference() -> dict:
         return host_reference(cache_mib=base.cache_mib or 32.0)

@@ -224,7 +224,8 @@ def measure_layouts(base, tmp: Path, dtype: str, progress=print) -> dict[str, di
     out = {}
     for tp, pp in layouts_for(base.cores):
         shards = tp * pp
-        threads = base.threads(shards) if shards > 1 else 0  # one shard: the engine's own choice (every core)
+        # one shard: the engine's own choice (every core) unless the profile keeps cores for serving
+        threads = base.threads(shards) if shards > 1 or base.serving_cores else 0
         steps, runs = [], []
         # several shards: the first two probes only (the profile's time budget; the served probes
         # then calibrate these layouts on the same two); the vocabulary term needs the third
@@ -338,13 +339,14 @@ def fit_on_engine(engine_rows: list[tuple[object, float, object]], served_rows: 
 
 
 def engine_decode_rows(probes: list[tuple[object, Path, object]], dtype: str,
-                       progress=print) -> list[tuple[object, float, object]]:
+                       progress=print, threads: int = ENGINE_THREADS) -> list[tuple[object, float, object]]:
     """(StepWork, seconds, CostModel) of every step of DECODE_BATCHES on each (config, checkpoint,
-    one-shard CostModel) probe, in this process on ENGINE_THREADS threads."""
+    one-shard CostModel) probe, in this process on `threads` threads (a profile with serving_cores:
+    the one-shard engine's fixed count, HardwareProfile.threads(1))."""
     rows = []
     for cfg, ckpt, cost in probes:
         progress(f"engine steps in one process, probe {cfg.n_layer} x {cfg.n_embd} (vocabulary {cfg.vocab_size}): "
                  f"decode batches {', '.join(str(b) for b, _, _ in DECODE_BATCHES)}")
-        rows += [(w, dt, cost) for w, dt in engine_steps(ckpt, DECODE_BATCHES, dtype, 1, 1, ENGINE_THREADS,
+        rows += [(w, dt, cost) for w, dt in engine_steps(ckpt, DECODE_BATCHES, dtype, 1, 1, threads,
                                                           cfg.vocab_size)]
     return rows

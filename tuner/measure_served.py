@@ -72,8 +72,9 @@ than a deployment serving for minutes (pass 16: the probes' decode steps at batc
 the warm-up then hardly met, took 1.3-1.6x what the fit gave them; those at batch 1 and 6+,
 0.95-1.25x)."""
 MULTI_SHARD_WARMUP = (WARMUP[0], WARMUP[-1])
-"""The warm-up of a copy of several shards (WARMUP's first and last runs): its shards run a fixed
-thread count (worker_threads), so there is no thread chooser to train, only first-step costs."""
+"""The warm-up of a copy whose engine runs a fixed thread count (WARMUP's first and last runs):
+several shards (worker_threads), or one where the profile keeps serving_cores; there is no thread
+chooser to train, only first-step costs."""
 PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
 """Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
@@ -116,7 +117,7 @@ def server_env(profile) -> dict[str, str]:
     reservations would make Ray set 1, and a replica whose engine does not fix its thread count
     takes OMP_NUM_THREADS as its most (engines.cpu_threads.engine_threads); shard workers and the
     multi-shard replicas' executors fix theirs (worker_threads)."""
-    return {"OMP_NUM_THREADS": str(profile.threads(1))}
+    return {"OMP_NUM_THREADS": str(profile.cores or 1)}
 
 
 def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype: str, profile,
@@ -136,6 +137,7 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
     from tuner.server import Server
 
     models = probe_models(copies, profile, dtype)
+    fixed = {m["name"]: bool(m["engine"].get("worker_threads")) for m in models}  # no thread chooser to train
     conf = work_dir / "probe.yaml"
     conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
@@ -148,7 +150,7 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
             progress(f"served probe {name}: one request at a time, then Poisson arrivals")
             base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
                     "ignore_eos": True, "progress": False, "seed": 1}
-            for c, n, plen, o in WARMUP if tp * pp == 1 else MULTI_SHARD_WARMUP:
+            for c, n, plen, o in MULTI_SHARD_WARMUP if fixed[name] else WARMUP:
                 run(LoadTestConfig(**base, random_input_len=plen, random_output_len=o, closed_loop_concurrency=c,
                                    num_prompts=n))
             runs, spans = {}, {}

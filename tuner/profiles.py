@@ -58,6 +58,14 @@ class HardwareProfile:
     cores: int = 0
     """CPU profiles: host cores that the shards of one model copy share (a TP x PP layout gives
     each shard cores // (tp * pp) threads, as the engine does); 0 for devices with their own compute."""
+    serving_cores: int = 0
+    """CPU profiles: cores a copy of one shard leaves to the serving side beside its engine (the
+    replica's event loop, Ray, the gateway, the streams): its engine runs a fixed cores -
+    serving_cores threads (threads(1); tuner.emit sets worker_threads to it), as vLLM's CPU backend
+    does with VLLM_CPU_NUM_OF_RESERVED_CPU. 0: the engine picks each step's count
+    itself (engines.cpu_threads.AdaptiveThreads): the faster deployment on a 2-core host, but its
+    choices depend on what the host ran before, which a profile does not see (BENCHMARKS.md, SLO
+    tuner on this machine, session 33)."""
     matmul_tflops: dict[int, dict[str, dict[int, float]]] = field(default_factory=dict)
     """Measured dense matmul rate (1e12 FLOP/s) by threads -> dtype -> rows of the activation;
     interpolated in log(rows). Empty: flops_tflops x flops_efficiency with the bandwidth roofline."""
@@ -134,6 +142,9 @@ class HardwareProfile:
                 raise ProfileError(f"{name}: must be a number >= 0, got {v!r}")
         if not isinstance(self.cores, int) or self.cores < 0:
             raise ProfileError(f"cores: must be an integer >= 0, got {self.cores!r}")
+        if not isinstance(self.serving_cores, int) or not 0 <= self.serving_cores < max(self.cores, 1):
+            raise ProfileError(f"serving_cores: must be an integer >= 0 and below cores ({self.cores}), "
+                               f"got {self.serving_cores!r}")
         if self.kind not in ("analytic", "measured"):
             raise ProfileError(f"kind: must be analytic or measured, got {self.kind!r}")
         _check_rate_table(self.matmul_tflops)
@@ -168,8 +179,11 @@ class HardwareProfile:
         return float(self.host_scale.get(kind, 1.0))
 
     def threads(self, shards: int) -> int:
-        """Threads of one shard when `shards` processes share the host (CPU profiles)."""
-        return max(1, self.cores // max(1, shards)) if self.cores else 1
+        """Threads of one shard when `shards` processes share the host (CPU profiles): one shard
+        leaves serving_cores to the serving side."""
+        if not self.cores:
+            return 1
+        return max(1, self.cores - self.serving_cores) if shards <= 1 else max(1, self.cores // shards)
 
     def matmul_rate(self, dtype: str, rows: float, shards: int = 1, width: int = 0,
                     threads: int = 0) -> float | None:

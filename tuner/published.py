@@ -5,9 +5,13 @@ NVSwitch; FP16; latency of a static batch from the request to the last output to
 Fitted on: GPT-20B, input 20 / output 8, every batch and TP 1/2/4/8 (36 points), and the one-GPU
 input 128 / output 8 rows of GPT-6.7B, GPT-1.3B and GPT-350M (21 points): models of 24, 32 and 44
 layers, so that a step's fixed cost splits into a per-layer and a per-step part (from GPT-20B alone
-the two are the same column: every point has 44 layers). Held out: every other row below (GPT-20B
-60/20, 128/20, 80/200; the 512 / 32 rows of the small models; GPT-175B and GPT-89B at TP 8, which
-the guide measured through Triton), compared by `python -m tuner.published`.
+the two are the same column: every point has 44 layers). The GPT-175B and GPT-89B tables are the
+guide's "inference time of Megatron and FasterTransformer on Triton": a request through Triton
+Inference Server, whose cost per request (the client call, the server, the backend's hand-off to
+its eight ranks: the guide does not split it) the engine-only tables do not have. That cost is fitted on the GPT-89B rows (TP 8, 128 / 8
+and 512 / 32, every batch: triton_request_ms) and added to every Triton row. Held out: every other
+row (GPT-20B 60/20, 128/20, 80/200; the 512 / 32 rows of the small models; GPT-175B at TP 8),
+compared by `python -m tuner.published`.
 """
 
 from __future__ import annotations
@@ -44,15 +48,18 @@ class Point:
     output_len: int
     latency_ms: float
     fitted: bool
+    via_triton: bool = False
+    """Measured through Triton Inference Server (the guide's large-model tables): the latency has a
+    request's way through the server beside the engine's steps (triton_request_ms)."""
 
 
 def _table(model: str, inp: int, out: int, cols: dict[int, list[float | None]], fitted: bool = False,
-           batches: tuple[int, ...] = BATCHES) -> list[Point]:
+           batches: tuple[int, ...] = BATCHES, via_triton: bool = False) -> list[Point]:
     pts = []
     for tp, col in cols.items():
         for b, v in zip(batches, col, strict=False):
             if v is not None:  # None: OOM in the table
-                pts.append(Point(model, tp, b, inp, out, float(v), fitted))
+                pts.append(Point(model, tp, b, inp, out, float(v), fitted, via_triton))
     return pts
 
 
@@ -79,12 +86,15 @@ POINTS: list[Point] = [
         4: [2438, 2544, 2646, 2741, 2964, 3233, 3815, 5239, 7603],
         8: [2053, 2095, 2206, 2268, 2307, 2566, 3173, 4303, 6087]}),
     # GPT-175B (96 heads, 96 layers) and GPT-89B (96 heads, 48 layers) at TP 8, FT latency.
+    # Measured on Triton; the GPT-89B rows fit triton_request_ms (only that), GPT-175B is held out.
     *_table("gpt-175b", 128, 8, {8: [488.86, 509.47, 629.64, 749.86, 1037.47, 1547.44]},
-            batches=(1, 2, 4, 8, 16, 32)),
-    *_table("gpt-175b", 512, 32, {8: [1719.96, 1830.56, 2092.56, 2629.97, 3706.23]}, batches=(1, 2, 4, 8, 16)),
+            batches=(1, 2, 4, 8, 16, 32), via_triton=True),
+    *_table("gpt-175b", 512, 32, {8: [1719.96, 1830.56, 2092.56, 2629.97, 3706.23]}, batches=(1, 2, 4, 8, 16),
+            via_triton=True),
     *_table("gpt-89b", 128, 8, {8: [279.44, 280.24, 317.71, 377.50, 524.80, 786.57]},
-            batches=(1, 2, 4, 8, 16, 32)),
-    *_table("gpt-89b", 512, 32, {8: [887.52, 940.11, 1133.22, 1415.02, 1952.2]}, batches=(1, 2, 4, 8, 16)),
+            batches=(1, 2, 4, 8, 16, 32), fitted=True, via_triton=True),
+    *_table("gpt-89b", 512, 32, {8: [887.52, 940.11, 1133.22, 1415.02, 1952.2]}, batches=(1, 2, 4, 8, 16),
+            fitted=True, via_triton=True),
     # GPT-6.7B (32 x 128, 32 layers), GPT-1.3B (32 x 64, 24 layers), GPT-350M (16 x 64, 24 layers), one GPU.
     *_table("gpt-6.7b", 128, 8, {1: [98.29, 106.74, 123.47, 162.51, 241.16, 400.35, 718.07]}, fitted=True),
     *_table("gpt-6.7b", 512, 32, {1: [384.70, 425.88, 514.93, 699.62, 1068.88, 1814.03, 3306.41]}),
@@ -95,9 +105,26 @@ POINTS: list[Point] = [
 ]
 
 
-def predict(profile: HardwareProfile, p: Point) -> float:
+def predict(profile: HardwareProfile, p: Point, triton_request_ms: float = 0.0) -> float:
+    """The static batch's latency (ms), plus `triton_request_ms` for a point measured through Triton."""
     cost = CostModel(MODELS[p.model], profile, tp=p.tp, pp=1, weight_dtype="float16")
-    return static_batch(cost, p.batch, p.input_len, p.output_len)["latency_ms"]
+    return static_batch(cost, p.batch, p.input_len, p.output_len)["latency_ms"] + (
+        triton_request_ms if p.via_triton else 0.0)
+
+
+def device_points() -> list[Point]:
+    """The points the device constants are fitted on (fit): engine-only tables."""
+    return [p for p in POINTS if p.fitted and not p.via_triton]
+
+
+def fit_triton_request_ms(profile: HardwareProfile, points: list[Point] | None = None) -> float:
+    """Triton's cost per request (ms, >= 0): the constant that, added to the profile's static-batch
+    latency, gives the least squared relative error on `points` (default: the fitted Triton rows,
+    GPT-89B); closed form, sum((m - b) / m^2) / sum(1 / m^2)."""
+    pts = [p for p in POINTS if p.fitted and p.via_triton] if points is None else points
+    meas = np.array([p.latency_ms for p in pts])
+    base = np.array([predict(profile, p) for p in pts])
+    return max(float(np.sum((meas - base) / meas**2) / np.sum(1 / meas**2)), 0.0)
 
 
 FIXED_COSTS = ("layer_overhead_us", "step_overhead_ms", "collective_latency_us")
@@ -128,12 +155,15 @@ def fit(profile: HardwareProfile, points: list, predict_fn=None, consts: tuple[s
 
 
 def compare(profile: HardwareProfile) -> list[dict]:
+    """Every published point against the profile (Triton rows with fit_triton_request_ms added)."""
+    triton_ms = fit_triton_request_ms(profile)
     rows = []
     for p in POINTS:
-        pred = predict(profile, p)
+        pred = predict(profile, p, triton_ms)
         rows.append({"model": p.model, "tp": p.tp, "batch": p.batch, "input": p.input_len, "output": p.output_len,
                      "published_ms": p.latency_ms, "predicted_ms": round(pred, 1),
-                     "error": round(pred / p.latency_ms - 1, 3), "fitted": p.fitted})
+                     "error": round(pred / p.latency_ms - 1, 3), "fitted": p.fitted,
+                     **({"triton_request_ms": round(triton_ms, 1)} if p.via_triton else {})})
     return rows
 
 
@@ -151,7 +181,7 @@ def main(argv: list[str]) -> None:
     --fit refits its constants on the fitted rows and rewrites tuner/profiles/a100-80gb.yaml."""
     prof = load_profile("a100-80gb")
     if "--fit" in argv:
-        prof = fit(prof, [p for p in POINTS if p.fitted]).replace(
+        prof = fit(prof, device_points()).replace(
             fit_notes="fitted on FasterTransformer docs/gpt_guide.md GPT-20B 20 in / 8 out, TP 1-8, batch 1-256")
         path = PROFILE_DIR / "a100-80gb.yaml"
         header = "".join(line + "\n" for line in path.read_text().splitlines() if line.startswith("#"))
