@@ -94,6 +94,10 @@ def loadtest(
     sweep_start_rate: float = typer.Option(_s("start_rate"), help="First rate of the sweep (req/s)."),
     sweep_max_rate: float = typer.Option(_s("max_rate"), help="Highest rate the sweep tries (req/s)."),
     sweep_tolerance: float = typer.Option(_s("tolerance"), help="Stop bisecting when hi/lo - 1 <= this."),
+    sweep_min_step_s: float = typer.Option(
+        _s("min_step_s"), help="Offer each step's rate for at least this many seconds (a step of --num-prompts "
+        "requests grows to rate x this): a few requests at a high rate are a burst, not a sustained load."
+    ),
     result_dir: Path | None = typer.Option(
         _d("result_dir"), help="Write requests.jsonl, summary.json/.csv and plots here."
     ),
@@ -151,7 +155,8 @@ def loadtest(
             result_dir=result_dir,
         )
         if sweep:
-            sc = SweepConfig(start_rate=sweep_start_rate, max_rate=sweep_max_rate, tolerance=sweep_tolerance)
+            sc = SweepConfig(start_rate=sweep_start_rate, max_rate=sweep_max_rate, tolerance=sweep_tolerance,
+                             min_step_s=sweep_min_step_s)
             _run_sweep(config, sc, plots)
         else:
             _run_once(config, plots)

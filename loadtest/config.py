@@ -155,6 +155,12 @@ class SweepConfig:
     tolerance: float = 0.05  # relative gap between the last pass and first fail
     max_steps: int = 30
     early_stop: bool = True  # end a step as soon as its SLO can no longer be met
+    min_step_s: float = 0.0
+    """Seconds each step offers its rate for at least: a step bounded by a request count sends
+    max(count, ceil(rate x min_step_s)) requests, one bounded by a duration lasts at least this long.
+    A few requests at a high rate are a burst, which a server far below that rate absorbs within a
+    loose latency SLO: with a fixed count the sweep would call any rate up to max_rate sustainable.
+    0: each step as the run's config bounds it."""
 
     def __post_init__(self) -> None:
         if not (0 < self.min_rate <= self.start_rate <= self.max_rate < math.inf):
@@ -166,6 +172,9 @@ class SweepConfig:
             raise ConfigError(f"sweep tolerance (--sweep-tolerance) must be in (0, 1), got {self.tolerance}")
         if self.max_steps < 1:
             raise ConfigError(f"sweep max_steps must be >= 1, got {self.max_steps}")
+        if not (self.min_step_s >= 0 and math.isfinite(self.min_step_s)):
+            raise ConfigError(f"sweep min_step_s (--sweep-min-step-s) must be a finite number of seconds >= 0, "
+                              f"got {self.min_step_s}")
 
 
 # --- validation ---------------------------------------------------------------------------------

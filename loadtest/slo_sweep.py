@@ -2,7 +2,8 @@
 
 Search: run at `start_rate`; double while runs pass (halve while they fail) to bracket the edge,
 then bisect between the highest passing and lowest failing rate until hi/lo - 1 <= tolerance.
-The answer is the highest rate that passed.
+The answer is the highest rate that passed. Each step offers its rate for at least
+SweepConfig.min_step_s seconds (a step of a fixed request count at a high rate is a burst).
 
 Early stop: an over-saturated server makes latency grow for as long as the step runs. A step ends
 as soon as its SLO can no longer be met: with N planned requests, a p-th percentile SLO fails once
@@ -169,6 +170,11 @@ async def sweep_async(
         step_config = replace(
             config, request_rate=rate, preflight=config.preflight and not steps, progress=False
         )
+        if sc.min_step_s > 0:  # a sustained load, not a burst (SweepConfig.min_step_s)
+            if config.num_prompts is not None:
+                step_config = replace(step_config, num_prompts=max(config.num_prompts, math.ceil(rate * sc.min_step_s)))
+            else:
+                step_config = replace(step_config, duration=max(config.duration, sc.min_step_s))
         monitor = SloMonitor(config.slos) if sc.early_stop else None
         report = await run_async(step_config, monitor)
         if report.stop_reason is not None:

@@ -12,6 +12,7 @@ held to the full tolerance; counts and exact values are asserted on every attemp
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 from pathlib import Path
@@ -278,6 +279,32 @@ def test_unreachable_url_and_wrong_path_give_clear_errors(server):
     server.configure()
     with pytest.raises(LoadTestError, match="404 Not Found: check --url"):
         loadtest.run(cfg(server, url=server.url + "/nope", num_prompts=1))
+
+
+def test_sweep_steps_of_a_fixed_count_are_bursts_unless_they_last(server):
+    # 8 slots x 100 ms: capacity 80 req/s. Ten requests at any rate finish within ~200 ms, so with
+    # a fixed count a loose SLO passes every step up to max_rate; with min_step_s each step sends
+    # rate x min_step_s requests, the queue of a rate past capacity grows for that long, and the
+    # sweep's answer comes back near the capacity.
+    slots, service = 8, 0.1
+    capacity = slots / service
+    server.configure(max_concurrent=slots, service_time=service)
+    base = cfg(server, arrival="constant", num_prompts=10, random_output_len=2, slos=(SLO("e2el", 400.0, "p50"),))
+
+    def measure() -> list[str]:
+        burst = loadtest.sweep(base, SweepConfig(start_rate=40.0, max_rate=2000.0, tolerance=0.2))
+        if burst.best_rate != 2000.0:
+            return [f"fixed count: best rate {burst.best_rate}, expected max_rate 2000 (bursts pass)"]
+        held = loadtest.sweep(base, SweepConfig(start_rate=40.0, max_rate=2000.0, tolerance=0.2, min_step_s=1.0))
+        trail = [(round(st.rate, 1), st.meets_slo, st.summary.requests, st.stop_reason) for st in held.steps]
+        for st in held.steps:
+            if not st.stop_reason:  # a step that ran to its end sent rate x min_step_s requests
+                assert st.summary.requests == max(10, math.ceil(st.rate * 1.0)), trail
+        if held.best_rate is None or not 0.7 * capacity <= held.best_rate <= 2.0 * capacity:
+            return [f"held steps: best rate {held.best_rate} not in [0.7, 2] x {capacity}; steps {trail}"]
+        return []
+
+    check_timing(measure, tries=2)
 
 
 def test_sweep_converges_on_a_server_of_known_capacity(server):

@@ -136,6 +136,9 @@ def test_sweep_config_validation():
         SweepConfig(start_rate=-1)
     with pytest.raises(ConfigError, match="--sweep-tolerance"):
         SweepConfig(tolerance=0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="--sweep-min-step-s"):
+            SweepConfig(min_step_s=bad)
 
 
 # --- arrivals -------------------------------------------------------------------------------

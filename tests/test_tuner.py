@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from engines.config import ModelConfig
 from engines.scheduler import SchedulerConfig
+from loadtest.config import SLO
 from shardserve.cli import app
 from tuner.cost import CostModel, LayoutError, StepWork, layout_problem, static_batch
 from tuner.profiles import HardwareProfile, ProfileError, builtin_names, load_profile
@@ -74,6 +75,29 @@ def test_simulator_chunks_long_prompts():
     traces = simulate(lambda w: seen.append(w.tokens) or 1.0, cfg, np.array([0.0]), np.array([10]), np.array([2]))
     assert seen == [4, 4, 2, 1]  # 10-token prompt in chunks of 4, then one decode
     assert traces[0].token_times == [3.0, 4.0]
+
+
+def test_goodput_is_a_sustained_rate():
+    """The search's goodput is the highest rate a replica sustains within the SLOs: each rate is
+    simulated for 5 x the largest TTFT / E2EL bound at least (sustain_s), so a loose TTFT SLO no
+    longer passes rates far past saturation on a burst of num_prompts requests; with no latency
+    bound (TPOT only) there is nothing a queue moves, and the count bounds the run as before."""
+    from tuner.search import SUSTAIN_MAX_REQUESTS, Workload, _run, goodput, sustain_s
+
+    assert sustain_s((SLO("ttft", 400.0, "p99"), SLO("e2el", 2000.0, "p50"), SLO("tpot", 50.0, "p99"))) == 10.0
+    assert sustain_s((SLO("tpot", 50.0, "p99"),)) == 0.0
+    cost = CostModel(TINY, _profile(step_overhead_ms=10.0))
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64, max_model_len=64)
+    w = Workload(input_len=8, output_len=8, num_prompts=10)
+    sat = 4 / (static_batch(cost, 4, 8, 8)["latency_ms"] / 1e3)  # full batches back to back, ~50 req/s
+    loose = (SLO("ttft", 500.0, "p99"),)
+    # the flaw: ten requests at 4x saturation arrive in 50 ms and all start within 500 ms; the same
+    # rate for 2.5 s does not
+    assert _run(cost, cfg, w, 4 * sat)["ttft_p99_ms"] <= 500.0 < _run(cost, cfg, w, 4 * sat, sustain_s(loose))["ttft_p99_ms"]
+    rate, stats = goodput(cost, cfg, w, loose)
+    assert 0.5 * sat <= rate <= 1.3 * sat and stats["ttft_p99_ms"] <= 500.0
+    big = _run(cost, cfg, w, 1e6, 5.0)  # the simulation's bound: SUSTAIN_MAX_REQUESTS requests of 8 tokens
+    assert big["output_throughput_tok_s"] * big["duration_s"] == pytest.approx(SUSTAIN_MAX_REQUESTS * 8)
 
 
 def test_pruning_reasons():

@@ -97,6 +97,25 @@ def test_refit_recovers_scaled_coefficients():
     assert fitted.matmul_rate("float32", 64, 1) == pytest.approx(truth_mt.matmul_rate("float32", 64, 1), rel=0.1)
 
 
+def test_refit_extreme_factors_keep_rates_valid():
+    """A refit whose matmul factors move far apart (the closed loop on a pass-33 profile drove the
+    multi-thread one past 1e3) scales the multi-thread rate table by their ratio: the rates stay
+    positive (six significant digits), where rounding to six decimals made a 0.027 TFLOP/s rate 0
+    and the refitted profile failed its own check."""
+    from tuner.refit import apply
+
+    lay = {"step_overhead_ms": 1.0, "layer_overhead_us": 10.0, "seq_overhead_us": 5.0, "seq_layer_overhead_us": 1.0,
+           "matmul_scale": 0.5, "comm_scale": 1.0, "attention_prefill_tflops": 0.1, "attention_kv_gb_s": 10.0}
+    prof = _cpu_profile(matmul_tflops={1: {"float32": {1: 0.03, 64: 0.07}}, 2: {"float32": {1: 0.027, 64: 0.08}}},
+                        layouts={"1x1": lay, "2x1": lay})
+    out = apply(prof, {"matmul": 1e3, "matmul_mt": 1e-3})  # a 2-thread table and one-shard layout x 1e-6
+    assert out.matmul_tflops[2]["float32"][1] == pytest.approx(0.027e6, rel=1e-5)
+    assert out.matmul_tflops[1] == prof.matmul_tflops[1]
+    assert out.layouts["1x1"]["matmul_scale"] == pytest.approx(0.5e-6, rel=1e-5)  # 2 threads: moved by mt / matmul
+    out = apply(prof, {"matmul": 1e-3, "matmul_mt": 1e3})
+    assert out.matmul_tflops[2]["float32"][1] == pytest.approx(0.027e-6, rel=1e-5)
+
+
 def test_refit_moves_layout_constants():
     """With per-layout constants (measured through each layout's executor), the refit's factors act
     on the layout's own constants: a TP2 run whose step overhead and matmul are 3x and 2x the
@@ -154,7 +173,7 @@ def test_search_validate_closed_loop(tmp_path):
                                    "--slo", "ttft_p99_ms=2000", "--slo", "tpot_p99_ms=500", "--tp", "1", "--pp", "1",
                                    "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
                                    "--weight-dtype", "float32", "--validate", "1", "--validate-prompts", "6",
-                                   "--out", str(out)])
+                                   "--validate-min-step-s", "1", "--out", str(out)])
     assert run.exit_code == 0, run.output
     rep = json.loads((out / "validation.json").read_text())
     (c,) = rep["candidates"]
@@ -162,6 +181,8 @@ def test_search_validate_closed_loop(tmp_path):
         assert c["measured"][key] > 0 and c["predicted"][key] > 0
         assert math.isfinite(c["error"][key])
     assert c["measured_goodput_req_s"] > 0 and c["sweep"]
+    # each sweep step that ran to its end offered its rate for a second at least, not a burst of 6
+    assert all(st["requests"] >= max(6, math.ceil(st["rate"])) for st in c["sweep"] if not st["stopped_early"])
     assert set(c["host_scale"]) == {"cpu", "memory"} and all(0.5 <= v <= 2.0 for v in c["host_scale"].values())
     assert all(math.isfinite(v) for v in c["error_as_profiled"].values())
     assert rep["pick_within_pct_of_best"] == pytest.approx(0.0)

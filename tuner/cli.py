@@ -167,6 +167,10 @@ def search_cmd(
     validate: int = typer.Option(0, "--validate", help="Serve the top K configs with `shardserve serve`, "
                                  "load-test them, print predicted against measured, refit and re-rank."),
     validate_prompts: int = typer.Option(40, "--validate-prompts", help="Requests per validation load test."),
+    validate_min_step_s: float | None = typer.Option(None, "--validate-min-step-s", help="Seconds each goodput-sweep "
+                                                     "step offers its rate for at least (its requests grow to rate x "
+                                                     "this): a sustained load, not a burst. Default: 5 x the largest "
+                                                     "TTFT or E2EL SLO bound, as the search simulates goodput."),
     recalibrate: bool = typer.Option(False, "--recalibrate", help=RECALIBRATE_HELP),
 ) -> None:
     """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
@@ -194,6 +198,8 @@ def search_cmd(
             _fail(f"{flag}: every value must be >= 1, got {vals}")
     if validate < 0 or validate_prompts < 4:
         _fail(f"--validate must be >= 0 and --validate-prompts >= 4, got {validate} and {validate_prompts}")
+    if validate_min_step_s is not None and not (0 <= validate_min_step_s < float("inf")):
+        _fail(f"--validate-min-step-s: must be a finite number of seconds >= 0, got {validate_min_step_s}")
     try:
         slos = tuple(parse_slo(s) for s in slo)
     except LoadConfigError as exc:
@@ -234,10 +240,11 @@ def search_cmd(
     typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
     if validate:
         _validate(ranked, validate, m, profile, Workload(input_len, output_len, num_prompts), slos, objective, out,
-                  model_path, validate_prompts, recalibrate)
+                  model_path, validate_prompts, recalibrate, validate_min_step_s)
 
 
-def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts, recalibrate=False) -> None:
+def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts, recalibrate=False,
+              min_step_s: float | None = None) -> None:
     from tuner.closed_loop import closed_loop
     from tuner.server import ServeError
     from tuner.validate import METRICS, ValidateSettings
@@ -247,7 +254,7 @@ def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompt
               f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
     try:
         rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
-                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate),
+                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate, sweep_min_step_s=min_step_s),
                           progress=lambda s: typer.echo(s, err=True))
     except (ServeError, FileNotFoundError) as exc:
         _fail(str(exc))

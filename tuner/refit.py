@@ -62,25 +62,32 @@ def _unit_profile(p: HardwareProfile) -> tuple[HardwareProfile, dict[str, float]
     return p.replace(**changes), prior
 
 
+def _sig(x: float) -> float:
+    """x to six significant digits: a constant moved by a small factor stays nonzero (rounded to six
+    decimals a rate of 0.03 TFLOP/s or a matmul_scale of 0.5 times a factor of 1e-6 became 0, which
+    no profile accepts)."""
+    return float(f"{float(x):.6g}")
+
+
 def _scaled_layout(p: HardwareProfile, key: str, lay: dict, t: dict[str, float]) -> dict:
     """A layout's constants moved by the factors `t` (apply); its decode-step constants
     (profiles.LAYOUT_DECODE) likewise."""
-    out = {**lay, **{f: round(lay[f] * t[c], 6) for c, f in _FIELD.items() if c != "request"},
-           "attention_prefill_tflops": round(lay["attention_prefill_tflops"] / t["attention"], 6),
-           "attention_kv_gb_s": round(lay["attention_kv_gb_s"] / t["attention"], 6),
-           "vocab_seq_ns": round(lay.get("vocab_seq_ns", 0.0) * t["seq"], 6),
-           "head_ns": round(lay.get("head_ns", 0.0) * t["seq"], 6),
-           "prefill_step_ms": round(lay.get("prefill_step_ms", 0.0) * t["step"], 6),
+    out = {**lay, **{f: _sig(lay[f] * t[c]) for c, f in _FIELD.items() if c != "request"},
+           "attention_prefill_tflops": _sig(lay["attention_prefill_tflops"] / t["attention"]),
+           "attention_kv_gb_s": _sig(lay["attention_kv_gb_s"] / t["attention"]),
+           "vocab_seq_ns": _sig(lay.get("vocab_seq_ns", 0.0) * t["seq"]),
+           "head_ns": _sig(lay.get("head_ns", 0.0) * t["seq"]),
+           "prefill_step_ms": _sig(lay.get("prefill_step_ms", 0.0) * t["step"]),
            # weights read past the cache are part of the matmul time
-           "dram_weight_gb_s": round(lay.get("dram_weight_gb_s", 0.0) / t["matmul"], 6),
+           "dram_weight_gb_s": _sig(lay.get("dram_weight_gb_s", 0.0) / t["matmul"]),
            # a layout's matmul reads the one-thread table: where its shards run
            # several threads, it moves by matmul_mt, not by the shared efficiency
-           "matmul_scale": round(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
-                                 if p.threads(_shards(key)) > 1 else 1.0), 6)}
+           "matmul_scale": _sig(lay["matmul_scale"] * (t["matmul_mt"] / t["matmul"]
+                                 if p.threads(_shards(key)) > 1 else 1.0))}
     if "decode_batch_layer_us" in lay:  # a per-layer cost of decode batches (fit_on_engine)
-        out["decode_batch_layer_us"] = round(lay["decode_batch_layer_us"] * t["layer"], 6)
+        out["decode_batch_layer_us"] = _sig(lay["decode_batch_layer_us"] * t["layer"])
     if "served_step_ms" in lay:  # the served decode step's own ms (fit_on_engine): a per-step cost
-        out["served_step_ms"] = round(lay["served_step_ms"] * t["step"], 6)
+        out["served_step_ms"] = _sig(lay["served_step_ms"] * t["step"])
     if isinstance(lay.get(LAYOUT_DECODE), dict):
         out[LAYOUT_DECODE] = _scaled_layout(p, key, lay[LAYOUT_DECODE], t)
     return out
@@ -94,7 +101,8 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
     changes["bw_efficiency"] = min(p.bw_efficiency / t["matmul"], 4.0)
     if p.matmul_tflops:  # multi-thread rate tables move by matmul_mt (relative to the shared efficiency)
         rel = t["matmul"] / t["matmul_mt"]
-        changes["matmul_tflops"] = {th: ({d: {r: round(v * rel, 6) for r, v in rows.items()} for d, rows in tab.items()}
+        changes["matmul_tflops"] = {th: ({d: {r: _sig(v * rel) for r, v in rows.items()}
+                                          for d, rows in tab.items()}
                                          if int(th) > 1 else tab) for th, tab in p.matmul_tflops.items()}
     if p.layouts:  # per-layout constants move with the same factors as the global ones
         changes["layouts"] = {key: _scaled_layout(p, key, lay, t) for key, lay in p.layouts.items()}
@@ -106,7 +114,7 @@ def apply(p: HardwareProfile, theta: dict[str, float]) -> HardwareProfile:
     changes["send_latency_us"] = (p.send_latency_us or p.collective_latency_us) * t["comm"]
     changes["intra_node_bandwidth_gb_s"] = p.intra_node_bandwidth_gb_s / t["comm"]
     changes["inter_node_bandwidth_gb_s"] = p.inter_node_bandwidth_gb_s / t["comm"]
-    return p.replace(**{k: v if isinstance(v, dict) else round(float(v), 6) for k, v in changes.items()},
+    return p.replace(**{k: v if isinstance(v, dict) else _sig(float(v)) for k, v in changes.items()},
                      kind="measured")
 
 

@@ -54,9 +54,30 @@ def _metric(stats: dict, slo: SLO) -> float:
     return stats.get(f"{slo.metric}_{slo.stat}_ms", math.inf)
 
 
-def _run(cost: CostModel, cfg: SchedulerConfig, w: Workload, rate: float) -> dict:
-    times = schedule(w.arrival, rate, w.burstiness, count=w.num_prompts, seed=w.seed)
-    n = w.num_prompts
+SUSTAIN_SLO_MULTIPLE = 5.0
+
+
+def sustain_s(slos: tuple[SLO, ...]) -> float:
+    """Seconds a load at one rate must last for a rate past capacity to show in the SLOs: 5 x the
+    largest TTFT or end-to-end latency bound (a queue growing at (rate - capacity) for that long
+    delays requests by 5 x (rate / capacity - 1) bounds: past 1.2 x capacity the bound fails).
+    0 without such an SLO (TPOT does not grow with a queue). The goodput search simulates, and the
+    closed loop's sweep offers, each rate for at least this long: a fixed count of requests at a
+    high rate is a burst, which a loose TTFT SLO survives at any rate."""
+    bounds = [s.threshold_ms / 1e3 for s in slos if s.metric in ("ttft", "e2el")]
+    return SUSTAIN_SLO_MULTIPLE * max(bounds) if bounds else 0.0
+
+
+SUSTAIN_MAX_REQUESTS = 2000
+"""The most requests one simulated rate gets for sustain_s (the simulation's cost grows with them):
+a model so small for its hardware that it serves more than 2000 / sustain_s requests a second is
+simulated over a shorter span at its top rates."""
+
+
+def _run(cost: CostModel, cfg: SchedulerConfig, w: Workload, rate: float, min_s: float = 0.0) -> dict:
+    # w.num_prompts, or min_s of arrivals at `rate` (at most SUSTAIN_MAX_REQUESTS)
+    n = max(w.num_prompts, min(math.ceil(rate * min_s), SUSTAIN_MAX_REQUESTS))
+    times = schedule(w.arrival, rate, w.burstiness, count=n, seed=w.seed)
     base, per_seq = cost.profile.request_overheads_s(cost.tp, cost.pp)
     return summarize(simulate(cost.step_time, cfg, times, np.full(n, w.input_len), np.full(n, w.output_len),
                               request_overhead=base, overhead_per_seq=per_seq))
@@ -64,11 +85,13 @@ def _run(cost: CostModel, cfg: SchedulerConfig, w: Workload, rate: float) -> dic
 
 def goodput(cost: CostModel, cfg: SchedulerConfig, w: Workload, slos: tuple[SLO, ...],
             steps: int = 5) -> tuple[float, dict]:
-    """Highest per-replica rate (req/s) meeting every SLO, and the simulated stats there."""
+    """Highest per-replica rate (req/s) meeting every SLO, and the simulated stats there; each rate
+    simulated for sustain_s(slos) seconds at least (w.num_prompts requests at least)."""
+    min_s = sustain_s(slos)
     sat = static_batch(cost, cfg.max_num_seqs, w.input_len, w.output_len)
     hi = cfg.max_num_seqs / (sat["latency_ms"] / 1e3) * 1.5  # above the saturation rate
-    for _ in range(4):  # a finite burst can meet loose SLOs past saturation: raise the ceiling
-        stats = _run(cost, cfg, w, hi)
+    for _ in range(4):  # loose SLOs (or none on latency) can be met past saturation: raise the ceiling
+        stats = _run(cost, cfg, w, hi, min_s)
         if not all(_metric(stats, s) <= s.threshold_ms for s in slos):
             break
         hi *= 2
@@ -77,7 +100,7 @@ def goodput(cost: CostModel, cfg: SchedulerConfig, w: Workload, slos: tuple[SLO,
     lo, best = 0.0, None
     for _ in range(steps):
         mid = (lo + hi) / 2
-        stats = _run(cost, cfg, w, mid)
+        stats = _run(cost, cfg, w, mid, min_s)
         if all(_metric(stats, s) <= s.threshold_ms for s in slos):
             lo, best = mid, stats
         else:

@@ -24,7 +24,7 @@ from loadtest.config import SLO
 from tuner.cost import CostModel, StepWork
 from tuner.profiles import HardwareProfile
 from tuner.refit import Run
-from tuner.search import Candidate, Workload, scheduler_config
+from tuner.search import Candidate, Workload, scheduler_config, sustain_s
 from tuner.simulate import simulate
 
 METRICS = ("ttft_p50_ms", "tpot_p50_ms", "output_throughput_tok_s", "goodput_req_s")
@@ -41,6 +41,13 @@ class ValidateSettings:
     """The accuracy run offers this share of the predicted goodput (below saturation)."""
     sweep_steps: int = 10
     sweep_tolerance: float = 0.05
+    sweep_min_step_s: float | None = None
+    """Each sweep step offers its rate for at least this long (loadtest SweepConfig.min_step_s: its
+    request count grows to rate x this); None: tuner.search.sustain_s of the SLOs, as the search
+    simulates its goodput. With num_prompts requests per step alone, a step at a rate far past the
+    deployment's capacity was a burst of a fraction of a second that a loose TTFT SLO survived: the
+    sweep called 10,000 req/s (its max_rate) sustainable on a CPU copy that serves ~40 (session 33,
+    BENCHMARKS.md)."""
     startup_timeout_s: float = 240.0
     seed: int = 0
     recalibrate: bool = False
@@ -185,11 +192,14 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             progress(f"  sweeping the rate from {sweep_from:.2f} req/s for the measured goodput")
             sw = sweep(LoadTestConfig(**base, request_rate=1.0, num_prompts=settings.num_prompts),
                        SweepConfig(start_rate=max(sweep_from, 0.05), tolerance=settings.sweep_tolerance,
-                                   max_steps=settings.sweep_steps, min_rate=0.02))
+                                   max_steps=settings.sweep_steps, min_rate=0.02,
+                                   min_step_s=sustain_s(slos) if settings.sweep_min_step_s is None
+                                   else settings.sweep_min_step_s))
     out = {"config": {k: v for k, v in cand.__dict__.items() if k != "metrics"},
            "deployment_yaml": str(yaml_path), "points": points}
     if sw is not None:
         out["sweep"] = [{"rate": s.rate, "meets_slo": s.meets_slo, "stopped_early": bool(s.stop_reason),
+                         "requests": s.summary.requests, "duration_s": s.summary.duration_s,
                          "ttft_p50_ms": s.summary.ttft_ms.p50, "tpot_p50_ms": s.summary.tpot_ms.p50} for s in sw.steps]
         out["measured_goodput_req_s"] = sw.best_rate or 0.0
         runs += [run_of(model, cand, sched, r, extra, share) for r, s in zip(sw.reports, sw.steps, strict=True)
