@@ -68,9 +68,9 @@ def sustain_s(slos: tuple[SLO, ...]) -> float:
     return SUSTAIN_SLO_MULTIPLE * max(bounds) if bounds else 0.0
 
 
-SUSTAIN_MAX_REQUESTS = 2000
+SUSTAIN_MAX_REQUESTS = 500
 """The most requests one simulated rate gets for sustain_s (the simulation's cost grows with them):
-a model so small for its hardware that it serves more than 2000 / sustain_s requests a second is
+a model so small for its hardware that it serves more than 500 / sustain_s requests a second is
 simulated over a shorter span at its top rates."""
 
 
