@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -322,7 +321,9 @@ def profile_cmd(
 
     if dtype not in ("auto", "bfloat16", "float32"):
         _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from tuner.profiles import host_cores
+
+    cores = host_cores()
     if not 0 <= serving_cores < cores:
         _fail(f"--serving-cores: must be an integer >= 0 and below this host's {cores} cores (the engine keeps "
               f"at least one), got {serving_cores}")

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu_threads) as the served engine has it
-from tuner.profiles import HardwareProfile
+from tuner.profiles import HardwareProfile, host_cores
 
 ROWS = (1, 4, 16, 64, 256, 1024)
 MATMUL_SHAPE = (768, 3072)  # (in, out) of a GPT-2-124M MLP projection: a representative Linear
@@ -149,7 +149,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
 
     dtype = resolved_dtype(EngineConfig(dtype=dtype))
     t_start = time.perf_counter()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores()
     threads = tuple(sorted({1, cores}))
     progress(f"matmul rates ({', '.join(map(str, threads))} threads; float32, bfloat16; rows {ROWS})")
     rates = measure_matmul(threads)
