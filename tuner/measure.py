@@ -348,7 +348,8 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                                r.tpot_s if r.ok else None]
                                                               for r in served[name]["runs"]["open"].records
                                                               if not r.warmup],
-                                                "span_open_loop": served[name]["spans"]["open"]}
+                                                "span_open_loop": served[name]["spans"]["open"],
+                                                "hop_ms": served[name].get("hop_ms")}
                                          for name in served}))
     if steps_out is not None:  # and the one-shard decode batches in one process (fit_on_engine's rows)
         engine_out = steps_out.with_name(steps_out.name.removesuffix(".json") + ".engine.json")

@@ -76,6 +76,8 @@ MULTI_SHARD_WARMUP = (WARMUP[0], WARMUP[-1])
 several shards (worker_threads), or one where the profile keeps serving_cores; there is no thread
 chooser to train, only first-step costs."""
 PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
+SERVER_PER_LAYOUT = False
+"""Serve each layout's probe copies in a server of their own, one after another (serve_probes)."""
 """Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
@@ -147,8 +149,8 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
     want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
     refs = []
     groups: dict[tuple[int, int], dict] = {}
-    for name, copy in copies.items():  # one server per layout (see above)
-        groups.setdefault(copy[1:], {})[name] = copy
+    for name, copy in copies.items():  # one server per layout, or one for all (SERVER_PER_LAYOUT)
+        groups.setdefault(copy[1:] if SERVER_PER_LAYOUT else (), {})[name] = copy
     for gi, group in enumerate(groups.values()):
         models = probe_models(group, profile, dtype)
         fixed = {m["name"]: bool(m["engine"].get("worker_threads")) for m in models}  # no thread chooser to train
