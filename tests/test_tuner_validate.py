@@ -20,7 +20,6 @@ from tuner.profiles import HardwareProfile, ProfileError, load_profile
 from tuner.refit import Run, refit
 from tuner.search import Candidate
 from tuner.simulate import simulate
-from tuner.validate import predict_run
 
 TINY = ModelConfig(model_type="gpt2", vocab_size=320, n_layer=2, n_head=4, n_embd=64, max_position_embeddings=128,
                    bos_token_id=0, eos_token_id=(0,))
@@ -61,7 +60,7 @@ def _simulated_runs(truth, tp: int, seed: int) -> list:
         arr = np.cumsum(rng.exponential(1 / rate, 30))
         ins, outs = rng.integers(8, 40, 30), rng.integers(4, 20, 30)
         tr = simulate(CostModel(TINY, truth, tp=tp, weight_dtype="float32").step_time, _SCHED, arr, ins, outs,
-                      request_overhead=truth.request_overheads_s(tp, 1)[0])
+                      request_overhead=truth.request_overhead_ms * 1e-3)
         runs.append(Run(TINY, tp, 1, "float32", _SCHED, arr, ins, outs, np.array([t.ttft for t in tr]),
                         np.array([t.tpot for t in tr])))
     return runs
@@ -136,47 +135,6 @@ def test_refit_moves_layout_constants():
     w = StepWork(tokens=40, sampled=1, prefill_attn_pairs=40 * 41 // 2)
     assert CostModel(TINY, fitted, tp=2, weight_dtype="float32").step_time(w) == pytest.approx(
         CostModel(TINY, truth, tp=2, weight_dtype="float32").step_time(w), rel=0.1)
-
-
-def test_layout_request_overhead_predicts_and_refits():
-    """A layout's own request_overhead_ms (its gateway legs, measured on its served copies) is the
-    TTFT's overhead for that layout, the global one for the others; a TP2 run whose legs are 3x
-    the layout's is refitted to that factor, and the layout's value moves with it."""
-    lay = {"step_overhead_ms": 2.0, "layer_overhead_us": 100.0, "seq_layer_overhead_us": 10.0, "seq_overhead_us": 50.0,
-           "matmul_scale": 1.0, "comm_scale": 1.0, "attention_prefill_tflops": 0.01, "attention_kv_gb_s": 5.0,
-           "request_overhead_ms": 8.0}
-    tables = {1: {"float32": {1: 0.001, 64: 0.002}}, 2: {"float32": {1: 0.002, 64: 0.004}}}
-    start = _cpu_profile(matmul_tflops=tables, layouts={"2x1": lay})
-    assert start.request_overheads_s(2, 1)[0] == pytest.approx(8e-3)
-    assert start.request_overheads_s(1, 1)[0] == pytest.approx(start.request_overhead_ms * 1e-3)
-    truth = start.replace(layouts={"2x1": {**lay, "request_overhead_ms": 24.0}})
-    runs = _simulated_runs(truth, tp=2, seed=3)
-    assert predict_run(truth, runs[0], ())["ttft_p50_ms"] > predict_run(start, runs[0], ())["ttft_p50_ms"] + 10
-    fitted, factors = refit(start, runs, free=("request",))
-    assert factors["request"] == pytest.approx(3.0, rel=0.05)
-    assert fitted.layouts["2x1"]["request_overhead_ms"] == pytest.approx(24.0, rel=0.05)
-    assert predict_run(fitted, runs[1], ())["ttft_p50_ms"] == pytest.approx(
-        predict_run(truth, runs[1], ())["ttft_p50_ms"], rel=0.02)
-
-
-def test_client_hop_is_client_ttft_beyond_the_replicas():
-    """client_hop_ms: the measured requests' mean client TTFT minus the replicas' mean TTFT over the
-    same window (their /metrics sums before and after); None without both."""
-    from types import SimpleNamespace
-
-    from tuner.measure_served import client_hop_ms
-
-    def rec(ttft, warmup=False, ok=True):
-        return SimpleNamespace(ttft_s=ttft, warmup=warmup, ok=ok)
-
-    reports = [SimpleNamespace(records=[rec(0.030), rec(0.050)]),
-               SimpleNamespace(records=[rec(0.040), rec(9.0, warmup=True), rec(None, ok=False)])]
-    before = {"replica_ttft_sum": 5.0, "replica_ttft_count": 100.0}
-    after = {"replica_ttft_sum": 5.0 + 3 * 0.025, "replica_ttft_count": 103.0}
-    assert client_hop_ms(reports, before, after) == pytest.approx(15.0)
-    assert client_hop_ms(reports, {}, after) == pytest.approx(40.0 - (5.075 / 103) * 1e3)
-    assert client_hop_ms(reports, before, before) is None
-    assert client_hop_ms([SimpleNamespace(records=[])], before, after) is None
 
 
 def test_validate_rejects_bad_input(tmp_path):

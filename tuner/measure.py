@@ -16,9 +16,8 @@ What is measured, and which profile field it becomes:
   and the step formula (step, layer, sequence, vocabulary and attention costs and the engine's
   matmul time against the rate table) is fitted per layout on the served step cycles, a step plus
   the serving loop's gap after it (tuner.measure_served, tuner.measure_engine.fit_layout) ->
-  layouts; the one-shard layout's constants are also the global ones; each layout's copies are
-  served alone (a server per layout), and their clients' TTFT beyond the replicas' own (the
-  gateway's legs) -> the layout's request_overhead_ms (the one-shard one's is the global one).
+  layouts; the one-shard layout's constants are also the global ones; the one-shard copies' TTFT
+  one at a time beyond their served prefill cycle -> request_overhead_ms.
   With --no-serve the same formula is fitted on the engine's steps in isolation instead (each
   layout's executor without Ray or a gateway; tuner.measure_engine).
 """
@@ -295,20 +294,6 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
            for name in meta}
     over = [o for name, (key, _) in meta.items() if key == "1x1" for o in own[name]]
     request_ms = max(float(np.median(over)), 0.0) * 1e3
-    # per layout, the gateway's legs of the TTFT under the copies' measured runs (client minus
-    # replica: tuner.measure_served.client_hop_ms), where the layout's shards take the cores those
-    # legs need: in pass 38 the accuracy runs' legs were 13-15 ms for one shard and 17-20 ms for TP2
-    # and PP2, against one 11.3 ms from two one-at-a-time requests a copy, and with the runs' own
-    # steps the simulator's TTFT came out 3-23% short in every run
-    for key, layout in layouts.items():
-        hops = [served[name]["hop_ms"] for name, (k, _) in meta.items()
-                if k == key and served[name].get("hop_ms") is not None]
-        if hops:
-            layout["request_overhead_ms"] = round(max(float(np.mean(hops)), 0.0), 3)
-            progress(f"served {key}: the gateway's legs of the TTFT {layout['request_overhead_ms']:.1f} ms "
-                     f"(client minus replica, mean over {len(hops)} copies' measured requests)")
-    if "request_overhead_ms" in layouts.get("1x1", {}):
-        request_ms = layouts["1x1"]["request_overhead_ms"]
     # under load: the overhead per sequence the engine holds when a request arrives, per layout, from
     # the open-loop runs simulated with the layout's fitted steps (each copy with its own overhead
     # one at a time, so that a copy's constant, such as a slow tokenizer, stays out of it). Kept as
@@ -348,8 +333,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
                                                                r.tpot_s if r.ok else None]
                                                               for r in served[name]["runs"]["open"].records
                                                               if not r.warmup],
-                                                "span_open_loop": served[name]["spans"]["open"],
-                                                "hop_ms": served[name].get("hop_ms")}
+                                                "span_open_loop": served[name]["spans"]["open"]}
                                          for name in served}))
     if steps_out is not None:  # and the one-shard decode batches in one process (fit_on_engine's rows)
         engine_out = steps_out.with_name(steps_out.name.removesuffix(".json") + ".engine.json")

@@ -1,5 +1,5 @@
-"""The served engine's own steps: `shardserve serve` of the probe shapes in every layout of this
-host (a server per layout), load-tested (one request at a time, then open loop), and per layout a fit of the cost model's step formula
+"""The served engine's own steps: one `shardserve serve` of three probe shapes in every layout of
+this host, load-tested (one request at a time, then open loop), and per layout a fit of the cost model's step formula
 (tuner.measure_engine.fit_layout) directly on the steps the served replicas ran.
 
 Each replica's engine records every step (`GET /v1/admin/steps`, serving/steps_api.py): its wall
@@ -11,8 +11,8 @@ and it is what the simulator's step cost stands for. So the fit's target is the 
 where it happens: the engine shares the cores with Ray, the gateway, the streaming of every token
 and the load tester, and for several shards it calls them through Ray actors.
 
-The gateway's cost per request (request_overhead, per layout) is what the client's TTFT has beyond
-the replica's own (its /metrics) over each copy's measured runs (measured, not fitted).
+The gateway's cost per request (request_overhead) is what the one-shard copies' TTFT, one request
+at a time, has beyond the served cycle of its own prefill step (measured, not fitted).
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ MULTI_SHARD_WARMUP = (WARMUP[0], WARMUP[-1])
 several shards (worker_threads), or one where the profile keeps serving_cores; there is no thread
 chooser to train, only first-step costs."""
 PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
-SERVER_PER_LAYOUT = False
-"""Serve each layout's probe copies in a server of their own, one after another (serve_probes)."""
 """Scheduler limits of every probe copy (its runs keep at most ~10 requests in flight)."""
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
@@ -125,17 +123,11 @@ def server_env(profile) -> dict[str, str]:
 def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype: str, profile,
                  progress: Callable[[str], None] = print,
                  reference: Callable[[], dict] | None = None) -> dict[str, dict]:
-    """Serve every copy {name: (checkpoint, tp, pp)} with `shardserve serve` (probe_models: as
+    """Serve every copy {name: (checkpoint, tp, pp)} in one `shardserve serve` (probe_models: as
     the tuner deploys each layout, with fractional CPU reservations so that they all fit),
-    load-test them one at a time and read each one's steps back. Each layout's copies get a
-    server of their own (one after another): idle copies beside a measured one cost the host
-    (A/B, 2026-11-26: a GPT-2-wide TP2 probe's batch-1 steps 67.5 / 67.7 ms served with one other
-    copy against 81.6 / 72.2 ms beside seven; a 6 x 384 one-shard probe's 2.65 / 2.77 against
-    3.90 / 3.15 ms; the idle eight-copy server took 38% of a core, a two-copy one 20%), and a
-    deployment serves one model. Returns
+    load-test them one at a time and read each one's steps back:
     {name: {"runs": {requests in flight: loadtest Report}, "spans": {requests in flight: (start, end)
-    on the monotonic clock}, "steps": [step dicts, oldest first], "hop_ms": client_hop_ms of the
-    measured runs}}. With `reference`, its result
+    on the monotonic clock}, "steps": [step dicts, oldest first]}}. With `reference`, its result
     taken with the server up before the first copy's requests is under the key "_host_reference"
     (a list of one: tuner.hostref; a diagnostic of what the idle server costs the host)."""
     import yaml
@@ -143,65 +135,42 @@ def serve_probes(copies: dict[str, tuple[Path, int, int]], work_dir: Path, dtype
     from loadtest.config import LoadTestConfig
     from loadtest.runner import run
     from tuner.server import Server
-    from tuner.validate import PUSH_WAIT_S, replica_latency_sums
 
+    models = probe_models(copies, profile, dtype)
+    fixed = {m["name"]: bool(m["engine"].get("worker_threads")) for m in models}  # no thread chooser to train
+    conf = work_dir / "probe.yaml"
+    conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
     out: dict[str, dict] = {}
     want = (sum(n for _, n, _ in CONCURRENCY) + OPEN_LOOP[1]) * SERVE_OUTPUT  # tokens each copy's measured runs sample
     refs = []
-    groups: dict[tuple[int, int], dict] = {}
-    for name, copy in copies.items():  # one server per layout, or one for all (SERVER_PER_LAYOUT)
-        groups.setdefault(copy[1:] if SERVER_PER_LAYOUT else (), {})[name] = copy
-    for gi, group in enumerate(groups.values()):
-        models = probe_models(group, profile, dtype)
-        fixed = {m["name"]: bool(m["engine"].get("worker_threads")) for m in models}  # no thread chooser to train
-        conf = work_dir / f"probe-{gi}.yaml"
-        conf.write_text(yaml.safe_dump({"models": models, "server": {"metrics_push_interval_s": PUSH_INTERVAL_S}}))
-        with Server(["--config", str(conf)], work_dir / f"serve-{gi}.log", env=server_env(profile)) as url:
-            if reference is not None and not refs:
-                refs.append(reference())
-            for name, (path, tp, pp) in group.items():
-                progress(f"served probe {name}: one request at a time, then Poisson arrivals")
-                base = {"url": url, "model": name, "backend": "openai-completions",
-                        "tokenizer": path / "tokenizer.json", "ignore_eos": True, "progress": False, "seed": 1}
-                for c, n, plen, o in MULTI_SHARD_WARMUP if fixed[name] else WARMUP:
-                    run(LoadTestConfig(**base, random_input_len=plen, random_output_len=o, closed_loop_concurrency=c,
-                                       num_prompts=n))
-                time.sleep(PUSH_WAIT_S)  # the warm-up's last first tokens reach the metrics hub
-                before = replica_latency_sums(url, name)
-                runs, spans = {}, {}
-                for c, n, plen in CONCURRENCY:
-                    t0 = time.monotonic()  # the replicas run on this host: the same monotonic clock
-                    runs[c] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
-                                                 closed_loop_concurrency=c, num_prompts=n))
-                    spans[c] = (t0, time.monotonic())
-                e2e = float(np.median([r.done_s - r.sent_s for r in runs[1].records if not r.warmup and r.ok]))
-                in_flight, n, plen, least_s = OPEN_LOOP
-                t0 = time.monotonic()
-                runs["open"] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
-                                                  request_rate=min(in_flight / e2e, n / least_s), num_prompts=n))
-                spans["open"] = (t0, time.monotonic())
-                out[name] = {"runs": runs, "spans": spans, "latency_before": before}
-            for name in group:
-                out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
-                # fetch_steps waited for the last run's steps, published with its first tokens' metrics
-                out[name]["hop_ms"] = client_hop_ms(out[name]["runs"].values(), out[name]["latency_before"],
-                                                    replica_latency_sums(url, name))
+    with Server(["--config", str(conf)], work_dir / "serve.log", env=server_env(profile)) as url:
+        if reference is not None:
+            refs.append(reference())
+        for name, (path, tp, pp) in copies.items():
+            progress(f"served probe {name}: one request at a time, then Poisson arrivals")
+            base = {"url": url, "model": name, "backend": "openai-completions", "tokenizer": path / "tokenizer.json",
+                    "ignore_eos": True, "progress": False, "seed": 1}
+            for c, n, plen, o in MULTI_SHARD_WARMUP if fixed[name] else WARMUP:
+                run(LoadTestConfig(**base, random_input_len=plen, random_output_len=o, closed_loop_concurrency=c,
+                                   num_prompts=n))
+            runs, spans = {}, {}
+            for c, n, plen in CONCURRENCY:
+                t0 = time.monotonic()  # the replicas run on this host: the same monotonic clock
+                runs[c] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
+                                             closed_loop_concurrency=c, num_prompts=n))
+                spans[c] = (t0, time.monotonic())
+            e2e = float(np.median([r.done_s - r.sent_s for r in runs[1].records if not r.warmup and r.ok]))
+            in_flight, n, plen, least_s = OPEN_LOOP
+            t0 = time.monotonic()
+            runs["open"] = run(LoadTestConfig(**base, random_input_len=plen, random_output_len=SERVE_OUTPUT,
+                                              request_rate=min(in_flight / e2e, n / least_s), num_prompts=n))
+            spans["open"] = (t0, time.monotonic())
+            out[name] = {"runs": runs, "spans": spans}
+        for name in copies:
+            out[name]["steps"] = fetch_steps(url, name, out[name]["spans"][CONCURRENCY[0][0]][0], want)
     if refs:
         out["_host_reference"] = refs
     return out
-
-
-def client_hop_ms(reports, before: dict[str, float], after: dict[str, float]) -> float | None:
-    """The gateway's share of a copy's TTFT under its measured runs: the client's mean TTFT over
-    those runs' requests minus the replicas' own (arrival at the replica to its first token, from
-    their /metrics sums before and after: tuner.validate.replica_latency_sums). The HTTP, gateway
-    and Ray legs both ways, on a host where the engine takes the cores; None when unmeasured."""
-    ttft = [r.ttft_s for rep in reports for r in rep.records if not r.warmup and r.ok and r.ttft_s is not None]
-    n = after.get("replica_ttft_count", 0.0) - before.get("replica_ttft_count", 0.0)
-    if not ttft or n < 1:
-        return None
-    replica = (after["replica_ttft_sum"] - before.get("replica_ttft_sum", 0.0)) / n
-    return float((np.mean(ttft) - replica) * 1e3)
 
 
 def fetch_steps(url: str, model: str, since: float, want_sampled: int, timeout_s: float = 10.0) -> list[dict]:

@@ -179,7 +179,7 @@ class HardwareProfile:
         lay = self.layout(tp, pp) or {}
         per_seq = lay.get("request_overhead_per_seq_ms", self.request_overhead_per_seq_ms)
         cpu = self.scale("cpu")
-        return lay.get("request_overhead_ms", self.request_overhead_ms) * 1e-3 * cpu, per_seq * 1e-3 * cpu
+        return self.request_overhead_ms * 1e-3 * cpu, per_seq * 1e-3 * cpu
 
     def scale(self, kind: str) -> float:
         """host_scale's factor for `kind` ("cpu" or "memory"), 1.0 when not recalibrated."""
@@ -256,7 +256,7 @@ one-thread rate table's matmul time, comm_scale the gloo-measured collective and
 attention rates are per shard."""
 LAYOUT_OPTIONAL = ("vocab_seq_ns", "matmul_mt_scale", "token_layer_width_ns", "dram_weight_gb_s", "head_ns",
                    "request_overhead_per_seq_ms", "prefill_step_ms", "served_decode_scale", "served_step_ms",
-                   "decode_batch_layer_us", "request_overhead_ms")
+                   "decode_batch_layer_us")
 """Fitted constants a layout may leave out (0): ns per sampled sequence per vocabulary entry of the
 shard (the LM head's per-sequence work beyond its matmul: log-softmax, argmax, copies); and, for a
 shard of several threads, a factor on the rate table's time at those threads (added to
@@ -273,9 +273,7 @@ work: the module path's dispatch of its ops, each prefill's attention call and c
 chunk's block-table and slot bookkeeping); and, for constants fitted on the engine's own steps in one
 process (LAYOUT_DECODE), the factor a served decode step takes against them (0: none; every part
 of the step moves by it) and the ms a served step adds to that; and us per layer of a decode-only
-step of two sequences or more (the fused decode step's batch kernels against its batch-1 path) (the serving loop and the processes beside the engine, per step);
-and the layout's request_overhead_ms (HardwareProfile's field of that name: measured on the layout's
-own served copies, whose shards take the cores the gateway's legs need)."""
+step of two sequences or more (the fused decode step's batch kernels against its batch-1 path) (the serving loop and the processes beside the engine, per step)."""
 LAYOUT_DECODE = "decode"
 """A layout may hold, under this key, a mapping of the same constants that its decode-only steps use
 instead (tuner.measure_engine.fit_on_engine: fitted on the engine's decode batches of 1-16 in one

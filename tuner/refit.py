@@ -86,8 +86,6 @@ def _scaled_layout(p: HardwareProfile, key: str, lay: dict, t: dict[str, float])
                                  if p.threads(_shards(key)) > 1 else 1.0))}
     if "decode_batch_layer_us" in lay:  # a per-layer cost of decode batches (fit_on_engine)
         out["decode_batch_layer_us"] = _sig(lay["decode_batch_layer_us"] * t["layer"])
-    if "request_overhead_ms" in lay:  # the layout's own gateway legs: the request factor moves them
-        out["request_overhead_ms"] = _sig(lay["request_overhead_ms"] * t["request"])
     if "served_step_ms" in lay:  # the served decode step's own ms (fit_on_engine): a per-step cost
         out["served_step_ms"] = _sig(lay["served_step_ms"] * t["step"])
     if isinstance(lay.get(LAYOUT_DECODE), dict):
@@ -128,11 +126,10 @@ def _shards(key: str) -> int:
 def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray], list[float]]:
     """Relative-error rows: the schedule is simulated with `cost`, the columns are the parts of
     `unit` (the unit profile), so that a row times the factors is the predicted TTFT or TPOT."""
-    request_unit_s = unit.profile.request_overheads_s(run.tp, run.pp)[0]
-    request_s = cost.profile.request_overheads_s(run.tp, run.pp)[0]
+    request_unit_s = unit.profile.request_overhead_ms * 1e-3
     steps: list[StepRecord] = []
     traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                      request_overhead=request_s, steps_out=steps,
+                      request_overhead=cost.profile.request_overhead_ms * 1e-3, steps_out=steps,
                       text_share=run.text_share)
     ends = np.array([s.end for s in steps])
     starts = np.array([s.start for s in steps])
@@ -141,7 +138,7 @@ def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray],
     for i, tr in enumerate(traces):
         if len(tr.token_times) == 0:
             continue
-        at = tr.arrival + request_s
+        at = tr.arrival + cost.profile.request_overhead_ms * 1e-3
         first, last = tr.token_times[0], tr.token_times[-1]
         if np.isfinite(run.ttft_s[i]) and run.ttft_s[i] > 0:
             sel = (ends > at) & (ends <= first + 1e-12)
@@ -217,7 +214,7 @@ def _loss(p: HardwareProfile, runs: list[Run]) -> float:
     for run in runs:
         cost = CostModel(run.model, p, tp=run.tp, pp=run.pp, weight_dtype=run.weight_dtype)
         traces = simulate(cost.step_time, run.sched, run.arrivals, run.input_lens, run.output_lens,
-                          request_overhead=p.request_overheads_s(run.tp, run.pp)[0], text_share=run.text_share)
+                          request_overhead=p.request_overhead_ms * 1e-3, text_share=run.text_share)
         for tr, ttft, tpot in zip(traces, run.ttft_s, run.tpot_s, strict=True):
             if np.isfinite(ttft) and ttft > 0:
                 err += np.log(tr.ttft / ttft) ** 2
