@@ -6,6 +6,8 @@ STAMP   := $(VENV)/.installed
 MODEL   ?= models/default
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
+# pytest-xdist processes for make test; each test file runs whole in one (its module fixtures once)
+TEST_WORKERS ?= 2
 
 .PHONY: setup test bench bench-peer model serve serve-config lint clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv and install shardserve with its test extras
 
 test: $(STAMP)   ## run the whole test suite
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, with the command)
 	$(BIN)/python benchmarks/bench_decode.py
