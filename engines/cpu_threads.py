@@ -61,9 +61,12 @@ def engine_threads(worker_threads: int = 0, cpu_count: int | None = None,
     env = os.environ if environ is None else environ
     if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         return int(env["OMP_NUM_THREADS"])
-    n = cpu_count if cpu_count is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else (os.cpu_count() or 1)
-    return max(1, n)
+    return max(1, cpu_count if cpu_count is not None else host_cores())
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @contextlib.contextmanager

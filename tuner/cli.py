@@ -321,7 +321,7 @@ def profile_cmd(
 
     if dtype not in ("auto", "bfloat16", "float32"):
         _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
-    from tuner.profiles import host_cores
+    from engines.cpu_threads import host_cores
 
     cores = host_cores()
     if not 0 <= serving_cores < cores:

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu_threads) as the served engine has it
-from tuner.profiles import HardwareProfile, host_cores
+from engines.cpu_threads import host_cores
+from tuner.profiles import HardwareProfile
 
 ROWS = (1, 4, 16, 64, 256, 1024)
 MATMUL_SHAPE = (768, 3072)  # (in, out) of a GPT-2-124M MLP projection: a representative Linear

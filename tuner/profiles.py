@@ -21,13 +21,6 @@ class ProfileError(ValueError):
     """A hardware profile is unknown or malformed; the message names the field."""
 
 
-def host_cores() -> int:
-    """CPU cores this process may run on (its affinity where the OS reports one)."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def builtin_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
