@@ -30,9 +30,12 @@ def _inductor_cache(tmp_path_factory, monkeypatch):
 def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, gpt2_dir, llama_dir):
     """Greedy and seeded tokens identical to the eager path (fp32; the compiled attention sums in a
     different order than SDPA, ~1e-6 apart, which these tiny random models never turn into another
-    argmax), with batches that join, leave and are preempted."""
+    argmax), with batches of 1-3 (buckets 1, 2, 4) that join, leave and are preempted; the engine's
+    warm-up compiled every graph, so no step compiles another."""
+    import torch._dynamo.utils as dutils
+
     path = gpt2_dir if model == "gpt2" else llama_dir
-    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
+    base = {"num_kv_blocks": 20, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
             "dtype": "float32"}
     expect = [run_staggered(LLMEngine(path, EngineConfig(static_decode="off", **base)), p) for p in (GREEDY, SEEDED)]
     engine = LLMEngine(path, EngineConfig(compile_decode="on", **base))
@@ -43,26 +46,12 @@ def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, gpt2_d
     real_run, real_fn = dr.run, dr.compiled.fn
     dr.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
     dr.compiled.fn = lambda *a: rows.append(a[1].shape[0]) or real_fn(*a)
-    assert [run_staggered(engine, p) for p in (GREEDY, SEEDED)] == expect
-    assert engine.scheduler.num_preemptions > 0
-    assert 1 in sizes and 2 in sizes, "the compiled step never ran a batch of one and one of two"
-    assert len(rows) == len(sizes) and 1 in rows  # batch 1 runs its own graph
-
-
-@needs_cxx
-def test_warm_up_compiles_the_graphs_and_steps_never_recompile(gpt2_dir):
-    import torch._dynamo.utils as dutils
-
-    base = {"block_size": 4, "cpu_linear_autotune": False, "dtype": "float32"}
-    engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", **base))
-    sizes = []
-    real_run = engine.executor.runner.decode_runner.run
-    engine.executor.runner.decode_runner.run = lambda decode: sizes.append(len(decode)) or real_run(decode)
     dutils.counters.clear()
-    got = run_staggered(engine, GREEDY)  # batches 1-4 (buckets 1, 2, 4), contexts of 17-56 tokens: the warmed graph
-    assert not dutils.counters["stats"].get("unique_graphs"), dict(dutils.counters["stats"])
-    assert max(sizes) >= 3
-    assert got == run_staggered(LLMEngine(gpt2_dir, EngineConfig(static_decode="off", **base)), GREEDY)
+    assert [run_staggered(engine, p) for p in (GREEDY, SEEDED)] == expect
+    assert not dutils.counters["stats"].get("unique_graphs"), dict(dutils.counters["stats"])  # warmed up
+    assert engine.scheduler.num_preemptions > 0
+    assert {1, 2, 3} <= set(sizes), f"the compiled step ran batches {sorted(set(sizes))}, not 1, 2 and 3"
+    assert len(rows) == len(sizes) and 1 in rows  # batch 1 runs its own graph
 
 
 def test_option_is_validated_with_the_field_name():

@@ -170,6 +170,9 @@ def search_cmd(
                                                      "step offers its rate for at least (its requests grow to rate x "
                                                      "this): a sustained load, not a burst. Default: 5 x the largest "
                                                      "TTFT or E2EL SLO bound, as the search simulates goodput."),
+    validate_sweep_tolerance: float = typer.Option(0.05, "--validate-sweep-tolerance", help="The goodput sweep "
+                                                   "stops bisecting when its last passing and first failing rate "
+                                                   "are this close (relative); larger: fewer, coarser steps."),
     recalibrate: bool = typer.Option(False, "--recalibrate", help=RECALIBRATE_HELP),
 ) -> None:
     """Search TP x PP x max_num_seqs x max_num_batched_tokens x weight dtype for the SLOs; print a
@@ -199,6 +202,8 @@ def search_cmd(
         _fail(f"--validate must be >= 0 and --validate-prompts >= 4, got {validate} and {validate_prompts}")
     if validate_min_step_s is not None and not (0 <= validate_min_step_s < float("inf")):
         _fail(f"--validate-min-step-s: must be a finite number of seconds >= 0, got {validate_min_step_s}")
+    if not 0 < validate_sweep_tolerance < 1:
+        _fail(f"--validate-sweep-tolerance: must be in (0, 1), got {validate_sweep_tolerance}")
     try:
         slos = tuple(parse_slo(s) for s in slo)
     except LoadConfigError as exc:
@@ -239,11 +244,11 @@ def search_cmd(
     typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
     if validate:
         _validate(ranked, validate, m, profile, Workload(input_len, output_len, num_prompts), slos, objective, out,
-                  model_path, validate_prompts, recalibrate, validate_min_step_s)
+                  model_path, validate_prompts, recalibrate, validate_min_step_s, validate_sweep_tolerance)
 
 
 def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts, recalibrate=False,
-              min_step_s: float | None = None) -> None:
+              min_step_s: float | None = None, sweep_tolerance: float = 0.05) -> None:
     from tuner.closed_loop import closed_loop
     from tuner.server import ServeError
     from tuner.validate import METRICS, ValidateSettings
@@ -253,7 +258,8 @@ def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompt
               f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
     try:
         rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
-                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate, sweep_min_step_s=min_step_s),
+                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate, sweep_min_step_s=min_step_s,
+                                           sweep_tolerance=sweep_tolerance),
                           progress=lambda s: typer.echo(s, err=True))
     except (ServeError, FileNotFoundError) as exc:
         _fail(str(exc))
