@@ -243,23 +243,25 @@ def search_cmd(
                "written by `shardserve tune search`")
     typer.echo(f"chosen: tp={best.tp} pp={best.pp} replicas={best.replicas} -> {out / 'tuned.yaml'}")
     if validate:
+        from tuner.validate import ValidateSettings
+
+        settings = ValidateSettings(num_prompts=validate_prompts, recalibrate=recalibrate,
+                                    sweep_min_step_s=validate_min_step_s, sweep_tolerance=validate_sweep_tolerance)
         _validate(ranked, validate, m, profile, Workload(input_len, output_len, num_prompts), slos, objective, out,
-                  model_path, validate_prompts, recalibrate, validate_min_step_s, validate_sweep_tolerance)
+                  model_path, settings)
 
 
-def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, prompts, recalibrate=False,
-              min_step_s: float | None = None, sweep_tolerance: float = 0.05) -> None:
+def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, settings) -> None:
     from tuner.closed_loop import closed_loop
     from tuner.server import ServeError
-    from tuner.validate import METRICS, ValidateSettings
+    from tuner.validate import METRICS
 
     if profile.kind != "measured":
         _fail(f"--validate serves on this machine: --hardware must be a profile measured here by "
               f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
     try:
         rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
-                          ValidateSettings(num_prompts=prompts, recalibrate=recalibrate, sweep_min_step_s=min_step_s,
-                                           sweep_tolerance=sweep_tolerance),
+                          settings,
                           progress=lambda s: typer.echo(s, err=True))
     except (ServeError, FileNotFoundError) as exc:
         _fail(str(exc))
