@@ -224,8 +224,10 @@ class EngineConfig:
     On a shared host a 2-thread step can wait ~4 ms per op for a descheduled thread. False runs
     every step on the full count, as does compile_decode "on" (dynamo guards on the count)."""
     dist_timeout_s: float = 120.0
-    """Deadline of one step (and of collectives) in a multi-process executor: a hung or dead shard
-    worker fails the step with ExecutorError instead of hanging it."""
+    """Deadline of one step in a multi-process executor: a hung or dead shard worker fails the step
+    with ExecutorError naming that shard instead of hanging it. The shards' collectives time out a
+    little later (engines.parallel.worker_proc.collective_timeout_s), so the driver names the hung
+    shard rather than a peer waiting on it."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
 

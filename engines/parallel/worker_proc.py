@@ -108,6 +108,15 @@ def device_for(engine_cfg: EngineConfig, rank: int) -> torch.device:
     return torch.device(engine_cfg.device)
 
 
+def collective_timeout_s(step_deadline_s: float) -> float:
+    """A shard's collective timeout: longer than the driver's step deadline (dist_timeout_s).
+
+    When one shard hangs, its peers wait on it in a collective. The driver, which sees every rank,
+    must reach its deadline first and name the hung shard; were the peers' collectives to time out
+    first (on a busy host, the two clocks race), the step would fail naming a healthy peer."""
+    return step_deadline_s + max(2.0, 0.25 * step_deadline_s)
+
+
 def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: int, model_dir: str,
                engine_cfg: EngineConfig, threads: int, channel: Channel) -> None:
     """Join the group, load the shard, report ready, serve; report any failure on the channel."""
@@ -121,8 +130,8 @@ def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: i
         cfg = engine_cfg.replace(device=str(device))
         backend = "nccl" if device.type == "cuda" else "gloo"
         t0 = time.perf_counter()
-        comm = init_distributed(rank, layout.world_size, store_host, store_port, backend, engine_cfg.dist_timeout_s,
-                                layout, device)
+        comm = init_distributed(rank, layout.world_size, store_host, store_port, backend,
+                                collective_timeout_s(engine_cfg.dist_timeout_s), layout, device)
         runner = ShardRunner(model_dir, cfg, layout, rank, comm)
         release_memory()
         info = shard_info(runner)
