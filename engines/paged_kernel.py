@@ -11,9 +11,7 @@ the cache, scores, softmax and the weighted sum of values in fp32 whatever the c
 (bf16 / fp16 are widened on load, as the eager path's fp32 scratch does). A task reads each
 slot's key and value rows of its heads once, front to back (one sequential stream: a task per
 (sequence, head) read 128-256-byte pieces 1.5-3 KB apart and streamed 3-8 GB/s once the contexts
-outgrew the last-level cache). For the values of 64- or 128-wide heads the walk goes a block of the
-cache at a time (block_size rows: 24 KB for GPT-2 at 16), head by head within it, each head's accumulators in
-registers; query heads that share a kv head (GQA) share its reads; the block
+outgrew the last-level cache); query heads that share a kv head (GQA) share its reads; the block
 table is walked block by block (no division per key); the softmax's exponentials are computed 16
 lanes at a time.
 
@@ -58,7 +56,7 @@ inline vf load16(const c10::BFloat16* p) {
 inline vf load16(const c10::Half* p) { vf v; for (int64_t j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]); return v; }
 
 // a pairwise tree (4 dependent adds), not 16 in a row: one per key and head, it was the kernel's
-// longest dependency chain (BENCHMARKS.md, peer runs 20-21)
+// longest dependency chain (BENCHMARKS.md, peer run 20)
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 inline float hsum(vf v) {
