@@ -55,15 +55,7 @@ inline vf load16(const c10::BFloat16* p) {
 }
 inline vf load16(const c10::Half* p) { vf v; for (int64_t j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]); return v; }
 
-// a pairwise tree (4 dependent adds), not 16 in a row: one per key and head, it was the kernel's
-// longest dependency chain (BENCHMARKS.md, peer run 20)
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-inline float hsum(vf v) {
-  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+inline float hsum(vf v) { float s = 0.f; for (int64_t j = 0; j < W; ++j) s += v[j]; return s; }
 
 // a (fp32) . b (n elements of T), W lanes of partial sums then the tail
 template <typename T>
@@ -85,17 +77,6 @@ inline void axpy(float* acc, float p, const T* v, int64_t n) {
     std::memcpy(acc + i, &a, sizeof(vf));
   }
   for (; i < n; ++i) acc[i] += p * static_cast<float>(v[i]);
-}
-
-// acc (NV x W fp32, one head) += sum over n rows i of p[i] * v[i * row ..]: the head's accumulators
-// stay in registers through a block of the cache instead of a load and a store per row
-template <int NV, typename T>
-inline void axpy_rows(float* acc, const float* p, const T* v, int64_t n, int64_t row) {
-  vf a[NV];
-  for (int j = 0; j < NV; ++j) a[j] = load16(acc + j * W);
-  for (int64_t i = 0; i < n; ++i, v += row)
-    for (int j = 0; j < NV; ++j) a[j] += p[i] * load16(v + j * W);
-  for (int j = 0; j < NV; ++j) std::memcpy(acc + j * W, &a[j], sizeof(vf));
 }
 
 // y[i] = exp(x[i]) for x <= 0, W lanes at a time: 2^(x log2 e) = 2^n 2^f, n = round, |f| <= 1/2,
@@ -162,13 +143,6 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t 
   for (int64_t b = 0, t = 0; t < len; ++b) {
     const int64_t n = std::min(bs, len - t);
     const T* v = vc + table[b] * bs * row;
-    if (hd == 4 * W || hd == 8 * W) {  // GPT-2's 64, Llama's 128: a head at a time over the block
-      for (int64_t h = 0; h < nq; ++h)
-        (hd == 4 * W ? axpy_rows<4, T> : axpy_rows<8, T>)(acc + h * hd, scores + h * lpad + t, v + h / group * hd,
-                                                          n, row);
-      t += n;
-      continue;
-    }
     for (int64_t i = 0; i < n; ++i, ++t, v += row) {
       if (i + AHEAD < n) ahead(v + AHEAD * row, nbytes);
       for (int64_t h = 0; h < nq; ++h) axpy(acc + h * hd, scores[h * lpad + t], v + h / group * hd, hd);
