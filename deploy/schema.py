@@ -54,6 +54,8 @@ class EngineOptions(_Strict):
     """Decode steps padded to batch buckets from persistent buffers (auto: on for CUDA)."""
     cuda_graphs: bool | None = None
     """With static_decode on CUDA: one CUDA graph per batch bucket."""
+    cuda_graph_capture_s: float | None = Field(None, ge=0)
+    """CUDA: seconds of decode-graph capture at load (30); 0 captures lazily during requests."""
     compile_decode: Literal["auto", "on", "off"] | None = None
     """CPU: compile the static decode step with inductor (on needs a C++ compiler; auto: eager)."""
     num_kv_blocks: int | None = Field(None, ge=0)

@@ -1,4 +1,8 @@
-"""torch.compile (inductor, C++ codegen on CPU) of the static-shape decode step.
+"""torch.compile (inductor: C++ codegen on CPU, Triton on CUDA) of the static-shape decode step.
+
+On CUDA (compile_decode "on") the compiled step is what each decode graph captures: inductor fuses
+the norms, RoPE, the attention gather and FP8 activation quantization with their neighbours, and the
+graph removes the launches.
 
 The eager static step (engines.decode_runner.StaticDecodeBackend) writes each layer's new keys and
 values into the cache inside the step. Compiled, that in-place write into a view of a graph input
@@ -67,11 +71,14 @@ def resolve_compile(mode: str, device: torch.device) -> tuple[bool, str]:
     when mode is "on" and compilation is impossible here."""
     if mode == "off":
         return False, "compile_decode off"
+    if device.type == "cuda":
+        if mode == "on":  # inductor's Triton kernels, captured inside the runner's CUDA graphs
+            return True, "compile_decode on: inductor (Triton) step captured in CUDA graphs"
+        return False, "compile_decode auto: CUDA replays eager-step CUDA graphs (compile_decode='on' compiles them)"
     if device.type != "cpu":
         if mode == "on":
-            raise CompileUnavailable(f"compile_decode: 'on' is implemented for CPU; on {device.type} the static "
-                                     "decode path replays CUDA graphs instead (cuda_graphs)")
-        return False, f"compile_decode auto: {device.type} uses CUDA graphs, not inductor"
+            raise CompileUnavailable(f"compile_decode: 'on' is implemented for CPU and CUDA, not {device.type}")
+        return False, f"compile_decode auto: not on {device.type}"
     cxx = cpp_compiler()
     if cxx is None:
         why = "no C++ compiler found ($CXX, c++, g++ or clang++ on PATH); inductor cannot generate CPU kernels"

@@ -187,8 +187,14 @@ class EngineConfig:
     in-place attention measured faster."""
     cuda_graphs: bool = True
     """With the static decode path on CUDA: capture one CUDA graph per bucket and replay it."""
+    cuda_graph_capture_s: float = 30.0
+    """CUDA: seconds the engine may spend at load capturing decode graphs for the batch and context
+    buckets its max_num_seqs and max_model_len allow (every batch bucket's widest context first);
+    steps later use the nearest captured context and never capture. 0 captures lazily instead, the
+    first time a (batch, context) bucket is met, while that step's requests wait."""
     compile_decode: Literal["auto", "on", "off"] = "auto"
-    """CPU: compile the static decode step with torch.compile (inductor's C++ kernels), two graphs
+    """CUDA: "on" compiles the static decode step (inductor, Triton) and captures the compiled step in
+    the CUDA graphs; auto replays graphs of the eager step. CPU: compile the static decode step with torch.compile (inductor's C++ kernels), two graphs
     (batch 1; any batch >= 2 and context) compiled at load and cached on disk (engines/compiled.py).
     on: turns the static decode path on and fails at load if no C++ compiler is found or inductor
     fails. auto: eager decode on CPU (measured on a 2-core AMD EPYC: bf16 batched decode +12-33%,
@@ -252,6 +258,8 @@ class EngineConfig:
                  f"must be auto, kernel or loop, got {self.decode_attention!r}")
         _require(self.fused_decode in ("auto", "off"), "fused_decode",
                  f"must be auto or off, got {self.fused_decode!r}")
+        _require(self.cuda_graph_capture_s >= 0, "cuda_graph_capture_s",
+                 f"must be >= 0 seconds (0 captures lazily), got {self.cuda_graph_capture_s!r}")
         _require(self.compile_decode in ("auto", "on", "off"), "compile_decode",
                  f"must be auto, on or off, got {self.compile_decode!r}")
         _require(not (self.compile_decode == "on" and self.static_decode == "off"), "compile_decode",

@@ -25,6 +25,7 @@ fused kernel per layer on a GPU; on CPU the eager path reads each context in pla
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ from engines.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
 from engines.plan import SeqWork
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+CAPTURE_BUDGET_S = 30.0
+"""Default seconds of graph capture at load (EngineConfig.cuda_graph_capture_s)."""
 
 
 def context_buckets(max_blocks: int) -> tuple[int, ...]:
@@ -59,14 +62,18 @@ class StaticDecodeBackend:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, nh, hd), k/v (B, nkv, hd) -> (B, nh, hd)."""
+        B, nh, hd = q.shape
+        nkv = k.shape[1]
         k_cache, v_cache = self.cache.data[layer]  # (slots, nkv, hd)
         k_cache.index_copy_(0, self.slots, k)
         v_cache.index_copy_(0, self.slots, v)
         ks = k_cache[self.index].transpose(1, 2)  # (B, nkv, L, hd)
         vs = v_cache[self.index].transpose(1, 2)
-        y = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=self.mask,
-                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, 1, hd)
-        return y[:, :, 0, :]
+        # grouped-query attention without repeating K/V: the g = nh / nkv query heads that share a
+        # kv head are that head's g "query rows" (decode sees the whole context, so no causal mask)
+        qg = q.view(B, nkv, nh // nkv, hd)  # (B, nkv, g, hd)
+        y = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=self.mask)  # (B, nkv, g, hd)
+        return y.reshape(B, nh, hd)
 
 
 class DecodeRunner:
@@ -94,12 +101,18 @@ class DecodeRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """(batch bucket, context bucket) -> the captured step and its output buffer."""
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.compiled = CompiledDecode(model, bs) if compiled and not self.cuda_graphs else None
+        self.compiled = CompiledDecode(model, bs) if compiled else None
+        # the compiled step never reads a 1-column table (dynamo would specialise it)
+        self.ctx_choices = tuple(c for c in self.context_buckets if c >= MIN_CONTEXT_BLOCKS or not compiled) or (
+            max_blocks_per_seq,)
+        self.captured_at_load = False
+        self.capture_s = 0.0
 
     def warm_up(self) -> float:
         """Compile (or load from inductor's cache) the compiled step's two graphs now, not in the first
-        request's step: the smallest bucket and the next (B = 1, and every B >= 2); returns seconds."""
-        if self.compiled is None:
+        request's step: the smallest bucket and the next (B = 1, and every B >= 2); returns seconds.
+        On CUDA the captures at load compile (capture_at_load)."""
+        if self.compiled is None or self.cuda_graphs:
             return 0.0
         self.compiled.warm_up(self.cache.data, self.ids, self.pos, self.table, self.buckets[:2])
         return self.compiled.compile_s
@@ -109,23 +122,25 @@ class DecodeRunner:
             return None
         return pick_bucket(self.buckets, len(decode))
 
-    def _fill(self, decode: list[SeqWork], B: int) -> None:
-        """Host -> persistent buffers, in place: one copy per buffer, padded rows to the null block."""
-        S, mb, bs = len(decode), self.max_blocks, self.bs
+    def _fill(self, decode: list[SeqWork], B: int, ncols: int) -> None:
+        """Host -> persistent buffers, in place: one copy per buffer, padded rows to the null block.
+        Only the first `ncols` block-table columns are written (the step reads no others), so the
+        host builds B x ncols ints a step, not B x max_blocks (524K at batch 64 and 128K context)."""
+        S, bs, null = len(decode), self.bs, self.null_block
         ids = [w.token_ids[0] for w in decode] + [0] * (B - S)
         pos = [w.start_pos for w in decode] + [0] * (B - S)
-        table = [w.block_ids + [self.null_block] * (mb - len(w.block_ids)) for w in decode]
-        table += [[self.null_block] * mb] * (B - S)
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(table, pos)]
+        table = [w.block_ids[:ncols] + [null] * (ncols - len(w.block_ids)) for w in decode]
+        table += [[null] * ncols] * (B - S)
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(table, pos)]  # padded rows: the null block
         self.ids[:B].copy_(torch.tensor(ids), non_blocking=True)
         self.pos[:B].copy_(torch.tensor(pos), non_blocking=True)
         self.slots[:B].copy_(torch.tensor(slots), non_blocking=True)
-        self.table[:B].copy_(torch.tensor(table), non_blocking=True)
+        self.table[:B, :ncols].copy_(torch.tensor(table), non_blocking=True)
         self.lens[:B].copy_(torch.tensor(pos) + 1, non_blocking=True)
 
     def context_bucket(self, decode: list[SeqWork]) -> int:
         """Block-table columns the step reads: the smallest context bucket holding its longest row."""
-        return pick_bucket(self.context_buckets, max(len(w.block_ids) for w in decode))
+        return pick_bucket(self.ctx_choices, max(len(w.block_ids) for w in decode))
 
     def _step(self, B: int, nblk: int | None = None) -> torch.Tensor:
         """The padded step on buffers only (what a graph captures): hidden states (B, C). It reads
@@ -136,28 +151,77 @@ class DecodeRunner:
         backend = StaticDecodeBackend(self.cache, self.slots[:B], index, mask)
         return self.model(self.ids[None, :B], self.pos[None, :B], backend)[0]
 
+    def _key(self, decode: list[SeqWork], B: int) -> tuple[int, bool]:
+        """(block-table columns the step reads, whether a captured graph runs it). With graphs captured
+        at load, a (batch, context) pair not in the plan runs the nearest wider captured context."""
+        longest = max(len(w.block_ids) for w in decode)
+        if not self.cuda_graphs and self.compiled is not None:  # CPU compiled: the longest row's blocks
+            return max(MIN_CONTEXT_BLOCKS, longest), False
+        nblk = self.context_bucket(decode)
+        if not self.cuda_graphs:
+            return nblk, False
+        if (B, nblk) in self.graphs or not self.captured_at_load:
+            return nblk, True
+        wider = [c for (b, c) in self.graphs if b == B and c >= nblk]
+        return (min(wider), True) if wider else (nblk, False)
+
     def run(self, decode: list[SeqWork]) -> torch.Tensor:
         """Hidden states (S, C) of a decode-only step; the caller checked bucket_for() first."""
         B = self.bucket_for(decode)
         assert B is not None, "batch above the largest bucket: run the eager path"
-        self._fill(decode, B)
-        if self.compiled is not None:
-            nblk = max(MIN_CONTEXT_BLOCKS, max(len(w.block_ids) for w in decode))  # longest row's blocks
-            hidden, new_kv = self.compiled(self.cache.data, self.ids[:B], self.pos[:B], self.table[:B, :nblk])
-            write_new_kv(self.cache.data, self.slots[:B], new_kv)
-            return hidden[:len(decode)]
-        nblk = self.context_bucket(decode)
-        if not self.cuda_graphs:
+        nblk, graphed = self._key(decode, B)
+        self._fill(decode, B, nblk)
+        if not graphed:
             return self._step(B, nblk)[:len(decode)]
-        if (B, nblk) not in self.graphs:
+        if (B, nblk) not in self.graphs:  # lazily, when not captured at load
             self.graphs[B, nblk] = self._capture(B, nblk)
         graph, out = self.graphs[B, nblk]
         graph.replay()
         return out[:len(decode)]
 
+    def _step(self, B: int, nblk: int | None = None) -> torch.Tensor:
+        """The padded step on buffers only (what a graph captures): hidden states (B, C). It reads
+        the first nblk block-table columns of each row (all of them when None)."""
+        nblk = nblk or self.max_blocks
+        if self.compiled is not None:  # reads the cache only; the new keys/values are written after
+            hidden, new_kv = self.compiled(self.cache.data, self.ids[:B], self.pos[:B], self.table[:B, :nblk])
+            write_new_kv(self.cache.data, self.slots[:B], new_kv)
+            return hidden
+        index = (self.table[:B, :nblk, None] * self.bs + self._offsets).view(B, -1)  # (B, L) cache slots
+        mask = (self._keys[None, :nblk * self.bs] < self.lens[:B, None]).view(B, 1, 1, -1)  # (B, 1, 1, L)
+        backend = StaticDecodeBackend(self.cache, self.slots[:B], index, mask)
+        return self.model(self.ids[None, :B], self.pos[None, :B], backend)[0]
+
+    def capture_at_load(self, budget_s: float = CAPTURE_BUDGET_S, max_num_seqs: int | None = None) -> float:
+        """Capture the planned (batch, context) graphs now, before any request, within budget_s
+        (the first capture's time estimates the rest); later steps never capture. Returns seconds."""
+        if not self.cuda_graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        top = pick_bucket(self.buckets, max_num_seqs or self.buckets[-1]) or self.buckets[-1]
+        plan = capture_plan(tuple(b for b in self.buckets if b <= top), self.ctx_choices, est_s=0.0, budget_s=budget_s)
+        for i, key in enumerate(plan):
+            spent = time.perf_counter() - t0
+            if i and spent + spent / i > budget_s:  # the next capture would pass the budget
+                break
+            self._capture_safe(key)
+        self.captured_at_load = True
+        self.capture_s = time.perf_counter() - t0
+        return self.capture_s
+
+    def _capture_safe(self, key: tuple[int, int]) -> None:
+        B, nblk = key
+        self.ids[:B].zero_()  # a valid step on the null block: rows of one position
+        self.pos[:B].zero_()
+        self.slots[:B].fill_(self.null_block * self.bs)
+        self.table[:B, :nblk].fill_(self.null_block)
+        self.lens[:B].fill_(1)
+        self.graphs[key] = self._capture(B, nblk)
+
     def _capture(self, B: int, nblk: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (allocator, kernels), then capture the bucket's step into the
-        runner's shared pool (graphs never replay at once, and each keeps its output buffer alive)."""
+        """Warm up on a side stream (allocator, kernels, the compiled step's compile), then capture the
+        bucket's step into the runner's shared pool (graphs never replay at once, and each keeps its
+        output buffer alive)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -168,3 +232,17 @@ class DecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._step(B, nblk)
         return graph, out
+
+
+def capture_plan(batch_buckets: tuple[int, ...], ctx_buckets: tuple[int, ...], est_s: float,
+                 budget_s: float) -> list[tuple[int, int]]:
+    """(batch, context) graphs to capture at load, in order, within budget_s at est_s a capture
+    (est_s 0: all, the caller stops at its budget). Every batch bucket's widest context first, so any
+    step has a graph that holds it; then the narrower contexts, shortest first (short contexts are
+    the common case and gain most from reading fewer columns)."""
+    widest = ctx_buckets[-1]
+    order = [(b, widest) for b in batch_buckets]
+    order += [(b, c) for c in ctx_buckets[:-1] for b in batch_buckets]
+    if est_s <= 0:
+        return order
+    return order[:max(0, int(budget_s // est_s))]

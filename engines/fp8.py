@@ -216,24 +216,51 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
                 setattr(parent, attr, Fp8Linear.quantize(mod, getattr(mod, "comm", None)))
                 at_load += 1
     fast = force_w8a8 or w8a8_supported(device)
-    n_mm = n_deq = 0
+    fp8_layers = [mod for _, _, mod in _block_linears(model) if isinstance(mod, Fp8Linear)]
+    choice: dict = {}
+    if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
+        from engines.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
+
+        timed = [m for m in fp8_layers if m.dynamic_activations and scaled_mm_shape_ok(m.in_features, m.out_features)]
+        choice = choose_kernels(timed, dtype, {"rowwise": ScaledMMLinear, "tensorwise": TensorwiseScaledMMLinear,
+                                                "bf16": lambda m: _dequantized(m, dtype)})
+    counts = {"rowwise": 0, "tensorwise": 0, "dequant": 0}
     for parent, attr, mod in _block_linears(model):
         if not isinstance(mod, Fp8Linear):
             continue
         if fast and mod.dynamic_activations and scaled_mm_shape_ok(mod.in_features, mod.out_features):
-            setattr(parent, attr, ScaledMMLinear(mod))
-            n_mm += 1
-            continue
-        w = dequantize(mod.weight, mod.weight_scale, dtype)  # (out, in)
-        bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
-        if mod.comm is not None:
-            new = RowParallelLinear(w, bias, mod.comm)
-        else:
-            new = nn.Linear(mod.in_features, mod.out_features, bias=bias is not None, device=w.device, dtype=dtype)
-            new.weight = nn.Parameter(w, requires_grad=False)
-            if bias is not None:
-                new.bias = nn.Parameter(bias, requires_grad=False)
-        setattr(parent, attr, new)
-        n_deq += 1
-    backend = "w8a8 (torch._scaled_mm, row-wise scales)" if fast else "weight-only (dequantized at load)"
-    return Fp8Report(quantized_at_load=at_load, w8a8=n_mm, dequant=n_deq, backend=backend)
+            kind = choice.get((mod.in_features, mod.out_features, mod.comm is not None), "rowwise")
+            if kind == "tensorwise":
+                from engines.fp8_choice import TensorwiseScaledMMLinear
+
+                setattr(parent, attr, TensorwiseScaledMMLinear(mod))
+                counts["tensorwise"] += 1
+                continue
+            if kind == "rowwise":
+                setattr(parent, attr, ScaledMMLinear(mod))
+                counts["rowwise"] += 1
+                continue
+        setattr(parent, attr, _dequantized(mod, dtype))
+        counts["dequant"] += 1
+    if fast:
+        backend = (f"w8a8 (torch._scaled_mm: {counts['rowwise']} row-wise, {counts['tensorwise']} tensor-wise "
+                   f"+ per-channel epilogue; {counts['dequant']} bf16 where measured faster)")
+    else:
+        backend = "weight-only (dequantized at load)"
+    return Fp8Report(quantized_at_load=at_load, w8a8=counts["rowwise"] + counts["tensorwise"],
+                     dequant=counts["dequant"], backend=backend)
+
+
+def _dequantized(mod: Fp8Linear, dtype: torch.dtype) -> nn.Module:
+    """The layer's weight dequantized once to `dtype`: a plain nn.Linear (or RowParallelLinear)."""
+    from engines.parallel.tp import RowParallelLinear
+
+    w = dequantize(mod.weight, mod.weight_scale, dtype)  # (out, in)
+    bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
+    if mod.comm is not None:
+        return RowParallelLinear(w, bias, mod.comm)
+    new = nn.Linear(mod.in_features, mod.out_features, bias=bias is not None, device=w.device, dtype=dtype)
+    new.weight = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        new.bias = nn.Parameter(bias, requires_grad=False)
+    return new

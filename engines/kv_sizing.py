@@ -69,6 +69,9 @@ def kv_cache_budget(model: ModelConfig, engine: EngineConfig, device: torch.devi
     frac = engine.kv_cache_memory_fraction
     if free_total is None:
         if device.type == "cuda":
+            # blocks the caching allocator holds but no tensor uses (the bf16 weights FP8 conversion
+            # replaced, load-time temporaries) are free memory: return them before measuring
+            torch.cuda.empty_cache()
             free_total = torch.cuda.mem_get_info(device)
         else:
             avail = host_available_bytes()

@@ -69,6 +69,11 @@ class ModelRunner:
             max_blocks_per_seq=-(-max_model_len(cfg, engine_cfg) // engine_cfg.block_size),
             cuda_graphs=engine_cfg.cuda_graphs, compiled=self.compile_decode) if static else None
         self.compile_s = self._warm_up_compiled() if self.decode_runner is not None else 0.0
+        if self.decode_runner is not None and engine_cfg.cuda_graph_capture_s > 0:
+            with torch.inference_mode():  # every graph now, not while requests wait (no-op off CUDA)
+                s = self.decode_runner.capture_at_load(engine_cfg.cuda_graph_capture_s, engine_cfg.max_num_seqs)
+            if s:
+                log.info("captured %d decode graphs at load in %.1f s", len(self.decode_runner.graphs), s)
         self.decode_kernel = self._resolve_decode_kernel(engine_cfg.decode_attention)
         self.fused = self._resolve_fused(engine_cfg.fused_decode)
         argmax = None

@@ -64,7 +64,7 @@ def test_no_host_sync_inside_the_step(gpt2_dir):
                     sample=True) for i in range(3)]
     B = dr.bucket_for(work)
     assert B == 4
-    dr._fill(work, B)
+    dr._fill(work, B, dr.max_blocks)
     with torch.inference_mode(), _OpLog() as log:
         hidden = dr._step(B)
     assert hidden.shape[0] == 4 and any("aten.index" in op for op in log.ops)  # the trace sees the step
@@ -89,11 +89,11 @@ def test_context_buckets_read_only_what_the_rows_hold(gpt2_dir):
     assert dr.context_bucket(work) == 8
     B = dr.bucket_for(work)
     with torch.inference_mode():
-        dr._fill(work, B)
+        dr._fill(work, B, dr.max_blocks)
         whole = dr._step(B).clone()  # every column of the table
-        dr._fill(work, B)  # the same keys and values written again: the same inputs
+        dr._fill(work, B, dr.max_blocks)  # the same keys and values written again: the same inputs
         part = dr._step(B, 8)
-        dr._fill(work, B)
+        dr._fill(work, B, dr.max_blocks)
         short = dr._step(B, 4)  # too few columns: the 6-block row loses context
     torch.testing.assert_close(part[:3], whole[:3], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(short[2], whole[2], atol=1e-3)  # the check can fail

@@ -414,7 +414,7 @@ def test_w8a8_decode_step_has_no_host_sync(llama_fp8):
     work = [SeqWork(seq_id=i, token_ids=[5 + i], start_pos=6 + i, block_ids=[2 * i, 2 * i + 1], sample=True)
             for i in range(3)]
     B = dr.bucket_for(work)
-    dr._fill(work, B)
+    dr._fill(work, B, dr.max_blocks)
     with torch.inference_mode(), _OpLog() as log:
         dr._step(B)
     assert any("_scaled_mm" in op for op in log.ops)
