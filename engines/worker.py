@@ -18,6 +18,7 @@ from engines.decode_runner import DecodeRunner
 from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.prompt_inject import SeqTables
+from engines.grammar import Grammars, tokenizer_bytes
 from engines.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class ModelRunner:
             from engines.paged_kernel import load
 
             argmax = load()[0].argmax_rows
-        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device, argmax=argmax)
+        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device, argmax=argmax,
+                               grammars=Grammars(tokenizer_bytes(model_dir), cfg.vocab_size))  # lazily built
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype, cfg.n_layer, cfg.kv_heads,
                                        cfg.hd)  # p-tuning, prefill only
 
@@ -154,6 +156,7 @@ class ModelRunner:
         if plan.empty:
             return result
         works = [*plan.decode, *plan.prefill]
+        self.sampler.prepare([w.seq_id for w in works if w.sample])  # grammar masks overlap the forward
         if (self.decode_runner is not None and not plan.prefill
                 and self.decode_runner.bucket_for(plan.decode) is not None):
             hidden = self.decode_runner.run(plan.decode)  # (S, C), padded rows dropped

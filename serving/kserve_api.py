@@ -208,8 +208,11 @@ def _tensor_values(t: dict, i: int, blob: bytes, offset: int) -> tuple[str, list
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise errors.invalid(f"{param}.shape: must be a list of non-negative integers", f"{param}.shape")
-    if dtype != "BYTES" and dtype not in _NUMERIC:
-        raise errors.invalid(f"{param}.datatype: {dtype!r} is not a tensor type", f"{param}.datatype")
+    if not isinstance(dtype, str) or (dtype != "BYTES" and dtype not in _NUMERIC):
+        # a non-string (an object, a list) is refused by name too: it is not hashable, so the
+        # membership test alone raised TypeError, a 500
+        raise errors.invalid(f"{param}.datatype: {dtype!r} is not a tensor type; one of BYTES, "
+                             f"{', '.join(_NUMERIC)}", f"{param}.datatype", "invalid_type")
     count = math.prod(shape)
     params = t.get("parameters") or {}
     if not isinstance(params, dict):
@@ -301,9 +304,15 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
                              "missing_required_parameter")
     if not texts:
         raise errors.invalid("inputs[text_input]: holds no prompt", "inputs[text_input]")
-    for o in body.get("outputs") or []:
+    outputs = body.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise errors.invalid("outputs: must be a list of requested outputs", "outputs", "invalid_type")
+    for o in outputs:
         if not isinstance(o, dict) or o.get("name") != "text_output":
             raise errors.invalid("outputs: the only output is text_output", "outputs")
+        if not isinstance(o.get("parameters") or {}, dict):
+            raise errors.invalid("outputs[text_output].parameters: must be an object",
+                                 "outputs[text_output].parameters", "invalid_type")
         if (o.get("parameters") or {}).get("binary_data"):
             binary_out = True
     task = _task(gen_values)
