@@ -15,10 +15,10 @@ from engines.checkpoint import load_model
 from engines.compiled import CompileUnavailable, configure_cache, resolve_compile
 from engines.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
 from engines.decode_runner import DecodeRunner
+from engines.grammar import Grammars, tokenizer_bytes
 from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.prompt_inject import SeqTables
-from engines.grammar import Grammars, tokenizer_bytes
 from engines.sampler import Sampler
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,11 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
+TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}}
 COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": USAGE, "choices": {"type": "array", "items": {
@@ -52,7 +56,8 @@ CHAT = {"type": "object", "required": ["id", "object", "created", "model", "choi
         "type": "object", "required": ["index", "message", "finish_reason"],
         "properties": {"index": {"type": "integer"}, "finish_reason": FINISH, "message": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}}}}}}
+            "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                           "tool_calls": TOOL_CALLS}}}}}}}
 MODEL = {"type": "object", "required": ["id", "object"], "properties": {
     "id": {"type": "string"}, "object": {"const": "model"},
     "weight_dtype": {"type": "string", "description": "Storage of the blocks' Linear weights as served: fp8, "
