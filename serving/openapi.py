@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from deploy.schema import RequestLimits
-from serving.kserve_api import VERSION, GenerateParams
+from serving.kserve_api import _NUMERIC, VERSION, GenerateParams
 from serving.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
@@ -64,16 +64,17 @@ MODEL = {"type": "object", "required": ["id", "object"], "properties": {
                      "or the compute dtype (float32, bfloat16, float16); absent from the list until a "
                      "replica has described the model."}}}
 INFER_TENSOR = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
-    "name": {"type": "string"}, "datatype": {"type": "string"},
-    "shape": {"type": "array", "items": {"type": "integer"}}, "data": {},
+    "name": {"type": "string"}, "datatype": {"type": "string", "enum": ["BYTES", *_NUMERIC]},
+    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}}, "data": {},
     "parameters": {"type": "object"}}}
 INFER_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
     "id": {"type": "string"}, "parameters": {"type": "object"},
-    "inputs": {"type": "array", "items": INFER_TENSOR},
+    "inputs": {"type": "array", "minItems": 1, "items": INFER_TENSOR},
     "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "parameters": {"type": "object"}}}}}}
 GENERATE_REQUEST = {"type": "object", "required": ["text_input"], "properties": {
-    "text_input": {"type": "string"}, "parameters": {"$ref": "#/components/schemas/GenerateParams"}}}
+    "text_input": {"type": "string", "minLength": 1},
+    "parameters": {"anyOf": [{"$ref": "#/components/schemas/GenerateParams"}, {"type": "null"}]}}}
 SSE = {"text/event-stream": {"schema": {  # one server-sent event: its data is a JSON chunk or [DONE]
     "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
 
