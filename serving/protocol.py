@@ -55,7 +55,7 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _schema(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("response_format: json_schema is required with type json_schema, and only there")
+            raise ValueError("json_schema is required with type json_schema, and only there")
         return self
 
     def structured(self) -> StructuredOutput | None:
