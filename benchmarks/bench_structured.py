@@ -69,7 +69,7 @@ class MaskClock:
     """Seconds the sampler spends on masks: the host thread's fills, and on the step's path."""
 
     def __init__(self, sampler):
-        import engines.grammar as grammar
+        from engines import grammar
 
         self.fill = self.path = 0.0
         fill, masks, apply = sampler._fill_masks, sampler._masks, grammar.apply_bitmask
