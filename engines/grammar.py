@@ -79,11 +79,11 @@ def _schema_problem(schema: str) -> str | None:
         return f"a JSON schema is an object (or true / false), got {type(parsed).__name__}"
     try:
         _xgr().Grammar.from_ebnf(_ebnf(schema))
+    except RecursionError:
+        return "the grammar compiler refused it: nested too deeply"
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
         why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())  # drop xgrammar's "[time] file.cc:N: "
         return f"the grammar compiler refused it: {why or type(exc).__name__}"
-    except RecursionError:
-        return "the grammar compiler refused it: nested too deeply"
     return None
 
 
