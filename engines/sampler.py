@@ -139,9 +139,9 @@ class Sampler:
         if masks is not None:
             from engines.grammar import apply_bitmask
 
-            if logits.dtype != torch.float32:
-                logits = logits.float()
-            apply_bitmask(logits, *masks)  # in place: the logits are this step's own tensor
+            # a copy: the caller's logits stay as the model gave them (a TP runner returns them too)
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            apply_bitmask(logits, *masks)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self.argmax(logits)
