@@ -9,15 +9,26 @@ This costs one cumsum per row; an exponential race (argmax p_i / E_i) or torch.m
 needs a random number per vocabulary entry and was about 10x slower on CPU, a fifth of a 64-row
 decode step (benchmarks/bench_sampler.py). A seeded sequence draws its u from its own
 generator, so its tokens do not depend on what else is in the batch.
+
+Structured output (engines/grammar.py): a sequence with a grammar has a matcher; `prepare` starts
+filling the batch's token bitmask for the constrained rows on a host thread (called before the
+forward, so it overlaps the model), `sample` waits for it and sets the forbidden logits of those
+rows to -inf before the penalties' output is sampled, then advances each matcher by its token. A
+batch without a constrained row does none of this.
 """
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engines.plan import SeqInit, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +41,8 @@ class SeqSamplerState:
     prompt_mask: torch.Tensor | None = None
     """(vocab,) bool, tokens of the prompt (for the repetition penalty)."""
     output_ids: list[int] = field(default_factory=list)
+    matcher: Any = None
+    """xgrammar.GrammarMatcher of a structured request (advanced on each sampled token); else None."""
 
 
 _M64 = 2**64 - 1
@@ -48,14 +61,19 @@ def completion_seed(seed: int, index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int, device: torch.device, argmax=None):
+    def __init__(self, vocab_size: int, seed: int, device: torch.device, argmax=None, grammars=None):
         """argmax: a function (S, V) fp32 CPU logits -> (S) int64 that equals torch.argmax(dim=-1)
-        (engines/paged_kernel.py argmax_rows, vectorized); None: torch's."""
+        (engines/paged_kernel.py argmax_rows, vectorized); None: torch's. grammars: an
+        engines.grammar.Grammars for structured requests (None: they are refused when added)."""
         self.vocab_size = vocab_size
         self.device = device
         self._argmax = argmax
+        self.grammars = grammars
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.states: dict[int, SeqSamplerState] = {}
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._pending: tuple[tuple[int, ...], Future] | None = None
+        """(seq ids, future of the bitmask) started by prepare() for the step now running."""
 
     def add(self, init: SeqInit) -> None:
         gen = None
@@ -68,10 +86,45 @@ class Sampler:
             st.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             ids = torch.tensor([t for t in init.prompt_token_ids if t < self.vocab_size], dtype=torch.long)
             st.prompt_mask[ids.to(self.device)] = True
+        if init.params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output: this runner has no grammar compiler")
+            st.matcher = self.grammars.matcher(init.params.structured, init.eos_token_ids)
         self.states[init.seq_id] = st
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
+
+    def prepare(self, seq_ids: list[int]) -> None:
+        """Start the token bitmask of the constrained rows among seq_ids (the rows sample() will get)
+        on the mask thread, to overlap the forward; nothing when no row has a grammar."""
+        self._pending = None
+        if not any(self.states[s].matcher is not None for s in seq_ids if s in self.states):
+            return
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        key = tuple(seq_ids)
+        self._pending = (key, self._mask_thread.submit(self._fill_masks, key))
+
+    def _fill_masks(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+        """((S, ceil(V / 32)) int32 bitmask, constrained row indices); rows not listed stay all-allowed."""
+        rows = [i for i, s in enumerate(seq_ids) if self.states[s].matcher is not None]
+        bitmask = self.grammars.bitmask(len(seq_ids))
+        for i in rows:
+            m = self.states[seq_ids[i]].matcher
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(bitmask, i)
+        return bitmask, rows
+
+    def _masks(self, seq_ids: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        pending, self._pending = self._pending, None
+        if not any(self.states[s].matcher is not None for s in seq_ids):
+            return None
+        if pending is not None and pending[0] == tuple(seq_ids):
+            return pending[1].result()
+        if pending is not None:
+            pending[1].result()  # never leave a fill running while the matchers advance
+        return self._fill_masks(tuple(seq_ids))
 
     @torch.no_grad()
     def sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
@@ -82,6 +135,13 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 
         logits = self._suppress_and_penalise(states, logits)
+        masks = self._masks(seq_ids)
+        if masks is not None:
+            from engines.grammar import apply_bitmask
+
+            # a copy: the caller's logits stay as the model gave them (a TP runner returns them too)
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            apply_bitmask(logits, *masks)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self.argmax(logits)
@@ -99,6 +159,10 @@ class Sampler:
             st.num_output += 1
             if st.counts is not None:
                 st.counts[tok] += 1
+            if st.matcher is not None and not st.matcher.is_terminated() and not st.matcher.accept_token(tok):
+                # cannot happen when the mask was applied; logged, not raised: the engine must go on
+                log.error("structured output: token %d refused by the grammar of sequence %d", tok,
+                          st.init.seq_id)
             entry = None
             if want_lp[i]:
                 entry = self.logprob_entry(raw_lp[i], tok, params[i].logprobs)

@@ -60,6 +60,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return logprobs of the prompt tokens with this many alternatives (for echo)."""
     skip_special_tokens: bool = True
+    structured: Any = None
+    """An engines.grammar.StructuredOutput: the output must match its grammar (JSON, or JSON of a
+    schema); the sequence ends when the grammar is complete (its EOS). None: unconstrained."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,20 @@ class SamplingParams:
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
                    f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if self.structured is not None:
+            self._check_structured()
+
+    def _check_structured(self) -> None:
+        from engines.grammar import check  # imports xgrammar only when a request has a grammar
+
+        param = getattr(self.structured, "param", "structured")
+        why = check(self.structured)
+        if why is not None:
+            raise RequestError(f"{param}: {why}", param=param, code="invalid_value")
+        # the grammar ends the output with EOS: a request that may not stop at EOS cannot end it
+        _check(not self.ignore_eos, "ignore_eos", "must be false with structured output (the grammar ends at EOS)")
+        _check(self.min_tokens == 0, "min_tokens",
+               "must be 0 with structured output (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ from engines.checkpoint import load_model
 from engines.compiled import CompileUnavailable, configure_cache, resolve_compile
 from engines.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
 from engines.decode_runner import DecodeRunner
+from engines.grammar import Grammars, tokenizer_bytes
 from engines.kv_sizing import kv_cache_budget
 from engines.plan import SeqResult, StepPlan, StepResult
 from engines.prompt_inject import SeqTables
@@ -81,7 +82,8 @@ class ModelRunner:
             from engines.paged_kernel import load
 
             argmax = load()[0].argmax_rows
-        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device, argmax=argmax)
+        self.sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device, argmax=argmax,
+                               grammars=Grammars(tokenizer_bytes(model_dir), cfg.vocab_size))  # lazily built
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype, cfg.n_layer, cfg.kv_heads,
                                        cfg.hd)  # p-tuning, prefill only
 
@@ -159,6 +161,7 @@ class ModelRunner:
         if plan.empty:
             return result
         works = [*plan.decode, *plan.prefill]
+        self.sampler.prepare([w.seq_id for w in works if w.sample])  # grammar masks overlap the forward
         if (self.decode_runner is not None and not plan.prefill
                 and self.decode_runner.bucket_for(plan.decode) is not None):
             hidden = self.decode_runner.run(plan.decode)  # (S, C), padded rows dropped

@@ -92,10 +92,28 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
                              f"{request.url.path}", None, "method_not_allowed")
         else:
             info = ErrorInfo(exc.status_code, "invalid_request_error", str(exc.detail), None, None)
-        return error_response(info)
+        resp = error_response(info)
+        resp.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow (RFC 9110): every route of the path, not only the first one matched
+            methods = _methods_of(request.app.router.routes, request.url.path)
+            if methods:
+                resp.headers["Allow"] = ", ".join(sorted(methods))
+        return resp
 
     app.add_middleware(GatewayMiddleware, gateway=gateway)
     return app
+
+
+def _methods_of(routes, path: str) -> set[str]:
+    """The methods of every route whose path matches (routers included without a prefix, as here)."""
+    out: set[str] = set()
+    for r in routes:
+        sub = getattr(r, "original_router", None)  # FastAPI >= 0.165 wraps an included router
+        if sub is not None:
+            out |= _methods_of(sub.routes, path)
+        elif getattr(r, "methods", None) and getattr(r, "path_regex", None) is not None and r.path_regex.match(path):
+            out |= set(r.methods)
+    return out
 
 
 def error_response(info: ErrorInfo) -> JSONResponse:

@@ -161,6 +161,11 @@ def _split_binary(request: Request, raw: bytes) -> tuple[dict, bytes]:
     return decode_json(raw[:size]), raw[size:]
 
 
+def _or_empty(value: Any, empty: Any) -> Any:
+    """`empty` for an absent or null field, else the value as sent (false or 0 stay, to be refused)."""
+    return empty if value is None else value
+
+
 def _flatten(data: Any) -> list:
     if isinstance(data, list):
         out = []
@@ -208,10 +213,13 @@ def _tensor_values(t: dict, i: int, blob: bytes, offset: int) -> tuple[str, list
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise errors.invalid(f"{param}.shape: must be a list of non-negative integers", f"{param}.shape")
-    if dtype != "BYTES" and dtype not in _NUMERIC:
-        raise errors.invalid(f"{param}.datatype: {dtype!r} is not a tensor type", f"{param}.datatype")
+    if not isinstance(dtype, str) or (dtype != "BYTES" and dtype not in _NUMERIC):
+        # a non-string (an object, a list) is refused by name too: it is not hashable, so the
+        # membership test alone raised TypeError, a 500
+        raise errors.invalid(f"{param}.datatype: {dtype!r} is not a tensor type; one of BYTES, "
+                             f"{', '.join(_NUMERIC)}", f"{param}.datatype", "invalid_type")
     count = math.prod(shape)
-    params = t.get("parameters") or {}
+    params = _or_empty(t.get("parameters"), {})
     if not isinstance(params, dict):
         raise errors.invalid(f"{param}.parameters: must be an object", f"{param}.parameters")
     size = params.get("binary_data_size")
@@ -271,7 +279,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise errors.invalid("inputs: must be a non-empty list of tensors", "inputs", "missing_required_parameter")
-    req_params = body.get("parameters") or {}
+    req_params = _or_empty(body.get("parameters"), {})
     if not isinstance(req_params, dict):
         raise errors.invalid("parameters: must be an object", "parameters", "invalid_type")
     gen_values = {k: v for k, v in req_params.items() if k not in TRITON_RESERVED}
@@ -301,9 +309,15 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
                              "missing_required_parameter")
     if not texts:
         raise errors.invalid("inputs[text_input]: holds no prompt", "inputs[text_input]")
-    for o in body.get("outputs") or []:
+    outputs = _or_empty(body.get("outputs"), [])
+    if not isinstance(outputs, list):
+        raise errors.invalid("outputs: must be a list of requested outputs", "outputs", "invalid_type")
+    for o in outputs:
         if not isinstance(o, dict) or o.get("name") != "text_output":
             raise errors.invalid("outputs: the only output is text_output", "outputs")
+        if not isinstance(_or_empty(o.get("parameters"), {}), dict):
+            raise errors.invalid("outputs[text_output].parameters: must be an object",
+                                 "outputs[text_output].parameters", "invalid_type")
         if (o.get("parameters") or {}).get("binary_data"):
             binary_out = True
     task = _task(gen_values)
@@ -343,7 +357,7 @@ async def _generate_request(request: Request, m: ServedModel, stream: bool) -> t
         raise errors.invalid("text_input: required, a non-empty string", "text_input",
                              "missing_required_parameter" if text is None else "invalid_value")
     values = {k: v for k, v in body.items() if k not in ("text_input", "parameters", "id", "stream")}
-    nested = body.get("parameters") or {}
+    nested = _or_empty(body.get("parameters"), {})  # null: none; false or 0 are not an object
     if not isinstance(nested, dict):
         raise errors.invalid("parameters: must be an object", "parameters", "invalid_type")
     both = set(values) & set(nested)

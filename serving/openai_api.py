@@ -74,13 +74,14 @@ async def completions(request: Request):
             ids.append(list(p))
     echo_lp = body.echo and body.logprobs is not None
     params = sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
-                             prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs())
+                             prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs(),
+                             structured=body.response_format.structured() if body.response_format else None)
     rid = request.state.request_id
     first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params, task=body.task,
                                                        stream=bool(body.stream)))
     view = _CompletionView(model, body, ids, texts, rid)
     if body.stream:
-        return StreamingResponse(_stream_completion(request, view, first, rest), media_type="text/event-stream",
+        return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         async for chunk in _chunks(first, rest):
@@ -227,8 +228,10 @@ def _finish(reason: str | None) -> str | None:
     return None if reason == "abort" else reason
 
 
-async def _stream_completion(request: Request, view: _CompletionView, first: GenerateChunk,
-                             rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+async def _stream(request: Request, view: _CompletionView | _ChatView, first: GenerateChunk,
+                  rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+    """The SSE events of either endpoint: one per chunk with choices (the view turns a chunk's
+    deltas into its endpoint's choices, tool calls included), the usage event, then [DONE]."""
     try:
         async for chunk in _chunks(first, rest):
             if chunk.error is not None:
@@ -258,19 +261,23 @@ async def chat_completions(request: Request):
     body = parse(ChatCompletionRequest, await read_json(request, gw))
     model = await gw.model(body.model)
     _note(request, model, bool(body.stream))
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+                 **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in body.messages]
     info = model.info
+    structured = body.structured()
+    tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} if body.tool_mode else {}
     text = render_chat(messages, info.chat_template, body.add_generation_prompt, info.bos_token, info.eos_token,
-                       **(body.chat_template_kwargs or {}))
+                       **{**(body.chat_template_kwargs or {}), **tools})
     ids = model.encode(text, "messages", add_special_tokens=False)
     params = sampling_params(max_tokens=body.output_limit,
-                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs(),
+                             structured=structured)
     first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, task=body.task,
                                                        stream=bool(body.stream)))
     view = _ChatView(model, body, request.state.request_id)
     if body.stream:
-        return StreamingResponse(_stream_chat(request, view, first, rest), media_type="text/event-stream",
+        return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         async for chunk in _chunks(first, rest):
@@ -282,6 +289,11 @@ async def chat_completions(request: Request):
 
 
 class _ChatView:
+    """Accumulates a chat request's chunks into OpenAI response objects. With tool_choice "required"
+    or a named function the output is tool calls: a named function's text is its arguments (streamed
+    as they come); "required" makes a JSON array of {name, parameters}, sent as calls once complete
+    (a truncated array, finish_reason "length", is sent as content)."""
+
     def __init__(self, model: ServedModel, body: ChatCompletionRequest, rid: str):
         self.model, self.body = model, body
         self.n = body.n or 1
@@ -293,6 +305,8 @@ class _ChatView:
         self.started: set[int] = set()
         self.usage: tuple[int, int] | None = None
         self.virtual = 0
+        self.tool_mode = body.tool_mode
+        self.call_ids = [f"call_{new_request_id()[:24]}" for _ in range(self.n)]
 
     def _lp(self, token_ids: list[int], entries: list[TokenLogprob]) -> list[dict]:
         k = self.body.top_logprobs or 0
@@ -304,6 +318,22 @@ class _ChatView:
                         "top_logprobs": tops})
         return out
 
+    def _calls(self, i: int) -> list[dict] | None:
+        """Choice i's tool calls (OpenAI shape), or None when its text is not a complete call array."""
+        if self.tool_mode != "required":
+            return [{"id": self.call_ids[i], "type": "function",
+                     "function": {"name": self.tool_mode, "arguments": self.text[i]}}]
+        try:
+            calls = json.loads(self.text[i])
+        except ValueError:
+            return None
+        return [{"id": f"{self.call_ids[i]}_{k}", "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
+                for k, c in enumerate(calls)]
+
+    def _finish(self, reason: str | None, calls: bool) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else _finish(reason)
+
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.error is not None:
             raise APIError(chunk.error)
@@ -312,19 +342,26 @@ class _ChatView:
             if self.body.logprobs:
                 self.lp[d.index].extend(self._lp(d.token_ids, d.logprobs))
             if d.finish_reason is not None:
-                self.finish[d.index] = _finish(d.finish_reason)
+                self.finish[d.index] = d.finish_reason
         if chunk.usage is not None:
             self.usage = chunk.usage
             self.virtual = chunk.virtual_tokens
 
-    def response(self) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": self.text[i]},
-                    "logprobs": {"content": self.lp[i]} if self.body.logprobs else None,
-                    "finish_reason": self.finish[i]} for i in range(self.n)]
+    def usage_block(self) -> dict:
         p, c = self.usage or (0, 0)
+        return usage_dict(p, c, self.virtual)
+
+    def response(self) -> dict:
+        choices = []
+        for i in range(self.n):
+            calls = self._calls(i) if self.tool_mode else None
+            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls is not None
+                       else {"role": "assistant", "content": self.text[i]})
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": self.lp[i]} if self.body.logprobs else None,
+                            "finish_reason": self._finish(self.finish[i], calls is not None)})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model.name,
-                "choices": choices, "usage": usage_dict(p, c, self.virtual),
-                "system_fingerprint": None}
+                "choices": choices, "usage": self.usage_block(), "system_fingerprint": None}
 
     def event(self, choices: list[dict]) -> dict:
         ev = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model.name,
@@ -333,42 +370,36 @@ class _ChatView:
             ev["usage"] = None
         return ev
 
+    def _tool_delta(self, i: int, text: str, first: bool, done: bool) -> tuple[dict, bool]:
+        """(delta fields, whether they are calls) of one streamed piece of choice i's tool output."""
+        if self.tool_mode != "required":  # a named function: its arguments stream as they come
+            fn = {"name": self.tool_mode, "arguments": text} if first else {"arguments": text}
+            call = {"index": 0, "id": self.call_ids[i], "type": "function", "function": fn} if first else (
+                {"index": 0, "function": fn})
+            return ({"tool_calls": [call]} if first or text else {}), True
+        if not done:
+            return {}, True
+        calls = self._calls(i)
+        if calls is None:
+            return {"content": self.text[i]}, False
+        return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, True
+
     def delta_choices(self, chunk: GenerateChunk) -> list[dict]:
         choices = []
         for d in chunk.deltas:
             delta: dict[str, Any] = {}
-            if d.index not in self.started:
+            first = d.index not in self.started
+            if first:
                 self.started.add(d.index)
                 delta["role"] = "assistant"
-            if d.text or "role" in delta:
+            calls = False
+            if self.tool_mode:
+                self.text[d.index] += d.text
+                more, calls = self._tool_delta(d.index, d.text, first, d.finish_reason is not None)
+                delta.update(more)
+            elif d.text or "role" in delta:
                 delta["content"] = d.text
             lp = {"content": self._lp(d.token_ids, d.logprobs)} if self.body.logprobs else None
             choices.append({"index": d.index, "delta": delta, "logprobs": lp,
-                            "finish_reason": _finish(d.finish_reason)})
+                            "finish_reason": self._finish(d.finish_reason, calls)})
         return choices
-
-
-async def _stream_chat(request: Request, view: _ChatView, first: GenerateChunk,
-                       rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
-    try:
-        async for chunk in _chunks(first, rest):
-            if chunk.error is not None:
-                yield _sse(chunk.error.body())
-                request.state.stream_error = chunk.error.code
-                break
-            choices = view.delta_choices(chunk)
-            if choices:
-                yield _sse(view.event(choices))
-            if chunk.usage is not None:
-                view.usage = chunk.usage
-                view.virtual = chunk.virtual_tokens
-        if view.body.include_usage and view.usage is not None:
-            ev = view.event([])
-            p, c = view.usage
-            ev["usage"] = usage_dict(p, c, view.virtual)
-            yield _sse(ev)
-        _record(request, view.usage)
-        yield "data: [DONE]\n\n"
-    finally:
-        await rest.aclose()
-

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from deploy.schema import RequestLimits
-from serving.kserve_api import VERSION, GenerateParams
+from serving.kserve_api import _NUMERIC, VERSION, GenerateParams
 from serving.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
@@ -40,7 +40,11 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
+TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}}
 COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": USAGE, "choices": {"type": "array", "items": {
@@ -52,23 +56,25 @@ CHAT = {"type": "object", "required": ["id", "object", "created", "model", "choi
         "type": "object", "required": ["index", "message", "finish_reason"],
         "properties": {"index": {"type": "integer"}, "finish_reason": FINISH, "message": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}}}}}}
+            "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                           "tool_calls": TOOL_CALLS}}}}}}}
 MODEL = {"type": "object", "required": ["id", "object"], "properties": {
     "id": {"type": "string"}, "object": {"const": "model"},
     "weight_dtype": {"type": "string", "description": "Storage of the blocks' Linear weights as served: fp8, "
                      "or the compute dtype (float32, bfloat16, float16); absent from the list until a "
                      "replica has described the model."}}}
 INFER_TENSOR = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
-    "name": {"type": "string"}, "datatype": {"type": "string"},
-    "shape": {"type": "array", "items": {"type": "integer"}}, "data": {},
+    "name": {"type": "string"}, "datatype": {"type": "string", "enum": ["BYTES", *_NUMERIC]},
+    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}}, "data": {},
     "parameters": {"type": "object"}}}
 INFER_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
     "id": {"type": "string"}, "parameters": {"type": "object"},
-    "inputs": {"type": "array", "items": INFER_TENSOR},
+    "inputs": {"type": "array", "minItems": 1, "items": INFER_TENSOR},
     "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "parameters": {"type": "object"}}}}}}
 GENERATE_REQUEST = {"type": "object", "required": ["text_input"], "properties": {
-    "text_input": {"type": "string"}, "parameters": {"$ref": "#/components/schemas/GenerateParams"}}}
+    "text_input": {"type": "string", "minLength": 1},
+    "parameters": {"anyOf": [{"$ref": "#/components/schemas/GenerateParams"}, {"type": "null"}]}}}
 SSE = {"text/event-stream": {"schema": {  # one server-sent event: its data is a JSON chunk or [DONE]
     "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
 

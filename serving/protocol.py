@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.grammar import StructuredOutput
 from serving.errors import APIError, invalid
 
 MAX_N = 128
@@ -34,6 +35,35 @@ class StreamOptions(_Body):
 
 Prob = Annotated[float, Field(ge=0, le=2)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class JSONSchemaFormat(_Body):
+    """response_format.json_schema (OpenAI): the schema the output must be valid against."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    """A JSON schema; absent: any JSON object."""
+    strict: bool | None = None
+    """Accepted for the openai client; the output always follows the schema."""
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return StructuredOutput("json_object", param="response_format")
+        return StructuredOutput.json_schema(self.json_schema.schema_, "response_format.json_schema.schema")
 
 
 class _Sampling(_Body):
@@ -61,6 +91,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     task: str | None = None
     """P-tuned task (shardserve extension; the openai client sends it via extra_body)."""
+    response_format: ResponseFormat | None = None
+    """Structured output: json_object or json_schema (engines/grammar.py); text: unconstrained."""
 
     @field_validator("task")
     @classmethod
@@ -178,6 +210,10 @@ class ChatMessage(_Body):
     content: Any = None
     """A string, or a list of {"type": "text", "text": ...} parts."""
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant message's earlier tool calls (passed to the chat template as they came)."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
     @field_validator("content")
     @classmethod
@@ -203,8 +239,30 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; absent: no arguments."""
+    strict: bool | None = None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {
+            "type": "object", "properties": {}, "additionalProperties": False}
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -213,19 +271,60 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """As vLLM without a tool-call parser: "auto" (the default when tools are given) is refused;
+    "required" or a named function constrain the output to tool calls; "none" ignores the tools."""
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _tools(self):
+        choice = self.tool_choice
+        if choice is None and self.tools:
+            choice = "auto"
+        if choice == "auto":
+            raise ValueError('tool_choice: "auto" needs a tool-call parser, which this server does not have '
+                             '(as vLLM without --enable-auto-tool-choice); use "required", a named function '
+                             'or "none"')
+        if choice in (None, "none"):
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not among the tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with tool_choice required or a named function")
+        return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (plain text), "required" (a JSON array of calls), or the named function's name."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    def structured(self) -> StructuredOutput | None:
+        mode = self.tool_mode
+        if mode is None:
+            return self.response_format.structured() if self.response_format is not None else None
+        from engines.grammar import check
+
+        for i, t in enumerate(self.tools):  # each function's schema alone first, to name the bad one
+            param = f"tools[{i}].function.parameters"
+            why = check(StructuredOutput.json_schema(t.function.schema(), param))
+            if why is not None:
+                raise APIError(invalid(f"{param}: {why}", param).info)
+        if mode != "required":
+            fn = next(t.function for t in self.tools if t.function.name == mode)
+            return StructuredOutput.json_schema(fn.schema(), "tool_choice")
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": t.function.schema()},
+             "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}}
+        if self.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        return StructuredOutput.json_schema(calls, "tools")
 
     @model_validator(mode="after")
     def _logprobs(self):

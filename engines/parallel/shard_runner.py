@@ -18,6 +18,7 @@ import torch
 
 from engines.attention import KVCache, PagedAttention
 from engines.config import EngineConfig, ModelConfig, resolved_dtype
+from engines.grammar import Grammars, tokenizer_bytes
 from engines.kv_sizing import shard_kv_budget
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
@@ -45,7 +46,8 @@ def shard_num_blocks(cfg: ModelConfig, engine: EngineConfig, layout: ParallelLay
 
 def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that needs the full vocabulary row (logprobs, penalties, suppression)."""
-    return p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+    return (p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+            and p.structured is None)
 
 
 class ShardRunner:
@@ -70,7 +72,8 @@ class ShardRunner:
         self.cache = KVCache(end - start, self.num_blocks, engine_cfg.block_size,
                              local_kv_heads(self.cfg, layout.tp, self.tp_rank)[1], self.cfg.hd, self.dtype, self.device)
         self.samples = self.last and self.tp_rank == 0
-        self.sampler = Sampler(self.cfg.vocab_size, engine_cfg.seed, self.device) if self.samples else None
+        self.sampler = Sampler(self.cfg.vocab_size, engine_cfg.seed, self.device, grammars=Grammars(
+            tokenizer_bytes(model_dir), self.cfg.vocab_size)) if self.samples else None
         # p-tuning: input tasks' embedding rows on the first stage, every-layer tasks' keys/values on
         # every rank (its layers and KV heads)
         self.prompt_tables = SeqTables(self.cfg.vocab_size, self.device, self.dtype, self.cfg.n_layer,

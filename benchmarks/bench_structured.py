@@ -1,0 +1,141 @@
+"""Structured output's cost in a batch: 32 requests, 8 of them constrained by a JSON schema.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_structured.py [--tokens 64] [--vocab 8192]
+
+A GPT-2-124M-shaped random model whose vocabulary is a byte-level BPE trained here on synthetic
+text (no hub download; --vocab tokens, the model's vocabulary too), greedy, every request decoding
+exactly --tokens tokens (the 24 plain ones ignore EOS; the 8 constrained ones follow a schema that
+cannot be complete before then, an array of at least 200 short strings), so the batch keeps its
+shape. Three runs in one process, each once (the machine is shared and noisy: one run each):
+
+- plain24: the 24 unconstrained requests alone;
+- fill32: the same 24 plus 8 unconstrained fillers of the same length (the same batch shape);
+- mixed32: the same 24 plus the 8 JSON-schema requests.
+
+Reported: the 24 plain requests' tokens per second in each run, mixed32 / fill32 (what the
+grammars cost them: target >= 0.95) and mixed32 / plain24 (also the 8 extra rows' model work),
+and per step of mixed32: the host thread's bitmask fill (overlapped with the forward) and the
+step's critical-path mask cost (waiting for the fill + applying the mask), as fractions of the
+step (target <= 10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import CACHE
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["log"], "properties": {
+    "log": {"type": "array", "minItems": 200, "items": {"type": "string", "maxLength": 12}}}}
+
+
+def checkpoint(vocab: int) -> Path:
+    """GPT-2-124M shape, random weights, with a byte-level BPE tokenizer of `vocab` tokens (cached)."""
+    d = CACHE / f"gpt2-124m-random-bpe{vocab}"
+    if (d / "tokenizer.json").is_file():
+        return d
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engines.checkpoint import save_checkpoint
+    from engines.config import ModelConfig
+    from engines.model import GPT
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    words = ["".join(rng.choice(letters[:rng.randint(6, 26)]) for _ in range(rng.randint(1, 9)))
+             for _ in range(60_000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(40)) + f' {{"k": {rng.randint(0, 9999)}, "v": "x"}}'
+              for _ in range(20_000)]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(corpus, trainer)
+    n = tk.get_vocab_size()
+    cfg = ModelConfig(model_type="gpt2", vocab_size=n, n_layer=12, n_head=12, n_embd=768,
+                      max_position_embeddings=1024, bos_token_id=0, eos_token_id=(0,))
+    save_checkpoint(GPT(cfg).init_weights(seed=0), cfg, d)
+    tk.save(str(d / "tokenizer.json"))
+    return d
+
+
+class MaskClock:
+    """Seconds the sampler spends on masks: the host thread's fills, and on the step's path."""
+
+    def __init__(self, sampler):
+        from engines import grammar
+
+        self.fill = self.path = 0.0
+        fill, masks, apply = sampler._fill_masks, sampler._masks, grammar.apply_bitmask
+
+        def timed_fill(*a):
+            t = time.perf_counter()
+            try:
+                return fill(*a)
+            finally:
+                self.fill += time.perf_counter() - t
+
+        def timed(fn):
+            def run(*a):
+                t = time.perf_counter()
+                try:
+                    return fn(*a)
+                finally:
+                    self.path += time.perf_counter() - t
+            return run
+
+        sampler._fill_masks, sampler._masks = timed_fill, timed(masks)
+        grammar.apply_bitmask = timed(apply)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=8192)
+    args = ap.parse_args()
+    from engines import LLM, SamplingParams
+    from engines.grammar import StructuredOutput
+
+    d = checkpoint(args.vocab)
+    llm = LLM(d, max_num_seqs=32, max_model_len=256)
+    sampler = llm.engine.executor.runner.sampler
+    prompts = [f"request {i}: the story of {i * 7} words" for i in range(32)]
+    plain = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    shaped = SamplingParams(max_tokens=args.tokens, temperature=0,
+                            structured=StructuredOutput.json_schema(SCHEMA, "bench"))
+    llm.generate(prompts[:8], [shaped] * 4 + [plain] * 4)  # warm-up: grammar compiled, kernels loaded
+    clock = MaskClock(sampler)
+
+    def run(params):
+        eng = llm.engine
+        s0, b0 = eng.num_steps, eng.busy_seconds
+        t = time.perf_counter()
+        outs = llm.generate(prompts[:len(params)], params)
+        wall = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs), "a request ended early"
+        return 24 * args.tokens / wall, eng.num_steps - s0, eng.busy_seconds - b0, outs
+
+    print(f"GPT-2-124M shape, vocab {sampler.vocab_size}, 24 plain + 8 others, {args.tokens} tokens each, "
+          "greedy; one run each (shared machine: noisy)")
+    tps_plain, *_ = run([plain] * 24)
+    tps_fill, *_ = run([plain] * 32)
+    clock.fill = clock.path = 0.0
+    tps_mixed, steps, busy, outs = run([plain] * 24 + [shaped] * 8)
+    assert all(o.outputs[0].text.startswith('{"log": [') for o in outs[24:]), outs[24].outputs[0].text[:40]
+    step = busy / steps
+    print(f"plain 24 requests' tok/s: plain24 {tps_plain:7.1f} | fill32 {tps_fill:7.1f} | mixed32 {tps_mixed:7.1f}")
+    print(f"mixed32 / fill32 = {tps_mixed / tps_fill:.3f}  (target >= 0.95: the grammars' cost to the others)")
+    print(f"mixed32 / plain24 = {tps_mixed / tps_plain:.3f}  (also the 8 extra rows' model work)")
+    print(f"mixed32 per step ({steps} steps, {1000 * step:.1f} ms each): bitmask fill on the host thread "
+          f"{1000 * clock.fill / steps:.2f} ms = {clock.fill / busy:.1%} of the step (overlapped); on the step's "
+          f"path (wait + apply) {1000 * clock.path / steps:.2f} ms = {clock.path / busy:.1%} (target <= 10 %)")
+
+
+if __name__ == "__main__":
+    main()
