@@ -85,7 +85,7 @@ def test_a_stale_build_lock_does_not_hang_the_load():
 
     from engines.cpp_ext import STALE_LOCK_S, build, build_name, clear_stale_lock
 
-    name = build_name("shardserve_panel_")
+    name = build_name("shardserve_panel_", pk._SOURCE)
     lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
     open(lock, "w").close()
     try:
