@@ -23,8 +23,10 @@ pytestmark = pytest.mark.skipif(load_paged()[0] is None or load_panel()[0] is No
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (20, 6, 14, 9, 17, 3)]
 
 
-def _force(monkeypatch, kinds=("panel", "panel", "linear")):
+def _force(monkeypatch, kinds=("panel", "panel", "linear"), dtype="float32"):
     """Every Linear takes these kernels (one row, decode batch, prefill) instead of the timed ones."""
+    if "packed" in kinds and not fl.packing_available(getattr(torch, dtype)):
+        pytest.skip(f"oneDNN's prepacked {dtype} linear needs CPU features this host lacks")
     monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: kinds)
 
 
@@ -38,7 +40,7 @@ def _tokens_and_logprobs(completion) -> list[tuple]:
     ("float32", ("pretransposed", "pretransposed", "linear"))])
 def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_dir, monkeypatch, dtype, kinds):
     """Every kernel the C++ loop calls (one row / a decode batch), against the module path."""
-    _force(monkeypatch, kinds)
+    _force(monkeypatch, kinds, dtype)
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
             "max_num_batched_tokens": 16}  # prompts of 17-37 tokens: chunked prefill
     off = LLMEngine(gpt2_dir, EngineConfig(fused_decode="off", **base))
@@ -68,11 +70,11 @@ def tied_llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(("dtype", "tied", "kinds"), [
     ("float32", False, ("panel", "panel", "linear")), ("bfloat16", True, ("panel", "panel", "linear")),
-    ("float32", True, ("packed", "pretransposed", "linear")), ("bfloat16", False, ("linear", "packed", "linear"))])
+    ("float32", True, ("packed", "pretransposed", "linear")), ("bfloat16", False, ("linear", "pretransposed", "linear"))])
 def test_llama_fused_step_equals_the_module_path(llama_dir, tied_llama_dir, monkeypatch, dtype, tied, kinds):
     """Llama (RMSNorm, rotary, GQA 4 q / 2 kv heads, SwiGLU, tied or untied head): bit for bit in fp32 and
     in bf16 too (the same ops in the same order; the rotation rounds each product as torch does)."""
-    _force(monkeypatch, kinds)
+    _force(monkeypatch, kinds, dtype)
     model_dir = tied_llama_dir if tied else llama_dir
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
             "max_num_batched_tokens": 16}
@@ -108,3 +110,70 @@ def test_not_used_where_it_does_not_apply(gpt2_dir, llama_dir, monkeypatch):
 def test_fused_decode_is_validated():
     with pytest.raises(ValueError, match="fused_decode"):
         EngineConfig(fused_decode="on")
+
+
+def _qwen3_as_ours(hf, cfg):
+    """Our GPT with HF Qwen3's weights, plus per-head q / k RMSNorms on each block's attention (the parts
+    a Qwen3 adds; the fused step takes their weights)."""
+    from engines.model import GPT, RMSNorm
+
+    model = GPT(cfg).eval()
+    sd = hf.state_dict()
+    with torch.no_grad():
+        model.wte.weight.copy_(sd["model.embed_tokens.weight"])
+        model.norm_f.weight.copy_(sd["model.norm.weight"])
+        model.lm_head.weight.copy_(sd["lm_head.weight"])
+        for i, b in enumerate(model.blocks):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            b.attn.qkv.weight.copy_(torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"]))
+            b.attn.qkv.bias.copy_(torch.cat([sd[a + f"{n}_proj.bias"] for n in "qkv"]))
+            b.attn.proj.weight.copy_(sd[a + "o_proj.weight"])
+            b.attn.proj.bias.copy_(sd[a + "o_proj.bias"])
+            b.mlp.up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+            b.mlp.down.weight.copy_(sd[p + "mlp.down_proj.weight"])
+            b.norm1.weight.copy_(sd[p + "input_layernorm.weight"])
+            b.norm2.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+            for n in ("q_norm", "k_norm"):
+                norm = RMSNorm(cfg.hd, cfg.norm_eps)
+                norm.weight.copy_(sd[a + f"{n}.weight"])
+                setattr(b.attn, n, norm)
+    return model
+
+
+def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
+    """The optional inputs (Linear biases, per-head q / k RMSNorm before the rotation) against HF Qwen3 on a
+    tiny random config: two sequences decoded a token a step through the fused loop, every hidden state
+    equal to transformers' (fp32, 1e-5)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from engines.attention import KVCache
+    from engines.config import ModelConfig
+
+    _force(monkeypatch)
+    torch.manual_seed(0)
+    hf_cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64)
+    hf = Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    theta = getattr(hf_cfg, "rope_theta", None) or hf_cfg.rope_parameters["rope_theta"]
+    cfg = ModelConfig(model_type="llama", vocab_size=96, n_layer=2, n_head=4, n_embd=64, n_kv_head=2, head_dim=16,
+                      intermediate_size=128, norm_eps=1e-6, rope_theta=theta, bias=True, activation="silu",
+                      tie_word_embeddings=False, max_position_embeddings=64)
+    model = _qwen3_as_ours(hf, cfg)
+    fl.apply_fast_linear(model)
+    assert fd.why_not(model, torch.device("cpu")) is None and fd.family(model).qk_norm
+    cache = KVCache(cfg.n_layer, 8, 4, cfg.kv_heads, cfg.hd, torch.float32)
+    fused = fd.FusedDecode(model, [cache.data[i, 0] for i in range(2)], [cache.data[i, 1] for i in range(2)])
+    ids = torch.randint(0, 96, (2, 11))
+    table = torch.tensor([[0, 1, 2], [5, 3, 4]])  # sequence 1's blocks out of order
+    got = []
+    with torch.inference_mode():
+        for t in range(ids.shape[1]):
+            slots = table[:, t // 4] * 4 + t % 4
+            got.append(fused.run(ids[:, t][None], torch.tensor([[t, t]]), slots, table, torch.tensor([t + 1] * 2), 4))
+        expect = hf(ids, output_hidden_states=True).hidden_states[-1]  # (2, T, C) after the final norm
+    torch.testing.assert_close(torch.cat(got)[:, :, :].transpose(0, 1), expect, atol=1e-5, rtol=1e-5)
