@@ -63,3 +63,49 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     if mod is None:
         raise RuntimeError(why)
     return mod.panel_linear(x, panels, out_features, bias)
+
+
+FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+"""The FP8 kernel's variants (csrc/fp8_panel_kernel.cpp): "auto" the best this CPU runs; the others forced
+(tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere)."""
+
+
+@functools.lru_cache(maxsize=1)
+def load_fp8() -> tuple[object | None, str]:
+    """(the built FP8 weight-only kernel module, why) or (None, why it is unavailable); built on first use."""
+    src = (Path(__file__).parent / "csrc" / "fp8_panel_kernel.cpp").read_text()
+    return build("shardserve_fp8panel_", src, ["fp8_pack_panels", "fp8_linear", "fp8_variant"],
+                 "CPU FP8 weight-only Linear kernel")
+
+
+def _fp8_mod():
+    mod, why = load_fp8()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod
+
+
+def fp8_variant(variant: str = "auto") -> str:
+    """The variant `variant` resolves to on this CPU; ValueError naming what the CPU lacks for a forced one."""
+    if variant not in FP8_VARIANTS:
+        raise ValueError(f"fp8 kernel variant {variant!r}; allowed: {sorted(FP8_VARIANTS)}")
+    try:
+        code = _fp8_mod().fp8_variant(FP8_VARIANTS[variant])
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from exc
+    return {v: k for k, v in FP8_VARIANTS.items()}[code]
+
+
+def fp8_pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) float8_e4m3fn -> panels (ceil(N / 16), K, 16) of its bytes (one byte a weight)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_pack_panels: a float8_e4m3fn weight, got {weight.dtype}")
+    return _fp8_mod().fp8_pack_panels(weight.detach().view(torch.uint8))
+
+
+def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None, variant: str = "auto") -> torch.Tensor:
+    """x (M, K) fp32 / bf16 through FP8 panels with per-output scales (out_features,) (+ bias) -> (M, out)
+    in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers."""
+    fp8_variant(variant)  # a forced variant the CPU lacks: a clear error
+    return _fp8_mod().fp8_linear(x, panels, scales, out_features, bias, FP8_VARIANTS[variant])
