@@ -375,3 +375,60 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
     if choices:
         log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices
+
+
+class Fp8PanelLinear(nn.Module):
+    """An FP8 weight-only Linear on CPU that keeps one byte a weight: the e4m3 weight in panels, widened in
+    registers by engines/panel_kernel.fp8_linear (per-output scales and the bias applied in the kernel)
+    for decode-sized row counts; a prefill chunk (BULK_FROM rows or more) dequantizes to x's dtype and
+    runs F.linear (compute-bound there: the dequantized copy is per call, never kept).
+
+    Built from an engines.fp8.Fp8Linear that is not a tensor-parallel shard (`from_fp8`); apply_fp8_panels
+    swaps a model's such layers, before engines.fp8.apply_fp8 would dequantize them at load."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 variant: str = "auto"):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.variant = variant
+        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in, 16) uint8
+        self.register_buffer("scales", weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def from_fp8(cls, mod: nn.Module, dtype: torch.dtype, variant: str = "auto") -> Fp8PanelLinear:
+        """From an engines.fp8.Fp8Linear (e4m3 weight (out, in), fp32 weight_scale (out, 1)); bias in `dtype`."""
+        if getattr(mod, "comm", None) is not None:
+            raise ValueError("Fp8PanelLinear: a tensor-parallel shard all-reduces its output; not handled here")
+        bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
+        return cls(mod.weight.detach(), mod.weight_scale.detach(), bias, variant)
+
+    def weight_fp8(self) -> torch.Tensor:
+        """The (out, in) e4m3 weight, unpacked from the panels (for the prefill path and checks)."""
+        p = self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]  # (out, in) uint8
+        return p.contiguous().view(torch.float8_e4m3fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if x2.shape[0] >= BULK_FROM:
+            w = (self.weight_fp8().float() * self.scales[:, None]).to(x.dtype)
+            y = F.linear(x2, w, self.bias)
+        else:
+            y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def apply_fp8_panels(model: nn.Module, dtype: torch.dtype, variant: str = "auto") -> int:
+    """Swap every CPU engines.fp8.Fp8Linear that is not a TP shard for an Fp8PanelLinear (one byte a
+    weight in memory); returns how many. Call before engines.fp8.apply_fp8, which dequantizes the rest."""
+    from engines.fp8 import Fp8Linear
+
+    if panel_kernel.load_fp8()[0] is None:
+        return 0
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear) and child.comm is None and child.weight.device.type == "cpu":
+                setattr(parent, name, Fp8PanelLinear.from_fp8(child, dtype, variant))
+                n += 1
+    return n
