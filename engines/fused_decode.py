@@ -25,9 +25,10 @@ rotation (Qwen3). The LM head (tied or not) is outside the blocks and unchanged.
 It applies where the module path would run exactly those kernels: a model whose every part the loop
 knows (`family`; anything else, sliding-window attention included, is refused by name), on CPU, every
 block Linear a FastLinear whose timed choice for this row count and thread count is one the loop calls
-(KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed), decode attention through
-the paged kernel, a decode-only step. Anything else (prefill chunks, TP / PP shards, FP8 layers, a
-"halves" / "gemv" / "sliced" kernel chosen, more than BULK_FROM - 1 rows) runs the module path. The
+(KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed, gemv) or a plain nn.Linear
+(F.linear), decode attention through the paged kernel, a decode-only step. Anything else (prefill
+chunks, TP / PP shards, FP8 layers, a "halves" / "sliced" kernel chosen, more than BULK_FROM - 1
+rows) runs the module path. The
 source is the panel and paged kernels' own source, each in a namespace of its own, plus the loop in
 csrc/fused_decode.cpp: one build (~40 s on 2 cores, once per machine, engines/cpp_ext.py);
 EngineConfig.fused_decode "off" never builds or uses it.
@@ -79,7 +80,7 @@ def load() -> tuple[object | None, str]:
                  ["decode_blocks", "bind", "unbind", "decode_bound"], "CPU fused decode step")
 
 
-KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3}
+KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}
 """FastLinear kernels the C++ loop calls (block_linear's codes); a step whose Linears chose another runs
 the module path."""
 
@@ -160,9 +161,9 @@ def why_not(model: nn.Module, device: torch.device) -> str | None:
         return fam
     for block in model.blocks:
         for lin in (block.attn.qkv, block.attn.proj, block.mlp.up, block.mlp.down):
-            if not isinstance(lin, FastLinear):
-                return ("a block Linear is not a FastLinear (CPU Linear autotuning off, FP8 or TP layers): no panel "
-                        "or packed kernel copies to call")
+            if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear:
+                return (f"a block Linear is a {type(lin).__name__} (FP8 or TP layers), neither a FastLinear nor a "
+                        "plain nn.Linear")
     return None
 
 
@@ -197,8 +198,9 @@ class FusedDecode:
             weights += [b.norm1.weight, given(getattr(b.norm1, "bias", None)), b.norm2.weight,
                         given(getattr(b.norm2, "bias", None))]
             weights += [given(getattr(getattr(b.attn, n, None), "weight", None)) for n in ("q_norm", "k_norm")]
-            for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):
-                weights += [lin.weight, *(given(t) for t in (lin.bias, lin.panels, lin.packed, lin.weight_t))]
+            for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):  # a plain nn.Linear: F.linear, no copies
+                weights += [lin.weight, *(given(getattr(lin, t, None)) for t in ("bias", "panels", "packed",
+                                                                                 "weight_t"))]
         self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
         self.n_head, self.ffn, self.eps = cfg.n_head, cfg.ffn_dim, cfg.norm_eps
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
@@ -206,7 +208,7 @@ class FusedDecode:
     def kinds(self, rows: int) -> list[int] | None:
         """The kernel code (KERNELS) of every block Linear at `rows` rows on this thread count, as
         FastLinear.forward picks it; None when one of them is a kernel the C++ loop does not call
-        ("halves", "gemv", "sliced") or the rows are a prefill-sized batch: the module path runs then."""
+        ("halves", "sliced") or the rows are a prefill-sized batch: the module path runs then."""
         from engines.fast_linear import BULK_FROM
 
         if rows >= BULK_FROM:
@@ -216,6 +218,9 @@ class FusedDecode:
         if key not in self._kinds:
             codes: list[int] | None = []
             for lin in self.linears:
+                if type(lin) is nn.Linear:  # kept plain by apply_fast_linear (F.linear won) or autotuning off
+                    codes.append(KERNELS["linear"])
+                    continue
                 chosen = lin.single if one_thread and lin.single is not None else (lin.one, lin.many, lin.bulk)
                 code = KERNELS.get(chosen[0 if rows == 1 else 1])
                 if code is None:

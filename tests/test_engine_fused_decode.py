@@ -37,7 +37,7 @@ def _tokens_and_logprobs(completion) -> list[tuple]:
 @pytest.mark.parametrize(("dtype", "kinds"), [
     ("float32", ("panel", "panel", "linear")), ("bfloat16", ("panel", "panel", "linear")),
     ("float32", ("panel", "packed", "linear")), ("bfloat16", ("packed", "linear", "linear")),
-    ("float32", ("pretransposed", "pretransposed", "linear"))])
+    ("float32", ("pretransposed", "pretransposed", "linear")), ("bfloat16", ("gemv", "pretransposed", "linear"))])
 def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_dir, monkeypatch, dtype, kinds):
     """Every kernel the C++ loop calls (one row / a decode batch), against the module path."""
     _force(monkeypatch, kinds, dtype)
@@ -70,14 +70,16 @@ def tied_llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(("dtype", "tied", "kinds"), [
     ("float32", False, ("panel", "panel", "linear")), ("bfloat16", True, ("panel", "panel", "linear")),
-    ("float32", True, ("packed", "pretransposed", "linear")), ("bfloat16", False, ("linear", "pretransposed", "linear"))])
+    ("float32", True, ("packed", "pretransposed", "linear")), ("bfloat16", False, ("linear", "pretransposed", "linear")),
+    ("bfloat16", True, None)])  # None: autotuning off, every block Linear a plain nn.Linear
 def test_llama_fused_step_equals_the_module_path(llama_dir, tied_llama_dir, monkeypatch, dtype, tied, kinds):
     """Llama (RMSNorm, rotary, GQA 4 q / 2 kv heads, SwiGLU, tied or untied head): bit for bit in fp32 and
     in bf16 too (the same ops in the same order; the rotation rounds each product as torch does)."""
-    _force(monkeypatch, kinds, dtype)
+    if kinds is not None:
+        _force(monkeypatch, kinds, dtype)
     model_dir = tied_llama_dir if tied else llama_dir
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
-            "max_num_batched_tokens": 16}
+            "max_num_batched_tokens": 16, "cpu_linear_autotune": kinds is not None}
     off = LLMEngine(model_dir, EngineConfig(fused_decode="off", **base))
     fused = LLMEngine(model_dir, EngineConfig(fused_decode="auto", **base))
     runner = fused.executor.runner
@@ -101,8 +103,10 @@ def test_not_used_where_it_does_not_apply(gpt2_dir, llama_dir, monkeypatch):
     del llama.model.blocks[1].attn.extra
     llama.model.blocks[0].attn.kv_hook = lambda layer, k, v: (k, v)
     assert "kv_hook" in fd.why_not(llama.model, llama.device)
-    plain = LLMEngine(gpt2_dir, EngineConfig(cpu_linear_autotune=False)).executor.runner  # nn.Linear, no panels
-    assert plain.fused is None and "panel" in fd.why_not(plain.model, plain.device)
+    plain = LLMEngine(gpt2_dir, EngineConfig(cpu_linear_autotune=False)).executor.runner  # nn.Linear: F.linear
+    assert plain.fused is not None and plain.fused.kinds(3) == [fd.KERNELS["linear"]] * len(plain.fused.linears)
+    plain.model.blocks[0].mlp.down = torch.nn.Bilinear(2, 2, 2)  # not a Linear it can call
+    assert "Bilinear" in fd.why_not(plain.model, plain.device)
     loop = LLMEngine(gpt2_dir, EngineConfig(decode_attention="loop")).executor.runner  # no paged kernel
     assert loop.fused is None
 

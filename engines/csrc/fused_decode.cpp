@@ -85,7 +85,8 @@ torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, const to
 
 // one block Linear through the kernel its FastLinear chose for this step's row count, as FastLinear.run
 // calls it (engines/fast_linear.py): t = (weight, bias or empty, panels, packed, weight_t; empty where not
-// built); kind 0 panel, 1 packed (oneDNN on the prepacked weight), 2 linear, 3 pretransposed. With a
+// built); kind 0 panel, 1 packed (oneDNN on the prepacked weight), 2 linear, 3 pretransposed, 4 gemv (one
+// row: mv / addmv on the weight). With a
 // residual: residual + the Linear's output (the panel kernel adds it in its store loop; the others by
 // torch's add, as the module path's `x + ...`)
 torch::Tensor block_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
@@ -104,6 +105,9 @@ torch::Tensor block_linear(int64_t kind, const torch::Tensor& x, const torch::Te
     y = at::linear(x, t[0], bias);
   } else if (kind == 3) {
     y = bias.has_value() ? at::addmm(*bias, x, t[4]) : at::mm(x, t[4]);
+  } else if (kind == 4) {
+    TORCH_CHECK(x.size(0) == 1, "decode_blocks: gemv takes one row, got ", x.size(0));
+    y = (bias.has_value() ? at::addmv(*bias, t[0], x[0]) : at::mv(t[0], x[0])).unsqueeze(0);
   } else {
     TORCH_CHECK(false, "decode_blocks: unknown Linear kernel ", kind);
   }
