@@ -60,7 +60,14 @@ def fused_ab(args) -> None:
     print(f"fused decode step A/B, SmolLM2-135M shape (random weights), {n} tokens, threads={args.threads}")
     for dtype_name in args.dtypes.split(","):
         llms = {f: LLM(d, dtype=dtype_name, fused_decode=f) for f in ("off", "auto")}
-        assert llms["auto"].engine.executor.runner.fused is not None, "the fused step did not apply"
+        fused = llms["auto"].engine.executor.runner.fused
+        assert fused is not None, "the fused step did not apply"
+        from engines.cpu_threads import intra_op_threads
+
+        for t in sorted({1, args.threads}):
+            with intra_op_threads(t):
+                print(f"  {dtype_name}: fused step usable on {t} thread(s) at batch 1: {fused.usable(1)}, "
+                      f"batch 8: {fused.usable(8)}")
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for batch in (1, 8):
             prompts = [list(range(100 + i, 108 + i)) for i in range(batch)]

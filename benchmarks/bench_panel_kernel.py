@@ -63,11 +63,13 @@ def fp8_step_seconds(kind: str, rows: int, reps: int = 10) -> float:
         ws = [torch.randn(out_f, in_f) * 0.02 for _ in range(copies)]
         if kind == "bf16":
             prep = [pack_panels(w.to(torch.bfloat16)) for w in ws]
-            fn = lambda x, i: panel_linear(x, prep[i % copies], out_f, None)  # noqa: E731
+            def fn(x, i, prep=prep, copies=copies, out_f=out_f):
+                return panel_linear(x, prep[i % copies], out_f, None)
         else:
             prep = [fp8_pack_panels((w / 0.001).to(torch.float8_e4m3fn)) for w in ws]
             scales = torch.full((out_f,), 0.001)
-            fn = lambda x, i: fp8_linear(x, prep[i % copies], scales, out_f, None, variant=kind)  # noqa: E731
+            def fn(x, i, prep=prep, copies=copies, out_f=out_f, scales=scales):
+                return fp8_linear(x, prep[i % copies], scales, out_f, None, variant=kind)
         x = torch.randn(rows, in_f).to(torch.bfloat16)
         for i in range(3):
             fn(x, i)

@@ -185,7 +185,7 @@ class FusedDecode:
             raise RuntimeError(why)
         fam = family(model)
         if isinstance(fam, str):
-            raise ValueError(f"fused decode step: {fam}")
+            raise ValueError(f"fused decode step: {fam}")  # noqa: TRY004 (a model it cannot compute)
         self.mod, self.model, self.family, cfg = mod, model, fam, model.cfg
         empty = torch.empty(0)
 

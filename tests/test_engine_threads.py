@@ -205,7 +205,7 @@ def test_noisy_runs_agree():
     for seed in range(20):
         rng = random.Random(seed)
         a = AdaptiveThreads(2)
-        seen = _drive(a, (False, 4), 600, lambda n, i: (0.010 if n == 2 else 0.013) * (
+        seen = _drive(a, (False, 4), 600, lambda n, i, rng=rng: (0.010 if n == 2 else 0.013) * (
             rng.uniform(2, 6) if rng.random() < 0.1 else rng.uniform(0.95, 1.05)))
         assert sum(n == 2 for n in seen) >= 0.9 * len(seen), (seed, a.summary())
 
