@@ -39,10 +39,19 @@ _SOURCE = (Path(__file__).parent / "csrc" / "panel_kernel.cpp").read_text()
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+_FP8_SOURCE = (Path(__file__).parent / "csrc" / "fp8_panel_kernel.cpp").read_text()
+"""The FP8 weight-only kernel's source, built into the same module (one build: most of a build's time
+is torch's headers)."""
+
+
+FUNCTIONS = ["pack_panels", "panel_linear", "fp8_pack_panels", "fp8_linear", "fp8_variant"]
+"""The module's bound functions."""
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable); built on first use (~25 s on 2 cores)."""
-    return build("shardserve_panel_", _SOURCE, ["pack_panels", "panel_linear"], "CPU panel Linear kernel")
+    return build("shardserve_panel_", _SOURCE + _FP8_SOURCE, FUNCTIONS, "CPU panel Linear kernels")
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -70,12 +79,9 @@ FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 (tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere)."""
 
 
-@functools.lru_cache(maxsize=1)
 def load_fp8() -> tuple[object | None, str]:
-    """(the built FP8 weight-only kernel module, why) or (None, why it is unavailable); built on first use."""
-    src = (Path(__file__).parent / "csrc" / "fp8_panel_kernel.cpp").read_text()
-    return build("shardserve_fp8panel_", src, ["fp8_pack_panels", "fp8_linear", "fp8_variant"],
-                 "CPU FP8 weight-only Linear kernel")
+    """(the module with the FP8 weight-only kernel, why) or (None, why it is unavailable): the panel module."""
+    return load()
 
 
 def _fp8_mod():
