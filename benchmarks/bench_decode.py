@@ -1,6 +1,12 @@
 """B1: batch-1 decode speed against transformers `generate` and against the memory roofline.
 
     .venv/bin/python benchmarks/bench_decode.py [--tokens 64] [--rounds 4] [--device cpu|cuda]
+    .venv/bin/python benchmarks/bench_decode.py --fused-ab [--tokens 32] [--rounds 3]
+
+--fused-ab: on a random-weight Llama of SmolLM2-135M's shape (30 layers, width 576, 9 q / 3 kv heads,
+FFN 1536, vocabulary 49152, tied head), our engine with the fused CPU decode step against the same
+engine without it (engines/fused_decode.py), batch 1 and 8, fp32 and bf16: rounds interleaved, best
+of each, the ratio printed.
 
 GPT-2-124M shape, random weights, 2 threads on CPU. Each round times transformers and our
 engine back to back (interleaved, so a noisy neighbour hurts both), and the best round of each
@@ -28,6 +34,57 @@ def weight_bytes_per_token(cfg, itemsize: int) -> int:
     return (params + cfg.vocab_size * cfg.n_embd) * itemsize  # + the LM head matrix
 
 
+def smollm2_shape_dir() -> Path:
+    """A random-weight Llama checkpoint of SmolLM2-135M's shape (written once, reused)."""
+    from benchmarks.common import CACHE
+    from engines.checkpoint import save_checkpoint
+    from engines.config import ModelConfig
+    from engines.model import GPT
+
+    d = CACHE / "smollm2-135m-shape-random"
+    if (d / "config.json").is_file():
+        return d
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+                      intermediate_size=1536, max_position_embeddings=2048, rope_theta=100000.0, bias=False,
+                      activation="silu", tie_word_embeddings=True, bos_token_id=1, eos_token_id=(2,))
+    save_checkpoint(GPT(cfg).init_weights(seed=0), cfg, d)
+    return d
+
+
+def fused_ab(args) -> None:
+    """Fused decode step on / off on the SmolLM2 shape (see the module doc)."""
+    from engines import LLM, SamplingParams
+
+    d = smollm2_shape_dir()
+    n = args.tokens
+    print(f"fused decode step A/B, SmolLM2-135M shape (random weights), {n} tokens, threads={args.threads}")
+    for dtype_name in args.dtypes.split(","):
+        llms = {f: LLM(d, dtype=dtype_name, fused_decode=f) for f in ("off", "auto")}
+        fused = llms["auto"].engine.executor.runner.fused
+        assert fused is not None, "the fused step did not apply"
+        from engines.cpu_threads import intra_op_threads
+
+        for t in sorted({1, args.threads}):
+            with intra_op_threads(t):
+                print(f"  {dtype_name}: fused step usable on {t} thread(s) at batch 1: {fused.usable(1)}, "
+                      f"batch 8: {fused.usable(8)}")
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for batch in (1, 8):
+            prompts = [list(range(100 + i, 108 + i)) for i in range(batch)]
+            best = {f: float("inf") for f in llms}
+            for llm in llms.values():
+                llm.generate(prompts, params)  # warm-up
+            for _ in range(args.rounds):
+                for f, llm in llms.items():
+                    t = time.perf_counter()
+                    llm.generate(prompts, params)
+                    best[f] = min(best[f], time.perf_counter() - t)
+            tps = {f: batch * n / s for f, s in best.items()}
+            print(f"  {dtype_name:9s} batch {batch}: module path {tps['off']:7.1f} tok/s | fused {tps['auto']:7.1f} "
+                  f"tok/s | fused / module {tps['auto'] / tps['off']:4.2f}x")
+        del llms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=64)
@@ -35,8 +92,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--fused-ab", action="store_true", help="fused decode step on / off, SmolLM2 shape")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fused_ab:
+        return fused_ab(args)
     from transformers import AutoModelForCausalLM
 
     from engines import LLM, SamplingParams

@@ -4,9 +4,14 @@ prepacked kernel and plain F.linear, on 1 and 2 threads, fp32 and bf16, each wei
 (a ring of copies larger than the last-level cache, as in a model).
 
     python benchmarks/bench_panel_kernel.py
+    python benchmarks/bench_panel_kernel.py --fp8
+
+--fp8: SmolLM2-135M's decode Linears (30 layers and the 49,152-entry head) through the FP8 weight-only
+kernel (one byte a weight, each variant this CPU runs) against the bf16 panel kernel, at 1 and 4 rows.
 
 Prints the CPU model, the fp32 matmul and streaming-read ceilings measured in the same run, and per
 case the step's Linear time, its GFLOP/s and its weight-read rate."""
+import sys
 import time
 
 import torch
@@ -15,7 +20,7 @@ import torch.nn.functional as F
 from benchmarks.common import matmul_peak, read_bandwidth
 from engines.fast_linear import pack_weight, packing_available
 from engines.hardware import cpu_name
-from engines.panel_kernel import load, pack_panels, panel_linear
+from engines.panel_kernel import fp8_linear, fp8_pack_panels, fp8_variant, load, pack_panels, panel_linear
 
 SHAPES = ((2304, 768, 12), (768, 768, 12), (3072, 768, 12), (768, 3072, 12), (50257, 768, 1))
 """(out, in, count per step): GPT-2-124M's block Linears and its head."""
@@ -45,7 +50,58 @@ def step_seconds(kind: str, rows: int, dtype: torch.dtype, reps: int = 15) -> fl
     return total
 
 
+SMOLLM2 = ((960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1))
+"""(out, in, count per step): SmolLM2-135M's block Linears (qkv with 9 q / 3 kv heads of 64, the fused
+gate/up) and its head."""
+
+
+def fp8_step_seconds(kind: str, rows: int, reps: int = 10) -> float:
+    """One decode step's Linears through `kind` ("bf16" panel, or an FP8 variant), weights read cold."""
+    total = 0.0
+    for out_f, in_f, count in SMOLLM2:
+        copies = 1 if out_f > 10000 else 16
+        ws = [torch.randn(out_f, in_f) * 0.02 for _ in range(copies)]
+        if kind == "bf16":
+            prep = [pack_panels(w.to(torch.bfloat16)) for w in ws]
+            def fn(x, i, prep=prep, copies=copies, out_f=out_f):
+                return panel_linear(x, prep[i % copies], out_f, None)
+        else:
+            prep = [fp8_pack_panels((w / 0.001).to(torch.float8_e4m3fn)) for w in ws]
+            scales = torch.full((out_f,), 0.001)
+            def fn(x, i, prep=prep, copies=copies, out_f=out_f, scales=scales):
+                return fp8_linear(x, prep[i % copies], scales, out_f, None, variant=kind)
+        x = torch.randn(rows, in_f).to(torch.bfloat16)
+        for i in range(3):
+            fn(x, i)
+        t = time.perf_counter()
+        for i in range(reps):
+            fn(x, i)
+        total += (time.perf_counter() - t) / reps * count
+    return total
+
+
+def fp8_main() -> None:
+    print(f"CPU: {cpu_name()}, torch {torch.__version__}; FP8 auto variant: {fp8_variant('auto')}")
+    variants = [v for v in ("portable", "avx2", "avx512") if _runs(v)]
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        for rows in (1, 4):
+            bf = fp8_step_seconds("bf16", rows)
+            cells = "  ".join(f"fp8 {v} {fp8_step_seconds(v, rows) * 1e3:6.2f} ms" for v in variants if v != "portable")
+            print(f"threads={threads} rows={rows}: bf16 panel {bf * 1e3:6.2f} ms  {cells}  "
+                  f"bf16 / fp8 auto {bf / fp8_step_seconds('auto', rows):.2f}x", flush=True)
+
+
+def _runs(variant: str) -> bool:
+    try:
+        return fp8_variant(variant) == variant
+    except ValueError:
+        return False
+
+
 def main() -> None:
+    if "--fp8" in sys.argv:
+        return fp8_main()
     print(f"CPU: {cpu_name()}, torch {torch.__version__}")
     mod, why = load()
     print(why)

@@ -208,8 +208,9 @@ class EngineConfig:
     fused_decode: Literal["auto", "off"] = "auto"
     """CPU: run the transformer blocks of a decode-only step as one C++ call (engines/fused_decode.py:
     the same kernels in the same order, bitwise the module path's result, without ~300 Python-entered
-    ops a token). auto: for GPT-2-style models whose block Linears chose the panel kernel and whose
-    attention is the paged kernel, where it builds (else the module path, with a warning). off: never."""
+    ops a token). auto: for GPT-2 and Llama-family models (RMSNorm, rotary, GQA, SwiGLU; Linear biases
+    and per-head q / k norms too) whose block Linears chose kernels it calls and whose attention is the
+    paged kernel, where it builds (else the module path, with the reason logged). off: never."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1

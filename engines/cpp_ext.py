@@ -3,8 +3,9 @@
 Each is compiled once per machine with torch.utils.cpp_extension (gcc, -O3 -march=native, OpenMP,
 so loops run on torch's intra-op threads) into torch's extension directory
 (~/.cache/torch_extensions), under a name that includes the CPU's model and flags, the torch
-version and the environment: a -march=native binary must never load on another CPU, and two
-venvs sharing one name would rebuild each other's copy at every first load.
+version, the environment and a digest of the source: a -march=native binary must never load on
+another CPU, and two venvs or checkouts sharing one name would rebuild each other's copy at every
+first load.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def build_name(prefix: str) -> str:
-    """`prefix` + a digest of the machine, CPU model and flags, torch version and interpreter prefix."""
-    ident = platform.machine() + torch.__version__ + sys.prefix
+def build_name(prefix: str, source: str = "") -> str:
+    """`prefix` + a digest of the machine, CPU model and flags, torch version, interpreter prefix and
+    the source: two checkouts sharing one venv (or a checkout before and after a change) then build and
+    load each its own copy instead of rebuilding one another's at every first load."""
+    ident = platform.machine() + torch.__version__ + sys.prefix + source
     try:
         with open("/proc/cpuinfo") as f:
             lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
@@ -87,9 +90,10 @@ def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[ob
         from torch.utils.cpp_extension import load_inline
 
         find_ninja()
-        clear_stale_lock(build_name(prefix))
+        name = build_name(prefix, source)
+        clear_stale_lock(name)
         t = time.perf_counter()
-        mod = load_inline(name=build_name(prefix), cpp_sources=source + bindings(functions), functions=None,
+        mod = load_inline(name=name, cpp_sources=source + bindings(functions), functions=None,
                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         why = f"{what} ready in {time.perf_counter() - t:.1f} s"

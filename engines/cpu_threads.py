@@ -33,6 +33,7 @@ torch 2.13+cpu, libgomp), see BENCHMARKS.md, "Peer benchmark against vLLM's CPU 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -92,10 +93,19 @@ def single_threaded() -> contextlib.AbstractContextManager[None]:
 
 
 EXPLORE_MIN, EXPLORE_MAX = 8, 256
-"""Steps between two trials of another thread count: the shortest (after a switch, or a sudden
-slow-down), and the longest (backed off to while the current count keeps winning)."""
+"""Steps between two trials of another thread count: the shortest (after a switch, or when measurements
+drift), and the longest (backed off to while the current count keeps winning)."""
+TRIAL_GAP = 2
+"""Steps between the trials of a count that has fewer than MIN_SAMPLES fresh samples: spread a little,
+so that one burst of a neighbour does not disturb all of them alike, but soon."""
+SAMPLES, MIN_SAMPLES = 7, 3
+"""Each count's recent step times kept per step class, and how many it needs before it can win or lose:
+a decision compares medians, so one disturbed step (a neighbour's burst, a page fault) decides nothing."""
 SWITCH_MARGIN = 0.9
-"""Another count takes over when its time is under this fraction of the current count's."""
+"""Another count takes over when its median is under this fraction of the current count's."""
+DRIFT = 1.5
+"""A count's new median (or a trial's time) this many times above or below the median the last decision
+saw means the machine changed: every count's samples are dropped as stale and measured again soon."""
 
 
 def step_class(num_tokens: int, has_prefill: bool) -> tuple[bool, int]:
@@ -103,19 +113,35 @@ def step_class(num_tokens: int, has_prefill: bool) -> tuple[bool, int]:
     return has_prefill, max(0, num_tokens - 1).bit_length()
 
 
+def median(xs) -> float:
+    """The median of a non-empty sequence of numbers (the mean of the middle two for an even count)."""
+    v = sorted(xs)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
 class _ClassState:
-    __slots__ = ("countdown", "current", "ema", "interval")
+    __slots__ = ("countdown", "current", "fresh", "interval", "ref", "samples")
 
     def __init__(self, current: int):
         self.current = current
-        self.ema: dict[int, float] = {}
-        """Smoothed seconds of a step of this class, per thread count."""
+        self.samples: dict[int, collections.deque[float]] = {}
+        """The last SAMPLES step times (seconds) of this class, per thread count."""
+        self.ref: float | None = None
+        """The current count's median when it was last decided on (None: not yet MIN_SAMPLES)."""
+        self.fresh = 0
+        """The current count's samples since `ref` was set."""
         self.interval = EXPLORE_MIN
         # the first trial of another count comes after EXPLORE_MIN steps on this one, not at the
         # second step: a class may hold a handful of long steps (a 16-request mix ran two ~0.6 s
         # prefills, and trying one thread on the second cost 0.45 s, 6% of the run: BENCHMARKS.md
         # issue 12 run 11), and a trial only pays back over the steps that follow it
         self.countdown = EXPLORE_MIN + 1
+
+    def add(self, threads: int, seconds: float) -> collections.deque[float]:
+        q = self.samples.setdefault(threads, collections.deque(maxlen=SAMPLES))
+        q.append(seconds)
+        return q
 
 
 class AdaptiveThreads:
@@ -126,12 +152,17 @@ class AdaptiveThreads:
     2-thread step waits for a descheduled partner thread for a scheduler tick (~4 ms): a
     (8 x 768) @ (768 x 2304) matmul took 4-8 ms on 2 threads against 0.8 ms on 1; on the same
     machine idle, 2 threads win the batched steps (run 2). Which is faster changes minute by minute
-    on a shared host, so it is measured, per class of step (step_class), by running one step every
-    `interval` steps on another candidate count and comparing it with the current count's smoothed
-    time; the faster one stays. The interval doubles (to EXPLORE_MAX) while the current count keeps
-    winning, so a losing trial costs little, and drops to EXPLORE_MIN after a switch or when a step
-    runs twice its usual time (load arrived). Changing the count does not change results: the
-    linears and attention of a step were measured bitwise equal on 1 and 2 threads (tests check it).
+    on a shared host, so it is measured, per class of step (step_class), by running a step every
+    `interval` steps on another candidate count. A decision compares the median of each count's last
+    SAMPLES step times, and only once both have MIN_SAMPLES: a single disturbed sample once locked
+    decode steps to one thread for a whole run (86 ms against 28 ms; the bf16 mix then ran at 355
+    tok/s, and at 924 ten minutes later: issue 40). The other count takes over when its median is
+    under SWITCH_MARGIN of the current's. The interval doubles (to EXPLORE_MAX) while the current
+    count keeps winning, so a losing trial costs little; it drops to EXPLORE_MIN after a switch and
+    when measurements drift (DRIFT: the current count's median, or one trial, far from what the last
+    decision saw); a drift of the current count's median drops every sample, all measured again. Changing the count
+    does not change results: the linears and attention of a step were measured bitwise equal on 1
+    and 2 threads (tests check it).
     """
 
     def __init__(self, max_threads: int):
@@ -154,11 +185,12 @@ class AdaptiveThreads:
         if st is None:
             st = self._states[cls] = _ClassState(self.max_threads)
         st.countdown -= 1
-        if st.countdown > 0 or st.current not in st.ema:
+        if st.countdown > 0 or len(st.samples.get(st.current, ())) < MIN_SAMPLES:
             return st.current
         others = [c for c in self.candidates if c != st.current]
         i = self._trial.get(cls, 0) % len(others)
-        self._trial[cls] = i + 1
+        if len(st.samples.get(others[i], ())) >= MIN_SAMPLES:
+            self._trial[cls] = i + 1  # a count still short of samples is tried again first
         return others[i]
 
     def record(self, cls: tuple[bool, int], threads: int, seconds: float) -> None:
@@ -166,23 +198,47 @@ class AdaptiveThreads:
         st = self._states.get(cls)
         if st is None or len(self.candidates) == 1:
             return
-        prev = st.ema.get(threads)
         if threads == st.current:
-            st.ema[threads] = seconds if prev is None else 0.7 * prev + 0.3 * seconds
-            if prev is not None and seconds > 2 * prev and st.countdown > EXPLORE_MIN:
-                st.countdown = EXPLORE_MIN  # much slower than usual: the machine changed, try again soon
+            cur = median(st.add(threads, seconds))
+            st.fresh += 1
+            if st.ref is None:
+                if len(st.samples[threads]) >= MIN_SAMPLES:
+                    st.ref, st.fresh = cur, 0
+            elif st.fresh >= MIN_SAMPLES and not st.ref / DRIFT <= cur <= DRIFT * st.ref:
+                self._drifted(st, cur)
             return
-        st.ema[threads] = seconds if prev is None else 0.5 * prev + 0.5 * seconds
-        if st.ema[threads] < SWITCH_MARGIN * st.ema[st.current]:
+        before = st.samples.get(threads)
+        known = before is not None and len(before) >= MIN_SAMPLES
+        moved = known and not median(before) / DRIFT <= seconds <= DRIFT * median(before)
+        trial = st.add(threads, seconds)
+        if len(trial) < MIN_SAMPLES:
+            st.countdown = TRIAL_GAP
+            return
+        if median(trial) < SWITCH_MARGIN * median(st.samples[st.current]):
             st.current, st.interval = threads, EXPLORE_MIN
+            st.ref, st.fresh = median(trial), 0
             self.switches += 1
-        else:
-            st.interval = min(EXPLORE_MAX, 2 * st.interval)
+        elif moved:
+            st.interval = EXPLORE_MIN  # this count's time moved: confirm or refute it soon
+        elif known:
+            st.interval = min(EXPLORE_MAX, 2 * st.interval)  # it lost again, as before: try it more rarely
         st.countdown = st.interval
 
+    def _drifted(self, st: _ClassState, cur: float) -> None:
+        """The current count's median moved past DRIFT: every count's samples are stale (the others' were
+        taken on another machine state; the current's window mixes both): all are measured afresh, the
+        current count MIN_SAMPLES steps, then the others' trials TRIAL_GAP apart."""
+        st.samples, st.ref, st.fresh = {}, None, 0
+        st.interval, st.countdown = EXPLORE_MIN, TRIAL_GAP
+
+    def current_of(self, cls: tuple[bool, int]) -> int:
+        """The count steps of class `cls` run on now (between trials)."""
+        st = self._states.get(cls)
+        return st.current if st is not None else self.max_threads
+
     def summary(self) -> dict[str, str]:
-        """Per step class: the current count and the smoothed step time of each count tried, e.g.
+        """Per step class: the current count and the median step time of each count tried, e.g.
         {"decode<=8": "1 (2: 41.0 ms, 1: 12.3 ms)"}."""
         return {f"{'prefill' if p else 'decode'}<={1 << b}": f"{st.current} (" + ", ".join(
-            f"{n}: {t * 1e3:.1f} ms" for n, t in sorted(st.ema.items(), reverse=True)) + ")"
+            f"{n}: {median(t) * 1e3:.1f} ms" for n, t in sorted(st.samples.items(), reverse=True) if t) + ")"
             for (p, b), st in sorted(self._states.items())}

@@ -10,7 +10,8 @@ than `mm` on a pre-transposed weight on some shapes. Which kernel wins flips bet
 (AVX2-only, AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
 (out, in, dtype, threads) shape is timed all ways once per process, on one row, on MANY_ROWS rows
 (a decode batch) and on BULK_ROWS rows (a prefill chunk), and `FastLinear` dispatches on the row
-count. A kernel must beat plain `F.linear` by 10% to replace it. The choices persist in
+count, on repeated interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its
+best round to replace it (a single lucky or disturbed round decides nothing). The choices persist in
 ~/.cache/shardserve/fast_linear.json keyed by the machine (CPU model and flags, torch build,
 threads), so a later start on the same machine skips the timing (~5-10 s on 2 cores) and computes
 with the same kernels, hence the same rounding; delete the file to time again.
@@ -48,9 +49,10 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 3
-"""Version of the candidate set, part of the saved choices' key: a choice saved before a kernel was
-added never competed with it, so a new set times every shape again."""
+KERNEL_SET = 4
+"""Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
+agree, see _fastest), part of the saved choices' key: a choice saved before a kernel was added never
+competed with it, so a new set times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
 BULK_FROM = 65
@@ -206,25 +208,36 @@ class _Weights(nn.Module):
         self.weight, self.bias = weight, bias
 
 
-def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int,
-             max_rounds: int = 50) -> tuple[str, dict[str, float]]:
-    """Best time of each kernel over rounds of one call each (after a warm-up call each), until
-    `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call interleaving, so
-    that a neighbour's burst on a shared host hits all kernels alike and each gets quiet moments.
-    "linear" unless another kernel beats it by 10%."""
+MARGIN = 0.9
+"""A kernel replaces plain F.linear only when both its median and its best time are under this fraction
+of linear's (the two statistics must agree: a lucky round alone, or a disturbed one, decides nothing)."""
+
+
+def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
+             clock: Callable[[], float] = time.perf_counter) -> tuple[str, dict[str, float]]:
+    """(the chosen kernel, each kernel's median seconds) over rounds of one call each (after a warm-up
+    call each), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
+    interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet
+    moments. The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on
+    its best round; "linear" otherwise. `clock` is injectable (tests)."""
+    from engines.cpu_threads import median
+
     for fn in fns.values():
         fn()
-    best = {k: float("inf") for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     spent, rounds = 0.0, 0
     while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
         for k, fn in fns.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
-            dt = time.perf_counter() - t
-            best[k], spent = min(best[k], dt), spent + dt
+            dt = clock() - t
+            times[k].append(dt)
+            spent += dt
         rounds += 1
-    winner = min(best, key=best.get)
-    return (winner if best[winner] < 0.9 * best["linear"] else "linear"), best
+    med = {k: median(v) for k, v in times.items()}
+    winner = min(med, key=med.get)
+    beats = med[winner] < MARGIN * med["linear"] and min(times[winner]) < MARGIN * min(times["linear"])
+    return (winner if beats else "linear"), med
 
 
 _CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}
@@ -322,7 +335,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                      and (k != "panel" or panels)], 5),
                 (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
                              and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
-                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 1)):  # compute-bound
+                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 3)):  # compute-bound
             x = torch.randn(rows, in_f).to(dtype)
             runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))
     probes.clear()  # the copies (up to COLD_BYTES in three layouts) go now
@@ -362,3 +375,60 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
     if choices:
         log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices
+
+
+class Fp8PanelLinear(nn.Module):
+    """An FP8 weight-only Linear on CPU that keeps one byte a weight: the e4m3 weight in panels, widened in
+    registers by engines/panel_kernel.fp8_linear (per-output scales and the bias applied in the kernel)
+    for decode-sized row counts; a prefill chunk (BULK_FROM rows or more) dequantizes to x's dtype and
+    runs F.linear (compute-bound there: the dequantized copy is per call, never kept).
+
+    Built from an engines.fp8.Fp8Linear that is not a tensor-parallel shard (`from_fp8`); apply_fp8_panels
+    swaps a model's such layers, before engines.fp8.apply_fp8 would dequantize them at load."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 variant: str = "auto"):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.variant = variant
+        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in, 16) uint8
+        self.register_buffer("scales", weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def from_fp8(cls, mod: nn.Module, dtype: torch.dtype, variant: str = "auto") -> Fp8PanelLinear:
+        """From an engines.fp8.Fp8Linear (e4m3 weight (out, in), fp32 weight_scale (out, 1)); bias in `dtype`."""
+        if getattr(mod, "comm", None) is not None:
+            raise ValueError("Fp8PanelLinear: a tensor-parallel shard all-reduces its output; not handled here")
+        bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
+        return cls(mod.weight.detach(), mod.weight_scale.detach(), bias, variant)
+
+    def weight_fp8(self) -> torch.Tensor:
+        """The (out, in) e4m3 weight, unpacked from the panels (for the prefill path and checks)."""
+        p = self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]  # (out, in) uint8
+        return p.contiguous().view(torch.float8_e4m3fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if x2.shape[0] >= BULK_FROM:
+            w = (self.weight_fp8().float() * self.scales[:, None]).to(x.dtype)
+            y = F.linear(x2, w, self.bias)
+        else:
+            y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def apply_fp8_panels(model: nn.Module, dtype: torch.dtype, variant: str = "auto") -> int:
+    """Swap every CPU engines.fp8.Fp8Linear that is not a TP shard for an Fp8PanelLinear (one byte a
+    weight in memory); returns how many. Call before engines.fp8.apply_fp8, which dequantizes the rest."""
+    from engines.fp8 import Fp8Linear
+
+    if panel_kernel.load_fp8()[0] is None:
+        return 0
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear) and child.comm is None and child.weight.device.type == "cpu":
+                setattr(parent, name, Fp8PanelLinear.from_fp8(child, dtype, variant))
+                n += 1
+    return n

@@ -185,3 +185,33 @@ def test_halves_on_two_threads_equal_the_whole_packed_weight(dtype, bias):
     with torch.no_grad(), intra_op_threads(1):
         x = torch.randn(1, 64).to(dtype)
         assert torch.equal(fast(x), whole(x))
+
+
+def _scripted(times: dict[str, list[float]]):
+    """Kernels that take the scripted seconds, round after round, on a fake clock (no real timing)."""
+    now = [0.0]
+    calls = {k: iter([0.0, *v]) for k, v in times.items()}  # the first call is the warm-up
+
+    def fn(k):
+        now[0] += next(calls[k])
+
+    return {k: (lambda k=k: fn(k)) for k in times}, lambda: now[0]
+
+
+def test_a_single_lucky_round_does_not_choose_a_kernel():
+    """Timing decides on repeated rounds: a kernel with one lucky round (its best is 4x linear's) but a
+    slower median stays unchosen; one faster on its median and best round wins; a 5 % gain is no win."""
+    fns, clock = _scripted({"linear": [1.0] * 5, "panel": [0.25, 1.2, 1.1, 1.3, 1.2]})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
+    fns, clock = _scripted({"linear": [1.0, 3.0, 1.0, 1.1, 1.0], "panel": [0.6, 0.7, 2.5, 0.6, 0.65]})
+    chosen, med = fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)
+    assert chosen == "panel" and med == pytest.approx({"linear": 1.0, "panel": 0.65})
+    fns, clock = _scripted({"linear": [1.0] * 5, "packed": [0.95] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
+
+
+def test_timing_rounds_follow_the_budget():
+    """At least min_rounds, then rounds until the budget is spent (fake clock: 1 s a call, 2 kernels)."""
+    fns, clock = _scripted({"linear": [1.0] * 9, "panel": [0.5] * 9})
+    chosen, _ = fl._fastest(fns, budget_s=6.0, min_rounds=2, max_rounds=9, clock=clock)
+    assert chosen == "panel" and clock() == pytest.approx(4 * 1.5)  # 4 rounds (warm-ups take 0 here): 6 s spent

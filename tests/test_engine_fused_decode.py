@@ -1,10 +1,14 @@
 """The fused decode step (engines/fused_decode.py): the blocks of a decode-only step in one C++ call
-give bitwise the module path's tokens and logprobs, and it runs only where it applies."""
+give bitwise the module path's tokens and logprobs (GPT-2 and Llama: GQA, tied and untied heads, fp32
+and bf16), and it runs only where it applies."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from conftest import make_checkpoint
 from staggered import run_staggered
+from torch import nn
 
 import engines.fast_linear as fl
 import engines.fused_decode as fd
@@ -19,8 +23,10 @@ pytestmark = pytest.mark.skipif(load_paged()[0] is None or load_panel()[0] is No
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (20, 6, 14, 9, 17, 3)]
 
 
-def _force(monkeypatch, kinds=("panel", "panel", "linear")):
+def _force(monkeypatch, kinds=("panel", "panel", "linear"), dtype="float32"):
     """Every Linear takes these kernels (one row, decode batch, prefill) instead of the timed ones."""
+    if "packed" in kinds and not fl.packing_available(getattr(torch, dtype)):
+        pytest.skip(f"oneDNN's prepacked {dtype} linear needs CPU features this host lacks")
     monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: kinds)
 
 
@@ -31,10 +37,10 @@ def _tokens_and_logprobs(completion) -> list[tuple]:
 @pytest.mark.parametrize(("dtype", "kinds"), [
     ("float32", ("panel", "panel", "linear")), ("bfloat16", ("panel", "panel", "linear")),
     ("float32", ("panel", "packed", "linear")), ("bfloat16", ("packed", "linear", "linear")),
-    ("float32", ("pretransposed", "pretransposed", "linear"))])
+    ("float32", ("pretransposed", "pretransposed", "linear")), ("bfloat16", ("gemv", "pretransposed", "linear"))])
 def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_dir, monkeypatch, dtype, kinds):
     """Every kernel the C++ loop calls (one row / a decode batch), against the module path."""
-    _force(monkeypatch, kinds)
+    _force(monkeypatch, kinds, dtype)
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
             "max_num_batched_tokens": 16}  # prompts of 17-37 tokens: chunked prefill
     off = LLMEngine(gpt2_dir, EngineConfig(fused_decode="off", **base))
@@ -57,12 +63,50 @@ def test_usable_only_where_every_block_linear_runs_a_kernel_it_calls(gpt2_dir, m
     assert runner.fused.kinds(1) == [fd.KERNELS["panel"]] * len(runner.fused.linears)
 
 
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama_tied"), "llama", seed=1, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize(("dtype", "tied", "kinds"), [
+    ("float32", False, ("panel", "panel", "linear")), ("bfloat16", True, ("panel", "panel", "linear")),
+    ("float32", True, ("packed", "pretransposed", "linear")), ("bfloat16", False, ("linear", "pretransposed", "linear")),
+    ("bfloat16", True, None)])  # None: autotuning off, every block Linear a plain nn.Linear
+def test_llama_fused_step_equals_the_module_path(llama_dir, tied_llama_dir, monkeypatch, dtype, tied, kinds):
+    """Llama (RMSNorm, rotary, GQA 4 q / 2 kv heads, SwiGLU, tied or untied head): bit for bit in fp32 and
+    in bf16 too (the same ops in the same order; the rotation rounds each product as torch does)."""
+    if kinds is not None:
+        _force(monkeypatch, kinds, dtype)
+    model_dir = tied_llama_dir if tied else llama_dir
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
+            "max_num_batched_tokens": 16, "cpu_linear_autotune": kinds is not None}
+    off = LLMEngine(model_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(model_dir, EngineConfig(fused_decode="auto", **base))
+    runner = fused.executor.runner
+    assert runner.fused is not None and runner.fused.family.rope and runner.fused.family.rms
+    assert runner.cfg.kv_heads < runner.cfg.n_head
+    assert (runner.model.lm_head.weight is runner.model.wte.weight) == tied
+    calls = []
+    run = runner.fused.run
+    monkeypatch.setattr(runner.fused, "run", lambda *a: calls.append(a[0].shape[1]) or run(*a))
+    expect, got = (run_staggered(e, PARAMS, _tokens_and_logprobs) for e in (off, fused))
+    assert got == expect
+    assert len(calls) > 20 and max(calls) > 1
+
+
 def test_not_used_where_it_does_not_apply(gpt2_dir, llama_dir, monkeypatch):
     _force(monkeypatch)
     llama = LLMEngine(llama_dir, EngineConfig()).executor.runner
-    assert llama.fused is None and "GPT-2" in fd.why_not(llama.model, llama.device)
-    plain = LLMEngine(gpt2_dir, EngineConfig(cpu_linear_autotune=False)).executor.runner  # nn.Linear, no panels
-    assert plain.fused is None and "panel" in fd.why_not(plain.model, plain.device)
+    assert llama.fused is not None and fd.why_not(llama.model, llama.device) is None
+    llama.model.blocks[1].attn.extra = nn.Identity()  # a part the loop does not know: refused by name
+    assert "['extra']" in fd.why_not(llama.model, llama.device)
+    del llama.model.blocks[1].attn.extra
+    llama.model.blocks[0].attn.kv_hook = lambda layer, k, v: (k, v)
+    assert "kv_hook" in fd.why_not(llama.model, llama.device)
+    plain = LLMEngine(gpt2_dir, EngineConfig(cpu_linear_autotune=False)).executor.runner  # nn.Linear: F.linear
+    assert plain.fused is not None and plain.fused.kinds(3) == [fd.KERNELS["linear"]] * len(plain.fused.linears)
+    plain.model.blocks[0].mlp.down = torch.nn.Bilinear(2, 2, 2)  # not a Linear it can call
+    assert "Bilinear" in fd.why_not(plain.model, plain.device)
     loop = LLMEngine(gpt2_dir, EngineConfig(decode_attention="loop")).executor.runner  # no paged kernel
     assert loop.fused is None
 
@@ -70,3 +114,70 @@ def test_not_used_where_it_does_not_apply(gpt2_dir, llama_dir, monkeypatch):
 def test_fused_decode_is_validated():
     with pytest.raises(ValueError, match="fused_decode"):
         EngineConfig(fused_decode="on")
+
+
+def _qwen3_as_ours(hf, cfg):
+    """Our GPT with HF Qwen3's weights, plus per-head q / k RMSNorms on each block's attention (the parts
+    a Qwen3 adds; the fused step takes their weights)."""
+    from engines.model import GPT, RMSNorm
+
+    model = GPT(cfg).eval()
+    sd = hf.state_dict()
+    with torch.no_grad():
+        model.wte.weight.copy_(sd["model.embed_tokens.weight"])
+        model.norm_f.weight.copy_(sd["model.norm.weight"])
+        model.lm_head.weight.copy_(sd["lm_head.weight"])
+        for i, b in enumerate(model.blocks):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            b.attn.qkv.weight.copy_(torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"]))
+            b.attn.qkv.bias.copy_(torch.cat([sd[a + f"{n}_proj.bias"] for n in "qkv"]))
+            b.attn.proj.weight.copy_(sd[a + "o_proj.weight"])
+            b.attn.proj.bias.copy_(sd[a + "o_proj.bias"])
+            b.mlp.up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+            b.mlp.down.weight.copy_(sd[p + "mlp.down_proj.weight"])
+            b.norm1.weight.copy_(sd[p + "input_layernorm.weight"])
+            b.norm2.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+            for n in ("q_norm", "k_norm"):
+                norm = RMSNorm(cfg.hd, cfg.norm_eps)
+                norm.weight.copy_(sd[a + f"{n}.weight"])
+                setattr(b.attn, n, norm)
+    return model
+
+
+def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
+    """The optional inputs (Linear biases, per-head q / k RMSNorm before the rotation) against HF Qwen3 on a
+    tiny random config: two sequences decoded a token a step through the fused loop, every hidden state
+    equal to transformers' (fp32, 1e-5)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from engines.attention import KVCache
+    from engines.config import ModelConfig
+
+    _force(monkeypatch)
+    torch.manual_seed(0)
+    hf_cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64)
+    hf = Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    theta = getattr(hf_cfg, "rope_theta", None) or hf_cfg.rope_parameters["rope_theta"]
+    cfg = ModelConfig(model_type="llama", vocab_size=96, n_layer=2, n_head=4, n_embd=64, n_kv_head=2, head_dim=16,
+                      intermediate_size=128, norm_eps=1e-6, rope_theta=theta, bias=True, activation="silu",
+                      tie_word_embeddings=False, max_position_embeddings=64)
+    model = _qwen3_as_ours(hf, cfg)
+    fl.apply_fast_linear(model)
+    assert fd.why_not(model, torch.device("cpu")) is None and fd.family(model).qk_norm
+    cache = KVCache(cfg.n_layer, 8, 4, cfg.kv_heads, cfg.hd, torch.float32)
+    fused = fd.FusedDecode(model, [cache.data[i, 0] for i in range(2)], [cache.data[i, 1] for i in range(2)])
+    ids = torch.randint(0, 96, (2, 11))
+    table = torch.tensor([[0, 1, 2], [5, 3, 4]])  # sequence 1's blocks out of order
+    got = []
+    with torch.inference_mode():
+        for t in range(ids.shape[1]):
+            slots = table[:, t // 4] * 4 + t % 4
+            got.append(fused.run(ids[:, t][None], torch.tensor([[t, t]]), slots, table, torch.tensor([t + 1] * 2), 4))
+        expect = hf(ids, output_hidden_states=True).hidden_states[-1]  # (2, T, C) after the final norm
+    torch.testing.assert_close(torch.cat(got)[:, :, :].transpose(0, 1), expect, atol=1e-5, rtol=1e-5)

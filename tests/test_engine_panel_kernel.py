@@ -85,14 +85,14 @@ def test_a_stale_build_lock_does_not_hang_the_load():
 
     from engines.cpp_ext import STALE_LOCK_S, build, build_name, clear_stale_lock
 
-    name = build_name("shardserve_panel_")
+    name = build_name("shardserve_panel_", pk._SOURCE + pk._FP8_SOURCE)
     lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
     open(lock, "w").close()
     try:
         assert clear_stale_lock(name) is False and os.path.exists(lock)  # fresh: someone is building
         old = time.time() - STALE_LOCK_S - 60
         os.utime(lock, (old, old))
-        mod, why = build("shardserve_panel_", pk._SOURCE, ["pack_panels", "panel_linear"], "panel kernel")
+        mod, why = build("shardserve_panel_", pk._SOURCE + pk._FP8_SOURCE, pk.FUNCTIONS, "panel kernel")
         assert mod is not None, why
         assert not os.path.exists(lock)
     finally:

@@ -1,0 +1,90 @@
+"""The FP8 weight-only CPU Linear kernel (engines/panel_kernel.py fp8_*, csrc/fp8_panel_kernel.cpp): every
+variant, forced, equals dequantize-then-matmul; a variant the CPU lacks is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines import panel_kernel as pk
+
+pytestmark = pytest.mark.skipif(pk.load_fp8()[0] is None, reason="the C++ kernels cannot be built here")
+
+
+def _runs_here(variant: str) -> bool:
+    try:
+        return pk.fp8_variant(variant) == variant
+    except ValueError:
+        return False
+
+
+VARIANTS = [pytest.param(v, marks=pytest.mark.skipif(not _runs_here(v), reason=f"this CPU lacks the {v} variant's "
+                                                     "instructions (it is tested where they exist)"))
+            for v in ("portable", "avx2", "avx512")]
+
+
+def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight (every byte pattern but NaN among them: subnormals, zeros, +-448) and per-output scales."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    raw = w.view(torch.uint8)
+    span = min(k, 126)  # 0x00 .. 0x7d: zero, subnormals, normals up to 448; then their negatives
+    raw[0, :span] = torch.arange(span, dtype=torch.uint8)
+    raw[1, :span] = torch.arange(126 - span, 126, dtype=torch.uint8) | 0x80
+    return w, torch.rand(n, generator=g) * 0.01 + 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("rows", "n", "k", "dtype", "bias"), [
+    (1, 40, 130, torch.float32, False), (5, 33, 64, torch.float32, True), (11, 16, 200, torch.float32, False),
+    (3, 50, 96, torch.bfloat16, True)])
+def test_fp8_kernel_equals_dequantize_then_matmul(variant, rows, n, k, dtype, bias):
+    w, scales = _fp8_weight(n, k, seed=rows)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(rows, k).to(dtype)
+    panels = pk.fp8_pack_panels(w)
+    assert panels.dtype == torch.uint8 and panels.numel() == -(-n // 16) * 16 * k  # one byte a weight
+    got = pk.fp8_linear(x, panels, scales, n, b, variant=variant)
+    ref = x.float() @ (w.float() * scales[:, None]).t() + (b if bias else 0)  # dequantize, then matmul
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 8e-3}  # bf16: one rounding
+    torch.testing.assert_close(got, ref.to(dtype), **tol)
+
+
+def test_the_decoding_is_exact_for_every_byte():
+    """All 254 non-NaN e4m3 bytes through a one-input Linear of scale 1: the kernel reads torch's values."""
+    w = torch.arange(256, dtype=torch.uint8)
+    w = w[(w & 0x7F) != 0x7F].view(torch.float8_e4m3fn)[:, None]  # (254, 1)
+    got = pk.fp8_linear(torch.ones(1, 1), pk.fp8_pack_panels(w), torch.ones(w.shape[0]), w.shape[0])
+    assert torch.equal(got[0], w.float()[:, 0])
+
+
+def test_variants_resolve_and_refuse_by_name():
+    assert pk.fp8_variant("auto") in ("portable", "avx2", "avx512")
+    assert pk.fp8_variant("portable") == "portable"
+    with pytest.raises(ValueError, match="allowed"):
+        pk.fp8_variant("amx")
+    if not _runs_here("avx512"):
+        with pytest.raises(ValueError, match="AVX-512F"):
+            pk.fp8_linear(torch.ones(1, 16), pk.fp8_pack_panels(torch.ones(16, 16).to(torch.float8_e4m3fn)),
+                          torch.ones(16), 16, variant="avx512")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_layer_equals_the_dequantizing_layer(dtype):
+    """Fp8PanelLinear (kept one byte a weight) against engines.fp8's Fp8Linear, whose forward dequantizes:
+    decode rows through the kernel, a prefill chunk through F.linear on a per-call dequantized copy."""
+    from engines.fast_linear import BULK_FROM, Fp8PanelLinear, apply_fp8_panels
+    from engines.fp8 import Fp8Linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=True))
+    model[0] = Fp8Linear.quantize(model[0])
+    ref = model[0]
+    assert apply_fp8_panels(model, dtype) == 1 and isinstance(model[0], Fp8PanelLinear)
+    assert model[0].panels.element_size() == 1 and torch.equal(model[0].weight_fp8().view(torch.uint8),
+                                                               ref.weight.view(torch.uint8))
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 1e-2}
+    for rows in (1, 7, BULK_FROM):
+        x = torch.randn(rows, 96).to(dtype)
+        torch.testing.assert_close(model(x), ref(x).to(dtype), **tol)
