@@ -216,6 +216,11 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
                 setattr(parent, attr, Fp8Linear.quantize(mod, getattr(mod, "comm", None)))
                 at_load += 1
     fast = force_w8a8 or w8a8_supported(device)
+    panels = 0
+    if torch.device(device).type == "cpu" and not force_w8a8:
+        from engines.fast_linear import apply_fp8_panels
+
+        panels = apply_fp8_panels(model, dtype)  # one byte a weight, widened in the kernel's registers
     fp8_layers = [mod for _, _, mod in _block_linears(model) if isinstance(mod, Fp8Linear)]
     choice: dict = {}
     if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
@@ -245,10 +250,13 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
     if fast:
         backend = (f"w8a8 (torch._scaled_mm: {counts['rowwise']} row-wise, {counts['tensorwise']} tensor-wise "
                    f"+ per-channel epilogue; {counts['dequant']} bf16 where measured faster)")
+    elif panels:
+        backend = (f"weight-only: {panels} Linears e4m3 in memory, widened in the CPU kernel"
+                   + (f"; {counts['dequant']} dequantized at load" if counts["dequant"] else ""))
     else:
         backend = "weight-only (dequantized at load)"
     return Fp8Report(quantized_at_load=at_load, w8a8=counts["rowwise"] + counts["tensorwise"],
-                     dequant=counts["dequant"], backend=backend)
+                     dequant=counts["dequant"] + panels, backend=backend)
 
 
 def _dequantized(mod: Fp8Linear, dtype: torch.dtype) -> nn.Module:

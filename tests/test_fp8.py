@@ -18,6 +18,7 @@ from engines import EngineConfig, SamplingParams
 from engines.checkpoint import CheckpointError, load_model
 from engines.config import ConfigError
 from engines.executor import InProcessExecutor
+from engines.fast_linear import Fp8PanelLinear
 from engines.fp8 import Fp8Linear, ScaledMMLinear, apply_fp8, quantize_tokens
 from engines.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
 from engines.llm_engine import LLMEngine
@@ -171,7 +172,10 @@ def _check_against_transformers(model_dir: Path, ids: torch.Tensor) -> None:
                 got = block.get_submodule(path)(x)
             torch.testing.assert_close(got, expect, rtol=2**-7, atol=1e-3)
             theirs_w = torch.cat([hf.get_submodule(n).weight for n in names], 0)
-            assert torch.equal(wo.blocks[i].get_submodule(path).weight, theirs_w)
+            mod = wo.blocks[i].get_submodule(path)  # CPU weight-only: e4m3 panels (Fp8PanelLinear)
+            w = mod.weight if hasattr(mod, "weight") else (mod.weight_fp8().float() * mod.scales[:, None]).to(
+                theirs_w.dtype)
+            assert torch.equal(w, theirs_w)
     hf.apply(disable_quantization)  # weights stay decompressed; activations are no longer fake-quantized
     with torch.no_grad():
         torch.testing.assert_close(wo.logits(wo(ids))[0], hf(ids).logits[0], rtol=1e-4, atol=1e-4)
@@ -356,7 +360,7 @@ def test_engine_runs_fp8_and_online_quantization_matches(family, gpt2_dir, llama
     assert _generate(src, BASE.replace(weight_dtype="fp8")) == offline  # quantized at load: the same values
     eng = LLMEngine(q, BASE)
     assert eng.executor.runner.fp8.dequant == 8 and eng.executor.runner.fp8.quantized_at_load == 0
-    assert all(type(b.attn.qkv) is torch.nn.Linear for b in eng.executor.runner.model.blocks)  # CPU: dequantized
+    assert all(type(b.attn.qkv) is Fp8PanelLinear for b in eng.executor.runner.model.blocks)  # CPU: 1 byte a weight
 
 
 def _engine_on(model_dir: Path, cfg: EngineConfig, force_w8a8: bool):
@@ -383,7 +387,7 @@ def test_static_decode_runner_accepts_fp8_layers(llama_dir, llama_fp8, source, w
         cfg = BASE.replace(static_decode=static, weight_dtype=weight_dtype)
         eng = _engine_on(model_dir, cfg, force_w8a8)
         runner = eng.executor.runner
-        kind = ScaledMMLinear if force_w8a8 else torch.nn.Linear
+        kind = ScaledMMLinear if force_w8a8 else Fp8PanelLinear  # CPU weight-only: e4m3 kept, widened in the kernel
         assert all(type(b.mlp.down) is kind and type(b.attn.qkv) is kind for b in runner.model.blocks)
         assert (runner.decode_runner is not None) == (static == "on")
         if runner.decode_runner is not None:
