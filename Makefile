@@ -9,7 +9,7 @@ PORT    ?= 8000
 # pytest-xdist processes for make test; each test file runs whole in one (its module fixtures once)
 TEST_WORKERS ?= 2
 
-.PHONY: setup test bench bench-peer model serve serve-config lint clean
+.PHONY: setup test test-fast bench bench-peer model serve serve-config lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ setup: $(STAMP)  ## create .venv and install shardserve with its test extras
 
 test: $(STAMP)   ## run the whole test suite
 	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+
+test-fast: $(STAMP)  ## the unit and parity tier (tests/conftest.py FAST_TIER): under 2 minutes on 2 cores
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --fast
 
 bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, with the command)
 	$(BIN)/python benchmarks/bench_decode.py

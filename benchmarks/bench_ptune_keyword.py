@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import subprocess
 import tempfile
@@ -40,13 +41,23 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_ptune import LOVE, TEMPLATE, WAR, first_tokens, hand_prompt, write_jsonl
-from benchmarks.ptune_keyword_probe import wilson
 from engines import LLM
 from engines.tokenizer import Tokenizer
 from training.ptune import train_task
 from training.ptune_recipe import parse_overrides, ptune_recipe_from_dict
 
 LABELS = (" love", " war")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)
 
 
 def labelled(data_dir: Path, tok: Tokenizer, split: str = "val") -> tuple[list[str], list[tuple[int, int]]]:

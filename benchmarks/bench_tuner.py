@@ -8,9 +8,9 @@ simulator replays the schedule actually sent. Prints one markdown row per (layou
 metric as predicted / measured (error), and how many are within the target.
 
     flock /tmp/shardserve-bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py \
-        --hardware results/tune/this-machine.yaml --out /tmp/bench-tuner
+        --hardware runs/tune/this-machine.yaml --out /tmp/bench-tuner
     # the closed loop's refit, held out per layout, from the saved requests (no lock: nothing timed)
-    env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py --hardware results/tune/this-machine.yaml \
+    env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tuner.py --hardware runs/tune/this-machine.yaml \
         --from-json /tmp/bench-tuner/accuracy.json --refit --out /tmp/bench-tuner-refit
 """
 
@@ -232,7 +232,7 @@ def main() -> None:
                     help="raise a rate that would make one load test longer than this (s) to num_prompts / max_run_s")
     ap.add_argument("--dtype", default="bfloat16", help="engine dtype (the profile's rates for it are used)")
     ap.add_argument("--only", default="", help="comma-separated layout indexes to run (default: all)")
-    ap.add_argument("--out", type=Path, default=Path("results/bench_tuner"))
+    ap.add_argument("--out", type=Path, default=Path("runs/bench_tuner"))
     ap.add_argument("--target", type=float, default=0.10)
     ap.add_argument("--refit", action="store_true", help="also the closed loop's refit, held out per layout "
                     "(CPU work after the measurements: run it with --from-json outside the bench lock)")

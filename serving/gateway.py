@@ -8,7 +8,6 @@ engine loop never spends time on text it does not need. It imports no torch.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 import uuid
@@ -22,6 +21,7 @@ from deploy.schema import RequestLimits
 from engines.sampling_params import RequestError, SamplingParams
 from engines.tokenizer import Tokenizer
 from serving import errors
+from serving.auth import hash_key
 from serving.backends import ModelBackend
 from serving.errors import APIError
 from serving.limits import check_limits
@@ -29,10 +29,6 @@ from serving.metrics import GatewayMetrics, Metric, merge, render
 from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
 JSON_TYPES = ("application/json",)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ cancelling writes a `cancel` file the job polls every step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from engines.ptuning import (
     read_dataset,
 )
 from serving.wire import ErrorInfo
+from training.ptune_recipe import PtuneRecipe
 
 log = logging.getLogger("shardserve.ptuning")
 
@@ -47,11 +49,9 @@ MAX_RESTARTS = 3
 LAUNCH_GRACE_S = 60.0
 """A launched job that has not written its pid within this is taken as lost."""
 HOST = socket.gethostname()
-RECIPE_KEYS = ("num_virtual_tokens", "prompt_depth", "encoder", "encoder_hidden_size", "encoder_residual", "init_text", "append_eos",
-               "choice_loss", "choice_limit",
-               "template", "lr", "warmup_steps", "batch_size", "max_steps", "eval_every", "patience", "val_fraction",
-               "max_examples", "precision", "time_budget_s", "seed")
-"""training.ptune_recipe.PtuneRecipe's keys (serving does not import training; a test keeps them equal)."""
+RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(PtuneRecipe))
+"""The keys a job's `recipe` may set: training.ptune_recipe.PtuneRecipe's fields (the recipe type is
+the one source; serving imports training's recipe types only, as the tuner does)."""
 
 
 class AdminError(Exception):

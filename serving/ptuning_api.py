@@ -13,33 +13,15 @@ folder carries every change to the other replicas and across restarts.
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from serving import errors
+from serving.auth import require_admin
 from serving.errors import APIError
-from serving.gateway import ServedModel, gateway_of, hash_key, read_json
-from serving.wire import ErrorInfo
-
-
-def require_admin(request: Request) -> None:
-    opts = gateway_of(request).options
-    if not opts.api_key_hashes and not opts.admin_key_hashes:
-        return  # no keys configured at all: an open development server
-    if not opts.admin_key_hashes:
-        raise APIError(ErrorInfo(403, "permission_error", "admin routes are disabled: no admin keys are configured "
-                                 "(server.admin_api_keys_file or $SHARDSERVE_ADMIN_KEYS)", None, "admin_disabled"))
-    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    digest = hash_key(key.strip()) if scheme.lower() == "bearer" and key.strip() else ""
-    if not any(hmac.compare_digest(digest, h) for h in opts.admin_key_hashes):
-        user = any(hmac.compare_digest(digest, h) for h in opts.api_key_hashes)
-        raise APIError(ErrorInfo(403 if user else 401, "permission_error" if user else "invalid_request_error",
-                                 "this route needs an admin API key: send `Authorization: Bearer <admin key>`",
-                                 None, "admin_key_required"))
-
+from serving.gateway import ServedModel, gateway_of, read_json
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

@@ -20,23 +20,15 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from serving import errors
+from serving.auth import require_admin
 from serving.gateway import gateway_of
-from serving.ptuning_api import require_admin
 
 STEP_FIELDS = ("end_s", "seconds", "gap_s", "decode_seqs", "decode_context_tokens", "prefill_seqs",
                "prefill_tokens", "prefill_attention_pairs", "sampled")
-"""One step of the window, in the order of LLMEngine.step_detail; end_s on the replica's monotonic clock."""
+"""One step of the window, in the order of LLMEngine.step_detail; end_s on the replica's monotonic clock.
+A replica publishes its window as tuples in this order (serving.model_core.ModelCore.step_window)."""
 
 router = APIRouter(dependencies=[Depends(require_admin)])
-
-
-def step_window(engine: Any, layout: dict[str, Any], replica: str, clock_s: float) -> dict[str, Any]:
-    """A replica's window as it is published (`engine`: its LLMEngine; `clock_s`: now on the
-    replica's monotonic clock, so that a reader can tell how old each step is): the steps as tuples
-    in STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle several
-    times faster than dicts, which matters for a window of thousands of steps); `as_route` turns it
-    into what the route returns."""
-    return {"replica": replica, "layout": layout, "clock_s": clock_s, "rows": tuple(engine.step_detail)}
 
 
 def as_route(window: dict[str, Any], limit: int) -> dict[str, Any]:

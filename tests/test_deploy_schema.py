@@ -28,6 +28,21 @@ def test_engine_options_mirror_engine_config():
     assert set(EngineOptions.model_fields) == set(EngineConfig.field_names())
 
 
+def test_engine_options_types_and_choices_follow_engine_config():
+    """The schema's field types are EngineConfig's (optional: None keeps the engine's default), and
+    every choice the schema offers is one the engine takes: EngineConfig is the source of truth,
+    deploy/ only mirrors it because it may not import engines (ARCHITECTURE.md)."""
+    import typing
+
+    hints = typing.get_type_hints(EngineConfig)
+    for name, info in EngineOptions.model_fields.items():
+        engine_t = hints[name]
+        assert info.annotation == (engine_t | None), f"{name}: schema {info.annotation} vs engine {engine_t}"
+        assert info.default is None, f"{name}: the schema's default must be None (the engine's default)"
+        for choice in typing.get_args(engine_t) if typing.get_origin(engine_t) is typing.Literal else ():
+            EngineConfig(**{name: choice})
+
+
 def test_unset_engine_options_keep_engine_defaults():
     assert EngineOptions().engine_kwargs() == {}
     assert EngineConfig(**EngineOptions().engine_kwargs()) == EngineConfig()

@@ -154,7 +154,7 @@ def search_cmd(
     model_path: str = typer.Option("", "--model-path", help="Checkpoint in the emitted YAML (and served by "
                                    "--validate); empty: models/default in the YAML, and --validate serves a "
                                    "random-weight checkpoint of --model's shape (timing does not depend on weights)."),
-    out: Path = typer.Option(Path("results/tune"), "--out", help="Result directory (table JSON, Pareto PNG, YAML)."),
+    out: Path = typer.Option(Path("runs/tune"), "--out", help="Result directory (table JSON, Pareto PNG, YAML)."),
     top: int = typer.Option(10, "--top", help="Rows of the ranked table to print."),
     weight_dtype: list[str] = typer.Option(["bfloat16", "fp8"], "--weight-dtype",
                                            help="Weight dtypes to search (repeatable): bfloat16, float16, float32, fp8."),
@@ -308,7 +308,7 @@ def _pareto(ranked, path: Path) -> None:
 
 @tune.command("profile")
 def profile_cmd(
-    out: Path = typer.Option(Path("results/tune/this-machine.yaml"), "--out", help="Where the profile YAML goes."),
+    out: Path = typer.Option(Path("runs/tune/this-machine.yaml"), "--out", help="Where the profile YAML goes."),
     name: str = typer.Option("this-machine", "--name", help="Profile name."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Also time requests through a real "
                                "`shardserve serve` (gateway + Ray overhead per request and per token)."),
