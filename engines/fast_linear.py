@@ -383,8 +383,8 @@ class Fp8PanelLinear(nn.Module):
     for decode-sized row counts; a prefill chunk (BULK_FROM rows or more) dequantizes to x's dtype and
     runs F.linear (compute-bound there: the dequantized copy is per call, never kept).
 
-    Built from an engines.fp8.Fp8Linear that is not a tensor-parallel shard (`from_fp8`); apply_fp8_panels
-    swaps a model's such layers, before engines.fp8.apply_fp8 would dequantize them at load."""
+    Built from an engines.fp8.Fp8Linear that is not a tensor-parallel shard (`from_fp8`); engines.fp8.apply_fp8
+    swaps a CPU model's such layers for these instead of dequantizing them at load."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  variant: str = "auto"):
@@ -416,19 +416,3 @@ class Fp8PanelLinear(nn.Module):
         else:
             y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
         return y.view(*x.shape[:-1], self.out_features)
-
-
-def apply_fp8_panels(model: nn.Module, dtype: torch.dtype, variant: str = "auto") -> int:
-    """Swap every CPU engines.fp8.Fp8Linear that is not a TP shard for an Fp8PanelLinear (one byte a
-    weight in memory); returns how many. Call before engines.fp8.apply_fp8, which dequantizes the rest."""
-    from engines.fp8 import Fp8Linear
-
-    if panel_kernel.load_fp8()[0] is None:
-        return 0
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Fp8Linear) and child.comm is None and child.weight.device.type == "cpu":
-                setattr(parent, name, Fp8PanelLinear.from_fp8(child, dtype, variant))
-                n += 1
-    return n

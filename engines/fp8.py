@@ -218,9 +218,14 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
     fast = force_w8a8 or w8a8_supported(device)
     panels = 0
     if torch.device(device).type == "cpu" and not force_w8a8:
-        from engines.fast_linear import apply_fp8_panels
+        from engines.fast_linear import Fp8PanelLinear
+        from engines.panel_kernel import load_fp8
 
-        panels = apply_fp8_panels(model, dtype)  # one byte a weight, widened in the kernel's registers
+        if load_fp8()[0] is not None:  # one byte a weight, widened in the kernel's registers
+            for parent, attr, mod in list(_block_linears(model)):
+                if isinstance(mod, Fp8Linear) and mod.comm is None and mod.weight.device.type == "cpu":
+                    setattr(parent, attr, Fp8PanelLinear.from_fp8(mod, dtype))
+                    panels += 1
     fp8_layers = [mod for _, _, mod in _block_linears(model) if isinstance(mod, Fp8Linear)]
     choice: dict = {}
     if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
