@@ -107,3 +107,11 @@ def write_tasks(corpus_files: list[Path], out_dir: str | Path) -> dict[str, dict
         (d / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits["test"]))
         counts[task] = {s: len(v) for s, v in splits.items()}
     return counts
+
+
+if __name__ == "__main__":  # python -m training.ptune_tasks OUT_DIR  (the default corpus, downloaded once)
+    import sys
+
+    from training.shakespeare import shakespeare_files
+
+    print(json.dumps(write_tasks(shakespeare_files(), sys.argv[1] if len(sys.argv) > 1 else "data/ptune-tasks")))
