@@ -126,8 +126,9 @@ def test_first_step_loss_equals_transformers_and_export_keeps_tokenizer(family, 
 
 def test_parallel_layouts_start_from_init(corpus, tmp_path):
     """TP=2 + SP + selective recompute, and PP=2: the first step's loss is transformers' (fp32)."""
-    from training.distributed import free_port
     from training_parallel_worker import train_worker
+
+    from training.distributed import free_port
 
     init = _model_dir(tmp_path, "llama")
     data = prepare_data([str(corpus)], tmp_path / "data", tokenizer_dir=init, log=lambda *a: None).out_dir

@@ -18,6 +18,7 @@ training/ptune.py uses for early stopping instead of a random hold-out) and <tas
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def build_tasks(corpus_files: list[Path]) -> dict[str, dict[str, list[dict]]]:
                 if len(line) >= 30 and key not in seen:
                     seen.add(key)
                     out["play"][split_of(key)].append({"input": line, "output": title})
-        for a, b in zip(speeches, speeches[1:]):
+        for a, b in itertools.pairwise(speeches):
             if a.scene != b.scene or a.speaker == b.speaker or len(speakers) < 3:
                 continue
             text = " ".join(a.lines[:3])
