@@ -25,6 +25,9 @@ def data(
     cache_dir: Path | None = typer.Option(
         None, help="Where the default corpus is downloaded to [default: ~/.cache/shardserve]."),
     strip_gutenberg: bool = typer.Option(True, help="Strip Project Gutenberg headers, licences and footers from .txt."),
+    tokenizer: Path | None = typer.Option(
+        None, help="A model directory whose own tokenizer encodes the text (for `train --init` of that model); "
+                   "--vocab-size is then ignored."),
 ) -> None:
     """Turn text into a byte-level BPE tokenizer and memory-mapped train/val token files.
 
@@ -36,7 +39,7 @@ def data(
 
     try:
         prepare_data(inputs or None, out, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed,
-                     cache_dir=cache_dir, strip_gutenberg=strip_gutenberg, log=typer.echo)
+                     cache_dir=cache_dir, strip_gutenberg=strip_gutenberg, log=typer.echo, tokenizer_dir=tokenizer)
     except CorpusError as exc:
         _fail(exc)
 
@@ -52,6 +55,9 @@ def _worker(config: dict) -> None:
 
 def train(
     config: Path = typer.Option(..., "--config", "-c", help="Recipe YAML (see recipes/default.yaml)."),
+    init: Path | None = typer.Option(
+        None, "--init", help="Continue training this model directory (any the engine loads; replaces the "
+                             "recipe's init key); see recipes/smollm2-shakespeare.yaml."),
     resume: bool = typer.Option(False, help="Continue from out.dir/checkpoint.safetensors."),
     num_workers: int = typer.Option(1, min=1, help="Data-parallel ranks; more than one launches workers."),
     launcher: str = typer.Option("ray", help="How ranks start when --num-workers > 1: ray (Ray Train) or local."),
@@ -62,7 +68,7 @@ def train(
         False, "--memory-report", help="Print measured saved-activation bytes per layer beside the formulas of "
         "Korthikanti et al. 2022 (Table 2) for the recipe's shape and TP size, then exit without training."),
 ) -> None:
-    """Pretrain (or resume) a GPT from a recipe; writes metrics, a loss curve and checkpoints.
+    """Pretrain, fine-tune (--init) or resume a GPT from a recipe; writes metrics, a loss curve and checkpoints.
 
     SIGTERM or Ctrl-C saves a checkpoint; --resume continues it on the same loss curve. With
     out.export_dir set, the final model is exported for `shardserve serve` / `engines.LLM`.
@@ -73,7 +79,7 @@ def train(
     from training.state import ResumeError
 
     try:
-        recipe = load_recipe(config, set_ or [])
+        recipe = load_recipe(config, set_ or [], init)
         if memory_report:
             from training.parallel.memory import format_report
             from training.parallel.memory import memory_report as measure
@@ -101,6 +107,8 @@ def train(
         d = recipe.to_dict()
         d["data"]["dir"] = str(Path(d["data"]["dir"]).resolve())
         d["out"]["dir"] = str(Path(d["out"]["dir"]).resolve())
+        if d["init"]:
+            d["init"] = str(Path(d["init"]).resolve())
         if d["out"]["export_dir"]:
             d["out"]["export_dir"] = str(Path(d["out"]["export_dir"]).resolve())
         job = {"recipe": d, "resume": resume, "progress": progress}

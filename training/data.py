@@ -2,7 +2,9 @@
 
 A prepared data folder:
 
-    tokenizer.json, tokenizer_config.json   byte-level BPE (training/tokenizer.py)
+    tokenizer.json, tokenizer_config.json   byte-level BPE (training/tokenizer.py), or a copy of a
+                                            model's own tokenizer files (`tokenizer_dir`, for
+                                            continued training of that model: chat template kept)
     train.bin, val.bin                      raw little-endian uint16 (uint32 past 65,536 tokens)
     meta.json                               dtype, token counts, vocabulary, checksums
 
@@ -57,10 +59,37 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""What a model's tokenizer is made of (copied with it: the chat template lives in the last two)."""
+
+
+def external_tokenizer(tokenizer_dir: str | Path):
+    """(tokenizers.Tokenizer, document separator id) of a model directory's own tokenizer.
+
+    Documents are separated by the model's end-of-text token: `<|endoftext|>` where the vocabulary
+    has it (GPT-2, SmolLM2, Qwen), else config.json's first eos_token_id (a Llama's `</s>`)."""
+    from tokenizers import Tokenizer
+
+    d = Path(tokenizer_dir)
+    if not (d / "tokenizer.json").is_file():
+        raise CorpusError(f"tokenizer: {str(d)!r} has no tokenizer.json (give a model directory)")
+    tk = Tokenizer.from_file(str(d / "tokenizer.json"))
+    sep = tk.token_to_id(EOS_TOKEN)
+    if sep is None and (d / "config.json").is_file():
+        eos = json.loads((d / "config.json").read_text()).get("eos_token_id")
+        sep = eos[0] if isinstance(eos, list) and eos else eos
+    if not isinstance(sep, int):
+        raise CorpusError(f"tokenizer: {str(d)!r} has no {EOS_TOKEN} token and config.json no eos_token_id "
+                          "to separate documents with")
+    return tk, sep
+
+
 def prepare_data(inputs: list[str] | None, out_dir: str | Path, vocab_size: int = 8192,
                  val_fraction: float = 0.05, seed: int = 0, cache_dir: str | Path | None = None,
-                 strip_gutenberg: bool = True, log=print) -> DataSummary:
-    """Read the inputs (None: the default Shakespeare corpus), train the tokenizer, write the splits."""
+                 strip_gutenberg: bool = True, log=print, tokenizer_dir: str | Path | None = None) -> DataSummary:
+    """Read the inputs (None: the default Shakespeare corpus), train the tokenizer (or use the one
+    of the model directory `tokenizer_dir`), write the splits. The split is over the shuffled
+    documents' token stream, so with another tokenizer it falls at the same document order."""
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"val_fraction: must be in (0, 1), got {val_fraction}")
     if inputs:
@@ -77,9 +106,12 @@ def prepare_data(inputs: list[str] | None, out_dir: str | Path, vocab_size: int 
     texts = [docs[i].text for i in order]
     log(f"corpus: {report.files} file(s), {report.documents} document(s), {report.characters:,} characters")
 
-    tk = train_bpe(texts, vocab_size)
+    if tokenizer_dir is not None:
+        tk, eos = external_tokenizer(tokenizer_dir)
+    else:
+        tk = train_bpe(texts, vocab_size)
+        eos = tk.token_to_id(EOS_TOKEN)
     vocab = tk.get_vocab_size()
-    eos = tk.token_to_id(EOS_TOKEN)
     dtype = token_dtype(vocab)
 
     out = Path(out_dir)
@@ -104,11 +136,17 @@ def prepare_data(inputs: list[str] | None, out_dir: str | Path, vocab_size: int 
         _write_tokens(tmp / "val.bin", tokens[n_train:])
         del tokens
         stream.unlink()
-        save_tokenizer(tk, tmp)
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        else:
+            save_tokenizer(tk, tmp)
         meta = {
             "format": FORMAT,
             "vocab_size": vocab,
-            "requested_vocab_size": vocab_size,
+            "requested_vocab_size": vocab_size if tokenizer_dir is None else vocab,
+            "tokenizer": "bpe" if tokenizer_dir is None else str(Path(tokenizer_dir).resolve()),
             "dtype": dtype.name,
             "eos_token_id": eos,
             "bos_token_id": eos,

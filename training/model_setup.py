@@ -11,16 +11,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.config import ModelConfig
+from engines.config import ConfigError, ModelConfig
 from engines.model import GPT
 from training.distributed import DistContext
 from training.loss import linear_cross_entropy
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> GPT:
-    """The GPT with GPT-2 initialisation from `seed` (the same weights on every rank), in train mode."""
-    model = GPT(cfg).init_weights(seed)
-    return model.to(device).train()
+def build_model(cfg: ModelConfig, seed: int, device: torch.device, init: str = "") -> GPT:
+    """The GPT in train mode (the same weights on every rank): the weights of the model directory
+    `init` when given (continued training), else GPT-2 initialisation from `seed`."""
+    model = load_pretrained(cfg, init) if init else GPT(cfg).init_weights(seed)
+    return model.to(device).train().requires_grad_(True)
+
+
+def load_pretrained(cfg: ModelConfig, init: str) -> GPT:
+    """GPT(cfg) holding the fp32 weights of the model directory `init` (read by the engine's own
+    checkpoint reader, so every format and family the engine loads trains). `cfg` is init's config
+    (training/recipe.py init_model_config), dropout aside."""
+    from engines.checkpoint import CheckpointError, check_shapes, load_state_dict
+
+    try:
+        state = load_state_dict(init, cfg, torch.float32)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError(f"init: {init}: {exc}") from None
+    model = GPT(cfg)
+    check_shapes(model, state)
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:
+        raise ConfigError(f"init: {init}: checkpoint lacks {', '.join(missing[:5])}")
+    return model
 
 
 class NextTokenLoss(nn.Module):

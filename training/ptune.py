@@ -265,11 +265,16 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
     examples = tokenize_examples(records, tok, recipe.template, eos if recipe.append_eos else None, ctx - n)
     rng = random.Random(recipe.seed)
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
-    val = [examples[i] for i in order[:n_val]]
-    train = [examples[i] for i in order[n_val:]]
+    marked = [i for i, r in enumerate(records) if r.get("split") == "val"]
+    if marked and len(marked) < len(records):  # a fixed validation split (training/ptune_tasks.py)
+        val = [examples[i] for i in marked]
+        train = [examples[i] for i, r in enumerate(records) if r.get("split") != "val"]
+    else:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
+        val = [examples[i] for i in order[:n_val]]
+        train = [examples[i] for i in order[n_val:]]
     init_ids = init_token_ids(recipe, tok, cfg.vocab_size)
     choices = answer_choices(examples, recipe.choice_limit) if recipe.choice_loss else None
     every_layer = recipe.prompt_depth == "every_layer"

@@ -69,7 +69,8 @@ class PtuneRecipe:
     patience: int = 5
     """Validation passes without a lower validation loss before stopping early; 0 disables."""
     val_fraction: float = 0.1
-    """Share of the examples held out (at least one, and at least one left to train on)."""
+    """Share of the examples held out (at least one, and at least one left to train on), unless the
+    data marks its validation records with "split": "val" (a fixed split, training/ptune_tasks.py)."""
     max_examples: int = 50_000
     """Datasets with more examples are refused (a REST job's upload is bounded by this)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -1,5 +1,7 @@
 """A training recipe: YAML parsed into frozen dataclasses.
 
+    init:   a model directory to continue training from (any directory the engine loads); the
+            model section then comes from its config.json (only model.dropout may be changed)
     model:  engines.ModelConfig fields (vocab_size, bos/eos default to the data folder's tokenizer)
     data:   DataSpec      where the token files are, window length
     optim:  OptimSpec     AdamW and the warmup + cosine schedule
@@ -151,10 +153,14 @@ class Recipe:
     optim: OptimSpec = field(default_factory=OptimSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     out: OutSpec = field(default_factory=OutSpec)
+    init: str = ""
+    """A model directory to start from (continued training / fine-tuning): its weights replace the
+    seeded initialisation on every layout, and its tokenizer files, chat template and generation
+    config travel to the export. Empty: train from scratch."""
 
     def __post_init__(self) -> None:
         m = self.model
-        _require(m.n_embd % m.n_head == 0, "model.n_embd",
+        _require(bool(m.head_dim) or m.n_embd % m.n_head == 0, "model.n_embd",
                  f"must be divisible by model.n_head ({m.n_head}), got {m.n_embd}")
         _require(self.data.seq_len <= m.max_position_embeddings, "data.seq_len",
                  f"must be <= model.max_position_embeddings ({m.max_position_embeddings}), got {self.data.seq_len}")
@@ -170,6 +176,8 @@ class Recipe:
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataSpec, "optim": OptimSpec, "train": TrainSpec,
                              "out": OutSpec}
+INIT_OVERRIDABLE = ("dropout",)
+"""Model keys a recipe may set beside `init` (the rest is the checkpoint's shape)."""
 # fields that do not change what is computed: a resume may differ in these
 RESUMABLE = {"train.eval_every", "train.eval_windows", "train.ckpt_every", "train.log_every", "train.num_threads",
              "train.device", "out.dir", "out.export_dir", "data.dir"}
@@ -261,12 +269,64 @@ def _build(section: str, cls: type, values: Any) -> Any:
         raise ConfigError(f"{section}.{missing[0] if missing else '?'}: required key is missing ({exc})") from None
 
 
+def init_model_config(init: str, model: dict[str, Any]) -> ModelConfig:
+    """The model section of a recipe with `init`: the directory's config.json, with the keys of
+    INIT_OVERRIDABLE taken from `model`; any other key must equal the checkpoint's value (so a
+    recipe written out by to_dict() reads back) or it is refused by name."""
+    _require(isinstance(init, str) and bool(init), "init", f"must be a model directory path, got {init!r}")
+    d = Path(init)
+    _require(d.is_dir() and (d / "config.json").is_file(), "init",
+             f"{init!r} is not a model directory (no config.json); give a directory the engine loads "
+             "(`shardserve import` turns a GGUF file into one)")
+    try:
+        cfg = ModelConfig.from_dir(d)
+    except ConfigError as exc:
+        raise ConfigError(f"init: {init}: {exc}") from None
+    base = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    hints = typing.get_type_hints(ModelConfig)
+    changes = {}
+    for key, value in model.items():
+        _require(key in base, f"model.{key}", f"unknown key; model accepts: {', '.join(base)}")
+        if key in INIT_OVERRIDABLE:
+            changes[key] = _check_type(f"model.{key}", value, hints[key])
+        else:
+            same = value == base[key] or (isinstance(value, (list, tuple)) and list(value) == base[key])
+            _require(same, f"model.{key}", f"is set by init ({init}: {base[key]!r}); only "
+                     f"{', '.join('model.' + k for k in INIT_OVERRIDABLE)} may change, got {value!r}")
+    try:
+        return cfg.replace(**changes)
+    except ConfigError as exc:
+        raise ConfigError(f"model.{exc}") from None
+
+
 def recipe_from_dict(d: Any, data_meta: dict[str, Any] | None = None) -> Recipe:
-    """Build a Recipe; `data_meta` (the data folder's meta.json) fills model.vocab_size / bos / eos."""
+    """Build a Recipe; `data_meta` (the data folder's meta.json) fills model.vocab_size / bos / eos.
+    With `init` (a model directory) the model section comes from its config.json."""
     _require(isinstance(d, dict), "recipe", f"must be a mapping with sections {', '.join(SECTIONS)}, got {d!r}")
     for key in d:
-        _require(key in SECTIONS, str(key), f"unknown section; a recipe has: {', '.join(SECTIONS)}")
-    _require("model" in d, "model", "required section is missing")
+        _require(key in SECTIONS or key == "init", str(key),
+                 f"unknown section; a recipe has: init, {', '.join(SECTIONS)}")
+    init = d.get("init") or ""
+    if init:
+        model_d = d.get("model") or {}
+        _require(isinstance(model_d, dict), "model", f"must be a mapping of keys to values, got {model_d!r}")
+        cfg = init_model_config(str(init), model_d)
+        if data_meta is not None:
+            _require(cfg.vocab_size >= data_meta["vocab_size"], "data.dir",
+                     f"its tokenizer has {data_meta['vocab_size']} tokens, more than init's vocabulary "
+                     f"({cfg.vocab_size}); prepare the data with the model's own tokenizer "
+                     f"(`shardserve data --tokenizer {init}`)")
+            tok = Path(str(init)) / "tokenizer.json"
+            want = data_meta.get("sha256", {}).get("tokenizer.json")
+            if tok.is_file() and want:
+                import hashlib
+
+                _require(hashlib.sha256(tok.read_bytes()).hexdigest() == want, "data.dir",
+                         f"was tokenized with another tokenizer than init's ({tok}); prepare it with "
+                         f"`shardserve data --tokenizer {init} --out DIR`")
+        parts = {name: _build(name, cls, d.get(name)) for name, cls in SECTIONS.items() if name != "model"}
+        return Recipe(model=cfg, init=str(init), **parts)
+    _require("model" in d, "model", "required section is missing (or give init: a model directory)")
     model = dict(d["model"] or {})
     if data_meta is not None:
         model.setdefault("vocab_size", data_meta["vocab_size"])
@@ -290,6 +350,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     out = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in d.items()}
     for item in overrides:
         key, sep, raw = item.partition("=")
+        if key.strip() == "init" and sep:
+            out["init"] = raw.strip()
+            continue
         section, dot, name = key.strip().partition(".")
         _require(bool(sep and dot and name), item, "an override is written section.key=value")
         out.setdefault(section, {})
@@ -298,8 +361,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read a YAML recipe; model.vocab_size and bos/eos default to those of data.dir's tokenizer."""
+def load_recipe(path: str | Path, overrides: list[str] | None = None, init: str | Path | None = None) -> Recipe:
+    """Read a YAML recipe; model.vocab_size and bos/eos default to those of data.dir's tokenizer.
+    `init` (the CLI's --init) replaces the recipe's init key."""
     import yaml
 
     p = Path(path)
@@ -310,12 +374,14 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe: {p} is not valid YAML ({exc})") from exc
     d = apply_overrides(d if isinstance(d, dict) else {}, overrides or []) if overrides else d
+    if init is not None:
+        d = {**(d if isinstance(d, dict) else {}), "init": str(init)}
     meta = None
     if isinstance(d, dict) and isinstance(d.get("data") or {}, dict):
         data_dir = Path((d.get("data") or {}).get("dir", DataSpec.dir))
         if (data_dir / "meta.json").is_file():
             meta = json.loads((data_dir / "meta.json").read_text())
-        elif "vocab_size" not in (d.get("model") or {}):
+        elif "vocab_size" not in (d.get("model") or {}) and not d.get("init"):
             raise ConfigError(f"data.dir: {str(data_dir)!r} holds no prepared data (no meta.json), so the "
                               f"vocabulary is unknown; run `shardserve data --out {data_dir}` first "
                               "(or set model.vocab_size)")

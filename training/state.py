@@ -49,6 +49,20 @@ class TrainState:
     """The precision trained in (bf16 / fp32): a resumed precision=auto run keeps it."""
 
 
+@dataclass
+class TrainResult:
+    """What a training run returns, on either loop (training/trainer.py, training/parallel/loop.py):
+    it lives here, beside TrainState, so neither loop imports the other for it."""
+
+    state: TrainState
+    val_loss: float | None
+    """Validation loss at the end (None if interrupted before an evaluation)."""
+    interrupted: bool
+    checkpoint: Path | None
+    export_dir: Path | None
+    run_dir: Path
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name, each storage once (tied weights share one)."""
     out: dict[str, torch.Tensor] = {}

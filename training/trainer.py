@@ -17,7 +17,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,21 +32,10 @@ from training.optim import build_optimizer, lr_at, set_lr
 from training.precision import autocast, compute_dtype, precision_record
 from training.precision import resolve as resolve_precision
 from training.recipe import Recipe, grad_accum_steps
-from training.state import CHECKPOINT, TrainState, load_state, rng_state, save_state
+from training.state import CHECKPOINT, TrainResult, TrainState, load_state, rng_state, save_state
 from training.summary import load_average, training_summary, write_summary
 
 StepCallback = Callable[[TrainState, dict], None]
-
-
-@dataclass
-class TrainResult:
-    state: TrainState
-    val_loss: float | None
-    """Validation loss at the end (None if interrupted before an evaluation)."""
-    interrupted: bool
-    checkpoint: Path | None
-    export_dir: Path | None
-    run_dir: Path
 
 
 @torch.no_grad()
@@ -115,7 +103,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     eval_starts = val_starts(data.meta["val_tokens"], seq_len, t.eval_windows)
     final_starts = val_starts(data.meta["val_tokens"], seq_len, data.meta["val_tokens"])  # the whole split
 
-    model = build_model(recipe.model, t.seed, ctx.device)
+    model = build_model(recipe.model, t.seed, ctx.device, recipe.init)
     optimizer = build_optimizer(model, recipe.optim)
     run_dir = Path(recipe.out.dir)
     ckpt_path = run_dir / CHECKPOINT
@@ -257,7 +245,8 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     if not interrupted and recipe.out.export_dir and ctx.is_main:
         from training.export import export_model
 
-        export_dir = export_model(model, recipe.model, recipe.out.export_dir, data.tokenizer_dir)
+        export_dir = export_model(model, recipe.model, recipe.out.export_dir, data.tokenizer_dir,
+                                  init_dir=recipe.init or None)
     if not interrupted and ctx.is_main:
         write_summary(training_summary(recipe, state, val_loss, choice, ctx.device, ctx.world_size,
                                        state.tokens - tokens0, state.elapsed_s - elapsed0, load_start),

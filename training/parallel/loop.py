@@ -33,7 +33,7 @@ from training.parallel.schedule import forward_only, ideal_bubble, run_step
 from training.parallel.setup import build_stage, check_layout
 from training.parallel.state import gather_model
 from training.recipe import Recipe, grad_accum_steps
-from training.state import ResumeError, TrainState, load_state, rng_state, save_state
+from training.state import ResumeError, TrainResult, TrainState, load_state, rng_state, save_state
 
 SHARDS = "checkpoint"
 
@@ -95,7 +95,6 @@ def _evaluate(stage, data, starts, recipe, ctx, dp_rank, dp, shape, amp) -> floa
 
 def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, on_step, log):
     from training.precision import autocast, choose_precision, describe, detect
-    from training.trainer import TrainResult
 
     t = recipe.train
     tp, pp = t.tensor_parallel_size, t.pipeline_parallel_size
@@ -110,7 +109,7 @@ def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress
     final_starts = val_starts(data.meta["val_tokens"], seq_len, data.meta["val_tokens"])
     # the default stream draws the masks of replicated tensors: the same within a TP group
     torch.manual_seed(t.seed * 1_000_003 + groups.dp_rank)
-    stage = build_stage(recipe.model, t.seed, groups, spec_of(recipe), ctx.device)
+    stage = build_stage(recipe.model, t.seed, groups, spec_of(recipe), ctx.device, recipe.init)
     optimizer = build_optimizer(stage, recipe.optim)
     run_dir = Path(recipe.out.dir)
     state = _resume(run_dir, stage, optimizer, recipe, data, ctx) if resume else TrainState()
@@ -208,4 +207,5 @@ def export_full(full: dict[str, torch.Tensor], recipe: Recipe) -> Path:
     missing = [k for k in missing if not (k == "lm_head.weight" and recipe.model.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"gathered shards do not make the model: missing {missing}, unexpected {unexpected}")
-    return export_model(model.eval(), recipe.model, recipe.out.export_dir, TokenData(recipe.data.dir).tokenizer_dir)
+    return export_model(model.eval(), recipe.model, recipe.out.export_dir, TokenData(recipe.data.dir).tokenizer_dir,
+                        init_dir=recipe.init or None)

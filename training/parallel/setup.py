@@ -45,14 +45,17 @@ def check_layout(cfg: ModelConfig, seq_len: int, tp: int, pp: int, sequence_para
                           f"train.pipeline_parallel_size = {tp} x {pp}; data parallel = world / (TP x PP)")
 
 
-def build_stage(cfg: ModelConfig, seed: int, groups: Groups, spec: ParallelSpec, device: torch.device
-                ) -> ParallelStage:
-    """The full model initialised from `seed` (the single-process weights), cut to this rank's shard.
+def build_stage(cfg: ModelConfig, seed: int, groups: Groups, spec: ParallelSpec, device: torch.device,
+                init: str = "") -> ParallelStage:
+    """The full model initialised from `seed` (the single-process weights), or read from the model
+    directory `init`, cut to this rank's shard.
 
-    Every rank initialises the whole model once so that any layout starts from the same weights
-    as one process; only its shard is kept.
+    Every rank builds the whole model once so that any layout starts from the same weights as one
+    process; only its shard is kept.
     """
-    model = GPT(cfg).init_weights(seed).train()
+    from training.model_setup import load_pretrained
+
+    model = (load_pretrained(cfg, init) if init else GPT(cfg).init_weights(seed)).train()
     start, end = stage_layer_ranges(cfg, groups.layout.pp)[groups.pp_rank]
     tracker = RNGTracker(tracker_seed(seed, groups.tp_rank, groups.dp_rank, groups.pp_rank), device)
     stage = ParallelStage(model, groups, spec, start, end, tracker)
