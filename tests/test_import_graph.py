@@ -18,8 +18,6 @@ KNOWN: set[frozenset[str]] = {
     frozenset({"engines.checkpoint", "engines.fp8", "engines.parallel.tp"}),
     # issue 36 point 2: config <-> hardware <-> hf_config (engines rooms move, a later session)
     frozenset({"engines.config", "engines.hardware", "engines.hf_config"}),
-    # issue 36 point 2: the training result type where both sides can import it ("train" helper)
-    frozenset({"training.trainer", "training.parallel.loop"}),
 }
 
 
