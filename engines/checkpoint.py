@@ -1,6 +1,6 @@
 """Read and write HF-compatible checkpoint directories.
 
-    model_dir/config.json                  transformers config (model_type gpt2 | llama)
+    model_dir/config.json                  transformers config (model_type gpt2 | llama | qwen2 | qwen3 | mistral)
     model_dir/model.safetensors            or model-0000i-of-0000n.safetensors + index json
     model_dir/tokenizer.json               optional; tokenizer_config.json with a chat template
 
@@ -72,9 +72,13 @@ def weight_plan(cfg: ModelConfig) -> dict[str, tuple[Source, ...]]:
             plan[f"{b}.norm2.weight"] = (Source(f"{h}.post_attention_layernorm.weight"),)
             plan[f"{b}.attn.qkv.weight"] = tuple(Source(f"{h}.self_attn.{p}_proj.weight") for p in "qkv")
             plan[f"{b}.attn.proj.weight"] = (Source(f"{h}.self_attn.o_proj.weight"),)
-            if cfg.bias:
+            if cfg.bias or cfg.qkv_bias:
                 plan[f"{b}.attn.qkv.bias"] = tuple(Source(f"{h}.self_attn.{p}_proj.bias") for p in "qkv")
+            if cfg.bias:
                 plan[f"{b}.attn.proj.bias"] = (Source(f"{h}.self_attn.o_proj.bias"),)
+            if cfg.qk_norm:
+                plan[f"{b}.attn.q_norm.weight"] = (Source(f"{h}.self_attn.q_norm.weight"),)
+                plan[f"{b}.attn.k_norm.weight"] = (Source(f"{h}.self_attn.k_norm.weight"),)
             plan[f"{b}.mlp.up.weight"] = (Source(f"{h}.mlp.gate_proj.weight"), Source(f"{h}.mlp.up_proj.weight"))
             plan[f"{b}.mlp.down.weight"] = (Source(f"{h}.mlp.down_proj.weight"),)
         plan["norm_f.weight"] = (Source("model.norm.weight"),)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-MODEL_TYPES = ("gpt2", "llama")
+MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+"""gpt2, and the rotary families (llama and its relatives: one model file, small differences below)."""
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_DTYPES = ("auto", *DTYPES)
 WEIGHT_DTYPES = ("auto", "fp8")
@@ -30,10 +31,11 @@ def _require(cond: bool, field_name: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT model of the GPT-2 or the Llama family."""
+    """Shape of a GPT model of the GPT-2 family or of the Llama family and its relatives."""
 
-    model_type: Literal["gpt2", "llama"]
-    """gpt2: learned positions, LayerNorm, GELU(tanh), biases. llama: RoPE, RMSNorm, SwiGLU, GQA."""
+    model_type: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral"]
+    """gpt2: learned positions, LayerNorm, GELU(tanh), biases. llama (and qwen2, qwen3, mistral):
+    RoPE, RMSNorm, SwiGLU, GQA; the relatives differ only by qkv_bias, qk_norm and rope_scaling."""
     vocab_size: int
     n_layer: int
     n_head: int
@@ -55,6 +57,13 @@ class ModelConfig:
     """Dropout on embeddings, attention and residual branches (training only)."""
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections only (Qwen2), where `bias` is off."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before the rotary embedding (Qwen3)."""
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    """Rope scaling as sorted (key, value) pairs of config.json's rope_scaling, rope_type included
+    (engines/rope.py: linear, dynamic, llama3, yarn); empty for plain RoPE."""
 
     def __post_init__(self) -> None:
         _require(self.model_type in MODEL_TYPES, "model_type",
@@ -73,6 +82,16 @@ class ModelConfig:
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         if self.model_type == "gpt2":
             _require(self.kv_heads == self.n_head, "n_kv_head", "gpt2 has no grouped-query attention")
+            _require(not (self.qkv_bias or self.qk_norm or self.rope_scaling), "model_type",
+                     "gpt2 has no qkv_bias, qk_norm or rope_scaling")
+        if self.rope_scaling:
+            from engines.rope import REQUIRED, ROPE_TYPES
+
+            kind = dict(self.rope_scaling).get("rope_type", "default")
+            _require(kind in ROPE_TYPES, "rope_scaling.rope_type",
+                     f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+            missing = [k for k in REQUIRED.get(kind, ()) if dict(self.rope_scaling).get(k) is None]
+            _require(not missing, "rope_scaling", f"rope type {kind!r} needs {', '.join(missing)}")
 
     # derived values
     @property
@@ -89,7 +108,7 @@ class ModelConfig:
 
     @property
     def uses_rope(self) -> bool:
-        return self.model_type == "llama"
+        return self.model_type != "gpt2"
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Parameter count from the shapes alone (no model needs to be built)."""
@@ -99,7 +118,9 @@ class ModelConfig:
         mlp = c * self.ffn_dim * (3 if self.activation == "silu" else 2)
         norms = (4 if self.model_type == "gpt2" else 2) * c
         biases = ((self.n_head + 2 * self.kv_heads) * hd + c + self.ffn_dim + c) if self.bias else 0
-        per_layer = qkv + proj + mlp + norms + biases
+        if self.qkv_bias and not self.bias:
+            biases = (self.n_head + 2 * self.kv_heads) * hd
+        per_layer = qkv + proj + mlp + norms + biases + (2 * hd if self.qk_norm else 0)
         emb = self.vocab_size * c + (self.max_position_embeddings * c if self.model_type == "gpt2" else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * c
         total = self.n_layer * per_layer + (2 if self.model_type == "gpt2" else 1) * c + head
@@ -111,7 +132,7 @@ class ModelConfig:
     # HF config.json conversion
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a transformers `config.json` dictionary (model_type gpt2 or llama)."""
+        """Build from a transformers `config.json` dictionary (model_type one of MODEL_TYPES)."""
         from engines.hf_config import model_config_from_hf
 
         return model_config_from_hf(d)
@@ -132,7 +153,20 @@ class ModelConfig:
             raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
         if not isinstance(data, dict):
             raise ConfigError("config.json: must hold a JSON object")
-        return cls.from_hf(data)
+        cfg = cls.from_hf(data)
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():  # its EOS ids (Llama 3's <|eot_id|>, chat models' end of turn) end generation too
+            try:
+                extra = json.loads(gen.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise ConfigError(f"generation_config.json: not a valid JSON object ({exc})") from exc
+            extra = [extra] if isinstance(extra, int) else (extra or [])
+            if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
+                raise ConfigError(f"generation_config.json: eos_token_id must be an int or a list of ints, got {extra!r}")
+            eos = tuple(dict.fromkeys((*cfg.eos_token_id, *extra)))
+            if eos != cfg.eos_token_id:
+                cfg = cfg.replace(eos_token_id=eos)
+        return cfg
 
 
 @dataclass(frozen=True)

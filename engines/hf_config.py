@@ -1,4 +1,4 @@
-"""Conversion between transformers' `config.json` and ModelConfig (gpt2 and llama only)."""
+"""Conversion between transformers' `config.json` and ModelConfig (gpt2, llama, qwen2, qwen3, mistral)."""
 
 from __future__ import annotations
 
@@ -63,22 +63,55 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_eos(d),
         )
-    # llama
+    return _rotary_from_hf(d, model_type)
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mistral": "MistralForCausalLM"}
+
+
+def _rope_scaling(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(rope theta, sorted rope-scaling pairs) from config.json's rope_parameters (transformers 5)
+    or rope_scaling + rope_theta (earlier writers); ConfigError names an unknown rope type."""
+    from engines.rope import ROPE_TYPES
+
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError("config.json: rope_parameters / rope_scaling must be objects")
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config.json: rope_scaling.rope_type {kind!r} unsupported; supported: {', '.join(ROPE_TYPES)}")
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+    if kind == "default":
+        return float(theta), ()
+    keep = {k: v for k, v in merged.items() if k not in ("type", "rope_theta", "rope_type") and v is not None}
+    return float(theta), tuple(sorted({**keep, "rope_type": kind}.items()))
+
+
+def _rotary_from_hf(d: dict[str, Any], model_type: str) -> ModelConfig:
     act = d.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"config.json: hidden_act {act!r} unsupported for llama; supported: silu")
+        raise ConfigError(f"config.json: hidden_act {act!r} unsupported for {model_type}; supported: silu")
     if d.get("mlp_bias"):
         raise ConfigError("config.json: mlp_bias=true is not supported")
-    rope = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ConfigError(f"config.json: rope type {rope_type!r} unsupported; supported: default")
-    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    theta, scaling = _rope_scaling(d)
     n_embd, n_head = _get(d, "hidden_size"), _get(d, "num_attention_heads")
     head_dim = _get(d, "head_dim", default=0) or n_embd // n_head
+    max_pos = _get(d, "max_position_embeddings", default=2048)
+    window = d.get("sliding_window")
+    uses_window = d.get("use_sliding_window", model_type == "mistral")  # Qwen2/3 name it; off by default there
+    if uses_window and window is not None and window < max_pos:
+        raise ConfigError(
+            f"config.json: sliding_window={window} is shorter than max_position_embeddings={max_pos}; "
+            "sliding-window attention is not implemented (set sliding_window to null, or "
+            "max_position_embeddings to at most the window)")
+    qkv_bias = model_type == "qwen2" and d.get("attention_bias") is not False  # Qwen2's q/k/v have biases
     return ModelConfig(
-        model_type="llama",
+        model_type=model_type,
         vocab_size=_get(d, "vocab_size"),
         n_layer=_get(d, "num_hidden_layers"),
         n_head=n_head,
@@ -86,11 +119,14 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         n_kv_head=_get(d, "num_key_value_heads", default=n_head),
         head_dim=head_dim if head_dim * n_head != n_embd else 0,
         intermediate_size=_get(d, "intermediate_size"),
-        max_position_embeddings=_get(d, "max_position_embeddings", default=2048),
+        max_position_embeddings=max_pos,
         norm_eps=_get(d, "rms_norm_eps", default=1e-6, kind=float),
-        rope_theta=float(theta),
+        rope_theta=theta,
         tie_word_embeddings=_get(d, "tie_word_embeddings", default=False, kind=bool),
-        bias=_get(d, "attention_bias", default=False, kind=bool),
+        bias=model_type in ("llama", "qwen3", "mistral") and _get(d, "attention_bias", default=False, kind=bool),
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
+        rope_scaling=scaling,
         activation="silu",
         dropout=_get(d, "attention_dropout", default=0.0, kind=float),
         bos_token_id=d.get("bos_token_id"),
@@ -122,9 +158,9 @@ def model_config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict[str
             "eos_token_id": eos,
             "torch_dtype": torch_dtype,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    out = {
+        "architectures": [_ARCH[c.model_type]],
+        "model_type": c.model_type,
         "vocab_size": c.vocab_size,
         "hidden_size": c.n_embd,
         "intermediate_size": c.ffn_dim,
@@ -136,11 +172,26 @@ def model_config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict[str
         "rms_norm_eps": c.norm_eps,
         "rope_theta": c.rope_theta,
         "hidden_act": "silu",
-        "attention_bias": c.bias,
-        "mlp_bias": False,
         "attention_dropout": c.dropout,
         "tie_word_embeddings": c.tie_word_embeddings,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": eos,
         "torch_dtype": torch_dtype,
     }
+    if c.model_type == "qwen2":
+        if c.bias or not c.qkv_bias:
+            raise ConfigError("qwen2 checkpoints have biases on q, k and v only (qkv_bias=true, bias=false)")
+        out.update(use_sliding_window=False, sliding_window=None)
+    else:
+        if c.qkv_bias and not c.bias:
+            raise ConfigError(f"{c.model_type} checkpoints have no q/k/v-only biases (qkv_bias is Qwen2's)")
+        out.update(attention_bias=c.bias, mlp_bias=False)
+    if c.model_type == "mistral":
+        out["sliding_window"] = None
+    if c.model_type == "qwen3":
+        out.update(use_sliding_window=False, sliding_window=None)
+    if c.qk_norm != (c.model_type == "qwen3"):
+        raise ConfigError("qk_norm is Qwen3's (model_type qwen3) and only Qwen3's")
+    if c.rope_scaling:
+        out["rope_scaling"] = dict(c.rope_scaling)
+    return out

@@ -1,4 +1,5 @@
-"""The GPT model: one plain definition for the GPT-2 and Llama families.
+"""The GPT model: one plain definition for the GPT-2 family and the Llama family with its relatives
+(Qwen2: qkv biases; Qwen3: per-head q/k RMSNorm; Mistral; rope scaling in engines/rope.py).
 
 Training calls `model(idx)` on a (B, T) batch with causal attention. The engine calls it on one
 flattened "varlen" row of tokens from many sequences, passing an attention backend that reads
@@ -16,6 +17,7 @@ from torch import nn
 
 from engines.config import ModelConfig
 from engines.dense_attention import causal_attention
+from engines.rope import inv_freq as rope_frequencies
 
 
 def _dropout(p: float) -> nn.Module:
@@ -42,11 +44,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_cache(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (*positions.shape, hd/2) in fp32, for the rotate-half convention."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.hd, 2, dtype=torch.float32,
-                                                        device=positions.device) / cfg.hd))
+    """cos, sin of shape (*positions.shape, hd/2) in fp32, for the rotate-half convention (scaled as
+    the config's rope type asks: engines/rope.py)."""
+    inv_freq, scale = rope_frequencies(cfg, positions.device)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., hd/2)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,7 +68,10 @@ class Attention(nn.Module):
         self.uses_rope = cfg.uses_rope
         self.dropout = cfg.dropout
         # fused q, k, v: rows [0, nh*hd) are q, then nkv*hd of k, then nkv*hd of v
-        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.hd, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.hd, bias=cfg.bias or cfg.qkv_bias)
+        # Qwen3: each head's q and k RMS-normalised over hd before the rotary embedding
+        self.q_norm = RMSNorm(cfg.hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.hd, cfg.norm_eps) if cfg.qk_norm else None
         self.proj = nn.Linear(cfg.n_head * cfg.hd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = _dropout(cfg.dropout)
         self.kv_hook = None
@@ -79,6 +86,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.hd)  # (B, T, nh, hd)
         k = k.view(B, T, self.n_kv_head, self.hd)  # (B, T, nkv, hd)
         v = v.view(B, T, self.n_kv_head, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.kv_hook is not None:
@@ -116,7 +125,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        norm = (lambda: RMSNorm(cfg.n_embd, cfg.norm_eps)) if cfg.model_type == "llama" else (
+        norm = (lambda: RMSNorm(cfg.n_embd, cfg.norm_eps)) if cfg.uses_rope else (
             lambda: nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps))
         self.norm1, self.attn = norm(), Attention(cfg, layer)
         self.norm2, self.mlp = norm(), MLP(cfg)
@@ -134,7 +143,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.n_embd) if not cfg.uses_rope else None
         self.drop = _dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.model_type == "llama" else nn.LayerNorm(
+        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.uses_rope else nn.LayerNorm(
             cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -145,7 +154,7 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
             if p.dim() == 1:  # norm scales to 1, biases to 0
-                nn.init.ones_(p) if ".norm" in f".{name}" and name.endswith("weight") else nn.init.zeros_(p)
+                nn.init.ones_(p) if "norm" in name.split(".")[-2] and name.endswith("weight") else nn.init.zeros_(p)
             else:
                 std = 0.02 / (2 * self.cfg.n_layer) ** 0.5 if name.endswith(("proj.weight", "down.weight")) else 0.02
                 with torch.no_grad():
