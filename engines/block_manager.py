@@ -76,7 +76,7 @@ class BlockManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self._state = bytearray([_FREE]) * num_blocks
-        self._ref = [0] * num_blocks  # sequences holding each block
+        self._ref: dict[int, int] = {}  # held block -> sequences holding it (sized by use, not by the pool)
         self._owner: dict[int, int] = {}  # reserved block -> seq_id
         self._reservations: dict[int, list[int]] = {}  # seq_id -> its reserved (not yet taken) blocks
         self._num_free = num_blocks
@@ -146,18 +146,19 @@ class BlockManager:
 
     def claim_cost(self, hits: list[int]) -> int:
         """Free blocks that taking `hits` uses up (cached blocks no sequence holds now)."""
-        return sum(1 for b in hits if self._ref[b] == 0)
+        return sum(1 for b in hits if b not in self._ref)
 
     def share(self, seq: Sequence, hits: list[int]) -> None:
         """Give a sequence that holds no blocks the cached blocks `hits` (from match) as its first
         blocks, and count the lookup in the hit rate; the caller sets num_computed."""
         assert not seq.block_ids, "share() starts a block table"
         for b in hits:
-            if self._ref[b] == 0:
+            held = self._ref.get(b, 0)
+            if not held:
                 del self._evictable[b]
                 self._state[b] = _ALLOCATED
                 self._num_free -= 1
-            self._ref[b] += 1
+            self._ref[b] = held + 1
         seq.block_ids = list(hits)
         seq.num_cached_blocks = len(hits)
         if self.enable_prefix_caching:
@@ -199,8 +200,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         for b in reversed(seq.block_ids):  # tail first: the deepest blocks are evicted first
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
+            held = self._ref.pop(b) - 1
+            if held:
+                self._ref[b] = held
+            else:
                 self._num_free += 1
                 if b in self._hash_of:
                     self._state[b] = _CACHED

@@ -47,8 +47,9 @@ def test_shared_prefix_blocks_are_refcounted_and_never_the_whole_prompt():
     assert bm.match(seq(3, list(range(7)))) == a.block_ids[:1]
     # the first block differs: nothing after it matches, although later blocks are equal
     assert bm.match(seq(4, [7, 1, 2, 3] + list(range(4, 12)))) == []
+    a_own = a.block_ids[2]
     bm.free(a)
-    assert bm._ref[b.block_ids[0]] == 1 and bm.num_free == 32 - 3  # b still holds the shared blocks
+    assert bm._ref[b.block_ids[0]] == 1 and a_own not in bm._ref and bm.num_free == 32 - 3  # b still holds the shared blocks
     bm.free(b)
     assert bm.num_free == 32 and bm.usage == 0.0
     assert bm.num_cached == 2  # released, still cached
