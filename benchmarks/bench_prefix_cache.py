@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_prefix_cache.py [--quick] [--repeats N]
 
-Model: the GPT-2-124M shape with random weights (benchmarks/common.py), prompts as token ids, the
+Model: the GPT-2-124M shape with random weights and 2,048 positions, prompts as token ids, the
 engine's default dtype (auto) and options; the async engine in-process (the ModelServer's path
 without HTTP). Both configurations get the same explicit KV budget, large enough for the whole
 uncached burst, so only the work differs, not the concurrency.
@@ -34,12 +34,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import gpt2_124m_dir  # noqa: E402
+from benchmarks.common import CACHE  # noqa: E402
 from engines import EngineConfig, SamplingParams  # noqa: E402
 from engines.async_engine import AsyncLLMEngine  # noqa: E402
 from engines.config import ModelConfig, kv_bytes_per_block  # noqa: E402
 
 VOCAB = 50000  # ids below GPT-2's EOS (50256)
+
+
+def gpt2_124m_2k_dir() -> Path:
+    """GPT-2-124M shape, random weights, with 2,048 positions (1,040-token prompts + 64 outputs do
+    not fit GPT-2's 1,024); written once, reused."""
+    from engines.checkpoint import save_checkpoint
+    from engines.model import GPT
+
+    d = CACHE / "gpt2-124m-2k-random"
+    if (d / "config.json").is_file():
+        return d
+    cfg = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
+                      max_position_embeddings=2048, bos_token_id=50256, eos_token_id=(50256,))
+    save_checkpoint(GPT(cfg).init_weights(seed=0), cfg, d)
+    return d
 
 
 def chat_prompts(seed: int, n: int, system: int, question: int) -> list[list[int]]:
@@ -113,7 +128,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     n = 16 if args.quick else 64
-    model_dir = gpt2_124m_dir()
+    model_dir = gpt2_124m_2k_dir()
     model = ModelConfig.from_dir(model_dir)
     workloads = {
         "chat": (lambda r: chat_prompts(r, n, 1000, 40), 64),
