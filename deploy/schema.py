@@ -89,6 +89,9 @@ class EngineOptions(_Strict):
     paged kernels; auto, the default) or never (off)."""
     dist_timeout_s: float | None = Field(None, gt=0, lt=10**7)
     """Deadline of one step in a multi-process executor (seconds)."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV blocks of a cached prompt prefix (a shared system prompt is computed once;
+    default true)."""
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The options that were set, as keyword arguments of engines.EngineConfig."""

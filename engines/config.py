@@ -269,6 +269,12 @@ class EngineConfig:
     with ExecutorError naming that shard instead of hanging it. The shards' collectives time out a
     little later (engines.parallel.worker_proc.collective_timeout_s), so the driver names the hung
     shard rather than a peer waiting on it."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching: full KV blocks are kept by content (hash of the parent block, the
+    block's token ids and a p-tuning task's identity) and a new request reuses those of its longest
+    cached prefix instead of computing them again (a chat's system prompt is computed once); blocks
+    no request holds stay cached and are evicted least recently used when the pool needs them
+    (engines/block_manager.py). False: every prompt is computed in full."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
 
@@ -312,6 +318,8 @@ class EngineConfig:
                  f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
         _require(isinstance(self.adaptive_threads, bool), "adaptive_threads",
                  f"must be true or false, got {self.adaptive_threads!r}")
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+                 f"must be true or false, got {self.enable_prefix_caching!r}")
         _require(isinstance(self.dist_timeout_s, (int, float)) and 0 < self.dist_timeout_s < 10**7, "dist_timeout_s",
                  f"must be a number of seconds in (0, 1e7), got {self.dist_timeout_s!r}")
 

@@ -6,6 +6,7 @@ Not thread-safe: one thread drives it (the offline LLM, or the AsyncLLMEngine's 
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import os
 import time
@@ -14,6 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.block_manager import cache_key
 from engines.checkpoint import CheckpointError
 from engines.config import EngineConfig, ModelConfig, max_model_len
 from engines.executor import Executor, InProcessExecutor
@@ -116,9 +118,12 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             block_size=self.config.block_size, num_blocks=self.executor.num_blocks,
             max_model_len=self.max_model_len, eos_token_ids=eos,
-            admission_reserves_growth=self.config.admission_reserves_growth))
+            admission_reserves_growth=self.config.admission_reserves_growth,
+            enable_prefix_caching=self.config.enable_prefix_caching))
         self.tasks = TaskRegistry(model_dir, ModelShape.of(self.model_config))
         """P-tuned tasks (engines/ptuning.py); requests name one to prepend its virtual tokens."""
+        self._task_keys: dict[str, tuple[object, bytes]] = {}
+        """Task name -> (the table it was computed from, prefix-cache key): see _cache_key."""
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -190,10 +195,12 @@ class LLMEngine:
         if virt and validated is not None:  # the task may have been replaced since validation
             self.scheduler.check_fits(len(virt) + len(ids), params.max_tokens)
         comps = []
+        key = self._cache_key(snap)
         for i in range(params.n):
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=virt + list(ids),
                            prompt_len=len(virt) + len(ids), params=params,
-                           prompt_logprobs_done=len(virt))  # no logprobs for virtual positions
+                           prompt_logprobs_done=len(virt),  # no logprobs for virtual positions
+                           cache_key=key)
             self._seqs[seq.seq_id] = seq
             detok = self.tokenizer.detokenizer(ids, params.skip_special_tokens) if self.tokenizer else None
             comps.append(_Completion(seq, detok, logprobs=[] if params.logprobs is not None else None))
@@ -202,6 +209,18 @@ class LLMEngine:
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None, task=snap)
         req.metrics["arrival_time"] = time.monotonic()
         self.requests[request_id] = req
+
+    def _cache_key(self, task: Task | None) -> bytes:
+        """Prefix-cache key of a request's sequences: b"" for the base model; for a task, its name
+        and the digest of its table, so that no other task, the base model, or the same task
+        after its table was replaced, ever reads its blocks (virtual ids are the same for all)."""
+        if task is None:
+            return b""
+        memo = self._task_keys.get(task.name)
+        if memo is None or memo[0] is not task.table:
+            digest = hashlib.sha256(task.table.tobytes()).digest()
+            memo = self._task_keys[task.name] = (task.table, cache_key("ptuning", task.name, digest))
+        return memo[1]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now; its KV blocks return to the pool before this returns."""
@@ -220,7 +239,9 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": self.scheduler.blocks.usage, "num_preemptions": self.scheduler.num_preemptions,
-                "num_steps": self.num_steps, "busy_seconds": self.busy_seconds}
+                "num_steps": self.num_steps, "busy_seconds": self.busy_seconds,
+                "prefix_cache_queries": self.scheduler.blocks.query_tokens,
+                "prefix_cache_hits": self.scheduler.blocks.hit_tokens}
 
     # the step
     def step(self) -> list[RequestOutput]:
@@ -328,7 +349,8 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              outputs=outs, prompt_logprobs=prompt_lp, finished=req.finished,
                              metrics=dict(req.metrics), task=req.task.name if req.task else None,
-                             num_virtual_tokens=req.task.num_virtual_tokens if req.task else 0)
+                             num_virtual_tokens=req.task.num_virtual_tokens if req.task else 0,
+                             num_cached_tokens=max(0, req.completions[0].seq.num_cached_tokens))
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error (the executor failed)."""

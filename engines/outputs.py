@@ -43,3 +43,6 @@ class RequestOutput:
     num_virtual_tokens: int = 0
     """P-tuning: the task's virtual tokens, prepended to prompt_token_ids (which holds only the
     real ones); they occupy context positions and KV blocks and are billed separately."""
+    num_cached_tokens: int = 0
+    """Prompt tokens (virtual ones included) whose keys and values came from the prefix cache when
+    the request was first scheduled (its first completion's; 0 before that)."""

@@ -5,7 +5,11 @@ Each step: running sequences first (decode, or the next chunk of a long prompt),
 first; when KV blocks run out, the *youngest* running sequence by arrival (not by admission) is
 preempted (its blocks are freed and it is recomputed later) and goes back to the waiting queue in
 arrival order, ahead of every request that arrived after it; then waiting sequences are admitted
-in that order while the token budget, the sequence cap and the free blocks allow.
+in that order while the token budget, the sequence cap and the free blocks allow. An admitted
+sequence starts after the longest prefix of its tokens whose blocks are cached (prefix caching,
+engines/block_manager.py): those tokens are neither computed nor counted against the budget, and
+a resumed preempted sequence finds its own blocks again if nothing evicted them. Blocks are
+registered in the cache in update(), once their keys and values are computed.
 
 Why arrival order and not admission order: a resumed sequence is the most recently admitted one,
 so admission-order (LIFO) preemption picks it again and again while younger streams run, and it
@@ -38,6 +42,9 @@ class SchedulerConfig:
     """Admit a request only when the free blocks also cover what the running sequences will still
     grow by (no mid-stream preemption of requests with max_tokens); off admits on what a request
     needs now (more concurrency, recompute preemption under pressure)."""
+    enable_prefix_caching: bool = True
+    """Reuse the cached keys and values of the longest cached prefix of a new (or resumed)
+    sequence's tokens (engines/block_manager.py)."""
 
 
 def _arrival(seq: Sequence) -> int:
@@ -47,7 +54,7 @@ def _arrival(seq: Sequence) -> int:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.max_model_len)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._released: list[int] = []
@@ -138,15 +145,23 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if self.blocks.needed(seq, seq.num_computed + n) > self.blocks.num_free:
+            hits = self.blocks.match(seq)  # a waiting sequence holds no blocks and has none computed
+            cached = len(hits) * self.cfg.block_size
+            n = min(seq.num_tokens - cached, budget)
+            # free blocks it takes: new ones, and cached ones that no running sequence holds now
+            claim = self.blocks.claim_cost(hits)
+            if blocks_for(cached + n, self.cfg.block_size) - len(hits) + claim > self.blocks.num_free:
                 break
-            whole = self.blocks.growth(seq)
+            whole = self.blocks.growth(seq) - len(hits) + claim
             if self.cfg.admission_reserves_growth and self.running and whole > room:
                 break  # FIFO: later requests never overtake the head, so the head cannot starve
             room -= whole
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_computed + n)
+            self.blocks.share(seq, hits)
+            seq.num_computed = cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+            self.blocks.allocate(seq, cached + n)
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)  # a resumed sequence rejoins by age
             scheduled.append((seq, n))
@@ -192,6 +207,7 @@ class Scheduler:
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = work.start_pos + len(work.token_ids)
+            self.blocks.cache_computed(seq)  # before a finish below releases its blocks
             if not work.sample:
                 continue
             tok = result.seqs[work.seq_id].token_id

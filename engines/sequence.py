@@ -35,6 +35,17 @@ class Sequence:
     prompt_logprobs_done: int = 0
     """Prompt positions whose logprobs were already returned (they are not returned twice after a
     preemption recomputes them)."""
+    cache_key: bytes = b""
+    """Prefix caching: what besides the token ids changes this sequence's keys and values (a
+    p-tuning task's name and table digest, engines.block_manager.cache_key); the parent hash of its
+    first block. b"" for the base model."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Content hashes of the first len() full blocks of token_ids (computed once, as needed)."""
+    num_cached_blocks: int = 0
+    """Leading entries of block_ids that are in the prefix cache (hits, or blocks registered once
+    their keys and values were computed)."""
+    num_cached_tokens: int = -1
+    """Tokens served from the prefix cache when the sequence was first admitted; -1 before that."""
 
     @property
     def num_tokens(self) -> int:

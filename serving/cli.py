@@ -22,6 +22,9 @@ def serve(
     address: str | None = typer.Option(None, "--address", help="Ray cluster to join (host:6379 or ray://host:10001); "
                                 "default: start a local Ray."),
     verbose: bool = typer.Option(False, "--verbose", help="Show Ray and Ray Serve logs."),
+    no_prefix_caching: bool = typer.Option(
+        False, "--no-prefix-caching", help="Compute every prompt in full (every model's "
+        "engine.enable_prefix_caching: false)."),
 ) -> None:
     """Serve models over HTTP (OpenAI /v1 and KServe v2 /v2 APIs, /metrics) on Ray Serve.
 
@@ -29,26 +32,10 @@ def serve(
     otherwise. API keys come from the config's server.api_keys_file or $SHARDSERVE_API_KEYS.
     Ctrl-C drains in-flight requests (server.drain_timeout_s) and stops.
     """
-    from deploy.schema import ConfigFileError, DeploymentConfig, load_config, read_api_keys
+    from deploy.schema import ConfigFileError, read_api_keys
 
     try:
-        if config is not None and model is not None:
-            raise ConfigFileError("give --config FILE or --model DIR, not both")
-        if config is not None:
-            cfg = load_config(config)
-        elif model is not None:
-            cfg = DeploymentConfig.for_model_dir(str(model), name=name)
-        else:
-            raise ConfigFileError("nothing to serve: give --model DIR or --config FILE")
-        server = cfg.server.model_dump()
-        if host is not None:
-            server["host"] = host
-        if port is not None:
-            server["port"] = port
-        ray = cfg.ray.model_dump()
-        if address is not None:
-            ray["address"] = address
-        cfg = cfg.replace(server=server, ray=ray)
+        cfg = deployment_config(config, model, name, host, port, address, no_prefix_caching)
         keys = read_api_keys(cfg.server)
         admin_keys = read_api_keys(cfg.server, admin=True)
     except (ConfigFileError, ValueError) as exc:
@@ -82,6 +69,35 @@ def serve(
         raise typer.Exit(1) from None
     _stop(running)
     typer.echo("shardserve: stopped")
+
+
+def deployment_config(config: Path | None, model: Path | None, name: str | None = None, host: str | None = None,
+                      port: int | None = None, address: str | None = None, no_prefix_caching: bool = False):
+    """The DeploymentConfig `serve` runs: the file's (or one --model's) with the flags applied;
+    raises ConfigFileError or ValueError naming the problem."""
+    from deploy.schema import ConfigFileError, DeploymentConfig, load_config
+
+    if config is not None and model is not None:
+        raise ConfigFileError("give --config FILE or --model DIR, not both")
+    if config is not None:
+        cfg = load_config(config)
+    elif model is not None:
+        cfg = DeploymentConfig.for_model_dir(str(model), name=name)
+    else:
+        raise ConfigFileError("nothing to serve: give --model DIR or --config FILE")
+    server = cfg.server.model_dump()
+    if host is not None:
+        server["host"] = host
+    if port is not None:
+        server["port"] = port
+    ray = cfg.ray.model_dump()
+    if address is not None:
+        ray["address"] = address
+    models = cfg.model_dump()["models"]
+    if no_prefix_caching:
+        for m in models:
+            m["engine"]["enable_prefix_caching"] = False
+    return cfg.replace(server=server, ray=ray, models=models)
 
 
 def _take_signals() -> None:

@@ -105,7 +105,13 @@ class _EngineGauges:
                 ("num_steps", "engine_steps", "Engine steps that ran work."),
                 ("busy_seconds", "engine_busy_seconds", ("Wall time of the engine's working steps (schedule, "
                                                          "model, sampling, outputs); over elapsed time: how "
-                                                         "busy the engine loop is."))):
+                                                         "busy the engine loop is.")),
+                ("prefix_cache_queries", "prefix_cache_queries", ("Tokens looked up in the prefix cache when "
+                                                                  "sequences were admitted (prompt, plus the output "
+                                                                  "so far of a resumed preempted one).")),
+                ("prefix_cache_hits", "prefix_cache_hits", ("Of prefix_cache_queries, tokens whose KV blocks "
+                                                            "came from the cache; the hit rate is "
+                                                            "rate(hits) / rate(queries)."))):
             c = CounterMetricFamily(PREFIX + name, doc, labels=names)
             c.add_metric(values, float(s.get(key, 0)))
             yield c

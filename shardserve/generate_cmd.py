@@ -18,6 +18,8 @@ def generate(
     seed: int | None = typer.Option(None, help="Seed for a reproducible sample."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on bf16 hardware)."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Compute the prompt in full "
+                                           "(EngineConfig.enable_prefix_caching false)."),
 ) -> None:
     """Generate a completion of PROMPT and stream the text to stdout as it is produced."""
     from engines import EngineConfig, RequestError, SamplingParams
@@ -26,7 +28,7 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
-        engine = LLMEngine(model, EngineConfig(dtype=dtype))
+        engine = LLMEngine(model, EngineConfig(dtype=dtype, enable_prefix_caching=not no_prefix_caching))
         engine.add_request("cli", prompt, params)
     except (RequestError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)

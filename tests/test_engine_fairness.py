@@ -50,6 +50,7 @@ def test_burst_larger_than_cache_never_stalls_a_stream(seed):
     assert all(s.finished and s.num_output == s.params.max_tokens for s in seqs.values())
     # once a stream has its first token it gets one every step: admission reserved its growth
     assert gap == 1 and preemptions == 0
-    # first tokens come in arrival order: nobody overtakes an older request (no starvation)
-    order = sorted(first, key=first.get)
-    assert order == sorted(order)
+    # first tokens come in arrival order: nobody overtakes an older request (no starvation); one
+    # step may give several their first token (the prompts share prefixes: cached ones start late)
+    steps = [first[i] for i in sorted(first)]
+    assert steps == sorted(steps)

@@ -2,7 +2,10 @@
 of the executor, and the load tester's arrival processes.
 
 Time only moves by step costs and arrival gaps; every request asks for exactly its output
-length (ignore_eos), as the load tester's requests do.
+length (ignore_eos), as the load tester's requests do. Prompts are distinct (the load tester's
+random prompts share nothing) unless `shared_prefix_lens` gives each request a leading part
+common to all requests (a chat's system prompt): the Scheduler's prefix cache (on unless the
+SchedulerConfig turns it off) then skips the cached blocks of it, as the engine does.
 
 A request's TPOT is what the load tester measures: from its first token to the last one the client
 sees. A served replica streams tokens in chunks (tuner.stream: the first at once, then at most one
@@ -30,6 +33,8 @@ from tuner.cost import StepWork
 from tuner.stream import stream_interval_s
 
 _TOKEN = 1  # any non-EOS token id: the simulation never stops on EOS
+_SHARED = 0  # the token of every shared prefix; request i's own tokens are _OWN + i
+_OWN = 2
 
 
 def work_of(plan: StepPlan) -> StepWork:
@@ -89,7 +94,8 @@ class StepRecord:
 def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arrivals: np.ndarray,
              input_lens: np.ndarray, output_lens: np.ndarray, max_steps: int = 10_000_000,
              request_overhead: float = 0.0, steps_out: list[StepRecord] | None = None,
-             overhead_per_seq: float = 0.0, text_share: float = 1.0) -> list[RequestTrace]:
+             overhead_per_seq: float = 0.0, text_share: float = 1.0,
+             shared_prefix_lens: np.ndarray | None = None) -> list[RequestTrace]:
     """Run every request to its last token; returns one trace per request, in input order.
 
     `request_overhead` (s) is spent outside the engine (gateway, Ray) before a request reaches
@@ -98,7 +104,9 @@ def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arriv
     side's own work per stream in flight (each one's tokens handed out every step) delays a new
     request's way in. `steps_out`, when given, receives every step (for the refit). `text_share`:
     the share of sampled token ids whose text is not empty (tuner.probe_model.text_token_share);
-    below 1 each trace's seen_last is the client's expected last token (seen_last_times)."""
+    below 1 each trace's seen_last is the client's expected last token (seen_last_times).
+    `shared_prefix_lens[i]`: how many of request i's input_lens[i] tokens are a prefix common to
+    every request (the rest is its own); None: none."""
     sched = Scheduler(cfg)
     arrivals = np.asarray(arrivals, dtype=float)
     seqs: dict[int, Sequence] = {}
@@ -118,8 +126,11 @@ def simulate(step_cost: Callable[[StepWork], float], cfg: SchedulerConfig, arriv
         while transit and transit[0][0] <= now:
             _, _, i = heapq.heappop(transit)
             params = SamplingParams(max_tokens=int(output_lens[i]), ignore_eos=True)
-            seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[_TOKEN] * int(input_lens[i]),
-                           prompt_len=int(input_lens[i]), params=params)
+            length = int(input_lens[i])
+            shared = min(int(shared_prefix_lens[i]), length) if shared_prefix_lens is not None else 0
+            seq = Sequence(seq_id=i, request_id=str(i), index=0,
+                           token_ids=[_SHARED] * shared + [_OWN + i] * (length - shared),
+                           prompt_len=length, params=params)
             sched.check_fits(seq.prompt_len, params.max_tokens)
             seqs[i] = seq
             sched.add(seq)
