@@ -15,7 +15,7 @@ def serve(
     config: Path | None = typer.Option(  # typer's idiom
         None, "--config", "-c", help="Deployment config (YAML), e.g. deploy/examples/default.yaml."),
     model: Path | None = typer.Option(
-        None, "--model", "-m", help="Serve this checkpoint directory (instead of --config)."),
+        None, "--model", "-m", help="Serve this checkpoint directory or .gguf file (instead of --config)."),
     name: str | None = typer.Option(None, "--name", help="Model name for --model (default: the directory's name)."),
     host: str | None = typer.Option(None, "--host", help="Interface to bind (default: the config's, 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="HTTP port (default: the config's, 8000)."),
@@ -30,6 +30,7 @@ def serve(
     Ctrl-C drains in-flight requests (server.drain_timeout_s) and stops.
     """
     from deploy.schema import ConfigFileError, DeploymentConfig, load_config, read_api_keys
+    from engines.model_source import resolve_model  # a .gguf model path: imported once into a cache
 
     try:
         if config is not None and model is not None:
@@ -37,9 +38,10 @@ def serve(
         if config is not None:
             cfg = load_config(config)
         elif model is not None:
-            cfg = DeploymentConfig.for_model_dir(str(model), name=name)
+            cfg = DeploymentConfig.for_model_dir(str(resolve_model(model)), name=name)
         else:
             raise ConfigFileError("nothing to serve: give --model DIR or --config FILE")
+        cfg = cfg.replace(models=[{**m.model_dump(), "path": str(resolve_model(m.path))} for m in cfg.models])
         server = cfg.server.model_dump()
         if host is not None:
             server["host"] = host
