@@ -90,7 +90,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
     try:
         reader = gguf.GGUFReader(str(p))
     except Exception as exc:  # the reader raises ValueError/struct/IndexError on a corrupt header
-        raise GGUFImportError(f"{p.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise GGUFImportError(f"{p.name}: not a readable GGUF file, truncated or corrupt "
+                              f"({p.stat().st_size} bytes; {type(exc).__name__}: {exc})") from exc
     meta = {}
     for key, field in reader.fields.items():
         try:
