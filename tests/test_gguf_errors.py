@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-from gguf_support import byte_level_vocab, tiny_llama, write_llama_gguf  # noqa: E402
+from gguf_support import byte_level_vocab, tiny_llama, write_llama_gguf
 
-from engines.gguf_import import GGUFImportError, import_gguf  # noqa: E402
+from engines.gguf_import import GGUFImportError, import_gguf
 
 
 @pytest.fixture(scope="module")
