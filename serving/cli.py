@@ -15,7 +15,7 @@ def serve(
     config: Path | None = typer.Option(  # typer's idiom
         None, "--config", "-c", help="Deployment config (YAML), e.g. deploy/examples/default.yaml."),
     model: Path | None = typer.Option(
-        None, "--model", "-m", help="Serve this checkpoint directory (instead of --config)."),
+        None, "--model", "-m", help="Serve this checkpoint directory or .gguf file (instead of --config)."),
     name: str | None = typer.Option(None, "--name", help="Model name for --model (default: the directory's name)."),
     host: str | None = typer.Option(None, "--host", help="Interface to bind (default: the config's, 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="HTTP port (default: the config's, 8000)."),
@@ -76,13 +76,14 @@ def deployment_config(config: Path | None, model: Path | None, name: str | None 
     """The DeploymentConfig `serve` runs: the file's (or one --model's) with the flags applied;
     raises ConfigFileError or ValueError naming the problem."""
     from deploy.schema import ConfigFileError, DeploymentConfig, load_config
+    from engines.model_source import resolve_model  # a .gguf model path: imported once into a cache
 
     if config is not None and model is not None:
         raise ConfigFileError("give --config FILE or --model DIR, not both")
     if config is not None:
         cfg = load_config(config)
     elif model is not None:
-        cfg = DeploymentConfig.for_model_dir(str(model), name=name)
+        cfg = DeploymentConfig.for_model_dir(str(resolve_model(model)), name=name)
     else:
         raise ConfigFileError("nothing to serve: give --model DIR or --config FILE")
     server = cfg.server.model_dump()
@@ -94,6 +95,8 @@ def deployment_config(config: Path | None, model: Path | None, name: str | None 
     if address is not None:
         ray["address"] = address
     models = cfg.model_dump()["models"]
+    for m in models:
+        m["path"] = str(resolve_model(m["path"]))
     if no_prefix_caching:
         for m in models:
             m["engine"]["enable_prefix_caching"] = False

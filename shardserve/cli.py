@@ -35,6 +35,10 @@ def _register() -> None:
 
     app.command("quantize")(quantize_cmd.quantize)
     app.add_typer(quantize_cmd.eval_app, name="eval")
+    from shardserve import model_cmd  # `shardserve import FILE.gguf`, `shardserve fetch-default` (issue 35)
+
+    app.command("import")(model_cmd.import_)
+    app.command("fetch-default")(model_cmd.fetch_default)
     for module, names in (
         ("training.cli", ("data", "train", "export", "check-model")),
         ("training.ptune_cli", ("ptune",)),

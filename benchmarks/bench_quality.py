@@ -1,0 +1,188 @@
+"""Quality of the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in shardserve vs transformers.
+
+Prints one table:
+  - tokenizer: our GGUF tokenizer's ids equal transformers' GGUF tokenizer's on every Shakespeare
+    document (documents equal / total, and token counts);
+  - perplexity on the Shakespeare validation text (the last 5% of the corpus stream, as
+    `shardserve data` splits it, decoded back to text and tokenized with SmolLM2's tokenizer):
+    ours (engine prompt logprobs) vs transformers' own GGUF-loaded model, fp32 (target 0.1%) and
+    bf16 (target 1%); our TP=3 (its 9 heads refuse TP=2), PP=2 and FP8 (`shardserve quantize`) vs our bf16 (target 1%);
+  - greedy answers (fp32, 32 tokens) to 20 fixed chat prompts: ours equal to transformers' (count/20).
+
+Usage: PYTHONPATH=. python benchmarks/bench_quality.py [--windows 8 --window 256]
+Raw output goes to runs/bench_quality.json. Fetches the model through the same cached step as `make serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "What is the capital of France?", "What is the capital of Japan?", "How many legs does a spider have?",
+    "What is 2 + 2?", "Who wrote Romeo and Juliet?", "What color is the sky on a clear day?",
+    "Name a planet in our solar system.", "What is the boiling point of water in Celsius?",
+    "Translate 'hello' into Spanish.", "What is the largest ocean on Earth?",
+    "Give me a synonym for 'happy'.", "What do bees make?", "How many days are in a week?",
+    "What is the chemical symbol for gold?", "Write a haiku about the sea.",
+    "What is the opposite of 'cold'?", "Which animal is known as the king of the jungle?",
+    "What language is spoken in Brazil?", "Explain what a computer is in one sentence.",
+    "What is the square root of 81?",
+]
+
+
+def shakespeare_texts() -> list[str]:
+    from training.corpus import read_documents
+    from training.shakespeare import shakespeare_files
+
+    docs, _ = read_documents(shakespeare_files())
+    return [d.text for d in docs]
+
+
+def validation_text(texts: list[str], fraction: float = 0.05) -> str:
+    """The tail of the corpus stream (the validation split's share), as text."""
+    stream = "\n\n".join(texts)
+    return stream[int(len(stream) * (1 - fraction)):]
+
+
+def engine_nll(model_dir: Path, windows: list[list[int]], **opts) -> tuple[float, int]:
+    """Sum of -log p over every token but each window's first, via the engine's prompt logprobs."""
+    from engines import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), num_kv_blocks=256, **opts)
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    nll, n = 0.0, 0
+    for out in outs:
+        for entry in out.prompt_logprobs[1:]:
+            nll -= entry.logprob
+            n += 1
+    llm.engine.shutdown()  # TP/PP worker processes
+    return nll, n
+
+
+def hf_nll(model, windows: list[list[int]]) -> tuple[float, int]:
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.tensor([w])
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            nll -= logp[:-1].gather(1, ids[0, 1:, None]).sum().item()
+            n += len(w) - 1
+    return nll, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--windows", type=int, default=8, help="validation windows")
+    ap.add_argument("--window", type=int, default=256, help="tokens per window")
+    ap.add_argument("--max-tokens", type=int, default=32, help="greedy answer length")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_quality")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.gguf_import import import_gguf
+    from engines.tokenizer import Tokenizer
+    from shardserve.default_model import fetch_gguf
+
+    t0 = time.time()
+    gguf_path = fetch_gguf()
+    args.work.mkdir(parents=True, exist_ok=True)
+    dirs = {}
+    for dt in ("fp32", "bf16"):
+        dirs[dt] = args.work / f"smollm2-{dt}"
+        if not (dirs[dt] / "config.json").is_file():
+            import_gguf(gguf_path, dirs[dt], dtype=dt)
+    fp8 = args.work / "smollm2-fp8"
+    if not (fp8 / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(dirs["bf16"]),
+                        "--out", str(fp8)], check=True, cwd=ROOT)
+    ours_tk = Tokenizer.from_dir(dirs["fp32"])
+    hf_tk = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    rows: dict[str, object] = {}
+
+    texts = shakespeare_texts()
+    same = sum(ours_tk.encode(t) == hf_tk(t)["input_ids"] for t in texts)
+    n_tok = sum(len(ours_tk.encode(t)) for t in texts)
+    chat = [{"role": "user", "content": "Hi <|im_end|> there"}]
+    templ_ok = hf_tk.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    ours_templ = ImmutableSandboxedEnvironment().from_string(ours_tk.chat_template).render(
+        messages=chat, add_generation_prompt=True)
+    rows["tokenizer"] = {"docs_equal": same, "docs": len(texts), "tokens": n_tok,
+                         "chat_template_equal": ours_templ == templ_ok,
+                         "chat_ids_equal": ours_tk.encode(ours_templ) == hf_tk(templ_ok)["input_ids"]}
+
+    val_ids = ours_tk.encode(validation_text(texts))
+    windows = [val_ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
+    ppl = {}
+    for dt, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  dtype=tdt).eval()
+        nll, n = hf_nll(hf, windows)
+        ppl[f"transformers {dt}"] = math.exp(nll / n)
+        nll, n = engine_nll(dirs["fp32"], windows, dtype={"fp32": "float32", "bf16": "bfloat16"}[dt])
+        ppl[f"ours {dt}"] = math.exp(nll / n)
+        if dt == "fp32":
+            hf32 = hf
+    # SmolLM2-135M has 9 query / 3 KV heads: TP=2 does not divide them, TP=3 is the smallest TP it allows
+    for label, d, opts in (("ours TP=3 bf16", dirs["fp32"], {"tensor_parallel_size": 3}),
+                           ("ours PP=2 bf16", dirs["fp32"], {"pipeline_parallel_size": 2}),
+                           ("ours FP8 (bf16 act)", fp8, {})):
+        nll, n = engine_nll(d, windows, dtype="bfloat16", **opts)
+        ppl[label] = math.exp(nll / n)
+    rows["ppl_tokens"] = n
+    rows["ppl"] = ppl
+
+    from engines import LLM, SamplingParams
+
+    llm = LLM(str(dirs["fp32"]), dtype="float32", num_kv_blocks=256)
+    equal, answers = 0, []
+    for q in PROMPTS:
+        msgs = [{"role": "user", "content": q}]
+        ids = hf_tk.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ours = list(llm.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=0))[0]
+                    .outputs[0].token_ids)
+        with torch.no_grad():
+            ref = hf32.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens, do_sample=False,
+                                eos_token_id=hf_tk.convert_tokens_to_ids("<|im_end|>"),
+                                pad_token_id=2)[0, len(ids):].tolist()
+        equal += ours == ref
+        answers.append({"q": q, "ours": ours_tk.decode(ours), "same": ours == ref})
+    rows["greedy_equal"] = equal
+    rows["answers"] = answers
+    rows["seconds"] = round(time.time() - t0, 1)
+    (ROOT / "runs").mkdir(exist_ok=True)
+    (ROOT / "runs" / "bench_quality.json").write_text(json.dumps(rows, indent=2))
+
+    tk = rows["tokenizer"]
+    print(f"tokenizer: {tk['docs_equal']}/{tk['docs']} Shakespeare documents give equal ids "
+          f"({tk['tokens']:,} tokens); chat template text equal: {tk['chat_template_equal']}, ids equal: "
+          f"{tk['chat_ids_equal']}")
+    print(f"perplexity on the Shakespeare validation text, {n:,} predicted tokens "
+          f"({args.windows} windows of {args.window}):")
+    print(f"{'model':28s} {'ppl':>9s} {'vs ref':>9s} {'target':>7s}")
+    for label, ref, tgt in (("ours fp32", "transformers fp32", 0.1), ("ours bf16", "transformers bf16", 1.0),
+                            ("ours TP=3 bf16", "ours bf16", 1.0), ("ours PP=2 bf16", "ours bf16", 1.0),
+                            ("ours FP8 (bf16 act)", "ours bf16", 1.0)):
+        for name in (ref, label) if ref.startswith("transformers") else (label,):
+            d = 100 * (ppl[name] / ppl[ref] - 1)
+            print(f"{name:28s} {ppl[name]:9.4f} {d:+8.3f}% {('<=' + str(tgt) + '%') if name == label else '':>7s}"
+                  f"  (vs {ref})" if name == label else f"{name:28s} {ppl[name]:9.4f}")
+    print(f"greedy fp32 answers equal to transformers': {equal}/{len(PROMPTS)} ({args.max_tokens} tokens max)")
+    for a in answers[:3]:
+        print(f"  {a['q']!r} -> {a['ours']!r}")
+    print(f"({rows['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
