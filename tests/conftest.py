@@ -152,3 +152,24 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if config.getoption("--fast") and collection_path.is_file() and collection_path.name.startswith("test_"):
         return collection_path.name not in FAST_TIER or None
     return None
+
+
+def quantize_dir(src: Path, out: Path) -> Path:
+    """`shardserve quantize --format fp8` through the real CLI (tests/test_fp8*.py)."""
+    from typer.testing import CliRunner
+
+    from shardserve.cli import app
+
+    r = CliRunner().invoke(app, ["quantize", "--model", str(src), "--out", str(out), "--format", "fp8"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_fp8(llama_dir, tmp_path_factory) -> Path:
+    return quantize_dir(llama_dir, tmp_path_factory.mktemp("q") / "llama-fp8")
+
+
+@pytest.fixture(scope="module")
+def gpt2_fp8(gpt2_dir, tmp_path_factory) -> Path:
+    return quantize_dir(gpt2_dir, tmp_path_factory.mktemp("q") / "gpt2-fp8")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_fixtures import LogitsRecorder
-from test_prefix_cache import BS, SYS, QUESTIONS, chat_schedule, params, run
+from test_prefix_cache import BS, QUESTIONS, SYS, chat_schedule, params, run
 
 from engines.config import EngineConfig
 from engines.executor import InProcessExecutor
