@@ -42,6 +42,9 @@ class Tokenizer:
                 raise ValueError(f"tokenizer_config.json: not valid JSON ({exc})") from exc
             template = tc.get("chat_template")
             bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+        jinja = d / "chat_template.jinja"  # transformers >= 4.43 writes the template beside the config
+        if jinja.is_file():
+            template = jinja.read_text()
         return cls(tk, template, bos, eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

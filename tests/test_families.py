@@ -151,3 +151,14 @@ def test_family_fp8_file_and_online_quantization_agree(ckpt, name, tmp_path):
     online = [o.outputs[0].token_ids for o in LLM(d, weight_dtype="fp8").generate(prompts, params)]
     from_file = [o.outputs[0].token_ids for o in LLM(fp8_dir).generate(prompts, params)]
     assert online == from_file
+
+
+def test_chat_template_jinja_file_is_read(tmp_path):
+    """transformers 5 saves the chat template as chat_template.jinja, not inside tokenizer_config.json."""
+    from tokenizers import Tokenizer, models
+
+    from engines.tokenizer import Tokenizer as OurTokenizer
+    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert OurTokenizer.from_dir(tmp_path).chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
