@@ -34,10 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import CACHE  # noqa: E402
-from engines import EngineConfig, SamplingParams  # noqa: E402
-from engines.async_engine import AsyncLLMEngine  # noqa: E402
-from engines.config import ModelConfig, kv_bytes_per_block  # noqa: E402
+from benchmarks.common import CACHE
+from engines import EngineConfig, SamplingParams
+from engines.async_engine import AsyncLLMEngine
+from engines.config import ModelConfig, kv_bytes_per_block
 
 VOCAB = 50000  # ids below GPT-2's EOS (50256)
 
