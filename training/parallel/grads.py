@@ -2,7 +2,8 @@
 
 After the micro-batches' backward passes, in this order:
   1. SP: parameters replicated over the TP group but fed a sequence shard (norms, positions,
-     row-parallel biases) hold partial gradients: summed over the TP group.
+     row-parallel biases) hold partial gradients: summed over the TP group. Without SP, only
+     the replicated parameters applied per head (qwen3's q/k norms) are partial, and summed.
   2. Tied embeddings across stages: the first stage's embedding and the last stage's copy of it
      both hold part of the gradient: summed over the pair, so both copies take the same update.
   3. Data parallel: averaged over the DP group, flattened into one buffer (one collective).
@@ -40,8 +41,10 @@ def _tied_copy(stage: ParallelStage) -> torch.nn.Parameter | None:
 def sync_grads(stage: ParallelStage) -> None:
     g = stage.groups
     params = [p for p in stage.parameters() if p.grad is not None]
-    if stage.spec.sequence_parallel and g.tp_group is not None:
+    if stage.spec.sequence_parallel and g.tp_group is not None:  # includes the per-head ones below
         _reduce([p.grad for p in stage.replicated_under_sp() if p.grad is not None], g.tp_group)
+    elif g.tp_group is not None:
+        _reduce([p.grad for p in stage.per_head_replicated() if p.grad is not None], g.tp_group)
     if stage.cfg.tie_word_embeddings and g.layout.pp > 1 and g.embed_group is not None:
         w = stage.wte.weight if stage.first else stage.lm_head.weight if stage.last else None
         if w is not None:

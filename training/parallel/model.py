@@ -76,6 +76,9 @@ class ParallelAttention(nn.Module):
         self.qkv = _column(attn.qkv, "attn.qkv.weight", cfg, tp, r, g, sp)
         self.proj = _row(attn.proj, "attn.proj.weight", cfg, tp, r, g, sp)
         self.n_head, self.n_kv_head, self.hd = cfg.n_head // tp, local_kv_heads(cfg, tp, r)[1], cfg.hd
+        # qwen3's q/k norms: (hd,) weights shared by every head, so replicated; a rank's gradient
+        # covers its own heads only, and grads.sync_grads sums them over the TP group
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.p = cfg.dropout
         self.tracker, self.selective = tracker, selective
         self.resid_drop = TrackedDropout(cfg.dropout, tracker if sp else None)
@@ -93,6 +96,8 @@ class ParallelAttention(nn.Module):
         nq, nkv, hd = self.n_head, self.n_kv_head, self.hd
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.view(T, B, nq, hd), k.view(T, B, nkv, hd), v.view(T, B, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (B, heads, T, hd)
@@ -210,6 +215,12 @@ class ParallelStage(nn.Module):
             return x
         h = self.norm_f(x)
         return parallel_lm_loss(h, self.lm_head.weight, targets, self.vocab_start, self.vp, g, sp)
+
+    def per_head_replicated(self) -> list[nn.Parameter]:
+        """Replicated parameters applied per attention head (qwen3's q/k norms): each TP rank's
+        gradient covers its own heads, so the gradients are summed over the group, SP or not."""
+        return [p for b in self.blocks.values() for m in (b.attn.q_norm, b.attn.k_norm) if m is not None
+                for p in m.parameters()]
 
     def replicated_under_sp(self) -> list[nn.Parameter]:
         """Parameters that are replicated across the TP group but see only a sequence shard under
