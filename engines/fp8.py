@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.config import WEIGHT_DTYPES
+from engines.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
 from engines.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -227,31 +228,23 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
                     setattr(parent, attr, Fp8PanelLinear.from_fp8(mod, dtype))
                     panels += 1
     fp8_layers = [mod for _, _, mod in _block_linears(model) if isinstance(mod, Fp8Linear)]
+    make = {"rowwise": ScaledMMLinear, "tensorwise": TensorwiseScaledMMLinear,
+            "dequant": lambda m: _dequantized(m, dtype)}  # how each kind is built from an Fp8Linear
     choice: dict = {}
     if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
-        from engines.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
-
         timed = [m for m in fp8_layers if m.dynamic_activations and scaled_mm_shape_ok(m.in_features, m.out_features)]
-        choice = choose_kernels(timed, dtype, {"rowwise": ScaledMMLinear, "tensorwise": TensorwiseScaledMMLinear,
-                                                "bf16": lambda m: _dequantized(m, dtype)})
+        choice = choose_kernels(timed, dtype, {"rowwise": make["rowwise"], "tensorwise": make["tensorwise"],
+                                                "bf16": make["dequant"]})
     counts = {"rowwise": 0, "tensorwise": 0, "dequant": 0}
     for parent, attr, mod in _block_linears(model):
         if not isinstance(mod, Fp8Linear):
             continue
+        kind = "dequant"
         if fast and mod.dynamic_activations and scaled_mm_shape_ok(mod.in_features, mod.out_features):
-            kind = choice.get((mod.in_features, mod.out_features, mod.comm is not None), "rowwise")
-            if kind == "tensorwise":
-                from engines.fp8_choice import TensorwiseScaledMMLinear
-
-                setattr(parent, attr, TensorwiseScaledMMLinear(mod))
-                counts["tensorwise"] += 1
-                continue
-            if kind == "rowwise":
-                setattr(parent, attr, ScaledMMLinear(mod))
-                counts["rowwise"] += 1
-                continue
-        setattr(parent, attr, _dequantized(mod, dtype))
-        counts["dequant"] += 1
+            picked = choice.get((mod.in_features, mod.out_features, mod.comm is not None), "rowwise")
+            kind = "dequant" if picked == "bf16" else picked
+        setattr(parent, attr, make[kind](mod))
+        counts[kind] += 1
     if fast:
         backend = (f"w8a8 (torch._scaled_mm: {counts['rowwise']} row-wise, {counts['tensorwise']} tensor-wise "
                    f"+ per-channel epilogue; {counts['dequant']} bf16 where measured faster)")
