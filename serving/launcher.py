@@ -92,33 +92,63 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
     t0 = time.monotonic()
     level = logging.WARNING if quiet else logging.INFO
     owns_ray = not ray.is_initialized()
-    if owns_ray:
-        if cfg.ray.address is None:
-            # Ray starts its workers (the replicas, the gateway, the shard actors) at nice 15 so that
-            # its daemons win the CPU; on a host with other work every nice-0 process then takes the
-            # engine's cores. The embedded instance exists to serve, so its workers keep the caller's
-            # priority (RAY_worker_niceness set by the user wins; a cluster's own `ray start` decides
-            # for itself).
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
-        else:
-            ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
     # quiet: Ray Serve's own replica logs only for errors (its router warns about slow queue-length
     # probes on a busy machine); shardserve's request logs have their own logger and handler
     logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
     logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
-    _check_resources(cfg)
-    if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
-        serve.start(proxy_location="Disabled", logging_config=logs)
-    else:
-        serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
-                                             request_timeout_s=None, keep_alive_timeout_s=30),
-                    logging_config=logs)
-    app = build_application(cfg, [hash_key(k) for k in api_keys], [hash_key(k) for k in admin_keys])
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
+    # An embedded Ray that we start ourselves gets a second try: on a loaded host Ray Serve's
+    # controller can fail to register its name in time ("Failed to look up actor with name
+    # 'SERVE_CONTROLLER_ACTOR'"), a race inside Ray, not a problem of the config. A joined cluster
+    # gets one try (its state is not ours to reset).
+    attempts = 2 if owns_ray and cfg.ray.address is None else 1
+    for attempt in range(1, attempts + 1):
+        if owns_ray:
+            _init_ray(cfg, level)
+        try:
+            _check_resources(cfg)
+            if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
+                serve.start(proxy_location="Disabled", logging_config=logs)
+            else:
+                serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
+                                                     request_timeout_s=None, keep_alive_timeout_s=30),
+                            logging_config=logs)
+            app = build_application(cfg, [hash_key(k) for k in api_keys], [hash_key(k) for k in admin_keys])
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
+            break
+        except Exception as exc:  # Ray's controller race is retried once on an embedded Ray
+            if attempt == attempts or not _controller_race(exc):
+                raise
+            logging.getLogger(__name__).warning("Ray Serve did not start (%s); restarting the local Ray once", exc)
+            ray.shutdown()
+            if cfg.server.port:
+                wait_port_free(f"http://{cfg.server.host}:{cfg.server.port}")
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
                    time.monotonic() - t0)
+
+
+def _controller_race(exc: BaseException) -> bool:
+    """Ray Serve's controller was not found by name right after it was created (a race in Ray on a
+    loaded host), as opposed to a failure of our config or our replicas."""
+    from ray.serve.exceptions import RayServeException
+
+    text = str(exc)
+    return "SERVE_CONTROLLER_ACTOR" in text or (isinstance(exc, RayServeException) and "no Serve instance" in text)
+
+
+def _init_ray(cfg: DeploymentConfig, level: int) -> None:
+    import ray
+
+    if cfg.ray.address is None:
+        # Ray starts its workers (the replicas, the gateway, the shard actors) at nice 15 so that
+        # its daemons win the CPU; on a host with other work every nice-0 process then takes the
+        # engine's cores. The embedded instance exists to serve, so its workers keep the caller's
+        # priority (RAY_worker_niceness set by the user wins; a cluster's own `ray start` decides
+        # for itself).
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
+    else:
+        ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
 
 
 def _check_resources(cfg: DeploymentConfig) -> None:
@@ -140,6 +170,7 @@ def _check_resources(cfg: DeploymentConfig) -> None:
 def stop(running: Running | None = None) -> None:
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     from serving.deployments import APP_NAME
 
@@ -147,6 +178,8 @@ def stop(running: Running | None = None) -> None:
         # drains: Ray Serve stops routing to the replicas and waits for their in-flight requests
         # up to graceful_shutdown_timeout_s (= server.drain_timeout_s) before stopping them
         serve.delete(APP_NAME)
+    except RayServeException:
+        pass  # no Serve instance (a start that failed before it had one): nothing to drain
     finally:
         if running is None or running.owns_ray:
             ray.shutdown()  # Serve's controller and proxy go with the Ray instance we started
