@@ -88,9 +88,18 @@ class _QueueChannel:
     def __init__(self):
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
+        self._polled: list[tuple] = []  # a command poll() took from the inbox, for the next recv()
+
+    def poll(self, timeout_s: float) -> bool:
+        if not self._polled:
+            try:
+                self._polled.append(self.inbox.get(timeout=timeout_s))
+            except queue.Empty:
+                return False
+        return True
 
     def recv(self) -> tuple:
-        return self.inbox.get()
+        return self._polled.pop() if self._polled else self.inbox.get()
 
     def send(self, msg: tuple) -> None:
         self.outbox.put(msg)
