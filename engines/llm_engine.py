@@ -17,9 +17,8 @@ from pathlib import Path
 
 from engines.block_manager import cache_key
 from engines.checkpoint import CheckpointError
-from engines.config import EngineConfig, ModelConfig, max_model_len
+from engines.config import EngineConfig, ModelConfig, max_model_len, resolve_engine_config
 from engines.executor import Executor, InProcessExecutor
-from engines.hardware import resolve_engine_config
 from engines.model_source import resolve_model
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob

@@ -63,7 +63,7 @@ class ModelCore:
         self._watcher: asyncio.Task | None = None
         self.active_requests = 0
         self.draining = False
-        from engines.fp8 import served_weight_dtype
+        from engines.checkpoint import served_weight_dtype
 
         weight_dtype = served_weight_dtype(spec.path, cfg.weight_dtype, cfg.dtype)
         self.metrics = ReplicaMetrics(spec.name, replica, self.stats, weight_dtype=weight_dtype, dtype=cfg.dtype)
