@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engines.model_config import MODEL_TYPES, ConfigError, ModelConfig, _require
+from engines.step_record import STEP_RECORD_MAX
 
 __all__ = ["DTYPES", "ENGINE_DTYPES", "MODEL_TYPES", "WEIGHT_DTYPES", "ConfigError", "EngineConfig", "ModelConfig",
            "kv_bytes_per_block", "max_model_len", "num_kv_blocks", "resolve_engine_config", "resolved_dtype"]
@@ -131,6 +132,10 @@ class EngineConfig:
     cached prefix instead of computing them again (a chat's system prompt is computed once); blocks
     no request holds stay cached and are evicted least recently used when the pool needs them
     (engines/block_manager.py). False: every prompt is computed in full."""
+    step_record_len: int = 256
+    """Working steps the engine's step recorder keeps (engines/step_record.py), the most that
+    `GET /v1/admin/steps` returns: the tuner's served-step fit reads them; its accuracy runs keep a
+    whole run (tuner.validate.RUN_STEPS_KEPT). At most 1,000,000 (about 100 bytes a step)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
 
@@ -176,6 +181,9 @@ class EngineConfig:
                  f"must be true or false, got {self.adaptive_threads!r}")
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                  f"must be true or false, got {self.enable_prefix_caching!r}")
+        _require(isinstance(self.step_record_len, int) and not isinstance(self.step_record_len, bool)
+                 and 1 <= self.step_record_len <= STEP_RECORD_MAX, "step_record_len",
+                 f"must be an integer in [1, {STEP_RECORD_MAX}], got {self.step_record_len!r}")
         _require(isinstance(self.dist_timeout_s, (int, float)) and 0 < self.dist_timeout_s < 10**7, "dist_timeout_s",
                  f"must be a number of seconds in (0, 1e7), got {self.dist_timeout_s!r}")
 

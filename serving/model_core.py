@@ -74,7 +74,7 @@ class ModelCore:
             max_seqs_per_request=self.capacity, tokenizer_json=tk.tk.to_str() if tk is not None else None,
             chat_template=tk.chat_template if tk is not None else None,
             bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
-            created=int(time.time()), weight_dtype=weight_dtype)
+            created=int(time.time()), weight_dtype=weight_dtype, step_record_len=engine.engine.step_recorder.capacity)
         from serving.ptuning_admin import PtuningAdmin
 
         self.ptuning = PtuningAdmin(spec.name, spec.path, engine.engine.tasks)
@@ -102,14 +102,15 @@ class ModelCore:
         """This replica's window as it is published (serving/steps_api.py turns it into the route's
         answer): its layout, its replica name, `clock_s` (now on the replica's monotonic clock, so that
         a reader can tell how old each step is) and the engine's latest steps as tuples in
-        steps_api.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
-        several times faster than dicts, which matters for a window of thousands of steps)."""
+        engines.step_record.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
+        several times faster than dicts, which matters for a window of thousands of steps): the
+        engine's step recorder (engines/step_record.py), sized by EngineConfig.step_record_len."""
         c = self.engine.engine.config
         layout = {"tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size,
                   "worker_threads": c.worker_threads, "max_num_seqs": c.max_num_seqs,
                   "max_num_batched_tokens": c.max_num_batched_tokens, "dtype": c.dtype}
         return {"replica": self.replica, "layout": layout, "clock_s": time.monotonic(),
-                "rows": tuple(self.engine.engine.step_detail)}
+                "rows": self.engine.engine.step_recorder.rows()}
 
     # health and state
     def stats(self) -> dict[str, float]:
