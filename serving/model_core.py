@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engines.sampling_params import RequestError
 from serving import errors
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from deploy.schema import ModelSpec
     from engines.async_engine import AsyncLLMEngine
     from engines.outputs import RequestOutput
+    from serving.ptuning_ops import PtuningOp
 
 log = logging.getLogger("shardserve.model")
 
@@ -93,10 +94,10 @@ class ModelCore:
         engine = AsyncLLMEngine.from_model_dir(spec.path, cfg, executor_factory=executor_factory)
         return cls(spec, engine, replica, request_timeout_s)
 
-    async def ptuning_admin(self, op: str, args: dict):
-        """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_admin.py)."""
+    async def ptuning_admin(self, op: PtuningOp) -> tuple[ErrorInfo | None, Any]:
+        """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_ops.py)."""
         self.ptuning.ensure_watch()
-        return await asyncio.to_thread(self.ptuning.call, op, args)
+        return await asyncio.to_thread(self.ptuning.run, op)
 
     def step_window(self) -> dict:
         """This replica's window as it is published (serving/steps_api.py turns it into the route's
