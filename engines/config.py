@@ -2,8 +2,9 @@
 
 One source of truth: the CLI, the deployment schema (deploy/, which derives its EngineOptions from
 EngineConfig's fields) and the tuner all build these objects; nothing changes them after
-construction. Derived values are properties or pure functions of the fields. This module imports
-only the standard library (and engines.model_config) at module level: deploy/ imports it without torch.
+construction. Derived values are properties or pure functions of the fields. At module level this
+imports the standard library and two modules of the same kind (engines.model_config,
+engines.step_record) only: deploy/ imports it without torch (tests/test_deploy_schema.py).
 """
 
 from __future__ import annotations
