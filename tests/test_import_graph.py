@@ -1,5 +1,6 @@
 """No import circles between modules: every package's imports (module level, function level and
-TYPE_CHECKING blocks alike) are parsed with ast and the module graph must have no cycle.
+TYPE_CHECKING blocks alike) are parsed with ast and the module graph must have no cycle. And no
+source file in the packages past MAX_LINES.
 
 There is no allowance list: any circle fails (issue 36 broke the last ones: FP8 shards itself for
 TP through engines.parallel.tp.ShardableLinear; ModelConfig and its HF form live in
@@ -104,3 +105,14 @@ def test_cycle_finder_finds_a_planted_circle():
 def test_no_import_cycles():
     found = sorted(sorted(c) for c in cycles(import_graph()))
     assert not found, f"import circles: {found}"
+
+
+MAX_LINES = 500
+"""Most lines of a source file in the packages (Python and the C++ kernels): past that, split it by
+responsibility (STYLE.md). Data files (a Grafana dashboard, a vendored JSON schema) do not count."""
+
+
+def test_no_source_file_over_max_lines():
+    long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for pattern in ("*.py", "*.cpp")
+            for p in (ROOT / pkg).rglob(pattern) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
