@@ -29,9 +29,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.config import ConfigError, EngineConfig, ModelConfig
+from engines.config import ConfigError, EngineConfig, ModelConfig, resolve_engine_config
 from engines.executor import Executor, ExecutorError
-from engines.hardware import resolve_engine_config
 from engines.parallel.layout import ParallelLayout
 from engines.plan import StepPlan, StepResult
 

@@ -36,7 +36,7 @@ def test_invalid_config_names_the_field(tmp_path, gpt2_dir):
     cfg.write_text(f"models:\n  - name: m\n    path: {gpt2_dir}\n    engine:\n      block_size: 0\n")
     out = run_cli("--config", str(cfg))
     assert out.returncode == 2
-    assert "models.0.engine.block_size: Input should be greater than 0" in out.stderr
+    assert "models.0.engine.block_size: must be a positive integer, got 0" in out.stderr
     out = run_cli("--model", str(tmp_path / "missing"))
     assert out.returncode == 2 and "models.0.path" in out.stderr and "no config.json" in out.stderr
     out = run_cli("--model", str(gpt2_dir), "--port", "70000")
