@@ -271,7 +271,7 @@ def test_measured_profile_round_trips(tmp_path):
                                                          tp=tp, threads=1 if tp > 1 else 0, vocab=cfg.vocab_size)]
         assert len(steps) >= 5 and all(dt > 0 for _, dt, _ in steps)
         assert {w.tokens for w, _, _ in steps} >= {32, 1, 100}  # prefills of both sizes and decode steps
-        layouts[f"{tp}x1"] = {k: v if isinstance(v, int) else round(float(v), 4) for k, v in fit_layout(steps).items()}
+        layouts[f"{tp}x1"] = {k: v if isinstance(v, int) else float(f"{float(v):.6g}") for k, v in fit_layout(steps).items()}
     prof = base.replace(layouts=layouts)
     prof.save(tmp_path / "p.yaml")
     assert load_profile(str(tmp_path / "p.yaml")) == prof
