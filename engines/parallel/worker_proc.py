@@ -67,7 +67,7 @@ def shard_info(runner: ModelRunner) -> dict:
 
     start, end = runner.layout.stages[runner.pp_rank]
     return {"rank": runner.rank, "tp_rank": runner.tp_rank, "pp_rank": runner.pp_rank, "layers": (start, end),
-            "num_blocks": runner.num_blocks, "weight_bytes": shard_bytes(runner.stage),
+            "num_blocks": runner.num_blocks, "weight_bytes": shard_bytes(runner.model),
             "expected_weight_bytes": expected_shard_bytes(runner.cfg, runner.layout.tp, start, end,
                                                           torch.empty(0, dtype=runner.dtype).element_size()),
             "kv_bytes": runner.cache.nbytes, "pid": os.getpid(), "why_not": dict(runner.why_not),
@@ -81,6 +81,7 @@ def stats(runner: ModelRunner, comm: Comm, reset: bool) -> dict:
     if reset:
         comm.reset_counters()
         runner.spans.clear()
+        runner.paths.clear()
     return out
 
 
