@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_fixtures import PROMPTS, LogitsRecorder, ThreadTPExecutor, run_engine
+from parallel_fixtures import PROMPTS, LogitsRecorder, ThreadTPExecutor, make_own_checkpoint, run_engine
 
 from engines.config import EngineConfig
 from engines.executor import InProcessExecutor
@@ -18,11 +18,22 @@ pytestmark = pytest.mark.skipif(load()[0] is None, reason="the fused decode step
 BASE = EngineConfig(num_kv_blocks=64, cpu_linear_autotune=False)
 
 
-@pytest.mark.parametrize("which, tp, pp", [("llama", 2, 1), ("llama", 1, 2), ("gpt2", 2, 1), ("gpt2", 1, 2)])
-def test_shards_take_the_fused_step(which, tp, pp, gpt2_dir, llama_dir):
+@pytest.fixture(scope="module")
+def qwen_dirs(tmp_path_factory):
+    """Qwen2-shaped (qkv biases: column-parallel, sliced) and Qwen3-shaped (per-head q / k RMSNorms:
+    replicated) checkpoints."""
+    shape = dict(vocab_size=397, n_layer=2, n_head=4, n_embd=64, n_kv_head=2, intermediate_size=128,
+                 tie_word_embeddings=False, bias=False, activation="silu")
+    return {"qwen2": make_own_checkpoint(tmp_path_factory.mktemp("qwen2"), model_type="qwen2", qkv_bias=True, **shape),
+            "qwen3": make_own_checkpoint(tmp_path_factory.mktemp("qwen3"), model_type="qwen3", qk_norm=True, **shape)}
+
+
+@pytest.mark.parametrize("which, tp, pp", [("llama", 2, 1), ("llama", 1, 2), ("gpt2", 2, 1), ("gpt2", 1, 2),
+                                           ("qwen2", 2, 1), ("qwen3", 2, 1)])
+def test_shards_take_the_fused_step(which, tp, pp, gpt2_dir, llama_dir, qwen_dirs):
     """GPT-2 TP: the row-parallel biases are added after the all-reduce; GPT-2 PP: positions are
     learned on the first stage only."""
-    d = {"gpt2": gpt2_dir, "llama": llama_dir}[which]
+    d = {"gpt2": gpt2_dir, "llama": llama_dir, **qwen_dirs}[which]
     ref, eng = run_engine(d, InProcessExecutor(d, BASE), BASE)
     one = eng.executor.runner
     assert one.paths["fused"] > 0 and "fused" not in one.why_not
