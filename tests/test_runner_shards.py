@@ -22,8 +22,8 @@ BASE = EngineConfig(num_kv_blocks=64, cpu_linear_autotune=False)
 def qwen_dirs(tmp_path_factory):
     """Qwen2-shaped (qkv biases: column-parallel, sliced) and Qwen3-shaped (per-head q / k RMSNorms:
     replicated) checkpoints."""
-    shape = dict(vocab_size=397, n_layer=2, n_head=4, n_embd=64, n_kv_head=2, intermediate_size=128,
-                 tie_word_embeddings=False, bias=False, activation="silu")
+    shape = {"vocab_size": 397, "n_layer": 2, "n_head": 4, "n_embd": 64, "n_kv_head": 2, "intermediate_size": 128,
+             "tie_word_embeddings": False, "bias": False, "activation": "silu"}
     return {"qwen2": make_own_checkpoint(tmp_path_factory.mktemp("qwen2"), model_type="qwen2", qkv_bias=True, **shape),
             "qwen3": make_own_checkpoint(tmp_path_factory.mktemp("qwen3"), model_type="qwen3", qk_norm=True, **shape)}
 
