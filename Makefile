@@ -9,8 +9,9 @@ SERVE_MODEL ?= models/smollm2
 SERVE_NAME  ?= SmolLM2-135M-Instruct
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
-# pytest-xdist processes for make test; each test file runs whole in one (its module fixtures once)
-TEST_WORKERS ?= 2
+# pytest-xdist processes for make test; each test file runs whole in one (its module fixtures once).
+# Three on two cores: the suite waits on servers (Ray start, HTTP) about half of its wall time.
+TEST_WORKERS ?= 3
 
 .PHONY: setup test test-fast bench bench-peer model serve serve-config lint clean
 

@@ -1,6 +1,7 @@
 """The deployment-config schema (one source of truth) and ready deployment files.
 
-Imports pydantic and yaml only: the tuner emits these configs without a server or a GPU.
+Imports pydantic, yaml and engines.config (standard library only, the source of the engine options):
+the tuner emits these configs without torch, a server or a GPU.
 """
 
 from deploy.schema import (

@@ -1,23 +1,37 @@
 """The deployment config: which models to serve, how, and with what limits (one source of truth).
 
 `shardserve serve --config FILE`, the tuner's emitted configs and the YAML examples in
-deploy/examples/ all produce a `DeploymentConfig`. Every model carries engine options by value
-(the fields of engines.EngineConfig, mirrored here because deploy/ imports neither engines nor
-serving; a test keeps the two field sets equal). An unset engine option means "the engine's own
-default", so each default is defined once, in engines.EngineConfig.
+deploy/examples/ all produce a `DeploymentConfig`. Every model carries engine options by value:
+`EngineOptions` is derived from engines.EngineConfig's fields (names, types, checks), so each engine
+option, its default and its range are defined once, in engines/config.py. deploy/ imports that one
+module of engines, which imports the standard library only (no torch; tests/test_deploy_schema.py
+pins it), and never serving. An unset engine option means "the engine's own default".
 
 Invalid configs fail at load with messages that name the field, e.g.
-`models.0.engine.block_size: Input should be greater than 0`.
+`models.0.engine.block_size: must be a positive integer, got 0`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from engines.config import ConfigError, EngineConfig
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 """No "/": the name is one path segment of /v2/models/{name}/..."""
@@ -32,70 +46,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf / nan: no field means them
 
 
-class EngineOptions(_Strict):
-    """engines.EngineConfig fields; None (unset) keeps the engine's default."""
+class _EngineOptionsBase(_Strict):
+    """Engine options of one model: engines.EngineConfig's fields, each optional (None, unset, keeps
+    the engine's default). The fields, their types and their checks are EngineConfig's own: each
+    value set is checked by building an EngineConfig with it (an error names the field, e.g.
+    `models.0.engine.block_size: must be a positive integer, got 0`), and the set as a whole once
+    more for the checks that join fields."""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    """auto (the engine's default): bfloat16 on bf16 hardware (AMX, AVX512-BF16, CUDA), else float32."""
-    device: str | None = None
-    """torch device string: cpu, cuda, cuda:1."""
-    weight_dtype: Literal["auto", "fp8"] | None = None
-    """Linear weights of the blocks: auto (what the checkpoint holds; an FP8 checkpoint serves FP8) or
-    fp8 (e4m3 per-channel, quantized at load if the checkpoint is float). W8A8 on CUDA >= 8.9."""
-    block_size: int | None = Field(None, gt=0)
-    """Tokens per KV-cache block."""
-    kv_cache_bytes: int | None = Field(None, ge=0)
-    """Memory budget of the paged KV cache, all layers (bytes); unset or 0 sizes it from free memory."""
-    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
-    """Fraction of the device's memory the engine may hold when kv_cache_bytes is unset (0.9)."""
-    admission_reserves_growth: bool | None = None
-    """Admission keeps the blocks running sequences will still need (no mid-stream preemption)."""
-    static_decode: Literal["auto", "on", "off"] | None = None
-    """Decode steps padded to batch buckets from persistent buffers (auto: on for CUDA)."""
-    cuda_graphs: bool | None = None
-    """With static_decode on CUDA: one CUDA graph per batch bucket."""
-    cuda_graph_capture_s: float | None = Field(None, ge=0)
-    """CUDA: seconds of decode-graph capture at load (30); 0 captures lazily during requests."""
-    compile_decode: Literal["auto", "on", "off"] | None = None
-    """CPU: compile the static decode step with inductor (on needs a C++ compiler; auto: eager)."""
-    num_kv_blocks: int | None = Field(None, ge=0)
-    """Explicit KV block count; 0 derives it from kv_cache_bytes."""
-    max_num_seqs: int | None = Field(None, gt=0)
-    """Most sequences in one engine step."""
-    max_num_batched_tokens: int | None = Field(None, gt=0)
-    """Token budget of one step."""
-    max_model_len: int | None = Field(None, ge=0)
-    """Longest prompt + output; 0 uses the model's limit."""
-    seed: int | None = None
-    max_logprobs: int | None = Field(None, ge=0, le=100)
-    cpu_linear_autotune: bool | None = None
-    """On CPU, time both weight layouts of each Linear at load and keep the faster."""
-    tensor_parallel_size: int | None = Field(None, ge=1)
-    """Tensor-parallel shards of one model copy (TP)."""
-    pipeline_parallel_size: int | None = Field(None, ge=1)
-    """Pipeline stages of one model copy (PP)."""
-    pipeline_microbatches: int | None = Field(None, ge=0)
-    """Micro-batches per step across pipeline stages; 0 means pipeline_parallel_size."""
-    worker_threads: int | None = Field(None, ge=0)
-    """torch threads per shard worker; 0 shares the cores among the shards."""
-    adaptive_threads: bool | None = None
-    """In-process CPU engine without worker_threads: each step's thread count (at most the cores
-    it has) is chosen by measuring steps while it runs (default true)."""
-    decode_attention: Literal["auto", "kernel", "loop"] | None = None
-    """CPU decode attention: kernel (C++ over the block table, built once per machine; fails without
-    a C++ compiler), loop (one attention per sequence), auto (the kernel where it builds; default)."""
-    fused_decode: Literal["auto", "off"] | None = None
-    """CPU: the blocks of a decode-only step as one C++ call (GPT-2-style models on the panel and
-    paged kernels; auto, the default) or never (off)."""
-    dist_timeout_s: float | None = Field(None, gt=0, lt=10**7)
-    """Deadline of one step in a multi-process executor (seconds)."""
-    enable_prefix_caching: bool | None = None
-    """Reuse the KV blocks of a cached prompt prefix (a shared system prompt is computed once;
-    default true)."""
+    @field_validator("*")
+    @classmethod
+    def _engine_checks_the_value(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            try:
+                EngineConfig(**{info.field_name: value})
+            except ConfigError as exc:  # "name: message"; the location already names the field
+                raise ValueError(str(exc).removeprefix(f"{info.field_name}: ")) from None
+        return value
+
+    @model_validator(mode="after")
+    def _engine_checks_the_set(self) -> _EngineOptionsBase:
+        try:
+            EngineConfig(**self.engine_kwargs())
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The options that were set, as keyword arguments of engines.EngineConfig."""
         return self.model_dump(exclude_none=True)
+
+
+def _engine_option_fields() -> dict[str, Any]:
+    """(type | None, default None) of every EngineConfig field but `extra` (executor plumbing)."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: (hints[f.name] | None, None) for f in dataclasses.fields(EngineConfig) if f.name != "extra"}
+
+
+EngineOptions = create_model("EngineOptions", __base__=_EngineOptionsBase, __module__=__name__,
+                             __doc__=_EngineOptionsBase.__doc__, **_engine_option_fields())
+"""The `engine:` section of a model: derived from engines.EngineConfig (one source of truth)."""
 
 
 class AutoscalingSpec(_Strict):

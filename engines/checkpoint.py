@@ -34,7 +34,7 @@ from engines.fp8_format import (
     quantize_rows,
     scheme_from_hf,
 )
-from engines.hf_config import model_config_to_hf
+from engines.model_config import model_config_to_hf
 
 
 class CheckpointError(ValueError):
@@ -106,6 +106,14 @@ def fp8_scheme(model_dir: str | Path) -> Fp8Scheme | None:
         return None  # ModelConfig.from_dir reports a missing or malformed config.json
     except Fp8FormatError as exc:
         raise CheckpointError(f"{path.name}: {exc}") from exc
+
+
+def served_weight_dtype(model_dir, weight_dtype: str, dtype: str) -> str:
+    """The weight storage a model is served with, for metadata: "fp8" when weight_dtype is fp8 or the
+    checkpoint is an FP8 one, else the compute dtype `dtype` (a resolved EngineConfig.dtype)."""
+    if weight_dtype == "fp8":
+        return "fp8"
+    return "fp8" if fp8_scheme(model_dir) is not None else dtype
 
 
 def quantized_params(cfg: ModelConfig, reader: TensorReader, scheme: Fp8Scheme | None) -> set[str]:

@@ -1,172 +1,30 @@
-"""Frozen configuration of the model and of the engine.
+"""Frozen configuration of the engine; the model's shape is engines.model_config.ModelConfig (re-exported).
 
-One source of truth: the CLI, the deployment schema (deploy/) and the tuner all build these
-objects; nothing changes them after construction. Derived values are properties (pure
-functions of the fields).
+One source of truth: the CLI, the deployment schema (deploy/, which derives its EngineOptions from
+EngineConfig's fields) and the tuner all build these objects; nothing changes them after
+construction. Derived values are properties or pure functions of the fields. At module level this
+imports the standard library and two modules of the same kind (engines.model_config,
+engines.step_record) only: deploy/ imports it without torch (tests/test_deploy_schema.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
-"""gpt2, and the rotary families (llama and its relatives: one model file, small differences below)."""
+from engines.model_config import MODEL_TYPES, ConfigError, ModelConfig, _require
+from engines.step_record import STEP_RECORD_MAX
+
+__all__ = ["DTYPES", "ENGINE_DTYPES", "MODEL_TYPES", "WEIGHT_DTYPES", "ConfigError", "EngineConfig", "ModelConfig",
+           "kv_bytes_per_block", "max_model_len", "num_kv_blocks", "resolve_engine_config", "resolved_dtype"]
+
+log = logging.getLogger(__name__)
+
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_DTYPES = ("auto", *DTYPES)
 WEIGHT_DTYPES = ("auto", "fp8")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or out of range; the message names the field."""
-
-
-def _require(cond: bool, field_name: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"{field_name}: {message}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a GPT model of the GPT-2 family or of the Llama family and its relatives."""
-
-    model_type: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral"]
-    """gpt2: learned positions, LayerNorm, GELU(tanh), biases. llama (and qwen2, qwen3, mistral):
-    RoPE, RMSNorm, SwiGLU, GQA; the relatives differ only by qkv_bias, qk_norm and rope_scaling."""
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    n_kv_head: int = 0
-    """Key/value heads for grouped-query attention; 0 means n_head (plain multi-head)."""
-    head_dim: int = 0
-    """Per-head width; 0 means n_embd // n_head."""
-    intermediate_size: int = 0
-    """MLP hidden width; 0 means 4 * n_embd."""
-    max_position_embeddings: int = 1024
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    bias: bool = True
-    """Biases in the attention and MLP projections (GPT-2 has them, Llama has not)."""
-    activation: Literal["gelu_tanh", "gelu", "silu"] = "gelu_tanh"
-    dropout: float = 0.0
-    """Dropout on embeddings, attention and residual branches (training only)."""
-    bos_token_id: int | None = None
-    eos_token_id: tuple[int, ...] = ()
-    qkv_bias: bool = False
-    """Biases on the q, k and v projections only (Qwen2), where `bias` is off."""
-    qk_norm: bool = False
-    """RMSNorm over each head's q and k before the rotary embedding (Qwen3)."""
-    rope_scaling: tuple[tuple[str, Any], ...] = ()
-    """Rope scaling as sorted (key, value) pairs of config.json's rope_scaling, rope_type included
-    (engines/rope.py: linear, dynamic, llama3, yarn); empty for plain RoPE."""
-
-    def __post_init__(self) -> None:
-        _require(self.model_type in MODEL_TYPES, "model_type",
-                 f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}")
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "max_position_embeddings"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
-        _require(self.n_kv_head >= 0 and self.head_dim >= 0 and self.intermediate_size >= 0,
-                 "n_kv_head/head_dim/intermediate_size", "must be >= 0 (0 selects the default)")
-        if self.head_dim == 0:
-            _require(self.n_embd % self.n_head == 0, "n_embd",
-                     f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        _require(self.n_head % self.kv_heads == 0, "n_kv_head",
-                 f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
-        _require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
-        _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
-        if self.model_type == "gpt2":
-            _require(self.kv_heads == self.n_head, "n_kv_head", "gpt2 has no grouped-query attention")
-            _require(not (self.qkv_bias or self.qk_norm or self.rope_scaling), "model_type",
-                     "gpt2 has no qkv_bias, qk_norm or rope_scaling")
-        if self.rope_scaling:
-            from engines.rope import REQUIRED, ROPE_TYPES
-
-            kind = dict(self.rope_scaling).get("rope_type", "default")
-            _require(kind in ROPE_TYPES, "rope_scaling.rope_type",
-                     f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
-            missing = [k for k in REQUIRED.get(kind, ()) if dict(self.rope_scaling).get(k) is None]
-            _require(not missing, "rope_scaling", f"rope type {kind!r} needs {', '.join(missing)}")
-
-    # derived values
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
-
-    @property
-    def hd(self) -> int:
-        return self.head_dim or self.n_embd // self.n_head
-
-    @property
-    def ffn_dim(self) -> int:
-        return self.intermediate_size or 4 * self.n_embd
-
-    @property
-    def uses_rope(self) -> bool:
-        return self.model_type != "gpt2"
-
-    def num_params(self, include_embeddings: bool = True) -> int:
-        """Parameter count from the shapes alone (no model needs to be built)."""
-        c, hd = self.n_embd, self.hd
-        qkv = c * (self.n_head + 2 * self.kv_heads) * hd
-        proj = self.n_head * hd * c
-        mlp = c * self.ffn_dim * (3 if self.activation == "silu" else 2)
-        norms = (4 if self.model_type == "gpt2" else 2) * c
-        biases = ((self.n_head + 2 * self.kv_heads) * hd + c + self.ffn_dim + c) if self.bias else 0
-        if self.qkv_bias and not self.bias:
-            biases = (self.n_head + 2 * self.kv_heads) * hd
-        per_layer = qkv + proj + mlp + norms + biases + (2 * hd if self.qk_norm else 0)
-        emb = self.vocab_size * c + (self.max_position_embeddings * c if self.model_type == "gpt2" else 0)
-        head = 0 if self.tie_word_embeddings else self.vocab_size * c
-        total = self.n_layer * per_layer + (2 if self.model_type == "gpt2" else 1) * c + head
-        return total + (emb if include_embeddings else 0)
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-    # HF config.json conversion
-    @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a transformers `config.json` dictionary (model_type one of MODEL_TYPES)."""
-        from engines.hf_config import model_config_from_hf
-
-        return model_config_from_hf(d)
-
-    def to_hf(self) -> dict[str, Any]:
-        from engines.hf_config import model_config_to_hf
-
-        return model_config_to_hf(self)
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise ConfigError("config.json: must hold a JSON object")
-        cfg = cls.from_hf(data)
-        gen = Path(model_dir) / "generation_config.json"
-        if gen.is_file():  # its EOS ids (Llama 3's <|eot_id|>, chat models' end of turn) end generation too
-            try:
-                extra = json.loads(gen.read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-                raise ConfigError(f"generation_config.json: not a valid JSON object ({exc})") from exc
-            extra = [extra] if isinstance(extra, int) else (extra or [])
-            if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
-                raise ConfigError(f"generation_config.json: eos_token_id must be an int or a list of ints, got {extra!r}")
-            eos = tuple(dict.fromkeys((*cfg.eos_token_id, *extra)))
-            if eos != cfg.eos_token_id:
-                cfg = cfg.replace(eos_token_id=eos)
-        return cfg
 
 
 @dataclass(frozen=True)
@@ -275,6 +133,10 @@ class EngineConfig:
     cached prefix instead of computing them again (a chat's system prompt is computed once); blocks
     no request holds stay cached and are evicted least recently used when the pool needs them
     (engines/block_manager.py). False: every prompt is computed in full."""
+    step_record_len: int = 256
+    """Working steps the engine's step recorder keeps (engines/step_record.py), the most that
+    `GET /v1/admin/steps` returns: the tuner's served-step fit reads them; its accuracy runs keep a
+    whole run (tuner.validate.RUN_STEPS_KEPT). At most 1,000,000 (about 100 bytes a step)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
 
@@ -322,6 +184,9 @@ class EngineConfig:
                  f"must be true or false, got {self.adaptive_threads!r}")
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                  f"must be true or false, got {self.enable_prefix_caching!r}")
+        _require(isinstance(self.step_record_len, int) and not isinstance(self.step_record_len, bool)
+                 and 1 <= self.step_record_len <= STEP_RECORD_MAX, "step_record_len",
+                 f"must be an integer in [1, {STEP_RECORD_MAX}], got {self.step_record_len!r}")
         _require(isinstance(self.dist_timeout_s, (int, float)) and 0 < self.dist_timeout_s < 10**7, "dist_timeout_s",
                  f"must be a number of seconds in (0, 1e7), got {self.dist_timeout_s!r}")
 
@@ -347,6 +212,20 @@ def resolved_dtype(engine: EngineConfig) -> str:
     from engines.hardware import engine_dtype  # torch: only when a config is left on auto
 
     return engine_dtype(engine.device).precision
+
+
+def resolve_engine_config(engine_cfg: EngineConfig, model_cfg: ModelConfig | None = None) -> EngineConfig:
+    """`engine_cfg` with dtype "auto" replaced by the concrete dtype (a new config; the same one
+    if it was concrete already), the reason logged. `model_cfg` gives the widths of the confirming
+    bf16 probe (engines.hardware.engine_dtype)."""
+    if engine_cfg.dtype != "auto":
+        return engine_cfg
+    from engines.hardware import engine_dtype  # torch: only when a config is left on auto
+
+    widths = (model_cfg.n_embd, model_cfg.ffn_dim) if model_cfg is not None else (0, 0)
+    choice = engine_dtype(engine_cfg.device, *widths)
+    log.info(choice.reason)
+    return engine_cfg.replace(dtype=choice.precision)
 
 
 def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:

@@ -33,6 +33,8 @@ from torch import nn
 from engines.config import WEIGHT_DTYPES
 from engines.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
 from engines.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
+from engines.parallel.comm import Comm
+from engines.parallel.tp import RowParallelLinear, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,23 @@ class Fp8Linear(nn.Module):
         out.weight.data, out.weight_scale.data = q, s
         if linear.bias is not None:
             out.bias.data = linear.bias.detach()
+        return out
+
+    def shard_columns(self, spec: ShardSpec) -> Fp8Linear:
+        """Tensor parallel (engines.parallel.tp.ShardableLinear): the shard keeps the scales of its rows."""
+        out = Fp8Linear(self.in_features, spec.size, self.bias is not None, device=self.weight.device,
+                        dynamic_activations=self.dynamic_activations)
+        out.weight.data, out.weight_scale.data = spec.take(self.weight.detach()), spec.take(self.weight_scale.detach())
+        out.bias = nn.Parameter(spec.take(self.bias.detach()), requires_grad=False) if self.bias is not None else None
+        return out
+
+    def shard_rows(self, spec: ShardSpec, comm: Comm) -> Fp8Linear:
+        """Tensor parallel, row-parallel: output channels stay whole, so do their scales."""
+        bias = self.bias.detach() if self.bias is not None else None
+        out = Fp8Linear(spec.size, self.out_features, bias is not None, comm, device=self.weight.device,
+                        dynamic_activations=self.dynamic_activations)
+        out.weight.data, out.weight_scale.data = spec.take(self.weight.detach()), self.weight_scale.detach()
+        out.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         return out
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -138,16 +157,6 @@ class ScaledMMLinear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def served_weight_dtype(model_dir, weight_dtype: str, dtype: str) -> str:
-    """The weight storage a model is served with, for metadata: "fp8" when weight_dtype is fp8 or the
-    checkpoint is an FP8 one, else the compute dtype `dtype` (a resolved EngineConfig.dtype)."""
-    if weight_dtype == "fp8":
-        return "fp8"
-    from engines.checkpoint import fp8_scheme
-
-    return "fp8" if fp8_scheme(model_dir) is not None else dtype
-
-
 def w8a8_supported(device: torch.device | str) -> bool:
     """FP8 tensor-core matmul: CUDA with compute capability >= 8.9 (Ada, Hopper, Blackwell)."""
     device = torch.device(device)
@@ -208,8 +217,6 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-    from engines.parallel.tp import RowParallelLinear
-
     at_load = 0
     if weight_dtype == "fp8":
         for parent, attr, mod in _block_linears(model):
@@ -259,8 +266,6 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
 
 def _dequantized(mod: Fp8Linear, dtype: torch.dtype) -> nn.Module:
     """The layer's weight dequantized once to `dtype`: a plain nn.Linear (or RowParallelLinear)."""
-    from engines.parallel.tp import RowParallelLinear
-
     w = dequantize(mod.weight, mod.weight_scale, dtype)  # (out, in)
     bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
     if mod.comm is not None:

@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from engines.config import EngineConfig, ModelConfig
-
 log = logging.getLogger(__name__)
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -266,14 +264,3 @@ def engine_dtype(device: str | torch.device = "cpu", n_embd: int = 0, ffn_dim: i
     name = "bfloat16" if choice.precision == "bf16" else "float32"
     why = choice.reason.removeprefix(f"auto: {choice.precision} ")
     return Choice(name, f"dtype auto -> {name}: {why}", choice.rates)
-
-
-def resolve_engine_config(engine_cfg: EngineConfig, model_cfg: ModelConfig | None = None) -> EngineConfig:
-    """`engine_cfg` with dtype "auto" replaced by the concrete dtype (a new config; the same one
-    if it was concrete already). `model_cfg` gives the widths of the confirming probe."""
-    if engine_cfg.dtype != "auto":
-        return engine_cfg
-    widths = (model_cfg.n_embd, model_cfg.ffn_dim) if model_cfg is not None else (0, 0)
-    choice = engine_dtype(engine_cfg.device, *widths)
-    log.info(choice.reason)
-    return engine_cfg.replace(dtype=choice.precision)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
-import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -17,9 +16,8 @@ from pathlib import Path
 
 from engines.block_manager import cache_key
 from engines.checkpoint import CheckpointError
-from engines.config import EngineConfig, ModelConfig, max_model_len
+from engines.config import EngineConfig, ModelConfig, max_model_len, resolve_engine_config
 from engines.executor import Executor, InProcessExecutor
-from engines.hardware import resolve_engine_config
 from engines.model_source import resolve_model
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob
@@ -27,24 +25,11 @@ from engines.ptuning import ModelShape, Task, TaskRegistry, attach_tables, virtu
 from engines.sampling_params import RequestError, SamplingParams
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
+from engines.step_record import StepRecorder
 from engines.tokenizer import Detokenizer, Tokenizer
 
 STEP_LOG_LEN = 256
 """Working steps kept in LLMEngine.step_log (a replica's admission fits step time to tokens from it)."""
-STEP_DETAIL_ENV = "SHARDSERVE_STEP_DETAIL_LEN"
-"""Environment variable: working steps kept in LLMEngine.step_detail (default STEP_LOG_LEN). The
-tuner's accuracy runs set it so that a whole run's steps can be read after it (tuner.validate)."""
-STEP_DETAIL_MAX = 1_000_000
-
-
-def step_detail_len() -> int:
-    """Steps LLMEngine.step_detail keeps: $SHARDSERVE_STEP_DETAIL_LEN, else STEP_LOG_LEN."""
-    raw = os.environ.get(STEP_DETAIL_ENV, "").strip()
-    if not raw:
-        return STEP_LOG_LEN
-    if not raw.isdigit() or not 1 <= int(raw) <= STEP_DETAIL_MAX:
-        raise ValueError(f"{STEP_DETAIL_ENV}: must be an integer in [1, {STEP_DETAIL_MAX}], got {raw!r}")
-    return int(raw)
 
 Prompt = str | list[int]
 ExecutorFactory = Callable[[str, EngineConfig], Executor]
@@ -81,22 +66,11 @@ class _Request:
         return all(c.seq.finished for c in self.completions)
 
 
-def _step_shape(plan: StepPlan) -> tuple[int, int, int, int, int, int]:
-    """(decode sequences, decode context tokens, prefill sequences, prefill tokens, prefill
-    attention pairs, sampled) of a plan: a query at position p attends to p + 1 keys."""
-    ctx = sum(w.start_pos + 1 for w in plan.decode)
-    ptok = pairs = 0
-    for w in plan.prefill:
-        s, e = w.start_pos, w.start_pos + len(w.token_ids)
-        ptok += e - s
-        pairs += (e * (e + 1) - s * (s + 1)) // 2
-    sampled = sum(1 for w in (*plan.decode, *plan.prefill) if w.sample)
-    return len(plan.decode), ctx, len(plan.prefill), ptok, pairs, sampled
-
-
 class LLMEngine:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None,
-                 executor_factory: ExecutorFactory | None = None):
+                 executor_factory: ExecutorFactory | None = None, step_recorder: StepRecorder | None = None):
+        """step_recorder: where working steps are recorded (engines/step_record.py); None records into
+        a new one of EngineConfig.step_record_len steps."""
         model_dir = resolve_model(model_dir)  # a .gguf file: its cached import (engines/model_source.py)
         self.model_dir = str(model_dir)
         d = Path(model_dir)
@@ -135,13 +109,8 @@ class LLMEngine:
         self.step_log: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=STEP_LOG_LEN)
         """(end, tokens, seconds) of the latest working steps: end on time.monotonic(), tokens the step
         computed (one per decode, a chunk per prefill). Read by other threads: copy it with tuple()."""
-        self.step_detail: collections.deque[tuple] = collections.deque(maxlen=step_detail_len())
-        """(end, seconds, gap, decode sequences, decode context tokens, prefill sequences, prefill
-        tokens, prefill attention pairs, sampled) of the same steps, for the tuner's served-step fit:
-        gap is the seconds since the previous step ended when that step left requests unfinished (the
-        loop's own time between steps: outputs, inbox), else -1 (the engine may have idled); context
-        tokens: KV positions each decode token attends to; attention pairs: query x key positions of
-        the prefill chunks. Read by other threads: copy it with tuple()."""
+        self.step_recorder = step_recorder if step_recorder is not None else StepRecorder(self.config.step_record_len)
+        """The same steps in detail (engines.step_record.STEP_FIELDS), for the tuner's served-step fit."""
         self._busy_end: float | None = None
         self.step_in_flight: tuple[float, int] | None = None
         """(start on time.monotonic(), tokens) of the step running now; None between steps."""
@@ -265,7 +234,7 @@ class LLMEngine:
             end = time.monotonic()
             if tokens:
                 self.step_log.append((end, tokens, seconds))
-                self.step_detail.append((end, seconds, gap, *_step_shape(plan)))
+                self.step_recorder.record(end, seconds, gap, plan)
             self._busy_end = end if self.requests else None
 
     def _step(self, plan: StepPlan) -> list[RequestOutput]:

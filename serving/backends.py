@@ -17,6 +17,7 @@ from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
 if TYPE_CHECKING:
     from serving.model_core import ModelCore
+    from serving.ptuning_ops import PtuningOp
 
 log = logging.getLogger("shardserve.gateway")
 
@@ -43,8 +44,8 @@ class LocalBackend:
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         return self.core.generate(req)
 
-    async def ptuning_admin(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
-        return await self.core.ptuning_admin(op, args)
+    async def ptuning_admin(self, op: PtuningOp) -> tuple[ErrorInfo | None, Any]:
+        return await self.core.ptuning_admin(op)
 
     async def step_windows(self) -> list[dict]:
         return [self.core.step_window()]
@@ -103,9 +104,9 @@ class RayBackend:
             if stream is not None:
                 stream.cancel()  # no-op when finished; otherwise the replica aborts the engine request
 
-    async def ptuning_admin(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
+    async def ptuning_admin(self, op: PtuningOp) -> tuple[ErrorInfo | None, Any]:
         """On one replica; the others pick task changes up from the model's ptuning/ folder."""
-        return await self.handle.ptuning_admin.remote(op, args)
+        return await self.handle.ptuning_admin.remote(op)
 
     async def step_windows(self) -> list[dict]:
         """Every replica's latest published step window (serving/steps_api.py)."""

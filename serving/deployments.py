@@ -29,6 +29,7 @@ from ray import serve
 
 from deploy.schema import DeploymentConfig, ModelSpec, ServerSpec
 from serving.metrics import MetricsHub
+from serving.ptuning_ops import PtuningOp
 
 log = logging.getLogger("shardserve.deploy")
 APP_NAME = "shardserve"
@@ -164,8 +165,9 @@ class ModelServer:
     def info(self):
         return self.core.info
 
-    async def ptuning_admin(self, op: str, args: dict):
-        return await self.core.ptuning_admin(op, args)
+    async def ptuning_admin(self, op: PtuningOp):
+        """A p-tuning admin operation (serving/ptuning_ops.py) on this replica."""
+        return await self.core.ptuning_admin(op)
 
     def ready(self) -> bool:
         return self.core.ready()

@@ -96,15 +96,14 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
     # probes on a busy machine); shardserve's request logs have their own logger and handler
     logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
     logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
-    # An embedded Ray that we start ourselves gets a second try: on a loaded host Ray Serve's
-    # controller can fail to register its name in time ("Failed to look up actor with name
-    # 'SERVE_CONTROLLER_ACTOR'"), a race inside Ray, not a problem of the config. A joined cluster
-    # gets one try (its state is not ours to reset).
+    # An embedded Ray that we start ourselves gets a second try: on a loaded host its raylet can
+    # miss Ray's fixed 30 s registration wait, or Ray Serve's controller its name lookup (races
+    # inside Ray, not problems of the config). A joined cluster gets one try (not ours to reset).
     attempts = 2 if owns_ray and cfg.ray.address is None else 1
     for attempt in range(1, attempts + 1):
-        if owns_ray:
-            _init_ray(cfg, level)
         try:
+            if owns_ray:
+                _init_ray(cfg, level)
             _check_resources(cfg)
             if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
                 serve.start(proxy_location="Disabled", logging_config=logs)
@@ -128,12 +127,13 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
 
 
 def _controller_race(exc: BaseException) -> bool:
-    """Ray Serve's controller was not found by name right after it was created (a race in Ray on a
-    loaded host), as opposed to a failure of our config or our replicas."""
+    """Ray's node or Ray Serve's controller did not come up in time on a loaded host (a race inside
+    Ray), as opposed to a failure of our config or our replicas."""
     from ray.serve.exceptions import RayServeException
 
     text = str(exc)
-    return "SERVE_CONTROLLER_ACTOR" in text or (isinstance(exc, RayServeException) and "no Serve instance" in text)
+    return ("SERVE_CONTROLLER_ACTOR" in text or "timed out during startup" in text
+            or (isinstance(exc, RayServeException) and "no Serve instance" in text))
 
 
 def _init_ray(cfg: DeploymentConfig, level: int) -> None:
@@ -174,6 +174,8 @@ def stop(running: Running | None = None) -> None:
 
     from serving.deployments import APP_NAME
 
+    if not ray.is_initialized():
+        return  # the start failed before Ray was up: nothing to drain or stop
     try:
         # drains: Ray Serve stops routing to the replicas and waits for their in-flight requests
         # up to graceful_shutdown_timeout_s (= server.drain_timeout_s) before stopping them

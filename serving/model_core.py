@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engines.sampling_params import RequestError
 from serving import errors
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from deploy.schema import ModelSpec
     from engines.async_engine import AsyncLLMEngine
     from engines.outputs import RequestOutput
+    from serving.ptuning_ops import PtuningOp
 
 log = logging.getLogger("shardserve.model")
 
@@ -63,7 +64,7 @@ class ModelCore:
         self._watcher: asyncio.Task | None = None
         self.active_requests = 0
         self.draining = False
-        from engines.fp8 import served_weight_dtype
+        from engines.checkpoint import served_weight_dtype
 
         weight_dtype = served_weight_dtype(spec.path, cfg.weight_dtype, cfg.dtype)
         self.metrics = ReplicaMetrics(spec.name, replica, self.stats, weight_dtype=weight_dtype, dtype=cfg.dtype)
@@ -74,7 +75,7 @@ class ModelCore:
             max_seqs_per_request=self.capacity, tokenizer_json=tk.tk.to_str() if tk is not None else None,
             chat_template=tk.chat_template if tk is not None else None,
             bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
-            created=int(time.time()), weight_dtype=weight_dtype)
+            created=int(time.time()), weight_dtype=weight_dtype, step_record_len=engine.engine.step_recorder.capacity)
         from serving.ptuning_admin import PtuningAdmin
 
         self.ptuning = PtuningAdmin(spec.name, spec.path, engine.engine.tasks)
@@ -93,23 +94,24 @@ class ModelCore:
         engine = AsyncLLMEngine.from_model_dir(spec.path, cfg, executor_factory=executor_factory)
         return cls(spec, engine, replica, request_timeout_s)
 
-    async def ptuning_admin(self, op: str, args: dict):
-        """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_admin.py)."""
+    async def ptuning_admin(self, op: PtuningOp) -> tuple[ErrorInfo | None, Any]:
+        """(ErrorInfo or None, result) of a p-tuning admin operation (serving/ptuning_ops.py)."""
         self.ptuning.ensure_watch()
-        return await asyncio.to_thread(self.ptuning.call, op, args)
+        return await asyncio.to_thread(self.ptuning.run, op)
 
     def step_window(self) -> dict:
         """This replica's window as it is published (serving/steps_api.py turns it into the route's
         answer): its layout, its replica name, `clock_s` (now on the replica's monotonic clock, so that
         a reader can tell how old each step is) and the engine's latest steps as tuples in
-        steps_api.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
-        several times faster than dicts, which matters for a window of thousands of steps)."""
+        engines.step_record.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
+        several times faster than dicts, which matters for a window of thousands of steps): the
+        engine's step recorder (engines/step_record.py), sized by EngineConfig.step_record_len."""
         c = self.engine.engine.config
         layout = {"tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size,
                   "worker_threads": c.worker_threads, "max_num_seqs": c.max_num_seqs,
                   "max_num_batched_tokens": c.max_num_batched_tokens, "dtype": c.dtype}
         return {"replica": self.replica, "layout": layout, "clock_s": time.monotonic(),
-                "rows": tuple(self.engine.engine.step_detail)}
+                "rows": self.engine.engine.step_recorder.rows()}
 
     # health and state
     def stats(self) -> dict[str, float]:

@@ -24,10 +24,12 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import uuid
 from pathlib import Path
 from typing import Any
 
+from engines.config import ConfigError
 from engines.ptuning import (
     TASK_NAME_RE,
     DatasetError,
@@ -36,13 +38,22 @@ from engines.ptuning import (
     check_task_name,
     read_dataset,
 )
+from serving.ptuning_ops import (
+    AddTask,
+    CancelJob,
+    DeleteTask,
+    GetJob,
+    ListJobs,
+    ListTasks,
+    PtuningOp,
+    StartJob,
+)
 from serving.wire import ErrorInfo
-from training.ptune_recipe import PtuneRecipe
+from training.ptune_recipe import PtuneRecipe, ptune_recipe_from_dict
 
 log = logging.getLogger("shardserve.ptuning")
 
 WATCH_INTERVAL_S = 1.0
-DEFAULT_MAX_EXAMPLES = 50_000
 JOB_ID_PREFIX = "ptj-"
 MAX_RESTARTS = 3
 """A job whose process dies without a word (server killed, OOM) is started again this many times."""
@@ -183,6 +194,12 @@ class PtuningAdmin:
         if unknown:
             raise AdminError(400, f"recipe.{unknown[0]}: unknown key; recipe accepts: {', '.join(RECIPE_KEYS)}",
                              f"recipe.{unknown[0]}", "unknown_parameter")
+        try:  # the recipe type checks every value now, rather than the job failing later
+            max_examples = ptune_recipe_from_dict(recipe).max_examples
+        except ConfigError as exc:  # "ptune.KEY: why"
+            where, _, why = str(exc).partition(": ")
+            param = "recipe." + where.removeprefix("ptune.")
+            raise AdminError(400, f"{param}: {why}", param, "invalid_value") from None
         if (data is None) == (dataset_path is None):
             raise AdminError(400, "data: give exactly one of data (inline JSONL) and dataset_path", "data",
                              "missing_required_parameter")
@@ -190,9 +207,6 @@ class PtuningAdmin:
             raise AdminError(400, "data: must be a non-empty string of JSONL lines", "data", "invalid_type")
         if dataset_path is not None and not isinstance(dataset_path, str):
             raise AdminError(400, "dataset_path: must be a string", "dataset_path", "invalid_type")
-        max_examples = recipe.get("max_examples", DEFAULT_MAX_EXAMPLES)
-        if not isinstance(max_examples, int) or isinstance(max_examples, bool) or max_examples < 1:
-            raise AdminError(400, "recipe.max_examples: must be a positive integer", "recipe.max_examples")
         try:
             read_dataset(data if data is not None else Path(dataset_path), max_examples)
         except DatasetError as exc:
@@ -303,13 +317,27 @@ class PtuningAdmin:
                 proc.terminate()
         return self.get_job(job_id)
 
-    def call(self, op: str, args: dict) -> tuple[ErrorInfo | None, Any]:
-        """Run an admin operation; errors come back as data (they cross Ray as values)."""
-        ops = {"list_tasks": self.list_tasks, "add_task": self.add_task, "delete_task": self.delete_task,
-               "start_job": self.start_job, "get_job": self.get_job, "list_jobs": self.list_jobs,
-               "cancel_job": self.cancel_job}
+    def run(self, op: PtuningOp) -> tuple[ErrorInfo | None, Any]:
+        """Run an admin operation (serving/ptuning_ops.py); errors come back as data (they cross Ray
+        as values)."""
         try:
-            return None, ops[op](**args)
+            match op:
+                case ListTasks():
+                    return None, self.list_tasks()
+                case AddTask(name, path):
+                    return None, self.add_task(name, path)
+                case DeleteTask(name):
+                    return None, self.delete_task(name)
+                case StartJob(task, data, dataset_path, recipe):
+                    return None, self.start_job(task, data, dataset_path, recipe)
+                case GetJob(job_id):
+                    return None, self.get_job(job_id)
+                case ListJobs():
+                    return None, self.list_jobs()
+                case CancelJob(job_id):
+                    return None, self.cancel_job(job_id)
+                case _:
+                    typing.assert_never(op)
         except AdminError as exc:
             return exc.info, None
 

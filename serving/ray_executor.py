@@ -29,9 +29,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.config import ConfigError, EngineConfig, ModelConfig
+from engines.config import ConfigError, EngineConfig, ModelConfig, resolve_engine_config
 from engines.executor import Executor, ExecutorError
-from engines.hardware import resolve_engine_config
 from engines.parallel.layout import ParallelLayout
 from engines.plan import StepPlan, StepResult
 
@@ -88,9 +87,18 @@ class _QueueChannel:
     def __init__(self):
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
+        self._polled: list[tuple] = []  # a command poll() took from the inbox, for the next recv()
+
+    def poll(self, timeout_s: float) -> bool:
+        if not self._polled:
+            try:
+                self._polled.append(self.inbox.get(timeout=timeout_s))
+            except queue.Empty:
+                return False
+        return True
 
     def recv(self) -> tuple:
-        return self.inbox.get()
+        return self._polled.pop() if self._polled else self.inbox.get()
 
     def send(self, msg: tuple) -> None:
         self.outbox.put(msg)

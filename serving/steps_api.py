@@ -3,8 +3,8 @@
     GET /v1/admin/steps?model=NAME[&limit=N]
 
 One entry per replica of the model: its layout (TP x PP, threads, batch limits) and its latest
-working steps, oldest first (at most `limit`, at most what the engine keeps: engines.llm_engine.
-step_detail_len(), 256 unless $SHARDSERVE_STEP_DETAIL_LEN says otherwise): each step's
+working steps, oldest first (at most `limit`, at most what the engine keeps: the model's
+engine.step_record_len, 256 unless the deployment config says otherwise): each step's
 wall seconds, the gap before it (the loop's time since the previous step while requests were
 unfinished; null when the engine may have idled), its decode sequences and their context tokens,
 its prefill sequences, tokens and attention pairs, and the sequences it sampled. `shardserve tune
@@ -19,14 +19,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from engines.step_record import STEP_FIELDS
 from serving import errors
 from serving.auth import require_admin
 from serving.gateway import gateway_of
-
-STEP_FIELDS = ("end_s", "seconds", "gap_s", "decode_seqs", "decode_context_tokens", "prefill_seqs",
-               "prefill_tokens", "prefill_attention_pairs", "sampled")
-"""One step of the window, in the order of LLMEngine.step_detail; end_s on the replica's monotonic clock.
-A replica publishes its window as tuples in this order (serving.model_core.ModelCore.step_window)."""
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -43,17 +39,15 @@ def as_route(window: dict[str, Any], limit: int) -> dict[str, Any]:
 
 @router.get("/v1/admin/steps")
 async def steps(request: Request, model: str | None = None, limit: str | None = None) -> JSONResponse:
-    from engines.llm_engine import step_detail_len
-
     gw = gateway_of(request)
     if model is None and len(gw.names) == 1:
         model = gw.names[0]
     if model is None:
         raise errors.invalid(f"model: required (served: {', '.join(gw.names)})", "model", "missing_required_parameter")
-    most = step_detail_len()
+    served = await gw.model(model)
+    most = served.info.step_record_len  # what each replica's engine keeps (EngineConfig.step_record_len)
     n = most if limit is None else int(limit) if limit.strip().isdigit() else 0
     if not 1 <= n <= most:
         raise errors.invalid(f"limit: must be an integer in [1, {most}], got {limit!r}", "limit")
-    served = await gw.model(model)
     windows = [as_route(w, n) for w in await served.backend.step_windows()]
     return JSONResponse({"object": "list", "model": model, "data": sorted(windows, key=lambda w: w["replica"])})

@@ -48,6 +48,8 @@ class ModelInfo:
     """Unix time the model was loaded."""
     weight_dtype: str = ""
     """Storage of the blocks' Linear weights as served: fp8, or the compute dtype (float32, bfloat16...)."""
+    step_record_len: int = 256
+    """Working steps each replica's engine keeps (EngineConfig.step_record_len): GET /v1/admin/steps' limit."""
 
 
 @dataclass(frozen=True)

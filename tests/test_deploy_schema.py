@@ -23,15 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
 
 
-def test_engine_options_mirror_engine_config():
-    # deploy/ may not import engines, so it mirrors EngineConfig: keep the field sets equal
-    assert set(EngineOptions.model_fields) == set(EngineConfig.field_names())
+def test_engine_options_are_engine_config_fields():
+    # EngineOptions is derived from EngineConfig (one source of truth): the same fields, in order
+    assert tuple(EngineOptions.model_fields) == EngineConfig.field_names()
 
 
 def test_engine_options_types_and_choices_follow_engine_config():
     """The schema's field types are EngineConfig's (optional: None keeps the engine's default), and
-    every choice the schema offers is one the engine takes: EngineConfig is the source of truth,
-    deploy/ only mirrors it because it may not import engines (ARCHITECTURE.md)."""
+    every choice the schema offers is one the engine takes."""
     import typing
 
     hints = typing.get_type_hints(EngineConfig)
@@ -59,7 +58,8 @@ def test_engine_options_ranges_match_engine_checks():
         EngineOptions(**{field.name: default})
     for bad in ({"block_size": 0}, {"max_num_seqs": -1}, {"kv_cache_bytes": -1}, {"kv_cache_memory_fraction": 0}, {"max_logprobs": 101},
                 {"tensor_parallel_size": 0}, {"dtype": "int8"}, {"dist_timeout_s": 0},
-                {"dist_timeout_s": float("inf")}):
+                {"dist_timeout_s": float("inf")}, {"step_record_len": 0}, {"step_record_len": 10**7},
+                {"compile_decode": "on", "static_decode": "off"}):
         with pytest.raises(ValueError):
             EngineOptions(**bad)
         with pytest.raises((ConfigError, TypeError)):
@@ -87,7 +87,7 @@ BAD = [
     ({"models": [{"name": "m"}]}, "models.0.path: Field required"),
     ({"models": [{"name": "m", "path": "p", "replica": 2}]}, "models.0.replica: unknown field"),
     ({"models": [{"name": "m", "path": "p", "engine": {"block_size": 0}}]},
-     "models.0.engine.block_size: Input should be greater than 0"),
+     "models.0.engine.block_size: must be a positive integer, got 0"),
     ({"models": [{"name": "m", "path": "p", "engine": {"dtype": "int4"}}]}, "models.0.engine.dtype"),
     ({"models": [{"name": "m", "path": "p", "replicas": 0}]}, "models.0.replicas: Input should be greater"),
     ({"models": [{"name": "bad name", "path": "p"}]}, "models.0.name: must be 1-128 characters"),
@@ -152,8 +152,22 @@ def test_replace_validates():
         cfg.replace(server={"port": -1})
 
 
-def test_deploy_imports_neither_engines_nor_serving():
-    code = "import sys, deploy, deploy.schema; bad = [m for m in ('engines', 'serving', 'torch', 'ray') " \
+def test_engine_option_errors_are_the_engines_own():
+    """A value set is checked by EngineConfig itself, under the field's location; a check that joins
+    two fields names them in the message."""
+    with pytest.raises(ConfigFileError, match=r"models\.0\.engine\.step_record_len: must be an integer in \[1, "):
+        validate_config({"models": [{"name": "m", "path": "p", "engine": {"step_record_len": 0}}]})
+    with pytest.raises(ConfigFileError, match=r"models\.0\.engine: compile_decode: 'on' .* static_decode is 'off'"):
+        validate_config({"models": [{"name": "m", "path": "p",
+                                     "engine": {"compile_decode": "on", "static_decode": "off"}}]})
+    opts = validate_config({"models": [{"name": "m", "path": "p", "engine": {"step_record_len": 5000}}]})
+    assert EngineConfig(**opts.models[0].engine.engine_kwargs()).step_record_len == 5000
+
+
+def test_deploy_imports_only_the_torch_free_engine_config():
+    """deploy/ imports engines.config (standard library only) for its engine options, and nothing
+    heavy: no torch, numpy, Ray, FastAPI or serving (the schema loads on a laptop)."""
+    code = "import sys, deploy, deploy.schema; bad = [m for m in ('serving', 'torch', 'numpy', 'ray', 'fastapi') " \
            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -90,3 +90,22 @@ def test_online_fp8_tp2_matches_the_quantized_file(fp8_dirs, reference):
     finally:
         ex.shutdown()
     assert outs == reference["llama"]
+
+
+def test_tp_shards_fp8_layers_through_the_layer_protocol():
+    """apply_tp names no FP8 class: an FP8 layer shards itself (engines.parallel.tp.ShardableLinear),
+    keeping the scales of its rows (column-parallel) or all of them (row-parallel)."""
+    from engines.parallel.tp import ShardableLinear, ShardSpec, _column, _row
+
+    lin = torch.nn.Linear(32, 48, bias=True)
+    fp8 = Fp8Linear.quantize(lin)
+    assert isinstance(fp8, ShardableLinear) and not isinstance(lin, ShardableLinear)
+    col = _column(fp8, ShardSpec(0, ((16, 40),)))
+    assert isinstance(col, Fp8Linear) and col.comm is None and (col.in_features, col.out_features) == (32, 24)
+    assert torch.equal(col.weight.view(torch.uint8), fp8.weight[16:40].view(torch.uint8))
+    assert torch.equal(col.weight_scale, fp8.weight_scale[16:40]) and torch.equal(col.bias, fp8.bias[16:40])
+    comm = LocalComm()
+    row = _row(fp8, ShardSpec(1, ((8, 24),)), comm)
+    assert isinstance(row, Fp8Linear) and row.comm is comm and (row.in_features, row.out_features) == (16, 48)
+    assert torch.equal(row.weight.view(torch.uint8), fp8.weight[:, 8:24].view(torch.uint8))
+    assert torch.equal(row.weight_scale, fp8.weight_scale) and torch.equal(row.bias, fp8.bias)

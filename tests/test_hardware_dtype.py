@@ -143,7 +143,7 @@ def test_engine_resolves_auto_once(gpt2_dir, monkeypatch, caplog, flags, want):
     monkeypatch.setattr(hardware, "read_cpu_flags", lambda *a: flags)
     monkeypatch.setattr(hardware, "time_precisions", lambda *a, **k: FAST_BF16)
     requested = EngineConfig(num_kv_blocks=0, kv_cache_bytes=2**20)
-    with caplog.at_level(logging.INFO, logger="engines.hardware"):
+    with caplog.at_level(logging.INFO, logger="engines.config"):
         engine = LLMEngine(gpt2_dir, requested)
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[want]
     assert requested.dtype == "auto"  # the caller's config is not changed; the engine holds a new one

@@ -85,6 +85,32 @@ def test_hung_worker_fails_the_step_at_the_deadline(llama_dir):
         executor.shutdown()
 
 
+def test_an_idle_replica_outlives_the_collective_timeout(llama_dir):
+    """Shards wait for the next plan inside a collective whose timeout catches hung peers; an idle
+    replica is not hung: rank 0's keepalives keep every shard up past that timeout (here 2 s deadline,
+    4 s collective timeout, 6 s idle), and the next request is served as before the pause."""
+    cfg = CFG.replace(tensor_parallel_size=1, pipeline_parallel_size=2, dist_timeout_s=2)
+    engine = LLMEngine(llama_dir, cfg, executor_factory=MultiprocExecutor)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(rid: str) -> list[int]:
+        engine.add_request(rid, PROMPTS[0], params)
+        out = []
+        while engine.has_unfinished_requests():
+            out += [o for o in engine.step() if o.finished]
+        return out[0].outputs[0].token_ids
+
+    try:
+        first = tokens("before")
+        time.sleep(6.0)
+        engine.executor.check_health()
+        assert tokens("after") == first
+        stats = engine.executor.collect_stats()
+        assert stats[0]["calls"].get("keepalive", 0) >= 3, stats[0]["calls"]
+    finally:
+        engine.executor.shutdown()
+
+
 def test_worker_error_at_start_is_reported(gpt2_dir, tmp_path):
     bad = tmp_path / "noweights"
     bad.mkdir()

@@ -56,6 +56,25 @@ def test_recipe_keys_match_the_training_recipe():
     assert set(RECIPE_KEYS) == set(PtuneRecipe.__dataclass_fields__)
 
 
+def test_admin_runs_typed_operations(tmp_path):
+    """The replica side takes typed operations (serving/ptuning_ops.py), no op-name strings; errors
+    come back as data, naming the field."""
+    from engines.ptuning import ModelShape, TaskRegistry
+    from serving.ptuning_admin import PtuningAdmin
+    from serving.ptuning_ops import DeleteTask, GetJob, ListJobs, ListTasks, StartJob
+
+    admin = PtuningAdmin("m", tmp_path, TaskRegistry(tmp_path, ModelShape(hidden=8, n_layer=1,
+                                                                          kv_heads=1, head_dim=8)))
+    assert admin.run(ListTasks()) == (None, []) and admin.run(ListJobs()) == (None, [])
+    err, _ = admin.run(GetJob("ptj-0000"))
+    assert (err.status, err.code, err.param) == (404, "job_not_found", "id")
+    err, _ = admin.run(DeleteTask("../x"))
+    assert err.status == 400 and err.code == "invalid_task_name"
+    err, _ = admin.run(StartJob("t", data=_jsonl(2), recipe={"batch_size": "many"}))
+    assert (err.status, err.code, err.param) == (400, "invalid_value", "recipe.batch_size"), err
+    assert not (tmp_path / "ptuning").exists()  # a refused job leaves nothing behind
+
+
 def test_job_trains_registers_and_serves_then_restart_keeps_it(model_dir):
     import openai
 
@@ -163,6 +182,11 @@ def test_bad_jobs_change_nothing(model_dir):
                ({"task": "t", "data": "{\"input\": \"a\", \"output\": \"b\"}\nnot json\n"}, 400, "invalid_dataset"),
                ({"task": "t", "data": _jsonl(30), "recipe": {"max_examples": 10}}, 413, "invalid_dataset"),
                ({"task": "t", "data": _jsonl(4), "recipe": {"lrr": 1}}, 400, "unknown_parameter"),
+               # every value is checked by the recipe type at the boundary, not by a job that fails later
+               ({"task": "t", "data": _jsonl(4), "recipe": {"lr": -1}}, 400, "invalid_value"),
+               ({"task": "t", "data": _jsonl(4), "recipe": {"max_examples": 0}}, 400, "invalid_value"),
+               ({"task": "t", "data": _jsonl(4), "recipe": {"prompt_depth": "every_layer", "encoder": "mlp"}}, 400,
+                "invalid_value"),
                ({"task": "t", "dataset_path": "/nonexistent.jsonl"}, 400, "invalid_dataset"),
                ({"model": "zz", "task": "t", "data": _jsonl(4)}, 404, "model_not_found")]
         for extra, status, code in bad:

@@ -13,15 +13,16 @@ import pytest
 from starlette.testclient import TestClient
 
 from deploy.schema import validate_config
-from engines.llm_engine import STEP_DETAIL_ENV, STEP_LOG_LEN, step_detail_len
+from engines.config import ConfigError, EngineConfig
+from engines.llm_engine import STEP_LOG_LEN
+from engines.step_record import STEP_FIELDS, STEP_RECORD_MAX, StepRecorder
 from serving.app import create_local_app
-from serving.steps_api import STEP_FIELDS
 
 ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 8, "cpu_linear_autotune": False}
 
 
-def _client(model_dir, api_keys=(), admin_keys=()) -> TestClient:
-    cfg = validate_config({"models": [{"name": "m", "path": str(model_dir), "engine": ENGINE}],
+def _client(model_dir, api_keys=(), admin_keys=(), **engine) -> TestClient:
+    cfg = validate_config({"models": [{"name": "m", "path": str(model_dir), "engine": {**ENGINE, **engine}}],
                            "server": {"log_requests": False}})
     return TestClient(create_local_app(cfg, api_keys=list(api_keys), admin_keys=list(admin_keys)),
                       raise_server_exceptions=False)
@@ -75,23 +76,30 @@ def test_bad_arguments_are_named(gpt2_dir):
         assert r.status_code == 404, r.text
 
 
-def test_a_longer_window_keeps_a_whole_run(gpt2_dir, monkeypatch):
-    """$SHARDSERVE_STEP_DETAIL_LEN (the tuner's accuracy runs) keeps more than STEP_LOG_LEN steps,
-    and the route's limit follows it; a bad value names the variable."""
-    for bad in ("0", "x", "-1", "2000000"):
-        monkeypatch.setenv(STEP_DETAIL_ENV, bad)
-        with pytest.raises(ValueError, match=STEP_DETAIL_ENV):
-            step_detail_len()
-    monkeypatch.delenv(STEP_DETAIL_ENV)
-    assert step_detail_len() == STEP_LOG_LEN
-    monkeypatch.setenv(STEP_DETAIL_ENV, str(STEP_LOG_LEN + 100))
-    with _client(gpt2_dir) as c:
+def test_the_recorder_is_sized_by_the_engine_config():
+    """EngineConfig.step_record_len sizes the engine's step recorder (no environment variable); a
+    bad size names the field."""
+    assert EngineConfig().step_record_len == STEP_LOG_LEN
+    for bad in (0, -1, STEP_RECORD_MAX + 1, "x", True):
+        with pytest.raises(ConfigError, match="step_record_len"):
+            EngineConfig(step_record_len=bad)
+        with pytest.raises(ValueError, match="step_record_len"):
+            StepRecorder(bad)
+    rec = StepRecorder(2)
+    assert rec.capacity == 2 and rec.rows() == ()
+
+
+def test_a_longer_window_keeps_a_whole_run(gpt2_dir):
+    """engine.step_record_len (the tuner's accuracy runs set it in their deployment config) keeps
+    more than the default 256 steps, and the route's limit follows it."""
+    with _client(gpt2_dir, step_record_len=STEP_LOG_LEN + 100) as c:
         for _ in range(STEP_LOG_LEN // 16 + 2):  # a prefill and 15 decodes each: past STEP_LOG_LEN steps
             _complete(c, [1, 2, 3], 16)
         steps = c.get("/v1/admin/steps").json()["data"][0]["steps"]
         assert len(steps) == (STEP_LOG_LEN // 16 + 2) * 16 > STEP_LOG_LEN
         assert c.get("/v1/admin/steps", params={"limit": str(STEP_LOG_LEN + 100)}).status_code == 200
-        assert c.get("/v1/admin/steps", params={"limit": str(STEP_LOG_LEN + 101)}).status_code == 400
+        r = c.get("/v1/admin/steps", params={"limit": str(STEP_LOG_LEN + 101)})
+        assert r.status_code == 400 and str(STEP_LOG_LEN + 100) in r.json()["error"]["message"]
 
 
 def test_admin_key_required_when_keys_are_configured(gpt2_dir):

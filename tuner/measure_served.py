@@ -58,7 +58,7 @@ requests a second, a burst that the gateway's request path could not take in (TT
 where the simulated engine gives 35-84 ms: the gateway's queue, not the engine's) and that
 made 400-800-token prefills and batches of 6-16, not the steady load of 1-5 sequences per step that
 a deployment below saturation serves. 12 requests (17 tokens each, 204 with the one-at-a-time
-run's 34) keep every measured step inside a replica's step window (engines.llm_engine.STEP_LOG_LEN,
+run's 34) keep every measured step inside a replica's step window (EngineConfig.step_record_len,
 256) even at batch 1."""
 WARMUP = ((1, 2, 16, 9), (2, 4, 16, 9), (4, 8, 16, 9), (6, 6, 16, 9), (2, 4, 96, 3))
 """(in flight, requests, prompt tokens, output tokens) of closed-loop runs before the measured ones
@@ -80,7 +80,7 @@ PROBE_MAX_NUM_SEQS, PROBE_MAX_BATCHED_TOKENS = 16, 1024
 PUSH_INTERVAL_S = 1.0
 """server.metrics_push_interval_s of the probe server (the deployments' default: publishing more
 often would load the probes' cores more than a deployment's): how stale the step windows may be.
-Every copy's steps fit in its replicas' windows (engines.llm_engine.STEP_LOG_LEN), so they are read
+Every copy's steps fit in its replicas' windows (EngineConfig.step_record_len, 256), so they are read
 once, after the last copy's runs."""
 
 

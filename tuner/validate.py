@@ -136,7 +136,6 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
             sweep_from: float | None = None, progress=print) -> dict:
     """Serve `cand` from its emitted YAML; one load test per rate in `rates` (each compared with
     the simulator on the schedule actually sent) and, with `sweep_from`, a goodput sweep from there."""
-    from engines.llm_engine import STEP_DETAIL_ENV
     from loadtest.config import LoadTestConfig, SweepConfig
     from loadtest.runner import run as loadtest_run
     from loadtest.slo_sweep import sweep
@@ -147,8 +146,10 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
 
     settings = settings or ValidateSettings()
     out_dir.mkdir(parents=True, exist_ok=True)
-    yaml_path = write_yaml(deployment(cand, str(checkpoint.resolve()), profile, name="tuned"),
-                           out_dir / "deployment.yaml", "written by `shardserve tune search --validate`")
+    dep = deployment(cand, str(checkpoint.resolve()), profile, name="tuned")
+    # every step of a run is kept (not the latest 256) so that served_steps_check sees the whole run
+    dep["models"][0]["engine"]["step_record_len"] = RUN_STEPS_KEPT
+    yaml_path = write_yaml(dep, out_dir / "deployment.yaml", "written by `shardserve tune search --validate`")
     cost = CostModel(model, profile, tp=cand.tp, pp=cand.pp, weight_dtype=cand.weight_dtype)
     sched = scheduler_config(cand, model, cost, w)
     tok = checkpoint / "tokenizer.json"
@@ -158,9 +159,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     recal = bool(settings.recalibrate and profile.host_reference)
     now = reference_without_server(cache_mib=profile.cache_mib or 32.0) if recal else {}  # no server up
     prof = recalibrated(profile, now) if recal else profile
-    # every step of a run is kept (not the latest 256) so that served_steps_check sees the whole run
-    with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s,
-                env={STEP_DETAIL_ENV: str(RUN_STEPS_KEPT)}) as url:
+    with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
                 "burstiness": w.burstiness, "random_input_len": w.input_len, "random_output_len": w.output_len,
                 "ignore_eos": True, "progress": False, "tokenizer": tok if tok.is_file() else None, "slos": slos,
@@ -209,7 +208,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
 
 
 RUN_STEPS_KEPT = 50_000
-"""Steps a validated replica keeps (engines.llm_engine.STEP_DETAIL_ENV): more than any run of
+"""Steps a validated replica keeps (its engine.step_record_len): more than any run of
 ValidateSettings' size takes, so that served_steps_check reads all of a run's steps, not its tail."""
 PUSH_WAIT_S = 1.2
 """Seconds for a replica's metrics to reach the gateway's hub (tuner.measure_served.PUSH_INTERVAL_S)."""
@@ -285,7 +284,7 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
             "raw": [[w.tokens, w.sampled, w.prefill_attn_pairs, w.decode_context, w.seqs, dt, gap, end]
                     for (w, dt, gap), end in zip(cyc, ends, strict=True)],
             # every step of the run, also those after which the engine may have idled (gap_s None), as
-            # the route's fields (serving.steps_api.STEP_FIELDS) with end_s from `since`
+            # the route's fields (engines.step_record.STEP_FIELDS) with end_s from `since`
             "all": [[s["end_s"] - since, *(v for k, v in s.items() if k != "end_s")] for steps in runs for s in steps]}
 
 

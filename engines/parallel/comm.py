@@ -62,8 +62,9 @@ class Comm:
         """Wait until every started send has completed."""
 
     # the whole world
-    def broadcast_object(self, obj: object) -> object:
-        """Rank 0's `obj` on every rank (the step plan: pickled once, sent once to each rank)."""
+    def broadcast_object(self, obj: object, purpose: str = "plan") -> object:
+        """Rank 0's `obj` on every rank (the step plan: pickled once, sent once to each rank);
+        its bytes are counted under `purpose`."""
         return obj
 
 
@@ -134,7 +135,7 @@ class DistComm(Comm):
             work.wait()
         self._pending.clear()
 
-    def broadcast_object(self, obj: object) -> object:
+    def broadcast_object(self, obj: object, purpose: str = "plan") -> object:
         import pickle
 
         import torch.distributed as dist
@@ -148,7 +149,7 @@ class DistComm(Comm):
             data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                     dtype=torch.uint8).to(dev)
             length = torch.tensor([data.numel()], dtype=torch.long, device=dev)
-            self.count("plan", data)
+            self.count(purpose, data)
         else:
             length = torch.zeros(1, dtype=torch.long, device=dev)
         dist.broadcast(length, src=0)

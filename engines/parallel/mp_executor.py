@@ -18,9 +18,8 @@ from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 
-from engines.config import EngineConfig, ModelConfig
+from engines.config import EngineConfig, ModelConfig, resolve_engine_config
 from engines.executor import Executor, ExecutorError
-from engines.hardware import resolve_engine_config
 from engines.parallel.layout import ParallelLayout
 from engines.plan import StepPlan, StepResult
 

@@ -8,12 +8,14 @@ embedding and the LM head are split by vocabulary. Two all-reduces of (tokens x 
 layer, plus one after the embedding.
 
 `shard_spec` is the one sharding plan: `apply_tp` slices in-memory weights with it and the
-sharded loader (sharded_loading.py) reads exactly those slices from the safetensors files.
+sharded loader (sharded_loading.py) reads exactly those slices from the safetensors files. A layer
+of another transform (FP8 storage) shards itself through `ShardableLinear`; TP knows no such class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -127,15 +129,24 @@ class VocabParallelHead(nn.Module):
         return logits
 
 
-def _column(linear: nn.Module, spec: ShardSpec) -> nn.Module:
-    from engines.fp8 import Fp8Linear
+@runtime_checkable
+class ShardableLinear(Protocol):
+    """A Linear-like layer that knows how to keep a rank's slice of itself (FP8 storage keeps the
+    scales of its rows, for one). apply_tp asks a layer that has these methods for its shard and
+    slices a plain nn.Linear itself, so TP never names another transform's layer class."""
 
-    if isinstance(linear, Fp8Linear):  # FP8: the shard keeps the scales of its rows
-        out = Fp8Linear(linear.in_features, spec.size, linear.bias is not None,
-                        device=linear.weight.device, dynamic_activations=linear.dynamic_activations)
-        out.weight.data, out.weight_scale.data = spec.take(linear.weight.detach()), spec.take(linear.weight_scale.detach())
-        out.bias = nn.Parameter(spec.take(linear.bias.detach()), requires_grad=False) if linear.bias is not None else None
-        return out
+    def shard_columns(self, spec: ShardSpec) -> nn.Module:
+        """The rank's output rows `spec` (column-parallel: no collective after the matmul)."""
+        ...
+
+    def shard_rows(self, spec: ShardSpec, comm: Comm) -> nn.Module:
+        """The rank's input columns `spec` (row-parallel: all-reduced over `comm`, bias added after)."""
+        ...
+
+
+def _column(linear: nn.Module, spec: ShardSpec) -> nn.Module:
+    if isinstance(linear, ShardableLinear):
+        return linear.shard_columns(spec)
     w = spec.take(linear.weight.detach())
     out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     out.weight = nn.Parameter(w, requires_grad=False)
@@ -145,15 +156,9 @@ def _column(linear: nn.Module, spec: ShardSpec) -> nn.Module:
 
 
 def _row(linear: nn.Module, spec: ShardSpec, comm: Comm) -> nn.Module:
-    from engines.fp8 import Fp8Linear
-
+    if isinstance(linear, ShardableLinear):
+        return linear.shard_rows(spec, comm)
     bias = linear.bias.detach() if linear.bias is not None else None
-    if isinstance(linear, Fp8Linear):  # FP8: output channels stay whole, so do their scales
-        out = Fp8Linear(spec.size, linear.out_features, bias is not None, comm, device=linear.weight.device,
-                        dynamic_activations=linear.dynamic_activations)
-        out.weight.data, out.weight_scale.data = spec.take(linear.weight.detach()), linear.weight_scale.detach()
-        out.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        return out
     return RowParallelLinear(spec.take(linear.weight.detach()), bias, comm)
 
 

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 class Channel(Protocol):
     def recv(self) -> tuple: ...
 
+    def poll(self, timeout_s: float) -> bool:
+        """True when a command can be received now or arrives within timeout_s."""
+
     def send(self, msg: tuple) -> None: ...
 
 
@@ -85,11 +88,20 @@ def stats(runner: ModelRunner, comm: Comm, reset: bool) -> dict:
     return out
 
 
-def serve(runner: ModelRunner, comm: Comm, channel: Channel) -> None:
-    """Run commands until "stop". Raises on any failure (the caller reports it)."""
+def serve(runner: ModelRunner, comm: Comm, channel: Channel, keepalive_s: float = 10.0) -> None:
+    """Run commands until "stop". Raises on any failure (the caller reports it).
+
+    The other ranks wait for rank 0's next command inside a collective, whose timeout is there to
+    catch a hung peer; an idle server must not look hung. So rank 0, with no command for
+    keepalive_s (a fraction of the collective timeout), broadcasts a keepalive that every rank
+    ignores: a replica idle for hours stays up, and its bytes are counted apart from the plans'."""
     while True:
-        msg = channel.recv() if runner.rank == 0 else None
-        kind, payload = comm.broadcast_object(msg)
+        msg = None
+        if runner.rank == 0:
+            msg = channel.recv() if channel.poll(keepalive_s) else ("keepalive", None)
+        kind, payload = comm.broadcast_object(msg, purpose="keepalive" if msg and msg[0] == "keepalive" else "plan")
+        if kind == "keepalive":
+            continue
         if kind in ("step", "logits"):
             result, logits = runner.run(payload, want_logits=kind == "logits")
             if runner.samples:
@@ -139,7 +151,7 @@ def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: i
         info = shard_info(runner)
         info["load_s"] = time.perf_counter() - t0
         channel.send(("ready", rank, info))
-        serve(runner, comm, channel)
+        serve(runner, comm, channel, keepalive_s=collective_timeout_s(engine_cfg.dist_timeout_s) / 4)
     except BaseException as exc:
         try:
             channel.send(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

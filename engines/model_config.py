@@ -1,10 +1,168 @@
-"""Conversion between transformers' `config.json` and ModelConfig (gpt2, llama, qwen2, qwen3, mistral)."""
+"""The model's shape: `ModelConfig`, and its conversion from and to transformers' `config.json`
+(gpt2, llama, qwen2, qwen3, mistral).
+
+The bottom of engines/' configuration: imports nothing of engines but engines.rope's tables (lazily),
+so engines.config (the engine's options) and every reader of a checkpoint can import it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
-from engines.config import MODEL_TYPES, ConfigError, ModelConfig
+MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+"""gpt2, and the rotary families (llama and its relatives: one model file, small differences below)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or out of range; the message names the field."""
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a GPT model of the GPT-2 family or of the Llama family and its relatives."""
+
+    model_type: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral"]
+    """gpt2: learned positions, LayerNorm, GELU(tanh), biases. llama (and qwen2, qwen3, mistral):
+    RoPE, RMSNorm, SwiGLU, GQA; the relatives differ only by qkv_bias, qk_norm and rope_scaling."""
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_kv_head: int = 0
+    """Key/value heads for grouped-query attention; 0 means n_head (plain multi-head)."""
+    head_dim: int = 0
+    """Per-head width; 0 means n_embd // n_head."""
+    intermediate_size: int = 0
+    """MLP hidden width; 0 means 4 * n_embd."""
+    max_position_embeddings: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bias: bool = True
+    """Biases in the attention and MLP projections (GPT-2 has them, Llama has not)."""
+    activation: Literal["gelu_tanh", "gelu", "silu"] = "gelu_tanh"
+    dropout: float = 0.0
+    """Dropout on embeddings, attention and residual branches (training only)."""
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections only (Qwen2), where `bias` is off."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before the rotary embedding (Qwen3)."""
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    """Rope scaling as sorted (key, value) pairs of config.json's rope_scaling, rope_type included
+    (engines/rope.py: linear, dynamic, llama3, yarn); empty for plain RoPE."""
+
+    def __post_init__(self) -> None:
+        _require(self.model_type in MODEL_TYPES, "model_type",
+                 f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
+        _require(self.n_kv_head >= 0 and self.head_dim >= 0 and self.intermediate_size >= 0,
+                 "n_kv_head/head_dim/intermediate_size", "must be >= 0 (0 selects the default)")
+        if self.head_dim == 0:
+            _require(self.n_embd % self.n_head == 0, "n_embd",
+                     f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        _require(self.n_head % self.kv_heads == 0, "n_kv_head",
+                 f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
+        _require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        if self.model_type == "gpt2":
+            _require(self.kv_heads == self.n_head, "n_kv_head", "gpt2 has no grouped-query attention")
+            _require(not (self.qkv_bias or self.qk_norm or self.rope_scaling), "model_type",
+                     "gpt2 has no qkv_bias, qk_norm or rope_scaling")
+        if self.rope_scaling:
+            from engines.rope import REQUIRED, ROPE_TYPES
+
+            kind = dict(self.rope_scaling).get("rope_type", "default")
+            _require(kind in ROPE_TYPES, "rope_scaling.rope_type",
+                     f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+            missing = [k for k in REQUIRED.get(kind, ()) if dict(self.rope_scaling).get(k) is None]
+            _require(not missing, "rope_scaling", f"rope type {kind!r} needs {', '.join(missing)}")
+
+    # derived values
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.model_type != "gpt2"
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count from the shapes alone (no model needs to be built)."""
+        c, hd = self.n_embd, self.hd
+        qkv = c * (self.n_head + 2 * self.kv_heads) * hd
+        proj = self.n_head * hd * c
+        mlp = c * self.ffn_dim * (3 if self.activation == "silu" else 2)
+        norms = (4 if self.model_type == "gpt2" else 2) * c
+        biases = ((self.n_head + 2 * self.kv_heads) * hd + c + self.ffn_dim + c) if self.bias else 0
+        if self.qkv_bias and not self.bias:
+            biases = (self.n_head + 2 * self.kv_heads) * hd
+        per_layer = qkv + proj + mlp + norms + biases + (2 * hd if self.qk_norm else 0)
+        emb = self.vocab_size * c + (self.max_position_embeddings * c if self.model_type == "gpt2" else 0)
+        head = 0 if self.tie_word_embeddings else self.vocab_size * c
+        total = self.n_layer * per_layer + (2 if self.model_type == "gpt2" else 1) * c + head
+        return total + (emb if include_embeddings else 0)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # HF config.json conversion
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a transformers `config.json` dictionary (model_type one of MODEL_TYPES)."""
+        return model_config_from_hf(d)
+
+    def to_hf(self) -> dict[str, Any]:
+        return model_config_to_hf(self)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("config.json: must hold a JSON object")
+        cfg = cls.from_hf(data)
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():  # its EOS ids (Llama 3's <|eot_id|>, chat models' end of turn) end generation too
+            try:
+                extra = json.loads(gen.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise ConfigError(f"generation_config.json: not a valid JSON object ({exc})") from exc
+            extra = [extra] if isinstance(extra, int) else (extra or [])
+            if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
+                raise ConfigError(f"generation_config.json: eos_token_id must be an int or a list of ints, got {extra!r}")
+            eos = tuple(dict.fromkeys((*cfg.eos_token_id, *extra)))
+            if eos != cfg.eos_token_id:
+                cfg = cfg.replace(eos_token_id=eos)
+        return cfg
+
+
+# transformers' config.json
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
