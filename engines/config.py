@@ -170,9 +170,11 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
-        _require(not (self.compile_decode == "on" and self.world_size > 1), "compile_decode",
-                 "'on' compiles the single-process decode step; tensor/pipeline-parallel shards run eagerly "
-                 "(set tensor_parallel_size and pipeline_parallel_size to 1, or compile_decode to auto/off)")
+        _require(not (self.compile_decode == "on" and self.tensor_parallel_size > 1), "compile_decode",
+                 "'on' compiles the decode step of one device or of a pipeline stage; a tensor-parallel shard "
+                 "all-reduces inside every layer, which one compiled graph cannot hold (its decode steps take the "
+                 "fused CPU step, or CUDA graphs of the eager step): set tensor_parallel_size to 1 or "
+                 "compile_decode to auto/off")
         _require(isinstance(self.pipeline_microbatches, int) and self.pipeline_microbatches >= 0,
                  "pipeline_microbatches", f"must be an integer >= 0 (0 chooses per step), "
                  f"got {self.pipeline_microbatches!r}")

@@ -9,6 +9,12 @@ value back to the host. Padded rows (S..B) write their keys and values into a re
 dropped. Batches above the largest bucket, steps with prefill chunks, and CPU by default run the
 eager path (engines.attention.PagedAttention).
 
+A shard runs the same step over its own layers (engines/runner.py): a later pipeline stage's input
+buffer holds the hidden states it received (B, C) instead of token ids, and a tensor-parallel shard's
+step all-reduces inside (captured into its graphs on CUDA: NCCL collectives are capturable; every rank
+captures the same graphs, the stop at the capture budget agreed over the group, and the collectives a
+replay runs are counted into the communicator's counters as the eager step counts them).
+
 With `compiled` (CPU, EngineConfig.compile_decode), the step is engines.compiled.decode_step
 compiled by inductor: it reads the cache only, over the block table sliced to the longest row's
 blocks, and its new keys and values are written after the graph (see engines/compiled.py).
@@ -81,16 +87,22 @@ class DecodeRunner:
     inductor-compiled step (engines.compiled) when `compiled`."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, null_block: int, max_blocks_per_seq: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, cuda_graphs: bool = False, compiled: bool = False):
-        self.model, self.cache = model, cache
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, cuda_graphs: bool = False, compiled: bool = False,
+                 comm=None):
+        """model: a GPT, or a shard's pipeline stage (engines.parallel.pp.StageModel); comm: the shard's
+        communicator (engines.parallel.comm.Comm; None on one device)."""
+        self.model, self.cache, self.comm = model, cache, comm
+        self.first = getattr(model, "first", True)  # a later pipeline stage starts from hidden states
         self.null_block, self.max_blocks = null_block, max_blocks_per_seq
         self.buckets = tuple(sorted(buckets))
         dev = cache.data.device
         self.cuda_graphs = cuda_graphs and dev.type == "cuda"
         bmax, bs = self.buckets[-1], cache.block_size
         self.bs = bs
-        # persistent inputs, (bmax, ...): a bucket B uses the first B rows (views keep addresses)
-        self.ids = torch.zeros(bmax, dtype=torch.long, device=dev)
+        # persistent inputs, (bmax, ...): a bucket B uses the first B rows (views keep addresses); ids are
+        # token ids (bmax,) on a first stage, the received hidden states (bmax, C) on a later one
+        self.ids = (torch.zeros(bmax, dtype=torch.long, device=dev) if self.first else
+                    torch.zeros(bmax, model.cfg.n_embd, dtype=cache.data.dtype, device=dev))
         self.pos = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.slots = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.table = torch.full((bmax, max_blocks_per_seq), null_block, dtype=torch.long, device=dev)
@@ -100,6 +112,8 @@ class DecodeRunner:
         self.context_buckets = context_buckets(max_blocks_per_seq)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """(batch bucket, context bucket) -> the captured step and its output buffer."""
+        self._graph_comm: dict[tuple[int, int], tuple[dict[str, int], dict[str, int]]] = {}
+        """(batch, context) -> the (calls, bytes) by purpose of the collectives its graph replays."""
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.compiled = CompiledDecode(model, bs) if compiled else None
         # the compiled step never reads a 1-column table (dynamo would specialise it)
@@ -122,17 +136,22 @@ class DecodeRunner:
             return None
         return pick_bucket(self.buckets, len(decode))
 
-    def _fill(self, decode: list[SeqWork], B: int, ncols: int) -> None:
+    def _fill(self, decode: list[SeqWork], B: int, ncols: int, x: torch.Tensor | None = None) -> None:
         """Host -> persistent buffers, in place: one copy per buffer, padded rows to the null block.
         Only the first `ncols` block-table columns are written (the step reads no others), so the
-        host builds B x ncols ints a step, not B x max_blocks (524K at batch 64 and 128K context)."""
+        host builds B x ncols ints a step, not B x max_blocks (524K at batch 64 and 128K context).
+        x: a later stage's input hidden states (S, C); padded rows get zeros."""
         S, bs, null = len(decode), self.bs, self.null_block
-        ids = [w.token_ids[0] for w in decode] + [0] * (B - S)
+        if self.first:
+            ids = [w.token_ids[0] for w in decode] + [0] * (B - S)
+            self.ids[:B].copy_(torch.tensor(ids), non_blocking=True)
+        else:
+            self.ids[:S].copy_(x)
+            self.ids[S:B].zero_()
         pos = [w.start_pos for w in decode] + [0] * (B - S)
         table = [w.block_ids[:ncols] + [null] * (ncols - len(w.block_ids)) for w in decode]
         table += [[null] * ncols] * (B - S)
         slots = [t[p // bs] * bs + p % bs for t, p in zip(table, pos)]  # padded rows: the null block
-        self.ids[:B].copy_(torch.tensor(ids), non_blocking=True)
         self.pos[:B].copy_(torch.tensor(pos), non_blocking=True)
         self.slots[:B].copy_(torch.tensor(slots), non_blocking=True)
         self.table[:B, :ncols].copy_(torch.tensor(table), non_blocking=True)
@@ -141,15 +160,6 @@ class DecodeRunner:
     def context_bucket(self, decode: list[SeqWork]) -> int:
         """Block-table columns the step reads: the smallest context bucket holding its longest row."""
         return pick_bucket(self.ctx_choices, max(len(w.block_ids) for w in decode))
-
-    def _step(self, B: int, nblk: int | None = None) -> torch.Tensor:
-        """The padded step on buffers only (what a graph captures): hidden states (B, C). It reads
-        the first nblk block-table columns of each row (all of them when None)."""
-        nblk = nblk or self.max_blocks
-        index = (self.table[:B, :nblk, None] * self.bs + self._offsets).view(B, -1)  # (B, L) cache slots
-        mask = (self._keys[None, :nblk * self.bs] < self.lens[:B, None]).view(B, 1, 1, -1)  # (B, 1, 1, L)
-        backend = StaticDecodeBackend(self.cache, self.slots[:B], index, mask)
-        return self.model(self.ids[None, :B], self.pos[None, :B], backend)[0]
 
     def _key(self, decode: list[SeqWork], B: int) -> tuple[int, bool]:
         """(block-table columns the step reads, whether a captured graph runs it). With graphs captured
@@ -165,18 +175,30 @@ class DecodeRunner:
         wider = [c for (b, c) in self.graphs if b == B and c >= nblk]
         return (min(wider), True) if wider else (nblk, False)
 
-    def run(self, decode: list[SeqWork]) -> torch.Tensor:
-        """Hidden states (S, C) of a decode-only step; the caller checked bucket_for() first."""
+    @property
+    def kind(self) -> str:
+        """Which static step runs: "graph" (CUDA graphs), "compiled" (CPU inductor) or "static" (eager)."""
+        return "graph" if self.cuda_graphs else "compiled" if self.compiled is not None else "static"
+
+    def run(self, decode: list[SeqWork], x: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (S, C) of a decode-only step; the caller checked bucket_for() first. x: a later
+        pipeline stage's input hidden states (S, C). On a graph the result is a view of the graph's
+        output buffer, which the next replay overwrites."""
         B = self.bucket_for(decode)
         assert B is not None, "batch above the largest bucket: run the eager path"
         nblk, graphed = self._key(decode, B)
-        self._fill(decode, B, nblk)
+        self._fill(decode, B, nblk, x)
         if not graphed:
             return self._step(B, nblk)[:len(decode)]
         if (B, nblk) not in self.graphs:  # lazily, when not captured at load
             self.graphs[B, nblk] = self._capture(B, nblk)
         graph, out = self.graphs[B, nblk]
         graph.replay()
+        if self.comm is not None and (B, nblk) in self._graph_comm:  # the collectives the replay ran
+            calls, nbytes = self._graph_comm[B, nblk]
+            for what, n in calls.items():
+                self.comm.calls[what] += n
+                self.comm.bytes[what] += nbytes.get(what, 0)
         return out[:len(decode)]
 
     def _step(self, B: int, nblk: int | None = None) -> torch.Tensor:
@@ -202,12 +224,20 @@ class DecodeRunner:
         plan = capture_plan(tuple(b for b in self.buckets if b <= top), self.ctx_choices, est_s=0.0, budget_s=budget_s)
         for i, key in enumerate(plan):
             spent = time.perf_counter() - t0
-            if i and spent + spent / i > budget_s:  # the next capture would pass the budget
+            if self._agree_stop(bool(i and spent + spent / i > budget_s)):  # the next would pass the budget
                 break
             self._capture_safe(key)
         self.captured_at_load = True
         self.capture_s = time.perf_counter() - t0
         return self.capture_s
+
+    def _agree_stop(self, stop: bool) -> bool:
+        """Whether any rank of a tensor-parallel group stops capturing: their graphs hold the same
+        collectives, so every rank must capture the same ones (each measures its own time)."""
+        if self.comm is None or self.comm.tp_size == 1:
+            return stop
+        flag = torch.tensor([1.0 if stop else 0.0], device=self.ids.device)
+        return bool(self.comm.all_reduce(flag, "capture").item() > 0)
 
     def _capture_safe(self, key: tuple[int, int]) -> None:
         B, nblk = key
@@ -229,8 +259,12 @@ class DecodeRunner:
                 self._step(B, nblk)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        calls0, bytes0 = (dict(self.comm.calls), dict(self.comm.bytes)) if self.comm is not None else ({}, {})
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._step(B, nblk)
+        if self.comm is not None:  # counted once while capturing; a replay adds them again (run)
+            self._graph_comm[B, nblk] = ({k: v - calls0.get(k, 0) for k, v in self.comm.calls.items()},
+                                         {k: v - bytes0.get(k, 0) for k, v in self.comm.bytes.items()})
         return graph, out
 
 

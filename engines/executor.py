@@ -1,6 +1,6 @@
 """Executors run a step plan on the model's shards and return the sampled tokens.
 
-The contract is `execute(plan) -> StepResult`. InProcessExecutor runs one ModelRunner in the
+The contract is `execute(plan) -> StepResult`. InProcessExecutor runs one ModelRunner (engines/runner.py) in the
 driver's process; the multiprocess (torch.distributed) and Ray executors of model parallelism
 implement the same three methods, so the engine never knows which one it drives.
 """
@@ -38,7 +38,7 @@ class Executor(abc.ABC):
 
 class InProcessExecutor(Executor):
     def __init__(self, model_dir: str | Path, engine_cfg: EngineConfig, model=None):
-        from engines.worker import ModelRunner
+        from engines.runner import ModelRunner
 
         # CPU: load (the kernel timing of engines.fast_linear included) and every step run on
         # engine_threads() intra-op threads; the caller's own setting is restored after each

@@ -27,8 +27,17 @@ knows (`family`; anything else, sliding-window attention included, is refused by
 block Linear a FastLinear whose timed choice for this row count and thread count is one the loop calls
 (KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed, gemv) or a plain nn.Linear
 (F.linear), decode attention through the paged kernel, a decode-only step. Anything else (prefill
-chunks, TP / PP shards, FP8 layers, a "halves" / "sliced" kernel chosen, more than BULK_FROM - 1
-rows) runs the module path. The
+chunks, FP8 layers, a "halves" / "sliced" kernel chosen, more than BULK_FROM - 1 rows) runs the module
+path.
+
+Shards take it too (engines/runner.py). A pipeline stage (engines/parallel/pp.StageModel) runs its own
+layers: the first embeds, a later one starts from the hidden states it received, and only the last
+applies the final norm. A tensor-parallel shard's row-parallel Linears (the attention's output and the
+MLP's down projection) end in an all-reduce, which the C++ loop cannot call, so its step is split at
+those points: one C++ call per half-layer (`decode_half_bound`: norm .. the closing Linear's partial
+product, F.linear without bias, exactly RowParallelLinear's local product), then in Python the
+all-reduce over the shard's communicator, the bias and the residual add, as RowParallelLinear and the
+block compute them: 2 calls and 2 all-reduces a layer instead of ~20 Python-entered ops. The
 source is the panel and paged kernels' own source, each in a namespace of its own, plus the loop in
 csrc/fused_decode.cpp: one build (~40 s on 2 cores, once per machine, engines/cpp_ext.py);
 EngineConfig.fused_decode "off" never builds or uses it.
@@ -77,7 +86,7 @@ def combined_source() -> str:
 def load() -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable); built on first use."""
     return build("shardserve_fused_", combined_source(),
-                 ["decode_blocks", "bind", "unbind", "decode_bound"], "CPU fused decode step")
+                 ["decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound"], "CPU fused decode step")
 
 
 KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}
@@ -109,8 +118,24 @@ class Family:
     """Those norms' epsilon (0 where there are none)."""
 
 
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT (a ModuleList) or of a pipeline stage (a ModuleDict), in order."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return []
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def row_parallel(lin: nn.Module) -> bool:
+    """Whether a block Linear is a tensor-parallel row-parallel one (its output all-reduced)."""
+    from engines.parallel.tp import RowParallelLinear
+
+    return isinstance(lin, RowParallelLinear)
+
+
 def family(model: nn.Module) -> Family | str:
-    """The loop's description of this model's blocks, or why the loop cannot compute them."""
+    """The loop's description of this model's (or pipeline stage's) blocks, or why the loop cannot
+    compute them."""
     from engines.model import RMSNorm
 
     cfg = model.cfg
@@ -119,9 +144,10 @@ def family(model: nn.Module) -> Family | str:
             return f"{field} is set: the fused step does not compute it"
     if cfg.activation not in ACTS:
         return f"activation {cfg.activation!r}: the fused step computes {sorted(ACTS)}"
-    if cfg.uses_rope != (getattr(model, "wpe", None) is None) or (cfg.uses_rope and cfg.hd % 2):
+    first = getattr(model, "first", True)  # a later pipeline stage holds no embeddings
+    if (first and cfg.uses_rope != (getattr(model, "wpe", None) is None)) or (cfg.uses_rope and cfg.hd % 2):
         return "positions neither learned (wpe) nor rotary over an even head size"
-    blocks = list(getattr(model, "blocks", []))
+    blocks = blocks_of(model)
     if not blocks:
         return "no transformer blocks"
     rms = isinstance(blocks[0].norm1, RMSNorm)
@@ -159,11 +185,15 @@ def why_not(model: nn.Module, device: torch.device) -> str | None:
     fam = family(model)
     if isinstance(fam, str):
         return fam
-    for block in model.blocks:
-        for lin in (block.attn.qkv, block.attn.proj, block.mlp.up, block.mlp.down):
+    for block in blocks_of(model):
+        for lin in (block.attn.qkv, block.mlp.up):
             if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear:
-                return (f"a block Linear is a {type(lin).__name__} (FP8 or TP layers), neither a FastLinear nor a "
+                return (f"a block Linear is a {type(lin).__name__} (FP8 layers), neither a FastLinear nor a "
                         "plain nn.Linear")
+        for lin in (block.attn.proj, block.mlp.down):
+            if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear and not row_parallel(lin):
+                return (f"a block Linear is a {type(lin).__name__} (FP8 layers), neither a FastLinear, a plain "
+                        "nn.Linear nor a tensor-parallel RowParallelLinear")
     return None
 
 
@@ -177,7 +207,8 @@ def rope(model: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class FusedDecode:
-    """The blocks of a model as one C++ call for decode-only steps (see the module doc)."""
+    """The blocks of a model or of a shard as C++ calls for decode-only steps (see the module doc):
+    one call for all blocks, or, on a tensor-parallel shard, one a half-layer between its all-reduces."""
 
     def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         mod, why = load()
@@ -187,28 +218,41 @@ class FusedDecode:
         if isinstance(fam, str):
             raise ValueError(f"fused decode step: {fam}")  # noqa: TRY004 (a model it cannot compute)
         self.mod, self.model, self.family, cfg = mod, model, fam, model.cfg
+        self.first, self.last = getattr(model, "first", True), getattr(model, "last", True)
+        blocks = blocks_of(model)
+        self.split = row_parallel(blocks[0].attn.proj)
+        """A tensor-parallel shard: the step runs half a layer a call, all-reducing in between."""
+        if any(row_parallel(lin) != self.split for b in blocks for lin in (b.attn.proj, b.mlp.down)):
+            raise ValueError("fused decode step: some block Linears are row-parallel and some are not")
         empty = torch.empty(0)
 
         def given(t: torch.Tensor | None) -> torch.Tensor:
             return t if t is not None else empty
 
-        self.linears = [lin for b in model.blocks for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
+        self.linears = [lin for b in blocks for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
+        self.comm = blocks[0].attn.proj.comm if self.split else None
+        # a row-parallel Linear's bias is added after the all-reduce (RowParallelLinear), in Python
+        self.biases = [(b.attn.proj.bias, b.mlp.down.bias) for b in blocks] if self.split else []
         weights: list[torch.Tensor] = []
-        for b in model.blocks:
+        for b in blocks:
             weights += [b.norm1.weight, given(getattr(b.norm1, "bias", None)), b.norm2.weight,
                         given(getattr(b.norm2, "bias", None))]
             weights += [given(getattr(getattr(b.attn, n, None), "weight", None)) for n in ("q_norm", "k_norm")]
             for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):  # a plain nn.Linear: F.linear, no copies
-                weights += [lin.weight, *(given(getattr(lin, t, None)) for t in ("bias", "panels", "packed",
-                                                                                 "weight_t"))]
+                bias = empty if row_parallel(lin) else given(getattr(lin, "bias", None))
+                weights += [lin.weight, bias, *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
         self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
-        self.n_head, self.ffn, self.eps = cfg.n_head, cfg.ffn_dim, cfg.norm_eps
+        # this shard's query heads and MLP width (the whole model's on one device)
+        self.n_head = blocks[0].attn.n_head
+        self.ffn = blocks[0].mlp.down.weight.shape[1]
+        self.eps = cfg.norm_eps
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
 
     def kinds(self, rows: int) -> list[int] | None:
         """The kernel code (KERNELS) of every block Linear at `rows` rows on this thread count, as
-        FastLinear.forward picks it; None when one of them is a kernel the C++ loop does not call
-        ("halves", "sliced") or the rows are a prefill-sized batch: the module path runs then."""
+        FastLinear.forward picks it (a row-parallel Linear: F.linear, as RowParallelLinear); None when
+        one of them is a kernel the C++ loop does not call ("halves", "sliced") or the rows are a
+        prefill-sized batch: the module path runs then."""
         from engines.fast_linear import BULK_FROM
 
         if rows >= BULK_FROM:
@@ -218,7 +262,7 @@ class FusedDecode:
         if key not in self._kinds:
             codes: list[int] | None = []
             for lin in self.linears:
-                if type(lin) is nn.Linear:  # kept plain by apply_fast_linear (F.linear won) or autotuning off
+                if type(lin) is nn.Linear or row_parallel(lin):  # plain: kept by apply_fast_linear, or autotuning off
                     codes.append(KERNELS["linear"])
                     continue
                 chosen = lin.single if one_thread and lin.single is not None else (lin.one, lin.many, lin.bulk)
@@ -235,19 +279,30 @@ class FusedDecode:
         it calls, exactly as the module path would: the two paths are then the same ops)."""
         return self.kinds(rows) is not None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
             lens: torch.Tensor, block_size: int) -> torch.Tensor:
-        """input_ids, positions (1, M) of M decode tokens -> hidden states (1, M, C) after the final norm."""
+        """x: input ids (1, M) of M decode tokens on a first stage (one device: always), the previous
+        stage's hidden states (1, M, C) otherwise; positions (1, M) -> hidden states (1, M, C), after the
+        final norm on the last stage."""
         model, fam = self.model, self.family
-        x = model.wte(input_ids)  # (1, M, C), as GPT.forward
-        if fam.rope:
-            cos, sin = rope(model, positions)
+        if self.first:  # as GPT.forward / StageModel.forward
+            x = model.wte(x)  # (1, M, C)
+            if not fam.rope:
+                x = x + model.wpe(positions)
+        cos, sin = rope(model, positions) if fam.rope else (torch.empty(0), torch.empty(0))
+        kinds = self.kinds(positions.shape[1])
+        args = (slots, table, lens, block_size, self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin)
+        if not self.split:
+            h = self.mod.decode_bound(self.handle, x[0], kinds, *args)
         else:
-            x = x + model.wpe(positions)
-            cos = sin = torch.empty(0)
-        x = self.mod.decode_bound(self.handle, x[0], self.kinds(input_ids.shape[1]), slots, table, lens, block_size,
-                                  self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin)
-        return model.norm_f(x[None])
+            h = x[0]
+            for layer, biases in enumerate(self.biases):
+                for half, bias in enumerate(biases):
+                    part = self.mod.decode_half_bound(self.handle, h, layer, half, kinds[4 * layer:4 * layer + 4],
+                                                      *args)  # (M, C) this rank's partial product
+                    y = self.comm.all_reduce(part, "tp_layer")
+                    h = h + (y + bias if bias is not None else y)
+        return model.norm_f(h[None]) if self.last else h[None]
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)

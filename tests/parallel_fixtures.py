@@ -1,9 +1,11 @@
-"""Helpers of the parallel tests: a thread-backed TP group (layers run without any process group),
-an in-process TP executor built on it, and small engine drivers shared by the test files."""
+"""Helpers of the parallel tests: a thread-backed TP group and pipeline links (layers run without any
+process group), an in-process TP x PP executor built on them, and small engine drivers shared by the
+test files."""
 
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,9 +18,9 @@ from engines.llm_engine import LLMEngine
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout
 from engines.parallel.pp import split_stage
-from engines.parallel.shard_runner import ShardRunner
 from engines.parallel.tp import apply_tp
 from engines.plan import StepPlan, StepResult
+from engines.runner import ModelRunner
 from engines.sampling_params import SamplingParams
 
 
@@ -30,11 +32,23 @@ class ThreadGroup:
 
 
 class ThreadComm(Comm):
-    """TP collectives between threads of one process (sums in rank order)."""
+    """TP collectives between threads of one process (sums in rank order); with `links` (one FIFO per
+    (tp rank, sending stage)), activations from stage to stage, in order (tags are not needed)."""
 
-    def __init__(self, group: ThreadGroup, rank: int):
+    def __init__(self, group: ThreadGroup, rank: int, pp_size: int = 1, pp_rank: int = 0,
+                 links: dict | None = None):
         super().__init__()
         self.g, self.tp_size, self.tp_rank = group, group.n, rank
+        self.pp_size, self.pp_rank, self.links = pp_size, pp_rank, links
+
+    def send_next(self, t, tag):
+        self.count("pp_send", t)
+        self.links[self.tp_rank, self.pp_rank].put(t.clone())
+
+    def recv_prev(self, shape, dtype, tag):
+        t = self.links[self.tp_rank, self.pp_rank - 1].get(timeout=60)
+        assert t.shape == shape and t.dtype == dtype, (t.shape, shape, t.dtype, dtype)
+        return t
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
         self.g.slots[self.tp_rank] = t
@@ -59,26 +73,30 @@ class ThreadComm(Comm):
 
 
 class ThreadTPExecutor(Executor):
-    """TP shards as threads of this process, on one full model cut in memory (no loader, no
-    process group): the tensor-parallel layers and runner, tested without torch.distributed."""
+    """TP x PP shards as threads of this process, on one full model cut in memory (no loader, no
+    process group): the tensor-parallel layers, the pipeline stages and the runner, tested without
+    torch.distributed."""
 
     def __init__(self, model_dir, engine_cfg: EngineConfig):
         model, cfg = load_model(model_dir)
-        tp = engine_cfg.tensor_parallel_size
-        layout = ParallelLayout.build(cfg, tp, 1)
-        group = ThreadGroup(tp)
+        tp, pp = engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size
+        self.layout = layout = ParallelLayout.build(cfg, tp, pp)
+        groups = [ThreadGroup(tp) for _ in range(pp)]
+        links = {(t, s): queue.Queue() for t in range(tp) for s in range(pp)}
         self.runners = []
-        for r in range(tp):
-            comm = ThreadComm(group, r)
-            stage = apply_tp(split_stage(copy.deepcopy(model), 0, cfg.n_layer), cfg, comm)
-            self.runners.append(ShardRunner(model_dir, engine_cfg, layout, r, comm, stage=stage))
+        for r in range(layout.world_size):
+            tp_rank, pp_rank = layout.coords(r)
+            comm = ThreadComm(groups[pp_rank], tp_rank, pp, pp_rank, links)
+            start, end = layout.stages[pp_rank]
+            stage = apply_tp(split_stage(copy.deepcopy(model), start, end), cfg, comm)
+            self.runners.append(ModelRunner(model_dir, engine_cfg, stage, layout=layout, rank=r, comm=comm))
         self.num_blocks = self.runners[0].num_blocks
         self.model_config = cfg
-        self.pool = ThreadPoolExecutor(tp)
+        self.pool = ThreadPoolExecutor(layout.world_size)
 
     def execute_with_logits(self, plan: StepPlan, want_logits: bool = True):
-        outs = list(self.pool.map(lambda r: r.execute(plan, want_logits), self.runners))
-        return outs[0]
+        outs = list(self.pool.map(lambda r: r.run(plan, want_logits), self.runners))
+        return outs[self.layout.sampler_rank]
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.execute_with_logits(plan, False)[0]

@@ -96,6 +96,9 @@ def test_comm_bytes_match_analytic(mp, model_path):
             assert "tp_layer" not in b_
         assert b_.get("pp_send", 0) == (tokens * row if p < layout.pp - 1 else 0)
         assert (b_.get("plan", 0) > 0) == (rank == 0)
+        # the one runner: every shard's decode micro-batches took the fused CPU step (TP: split at its
+        # all-reduces, whose bytes are the ones counted above), prefill ones the module path
+        assert s["paths"].get("fused", 0) > 0 and s["paths"].get("eager", 0) > 0, s["paths"]
 
 
 def test_memory_per_rank(mp):

@@ -64,8 +64,9 @@ def test_option_is_validated_with_the_field_name():
         EngineConfig(compile_decode="yes")
     with pytest.raises(ConfigError, match="compile_decode: 'on' .* static_decode is 'off'"):
         EngineConfig(compile_decode="on", static_decode="off")
-    with pytest.raises(ConfigError, match="compile_decode: 'on' .* tensor/pipeline-parallel"):
+    with pytest.raises(ConfigError, match="compile_decode: 'on' .* a tensor-parallel shard all-reduces"):
         EngineConfig(compile_decode="on", tensor_parallel_size=2)
+    EngineConfig(compile_decode="on", pipeline_parallel_size=2)  # a pipeline stage compiles its layers
 
 
 def test_no_compiler_auto_warns_and_runs_eager_on_fails(gpt2_dir, monkeypatch, caplog):

@@ -118,7 +118,7 @@ def test_worker_error_at_start_is_reported(gpt2_dir, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ExecutorError, match="shard worker [01] failed: CheckpointError: .* has no weights"):
         MultiprocExecutor(bad, CFG)
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 200  # reported, not waited out: the start deadline here is 300 s
 
 
 def test_health_check_sees_a_dead_idle_worker(llama_dir):

@@ -120,21 +120,68 @@ struct Bound {
 };
 std::mutex bound_mu;
 std::vector<std::shared_ptr<Bound>> bound;
-}  // namespace
 
 // norm1 weight, bias, norm2 weight, bias, q-norm weight, k-norm weight (empty where the model has none),
 // then 5 tensors a Linear
 constexpr int64_t PER_LAYER = 6 + 4 * 5;
 
+// The step's constants, as passed to decode_blocks (see there)
+struct StepArgs {
+  const torch::Tensor &slots, &table, &lens, &cos, &sin;
+  int64_t block_size, n_head, ffn;
+  double eps;
+  int64_t act;
+  bool rms;
+  double qk_eps;
+};
+
+// Half 0 of layer l (norm1, the QKV Linear, q / k norms, rotary, KV writes, paged attention, the output
+// projection) or half 1 (norm2, the up Linear, the activation, the down projection) on x (M, C): with a
+// residual, residual + the closing Linear's output (the next x); without, the closing Linear's output alone
+// (a tensor-parallel shard's partial product, see decode_half_bound)
+torch::Tensor run_half(const torch::Tensor& x, const torch::Tensor* p, const int64_t* kind, int64_t half,
+                       const torch::Tensor& k_cache, const torch::Tensor& v_cache, const StepArgs& a,
+                       const c10::optional<torch::Tensor>& residual) {
+  const int64_t M = x.size(0), C = x.size(1);
+  const int64_t nkv = k_cache.size(1), hd = k_cache.size(2);
+  const int64_t qn = a.n_head * hd, kn = nkv * hd;
+  if (half == 1) {
+    const torch::Tensor *up_w = p + 16, *down_w = p + 21;
+    const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
+    auto h = norm(x, p[2], p[3], a.rms, a.eps);
+    auto u = block_linear(kind[2], h, up_w, a.act == 2 ? 2 * a.ffn : a.ffn, c10::nullopt);
+    u = a.act == 2 ? at::silu(u.narrow(1, 0, a.ffn)) * u.narrow(1, a.ffn, a.ffn) : at::gelu(u, approximate);
+    return block_linear(kind[3], u, down_w, C, residual);  // x + down(u)
+  }
+  const torch::Tensor *qkv_w = p + 6, *proj_w = p + 11;
+  auto h = norm(x, p[0], p[1], a.rms, a.eps);
+  auto qkv = block_linear(kind[0], h, qkv_w, qn + 2 * kn, c10::nullopt);  // (M, qn + 2 kn)
+  auto q = qkv.narrow(1, 0, qn).view({M, a.n_head, hd});                  // (M, nh, hd)
+  auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});                      // (M, nkv, hd)
+  if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);  // per head, before the rotation (Qwen3)
+  if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
+  if (a.cos.numel() > 0) {
+    rope_(q, a.cos, a.sin);  // in place: qkv (or the normed copy) is this step's own
+    rope_(k, a.cos, a.sin);
+  }
+  write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
+  write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
+  auto y = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size);  // (M, nh, hd)
+  return block_linear(kind[1], y.view({M, qn}), proj_w, C, residual);  // x + proj(y)
+}
+}  // namespace
+
 // The family's choices (engines/fused_decode.py Family): act 0 GELU, 1 GELU (tanh), 2 SwiGLU (the up
 // Linear's rows [0, ffn) the gate, [ffn, 2 ffn) the up projection, silu(gate) * up); rms: RMSNorm for the
 // block norms instead of LayerNorm; qk_eps: the per-head q / k RMSNorms' epsilon (where bound).
 //
-// x (M, C): the step's M decode tokens after the embeddings; w: PER_LAYER tensors a layer (see above; for
-// qkv, proj, up and down: weight, bias, panels, packed, weight_t, an empty tensor for one not built);
-// kinds: 4 a layer, the kernel of each Linear (block_linear); k_caches / v_caches (slots, nkv, hd) a layer;
-// slots (M) int64 cache slots of this step's keys; table (M, max_blocks), lens (M) as paged_decode; cos /
-// sin (M, hd / 2) float32 of the tokens' positions (empty: no rotary embedding) -> (M, C) after the blocks
+// x (M, C): the step's M decode tokens after the embeddings (or the previous pipeline stage's output);
+// w: PER_LAYER tensors a layer (see above; for qkv, proj, up and down: weight, bias, panels, packed,
+// weight_t, an empty tensor for one not built); kinds: 4 a layer, the kernel of each Linear (block_linear);
+// k_caches / v_caches (slots, nkv, hd) a layer; slots (M) int64 cache slots of this step's keys; table
+// (M, max_blocks), lens (M) as paged_decode; cos / sin (M, hd / 2) float32 of the tokens' positions (empty:
+// no rotary embedding); n_head and ffn are this shard's (its query heads, its MLP width) -> (M, C) after the
+// blocks
 torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                             torch::Tensor slots, torch::Tensor table, torch::Tensor lens, int64_t block_size,
@@ -145,34 +192,13 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w
               static_cast<int64_t>(kinds.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
               "decode_blocks: x (M, C), ", PER_LAYER, " tensors, 4 kernels and 2 caches a layer");
   TORCH_CHECK(act >= 0 && act <= 2, "decode_blocks: act 0 (gelu), 1 (gelu tanh) or 2 (swiglu), got ", act);
-  const int64_t M = x.size(0), C = x.size(1);
-  const int64_t nkv = k_caches[0].size(1), hd = k_caches[0].size(2);
-  const int64_t qn = n_head * hd, kn = nkv * hd;
-  const bool rope = cos.numel() > 0;
-  const c10::string_view approximate = act == 1 ? "tanh" : "none";
+  const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
   x = x.contiguous();
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* p = w.data() + PER_LAYER * l;
-    const torch::Tensor *qkv_w = p + 6, *proj_w = p + 11, *up_w = p + 16, *down_w = p + 21;
     const int64_t* kind = kinds.data() + 4 * l;
-    auto h = norm(x, p[0], p[1], rms, eps);
-    auto qkv = block_linear(kind[0], h, qkv_w, qn + 2 * kn, c10::nullopt);  // (M, qn + 2 kn)
-    auto q = qkv.narrow(1, 0, qn).view({M, n_head, hd});                    // (M, nh, hd)
-    auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});                      // (M, nkv, hd)
-    if (p[4].numel()) q = rms_norm(q, p[4], qk_eps);  // per head, before the rotation (Qwen3)
-    if (p[5].numel()) k = rms_norm(k, p[5], qk_eps);
-    if (rope) {
-      rope_(q, cos, sin);  // in place: qkv (or the normed copy) is this step's own
-      rope_(k, cos, sin);
-    }
-    write_rows(k_caches[l], slots, k.view({M, kn}), nkv, hd);
-    write_rows(v_caches[l], slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
-    auto y = paged_src::paged_decode(q, k_caches[l], v_caches[l], table, lens, block_size);  // (M, nh, hd)
-    x = block_linear(kind[1], y.view({M, qn}), proj_w, C, x);  // x + proj(y)
-    h = norm(x, p[2], p[3], rms, eps);
-    auto u = block_linear(kind[2], h, up_w, act == 2 ? 2 * ffn : ffn, c10::nullopt);
-    u = act == 2 ? at::silu(u.narrow(1, 0, ffn)) * u.narrow(1, ffn, ffn) : at::gelu(u, approximate);
-    x = block_linear(kind[3], u, down_w, C, x);  // x + down(u)
+    x = run_half(x, p, kind, 0, k_caches[l], v_caches[l], a, x);
+    x = run_half(x, p, kind, 1, k_caches[l], v_caches[l], a, x);
   }
   return x;
 }
@@ -203,4 +229,29 @@ torch::Tensor decode_bound(int64_t handle, torch::Tensor x, std::vector<int64_t>
   }
   return decode_blocks(x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps,
                        act, rms, qk_eps, cos, sin);
+}
+
+// One half of layer `layer` of the blocks bound under `handle` for a tensor-parallel shard (half 0: norm1 ..
+// the attention's output projection; 1: norm2 .. the MLP's down projection), kinds its 4 kernels: returns
+// that closing Linear's partial product (M, C), without bias or residual (bound without bias). The caller
+// all-reduces it over the TP group and adds the bias and the residual, as engines/parallel/tp.py
+// RowParallelLinear and the block's `x + ...` do, then calls the next half
+torch::Tensor decode_half_bound(int64_t handle, torch::Tensor x, int64_t layer, int64_t half,
+                                std::vector<int64_t> kinds, torch::Tensor slots, torch::Tensor table,
+                                torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn, double eps,
+                                int64_t act, bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
+  std::shared_ptr<Bound> b;
+  {
+    std::lock_guard<std::mutex> g(bound_mu);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle],
+                "decode_half_bound: no tensors bound as ", handle);
+    b = bound[handle];
+  }
+  const int64_t L = static_cast<int64_t>(b->k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && layer >= 0 && layer < L && (half == 0 || half == 1) && kinds.size() == 4,
+              "decode_half_bound: x (M, C), layer in [0, ", L, "), half 0 or 1, 4 kernels");
+  TORCH_CHECK(act >= 0 && act <= 2, "decode_half_bound: act 0 (gelu), 1 (gelu tanh) or 2 (swiglu), got ", act);
+  const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
+  return run_half(x.contiguous(), b->w.data() + PER_LAYER * layer, kinds.data(), half, b->k_caches[layer],
+                  b->v_caches[layer], a, c10::nullopt);
 }

@@ -1,7 +1,7 @@
 """Model parallelism: tensor parallel (tp.py) and pipeline stages (pp.py) as transformations of the
-plain model, a loader that reads only a shard's slices (sharded_loading.py), the shard's step
-(shard_runner.py) and the multiprocess executor (mp_executor.py). The Ray executor is
-serving/ray_executor.py; it runs the same worker loop (worker_proc.py) in actors.
+plain model, a loader that reads only a shard's slices (sharded_loading.py) and the multiprocess
+executor (mp_executor.py). A shard's step is engines/runner.py, the same runner as one device's. The
+Ray executor is serving/ray_executor.py; it runs the same worker loop (worker_proc.py) in actors.
 """
 
 from __future__ import annotations

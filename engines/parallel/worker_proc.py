@@ -23,7 +23,7 @@ import torch
 from engines.config import EngineConfig
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout
-from engines.parallel.shard_runner import ShardRunner
+from engines.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +65,30 @@ def release_memory() -> None:
         pass
 
 
-def shard_info(runner: ShardRunner) -> dict:
+def shard_info(runner: ModelRunner) -> dict:
     from engines.parallel.sharded_loading import expected_shard_bytes, shard_bytes
 
     start, end = runner.layout.stages[runner.pp_rank]
     return {"rank": runner.rank, "tp_rank": runner.tp_rank, "pp_rank": runner.pp_rank, "layers": (start, end),
-            "num_blocks": runner.num_blocks, "weight_bytes": shard_bytes(runner.stage),
+            "num_blocks": runner.num_blocks, "weight_bytes": shard_bytes(runner.model),
             "expected_weight_bytes": expected_shard_bytes(runner.cfg, runner.layout.tp, start, end,
                                                           torch.empty(0, dtype=runner.dtype).element_size()),
-            "kv_bytes": runner.cache.nbytes, "pid": os.getpid(),
+            "kv_bytes": runner.cache.nbytes, "pid": os.getpid(), "why_not": dict(runner.why_not),
             **{f"{k}_bytes": v for k, v in memory_bytes().items()}}
 
 
-def stats(runner: ShardRunner, comm: Comm, reset: bool) -> dict:
+def stats(runner: ModelRunner, comm: Comm, reset: bool) -> dict:
     out = {"rank": runner.rank, "tp_rank": runner.tp_rank, "pp_rank": runner.pp_rank, "bytes": dict(comm.bytes),
-           "calls": dict(comm.calls), "spans": list(runner.spans), "rss_bytes": memory_bytes()["rss"]}
+           "calls": dict(comm.calls), "spans": list(runner.spans),
+           "paths": dict(runner.paths), "rss_bytes": memory_bytes()["rss"]}
     if reset:
         comm.reset_counters()
         runner.spans.clear()
+        runner.paths.clear()
     return out
 
 
-def serve(runner: ShardRunner, comm: Comm, channel: Channel, keepalive_s: float = 10.0) -> None:
+def serve(runner: ModelRunner, comm: Comm, channel: Channel, keepalive_s: float = 10.0) -> None:
     """Run commands until "stop". Raises on any failure (the caller reports it).
 
     The other ranks wait for rank 0's next command inside a collective, whose timeout is there to
@@ -101,7 +103,7 @@ def serve(runner: ShardRunner, comm: Comm, channel: Channel, keepalive_s: float 
         if kind == "keepalive":
             continue
         if kind in ("step", "logits"):
-            result, logits = runner.execute(payload, want_logits=kind == "logits")
+            result, logits = runner.run(payload, want_logits=kind == "logits")
             if runner.samples:
                 channel.send(("ok", runner.rank, result if kind == "step" else (result, logits)))
         elif kind == "stats":
@@ -144,7 +146,7 @@ def run_worker(rank: int, layout: ParallelLayout, store_host: str, store_port: i
         t0 = time.perf_counter()
         comm = init_distributed(rank, layout.world_size, store_host, store_port, backend,
                                 collective_timeout_s(engine_cfg.dist_timeout_s), layout, device)
-        runner = ShardRunner(model_dir, cfg, layout, rank, comm)
+        runner = ModelRunner(model_dir, cfg, layout=layout, rank=rank, comm=comm)
         release_memory()
         info = shard_info(runner)
         info["load_s"] = time.perf_counter() - t0
