@@ -25,8 +25,7 @@ def quantize(
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
-    fp8: e4m3 weights with one fp32 scale per output channel (f * absmax / 448, f in
-    [0.9, 1] chosen per row for the least reconstruction error), stored in the
+    fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
     embeddings, norms and the LM head keep the source dtype.
     """

@@ -81,7 +81,7 @@ def test_fp8_tp_and_pp_give_the_single_device_tokens(fp8_dirs, reference, family
 
 def test_online_fp8_tp2_matches_the_quantized_file(fp8_dirs, reference):
     """weight_dtype="fp8" on the float llama, TP=2: a row-parallel shard quantizes with its full
-    rows' scales, so the tokens are the quantized checkpoint's at TP=1."""
+    rows' absmax, so the tokens are the quantized checkpoint's at TP=1."""
     src, _ = fp8_dirs["llama"]
     cfg = BASE.replace(tensor_parallel_size=2, weight_dtype="fp8")
     ex = MultiprocExecutor(src, cfg)
