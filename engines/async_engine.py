@@ -96,7 +96,7 @@ class AsyncLLMEngine:
         self.check_health()
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.engine.sampling_defaults)  # generation_config.json defaults
         validated = self.engine.validate(prompt, params, task)
         if request_id in self._streams:
             raise RequestError(f"request_id: {request_id!r} is already running", param="request_id")

@@ -22,7 +22,7 @@ from engines.model_source import resolve_model
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.plan import StepPlan, TokenLogprob
 from engines.ptuning import ModelShape, Task, TaskRegistry, attach_tables, virtual_ids
-from engines.sampling_params import RequestError, SamplingParams
+from engines.sampling_params import RequestError, SamplingParams, generation_defaults
 from engines.scheduler import Scheduler, SchedulerConfig
 from engines.sequence import Sequence
 from engines.step_record import StepRecorder
@@ -79,6 +79,8 @@ class LLMEngine:
         # dtype "auto" becomes the concrete dtype here, once, before any executor or worker sees it
         self.config = resolve_engine_config(engine_config or EngineConfig(), _model_config_or_none(d))
         self.tokenizer = Tokenizer.from_dir(d)
+        self.sampling_defaults = generation_defaults(d)
+        """SamplingParams fields from generation_config.json: the defaults of requests that leave them unset."""
         if executor_factory is None and self.config.world_size > 1:
             from engines.parallel import make_executor_factory  # TP x PP shards in worker processes
 
@@ -157,7 +159,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     validated: tuple[str | None, list[int]] | None = None, task: str | None = None) -> None:
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.sampling_defaults)  # generation_config.json defaults
         if request_id in self.requests:
             raise RequestError(f"request_id: {request_id!r} is already running", param="request_id")
         text, ids = validated if validated is not None else self.validate(prompt, params, task)
@@ -360,6 +362,12 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json values (temperature, top_p,
+        top_k, repetition_penalty, max_new_tokens) over SamplingParams' own defaults, as vLLM's
+        LLM.get_default_sampling_params; what generate() uses when given no sampling_params."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def load_task(self, name: str, path: str | Path | None = None) -> Task:
         """Load (or replace) a p-tuned task from a PEFT adapter directory (default <model>/ptuning/<name>)."""
         return self.engine.tasks.load(name, path)
@@ -377,8 +385,8 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or token ids
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the checkpoint's generation_config.json defaults, as vLLM
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else (
             [sampling_params] * len(prompts))
         if len(params) != len(prompts):

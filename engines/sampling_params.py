@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from engines.model_config import ConfigError
+
 MAX_LOGPROBS = 20
+
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""generation_config.json keys read as request defaults -> the SamplingParams field each sets (the
+keys vLLM's `--generation-config auto` reads, less min_p, which we do not sample with)."""
 
 
 class RequestError(ValueError):
@@ -129,3 +138,31 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """Default sampling values from a checkpoint's generation_config.json, as SamplingParams field
+    names (e.g. {"temperature": 0.6, "top_p": 0.9, "max_tokens": 256}); {} when there is no file.
+
+    As vLLM's `--generation-config auto`: these become the defaults of requests that leave the
+    fields unset (an explicit request value always wins); `do_sample` is not consulted (vLLM does
+    not either: a file that sets a temperature asks for it). Raises ConfigError naming the file and
+    the key for a value outside SamplingParams' range, so a bad file fails at load, not per request.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"generation_config.json: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("generation_config.json: must hold a JSON object")
+    out = {ours: data[key] for key, ours in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}
+    for key, ours in GENERATION_DEFAULT_KEYS.items():
+        if ours in out:
+            try:
+                SamplingParams(**{ours: out[ours]})
+            except RequestError as exc:
+                raise ConfigError(f"generation_config.json: {key}: {str(exc).split(': ', 1)[1]}") from None
+    return out

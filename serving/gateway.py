@@ -180,9 +180,11 @@ class Gateway:
         return render(merge(sources))
 
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
+def sampling_params(defaults: dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:
+    """A request's SamplingParams: `kwargs` are the fields the request set, `defaults` (the model's
+    generation_config.json values, ModelInfo.sampling_defaults) fill the ones it left unset."""
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**{**(defaults or {}), **kwargs})
     except RequestError as exc:
         raise APIError(ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value"))
 

@@ -75,7 +75,8 @@ class ModelCore:
             max_seqs_per_request=self.capacity, tokenizer_json=tk.tk.to_str() if tk is not None else None,
             chat_template=tk.chat_template if tk is not None else None,
             bos_token=tk.bos_token if tk is not None else None, eos_token=tk.eos_token if tk is not None else None,
-            created=int(time.time()), weight_dtype=weight_dtype, step_record_len=engine.engine.step_recorder.capacity)
+            created=int(time.time()), weight_dtype=weight_dtype, step_record_len=engine.engine.step_recorder.capacity,
+            sampling_defaults=dict(engine.engine.sampling_defaults))
         from serving.ptuning_admin import PtuningAdmin
 
         self.ptuning = PtuningAdmin(spec.name, spec.path, engine.engine.tasks)

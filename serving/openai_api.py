@@ -73,7 +73,9 @@ async def completions(request: Request):
             texts.append(None)
             ids.append(list(p))
     echo_lp = body.echo and body.logprobs is not None
-    params = sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
+    # max_tokens left out: the model's generation_config.json max_new_tokens, else the API's 16
+    set_max = {"max_tokens": body.max_tokens} if "max_tokens" in body.model_fields_set else {}
+    params = sampling_params(model.info.sampling_defaults, **set_max, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs(),
                              structured=body.response_format.structured() if body.response_format else None)
     rid = request.state.request_id
@@ -270,7 +272,9 @@ async def chat_completions(request: Request):
     text = render_chat(messages, info.chat_template, body.add_generation_prompt, info.bos_token, info.eos_token,
                        **{**(body.chat_template_kwargs or {}), **tools})
     ids = model.encode(text, "messages", add_special_tokens=False)
-    params = sampling_params(max_tokens=body.output_limit,
+    # no max_tokens / max_completion_tokens: generation_config.json's max_new_tokens, else the context
+    limit = body.output_limit if body.output_limit is not None else model.info.sampling_defaults.get("max_tokens")
+    params = sampling_params(model.info.sampling_defaults, max_tokens=limit,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs(),
                              structured=structured)
     first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, task=body.task,

@@ -9,6 +9,7 @@ in-process and Ray paths behave identically. No tensors cross this boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engines.plan import TokenLogprob
 from engines.sampling_params import SamplingParams
@@ -50,6 +51,9 @@ class ModelInfo:
     """Storage of the blocks' Linear weights as served: fp8, or the compute dtype (float32, bfloat16...)."""
     step_record_len: int = 256
     """Working steps each replica's engine keeps (EngineConfig.step_record_len): GET /v1/admin/steps' limit."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams fields from the checkpoint's generation_config.json (engines.sampling_params.
+    generation_defaults): the gateway uses them for the fields a request leaves unset."""
 
 
 @dataclass(frozen=True)

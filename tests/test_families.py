@@ -1,6 +1,7 @@
 """The families people serve, against transformers on tiny random configs (fp32): Llama with each
-rope scaling type, Qwen2 (qkv biases), Qwen3 (q/k norm, explicit head_dim), Mistral; alone and as
-TP=2 / PP=2 shards (multiprocess, gloo); configs refused by name; generation_config's EOS ids."""
+rope scaling type, Qwen2 (qkv biases), Qwen3 (q/k norm, explicit head_dim), Mistral; alone and,
+each of llama (llama3 rope), qwen2, qwen3 and mistral, as TP=2 (threads) and PP=2 (processes, gloo)
+shards against one device; configs refused by name; generation_config's EOS ids."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import train_tokenizer
-from parallel_fixtures import PROMPTS, run_engine
+from parallel_fixtures import PROMPTS, LogitsRecorder, ThreadTPExecutor, max_logit_error, run_engine
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
@@ -90,18 +91,43 @@ def test_family_round_trips_through_our_writer(ckpt, name, tmp_path):
         assert (ours.logits(ours(idx)) - ref(idx).logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+SHARDED = ["llama3", "qwen2", "qwen3", "mistral"]
+"""One checkpoint of each family (Llama with llama3 rope scaling), each run as TP=2 and PP=2 shards."""
+
+
+def _sharded_run(d: Path, executor, base: EngineConfig) -> tuple[dict, float]:
+    """Greedy tokens of PROMPTS on `executor`, and the largest |logit - one full forward on one device|."""
+    rec = LogitsRecorder(executor)
+    try:
+        got, _ = run_engine(d, rec, base)
+    finally:
+        executor.shutdown()
+    return got, max_logit_error(d, PROMPTS, got, rec.logits)
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_family_tp2_matches_one_device(ckpt, name):
+    """TP=2 as threads over one process (the tensor-parallel layers and runner, no process group)."""
+    d = ckpt(name)
+    base = EngineConfig(num_kv_blocks=64, worker_threads=1)
+    expect, _ = run_engine(d, InProcessExecutor(d, base), base)
+    got, err = _sharded_run(d, ThreadTPExecutor(d, base.replace(tensor_parallel_size=2)), base)
+    assert got == expect and len(got) == len(PROMPTS)
+    assert err <= 1e-4, err
+
+
+@pytest.mark.parametrize(("name", "tp", "pp"), [(n, 1, 2) for n in SHARDED] + [("qwen2", 2, 1)],
+                         ids=[f"pp2-{n}" for n in SHARDED] + ["tp2-qwen2"])
 def test_family_shards_match_one_device(ckpt, name, tp, pp):
+    """Shards as processes (gloo) that load only their slice: PP=2 for every family, and TP=2 where
+    the loader slices a bias (Qwen2's qkv)."""
     d = ckpt(name)
     base = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)
     expect, _ = run_engine(d, InProcessExecutor(d, base), base)
-    ex = MultiprocExecutor(d, base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-    try:
-        got, _ = run_engine(d, ex, base)
-    finally:
-        ex.shutdown()
+    got, err = _sharded_run(d, MultiprocExecutor(d, base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp)),
+                            base)
     assert got == expect and len(got) == len(PROMPTS)
+    assert err <= 1e-4, err
 
 
 def _config(**changes) -> dict:
