@@ -55,6 +55,14 @@ def adjacent_ceiling(threads: int) -> float:
         torch.set_num_threads(before)
 
 
+def progress(line: str) -> None:
+    """One repetition's figure as soon as it is known (runs/peer-progress.log): a run cut short by
+    a time limit still leaves what it measured."""
+    (ROOT / "runs").mkdir(exist_ok=True)
+    with open(ROOT / "runs" / "peer-progress.log", "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+
+
 def load_engine(args):
     """(generate(list of (ids, max_tokens)) -> output token count, extra facts about the load)."""
     if args.engine == "vllm":
@@ -109,6 +117,8 @@ def worker(args) -> dict:
             t = time.perf_counter()
             tokens = gen(reqs)
             rates.append(tokens / (time.perf_counter() - t))
+            progress(f"{args.engine} {args.dtype} {task} rep {len(rates)}: {rates[-1]:.1f} tok/s "
+                     f"(bind {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '-')}, load {os.getloadavg()[0]:.1f})")
         if task == "b1":
             bws.append(adjacent_ceiling(threads))
             result["bw"][task] = bws
