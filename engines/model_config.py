@@ -140,19 +140,10 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise ConfigError("config.json: must hold a JSON object")
-        cfg = cls.from_hf(data)
+        cfg = cls.from_hf(read_json_object(path))
         gen = Path(model_dir) / "generation_config.json"
         if gen.is_file():  # its EOS ids (Llama 3's <|eot_id|>, chat models' end of turn) end generation too
-            try:
-                extra = json.loads(gen.read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-                raise ConfigError(f"generation_config.json: not a valid JSON object ({exc})") from exc
+            extra = read_json_object(gen).get("eos_token_id")
             extra = [extra] if isinstance(extra, int) else (extra or [])
             if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
                 raise ConfigError(f"generation_config.json: eos_token_id must be an int or a list of ints, got {extra!r}")
@@ -160,6 +151,18 @@ class ModelConfig:
             if eos != cfg.eos_token_id:
                 cfg = cfg.replace(eos_token_id=eos)
         return cfg
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A model directory's JSON file (config.json, generation_config.json) as a dict; ConfigError
+    naming the file when it is not valid JSON or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path.name}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.name}: must hold a JSON object")
+    return data
 
 
 # transformers' config.json

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.model_config import ConfigError
+from engines.model_config import ConfigError, read_json_object
 
 MAX_LOGPROBS = 20
 
@@ -152,12 +151,7 @@ def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"generation_config.json: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError("generation_config.json: must hold a JSON object")
+    data = read_json_object(path)
     out = {ours: data[key] for key, ours in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}
     for key, ours in GENERATION_DEFAULT_KEYS.items():
         if ours in out:
