@@ -5,7 +5,7 @@
 
 --fused-ab: on a random-weight Llama of SmolLM2-135M's shape (30 layers, width 576, 9 q / 3 kv heads,
 FFN 1536, vocabulary 49152, tied head), our engine with the fused CPU decode step against the same
-engine without it (engines/fused_decode.py), batch 1 and 8, fp32 and bf16: rounds interleaved, best
+engine without it (engines/cpu/fused_decode.py), batch 1 and 8, fp32 and bf16: rounds interleaved, best
 of each, the ratio printed.
 
 GPT-2-124M shape, random weights, 2 threads on CPU. Each round times transformers and our
@@ -37,9 +37,9 @@ def weight_bytes_per_token(cfg, itemsize: int) -> int:
 def smollm2_shape_dir() -> Path:
     """A random-weight Llama checkpoint of SmolLM2-135M's shape (written once, reused)."""
     from benchmarks.common import CACHE
-    from engines.checkpoint import save_checkpoint
-    from engines.config import ModelConfig
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.core.config import ModelConfig
+    from engines.model.transformer import GPT
 
     d = CACHE / "smollm2-135m-shape-random"
     if (d / "config.json").is_file():
@@ -62,7 +62,7 @@ def fused_ab(args) -> None:
         llms = {f: LLM(d, dtype=dtype_name, fused_decode=f) for f in ("off", "auto")}
         fused = llms["auto"].engine.executor.runner.fused
         assert fused is not None, "the fused step did not apply"
-        from engines.cpu_threads import intra_op_threads
+        from engines.cpu.cpu_threads import intra_op_threads
 
         for t in sorted({1, args.threads}):
             with intra_op_threads(t):
@@ -100,7 +100,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from engines import LLM, SamplingParams
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     d = gpt2_124m_dir()
     cfg = ModelConfig.from_dir(d)

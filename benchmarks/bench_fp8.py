@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.checkpoint import TensorReader, load_model, save_checkpoint
-from engines.config import EngineConfig, ModelConfig
-from engines.fp8 import apply_fp8, convert_to_storage
-from engines.model import GPT
+from engines.loading.checkpoint import TensorReader, load_model, save_checkpoint
+from engines.core.config import EngineConfig, ModelConfig
+from engines.transforms.fp8 import apply_fp8, convert_to_storage
+from engines.model.transformer import GPT
 from engines.parallel.sharded_loading import shard_bytes
 from shardserve.quantize_cmd import _linear_bytes, perplexity
 
@@ -77,7 +77,7 @@ def byte_rows(bf16: Path, fp8: Path) -> dict:
 
 def replica_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """Parameter bytes of the CPU engine's model for this checkpoint (after apply_fp8)."""
-    from engines.llm_engine import LLMEngine
+    from engines.core.llm_engine import LLMEngine
 
     eng = LLMEngine(model_dir, EngineConfig(dtype=str(dtype).removeprefix("torch."), num_kv_blocks=8,
                                             cpu_linear_autotune=False))
@@ -124,7 +124,7 @@ def decode_tok_s(model_dir: Path, batch: int, new_tokens: int = 128, device: str
     import time
 
     from engines import SamplingParams
-    from engines.llm_engine import LLMEngine
+    from engines.core.llm_engine import LLMEngine
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     eng = LLMEngine(model_dir, EngineConfig(device=device, dtype="bfloat16", max_num_seqs=max(batch, 1),
@@ -251,7 +251,7 @@ def main() -> None:
 
 def _ppl_w8a8(model_dir: Path, tokens: Path | None, max_tokens: int) -> dict:
     """perplexity() with the W8A8 layers forced on this CPU (same windows and token count)."""
-    from engines import fp8
+    from engines.transforms import fp8
 
     orig = fp8.w8a8_supported
     fp8.w8a8_supported = lambda device: True  # the hardware rule, overridden for this measurement only

@@ -49,8 +49,8 @@ from gpu_common import (
 )
 
 from engines import SamplingParams
-from engines.config import ModelConfig
-from engines.model import GPT
+from engines.core.config import ModelConfig
+from engines.model.transformer import GPT
 
 FP8_TARGETS = {1: 1.4, 8: 1.3, 64: 1.2}
 STEP_KINDS = {"graphs": {"compile_decode": "off"}, "compiled": {"compile_decode": "on"}}
@@ -202,8 +202,8 @@ def section_parity(dev, smoke, tmp, env) -> dict:
 def section_ppl(dev, smoke, tmp, env, model_dir: Path | None = None, val: Path | None = None) -> dict:
     import numpy as np
 
-    from engines.checkpoint import load_model
-    from engines.fp8 import apply_fp8
+    from engines.loading.checkpoint import load_model
+    from engines.transforms.fp8 import apply_fp8
 
     if model_dir is None or val is None or not model_dir.is_dir() or not val.is_file():
         note("ppl: skipped (no --model-dir / --val given or found)")

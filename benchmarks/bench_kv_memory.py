@@ -33,10 +33,10 @@ def main() -> None:
     import torch
 
     from engines import EngineConfig, SamplingParams
-    from engines.checkpoint import save_checkpoint
-    from engines.config import ModelConfig, kv_bytes_per_block
-    from engines.llm_engine import LLMEngine
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.core.config import ModelConfig, kv_bytes_per_block
+    from engines.core.llm_engine import LLMEngine
+    from engines.model.transformer import GPT
 
     torch.set_num_threads(2)
     cfg = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=2, n_head=4, n_embd=128,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 
 CFG = ModelConfig("gpt2", vocab_size=1024, n_layer=4, n_head=16, n_embd=1024, max_position_embeddings=128,
                   activation="gelu")

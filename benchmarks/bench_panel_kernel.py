@@ -1,5 +1,5 @@
 """The Linears of one GPT-2-124M decode step (12 layers' QKV, out-proj, MLP up and down, and the
-50,257-entry head) at 1-32 rows: the panel kernel (engines/panel_kernel.py) against oneDNN's
+50,257-entry head) at 1-32 rows: the panel kernel (engines/cpu/panel_kernel.py) against oneDNN's
 prepacked kernel and plain F.linear, on 1 and 2 threads, fp32 and bf16, each weight read cold
 (a ring of copies larger than the last-level cache, as in a model).
 
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import matmul_peak, read_bandwidth
-from engines.fast_linear import pack_weight, packing_available
-from engines.hardware import cpu_name
-from engines.panel_kernel import fp8_linear, fp8_pack_panels, fp8_variant, load, pack_panels, panel_linear
+from engines.cpu.fast_linear import pack_weight, packing_available
+from engines.core.hardware import cpu_name
+from engines.cpu.panel_kernel import fp8_linear, fp8_pack_panels, fp8_variant, load, pack_panels, panel_linear
 
 SHAPES = ((2304, 768, 12), (768, 768, 12), (3072, 768, 12), (768, 3072, 12), (50257, 768, 1))
 """(out, in, count per step): GPT-2-124M's block Linears and its head."""

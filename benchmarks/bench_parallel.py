@@ -35,9 +35,9 @@ from benchmarks.common import CACHE, read_bandwidth
 
 def gpt2_medium_dir(layers: int = 24) -> Path:
     """A random-weight GPT-2-medium-shaped checkpoint (written once, reused)."""
-    from engines.checkpoint import save_checkpoint
-    from engines.config import ModelConfig
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.core.config import ModelConfig
+    from engines.model.transformer import GPT
 
     d = CACHE / f"gpt2-medium-random-{layers}l"
     if (d / "config.json").is_file():
@@ -49,9 +49,9 @@ def gpt2_medium_dir(layers: int = 24) -> Path:
 
 
 def build_engine(model_dir: Path, tp: int, pp: int, micro: int, args, threads: int):
-    from engines.config import EngineConfig
-    from engines.executor import InProcessExecutor
-    from engines.llm_engine import LLMEngine
+    from engines.core.config import EngineConfig
+    from engines.core.executor import InProcessExecutor
+    from engines.core.llm_engine import LLMEngine
     from engines.parallel.mp_executor import MultiprocExecutor
 
     world = tp * pp
@@ -69,7 +69,7 @@ def build_engine(model_dir: Path, tp: int, pp: int, micro: int, args, threads: i
 
 def measure(engine, batch: int, args) -> dict:
     """Prefill `batch` random prompts in one step, then time every decode step."""
-    from engines.sampling_params import SamplingParams
+    from engines.core.sampling_params import SamplingParams
 
     tp, pp = engine.config.tensor_parallel_size, engine.config.pipeline_parallel_size
     world = tp * pp
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     model_dir = gpt2_medium_dir(args.layers)
     cfg = ModelConfig.from_dir(model_dir)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_precision.py [--config recipes/default.yaml] [--budget 60]
 
 Measured in one run, back to back, with the probe harness the trainer and the engine use
-(engines/hardware.py time_precisions), but with a budget long enough to time even an emulated
+(engines/core/hardware.py time_precisions), but with a budget long enough to time even an emulated
 bf16 on full batches:
   train    forward + backward of the recipe's model and loss on (rows, seq_len) token batches
            (rows: the trainer's probe slice of the micro-batch), tokens/s in bf16 autocast and fp32
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.hardware import choose_precision, detect, engine_dtype, forward_probe, time_precisions
+from engines.core.hardware import choose_precision, detect, engine_dtype, forward_probe, time_precisions
 from training.model_setup import build_model
 from training.precision import probe_shape, training_probe
 from training.recipe import load_recipe, recipe_from_dict

@@ -44,8 +44,8 @@ from benchmarks.common import CACHE
 from benchmarks.peer_prefix_vllm import chat_prompts as _chat_prompts
 from benchmarks.peer_prefix_vllm import distinct_prompts as _distinct_prompts
 from engines import EngineConfig, SamplingParams
-from engines.async_engine import AsyncLLMEngine
-from engines.config import ModelConfig, kv_bytes_per_block
+from engines.core.async_engine import AsyncLLMEngine
+from engines.core.config import ModelConfig, kv_bytes_per_block
 
 VOCAB = 50000  # ids below GPT-2's EOS (50256)
 
@@ -53,8 +53,8 @@ VOCAB = 50000  # ids below GPT-2's EOS (50256)
 def gpt2_124m_2k_dir() -> Path:
     """GPT-2-124M shape, random weights, with 2,048 positions (1,040-token prompts + 64 outputs do
     not fit GPT-2's 1,024); written once, reused."""
-    from engines.checkpoint import save_checkpoint
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.model.transformer import GPT
 
     d = CACHE / "gpt2-124m-2k-random"
     if (d / "config.json").is_file():

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from engines import LLM, SamplingParams
-from engines.tokenizer import Tokenizer
+from engines.loading.tokenizer import Tokenizer
 from training.ptune import train_task
 from training.ptune_recipe import PtuneRecipe, parse_overrides, ptune_recipe_from_dict
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks.bench_ptune import LOVE, TEMPLATE, WAR, first_tokens, hand_prompt, write_jsonl
 from engines import LLM
-from engines.tokenizer import Tokenizer
+from engines.loading.tokenizer import Tokenizer
 from training.ptune import train_task
 from training.ptune_recipe import parse_overrides, ptune_recipe_from_dict
 

@@ -90,8 +90,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engines.gguf_import import import_gguf
-    from engines.tokenizer import Tokenizer
+    from engines.loading.gguf_import import import_gguf
+    from engines.loading.tokenizer import Tokenizer
     from shardserve.default_model import fetch_gguf
 
     t0 = time.time()

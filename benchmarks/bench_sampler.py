@@ -27,8 +27,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from engines import SamplingParams
-    from engines.plan import SeqInit
-    from engines.sampler import Sampler
+    from engines.core.plan import SeqInit
+    from engines.runner.sampler import Sampler
 
     print(f"sampling {args.rows} rows at temperature 1, {args.threads} thread(s)")
     for vocab in (8192, 50257):

@@ -44,9 +44,9 @@ def checkpoint(vocab: int) -> Path:
         return d
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from engines.checkpoint import save_checkpoint
-    from engines.config import ModelConfig
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.core.config import ModelConfig
+    from engines.model.transformer import GPT
 
     rng = random.Random(0)
     letters = "etaoinshrdlucmfwypvbgkjqxz"
@@ -72,7 +72,7 @@ class MaskClock:
     """Seconds the sampler spends on masks: the host thread's fills, and on the step's path."""
 
     def __init__(self, sampler):
-        from engines import grammar
+        from engines.runner import grammar
 
         self.fill = self.path = 0.0
         fill, masks, apply = sampler._fill_masks, sampler._masks, grammar.apply_bitmask
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="fill32 / mixed32 pairs, interleaved")
     args = ap.parse_args()
     from engines import LLM, SamplingParams
-    from engines.grammar import StructuredOutput
+    from engines.runner.grammar import StructuredOutput
 
     d = args.model or checkpoint(args.vocab)
     llm = LLM(d, max_num_seqs=32, max_model_len=256)
@@ -128,7 +128,7 @@ def main() -> None:
 
     import statistics
 
-    from engines.hardware import cpu_name
+    from engines.core.hardware import cpu_name
 
     cpu = cpu_name()
     name = d.name if args.model else "GPT-2-124M shape (random)"

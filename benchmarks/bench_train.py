@@ -117,7 +117,7 @@ def main() -> None:
                        else ["model.vocab_size=8192"])
     precision = args.precision or base.train.precision
     if precision == "auto":  # the peak must be measured in the precision trained: fix it here, as auto would pick
-        from engines.hardware import detect
+        from engines.core.hardware import detect
 
         precision = "bf16" if detect("cpu").bf16 else "fp32"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from engines.config import ModelConfig
-from engines.scheduler import SchedulerConfig
+from engines.core.config import ModelConfig
+from engines.core.scheduler import SchedulerConfig
 from tuner.cost import CostModel, StepWork, static_batch
 from tuner.hostref import recalibrated
 from tuner.measure_engine import nnls

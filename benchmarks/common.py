@@ -14,9 +14,9 @@ CACHE = Path(os.environ.get("SHARDSERVE_BENCH_CACHE", Path.home() / ".cache" / "
 
 def gpt2_124m_dir() -> Path:
     """A random-weight GPT-2-124M-shaped checkpoint (written once, reused)."""
-    from engines.checkpoint import save_checkpoint
-    from engines.config import ModelConfig
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.core.config import ModelConfig
+    from engines.model.transformer import GPT
 
     d = CACHE / "gpt2-124m-random"
     if (d / "config.json").is_file():

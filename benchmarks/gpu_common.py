@@ -12,10 +12,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines import SamplingParams
-from engines.checkpoint import save_checkpoint
-from engines.config import EngineConfig, ModelConfig
-from engines.llm_engine import LLMEngine
-from engines.model import GPT
+from engines.loading.checkpoint import save_checkpoint
+from engines.core.config import EngineConfig, ModelConfig
+from engines.core.llm_engine import LLMEngine
+from engines.model.transformer import GPT
 
 SUMMARY: list[str] = []
 RESULTS: dict = {}

@@ -5,8 +5,8 @@
 For each weight shape (N, K) and row count M: microseconds a call (CUDA graph of 50 calls,
 replayed 20 times, events; weights rotate over 4 copies so L2 never holds them) and the weight
 read rate that implies, for bf16 F.linear, torch._scaled_mm with row-wise scales (what
-engines.fp8.ScaledMMLinear runs), the same with use_fast_accum, tensor-wise scales (+ fast accum),
-and engines.fp8.quantize_tokens alone. Also the relative error of each fp8 product against the
+engines.transforms.fp8.ScaledMMLinear runs), the same with use_fast_accum, tensor-wise scales (+ fast accum),
+and engines.transforms.fp8.quantize_tokens alone. Also the relative error of each fp8 product against the
 bf16 one on the same random data.
 """
 
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engines.fp8 import quantize_tokens
-from engines.fp8_format import quantize_rows
+from engines.transforms.fp8 import quantize_tokens
+from engines.transforms.fp8_format import quantize_rows
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "up (gate+up)": (28672, 4096), "down": (4096, 14336)}
 

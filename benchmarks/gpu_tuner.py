@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from gpu_common import engine, note, random_checkpoint, release, run_batch
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 
 
 def profile_name(env: dict) -> str | None:

@@ -90,7 +90,7 @@ def load_engine(args):
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     def after() -> dict:
-        from engines import fast_linear
+        from engines.cpu import fast_linear
 
         adaptive = llm.engine.executor.adaptive  # the thread count each kind of step settled on
         return {"kernels": {f"{o}x{i}@{t}t": "/".join(k) for (o, i, _, t), k in fast_linear._CHOSEN.items()},

@@ -1,6 +1,6 @@
 """The deployment-config schema (one source of truth) and ready deployment files.
 
-Imports pydantic, yaml and engines.config (standard library only, the source of the engine options):
+Imports pydantic, yaml and engines.core.config (standard library only, the source of the engine options):
 the tuner emits these configs without torch, a server or a GPU.
 """
 

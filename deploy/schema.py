@@ -3,7 +3,7 @@
 `shardserve serve --config FILE`, the tuner's emitted configs and the YAML examples in
 deploy/examples/ all produce a `DeploymentConfig`. Every model carries engine options by value:
 `EngineOptions` is derived from engines.EngineConfig's fields (names, types, checks), so each engine
-option, its default and its range are defined once, in engines/config.py. deploy/ imports that one
+option, its default and its range are defined once, in engines/core/config.py. deploy/ imports that one
 module of engines, which imports the standard library only (no torch; tests/test_deploy_schema.py
 pins it), and never serving. An unset engine option means "the engine's own default".
 
@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from engines.config import ConfigError, EngineConfig
+from engines.core.config import ConfigError, EngineConfig
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 """No "/": the name is one path segment of /v2/models/{name}/..."""

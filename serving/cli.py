@@ -76,7 +76,7 @@ def deployment_config(config: Path | None, model: Path | None, name: str | None 
     """The DeploymentConfig `serve` runs: the file's (or one --model's) with the flags applied;
     raises ConfigFileError or ValueError naming the problem."""
     from deploy.schema import ConfigFileError, DeploymentConfig, load_config
-    from engines.model_source import resolve_model  # a .gguf model path: imported once into a cache
+    from engines.loading.model_source import resolve_model  # a .gguf model path: imported once into a cache
 
     if config is not None and model is not None:
         raise ConfigFileError("give --config FILE or --model DIR, not both")

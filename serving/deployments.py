@@ -266,7 +266,7 @@ HEAD_NODE = "node:__internal_head__"  # Ray's resource on the head node only
 
 def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_key_hashes: list[str] = ()):
     """The bound Ray Serve application of a deployment config (run it with serve.run)."""
-    from engines.config import EngineConfig
+    from engines.core.config import EngineConfig
 
     server = cfg.server.model_dump()
     # the hub always has publish calls in flight, and losing one at shutdown costs nothing; it holds

@@ -18,8 +18,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from deploy.schema import RequestLimits
-from engines.sampling_params import RequestError, SamplingParams
-from engines.tokenizer import Tokenizer
+from engines.core.sampling_params import RequestError, SamplingParams
+from engines.loading.tokenizer import Tokenizer
 from serving import errors
 from serving.auth import hash_key
 from serving.backends import ModelBackend

@@ -372,7 +372,7 @@ async def _generate_request(request: Request, m: ServedModel, stream: bool) -> t
 
 def _task(values: dict) -> str | None:
     """parameters.task: a p-tuned task (removed from the sampling values)."""
-    from engines.ptuning import TaskError, check_task_name
+    from engines.transforms.ptuning import TaskError, check_task_name
 
     task = values.pop("task", None)
     if task is not None:

@@ -29,7 +29,7 @@ class Running:
 
 def check_config(cfg: DeploymentConfig) -> None:
     """Everything that can be checked before Ray starts; raises ConfigFileError naming the field."""
-    from engines.config import ConfigError, EngineConfig
+    from engines.core.config import ConfigError, EngineConfig
     from serving.deployments import UnsupportedConfig, executor_factory, placement
 
     for i, m in enumerate(cfg.models):
@@ -48,7 +48,7 @@ def check_config(cfg: DeploymentConfig) -> None:
             raise ConfigFileError(str(exc)) from None
         engine = EngineConfig(**m.engine.engine_kwargs())
         if engine.world_size > 1:
-            from engines.config import ModelConfig
+            from engines.core.config import ModelConfig
             from engines.parallel import check_parallel_config
 
             try:
@@ -152,7 +152,7 @@ def _init_ray(cfg: DeploymentConfig, level: int) -> None:
 
 
 def _check_resources(cfg: DeploymentConfig) -> None:
-    from engines.config import ConfigError
+    from engines.core.config import ConfigError
 
     for m in cfg.models:
         if m.world_size > 1:

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from engines.sampling_params import RequestError
+from engines.core.sampling_params import RequestError
 from serving import errors
 from serving.admission import EngineView, TtftAdmission
 from serving.metrics import ReplicaMetrics
@@ -24,8 +24,8 @@ from serving.wire import Delta, ErrorInfo, GenerateChunk, GenerateRequest, Model
 
 if TYPE_CHECKING:
     from deploy.schema import ModelSpec
-    from engines.async_engine import AsyncLLMEngine
-    from engines.outputs import RequestOutput
+    from engines.core.async_engine import AsyncLLMEngine
+    from engines.core.outputs import RequestOutput
     from serving.ptuning_ops import PtuningOp
 
 log = logging.getLogger("shardserve.model")
@@ -64,7 +64,7 @@ class ModelCore:
         self._watcher: asyncio.Task | None = None
         self.active_requests = 0
         self.draining = False
-        from engines.checkpoint import served_weight_dtype
+        from engines.loading.checkpoint import served_weight_dtype
 
         weight_dtype = served_weight_dtype(spec.path, cfg.weight_dtype, cfg.dtype)
         self.metrics = ReplicaMetrics(spec.name, replica, self.stats, weight_dtype=weight_dtype, dtype=cfg.dtype)
@@ -104,9 +104,9 @@ class ModelCore:
         """This replica's window as it is published (serving/steps_api.py turns it into the route's
         answer): its layout, its replica name, `clock_s` (now on the replica's monotonic clock, so that
         a reader can tell how old each step is) and the engine's latest steps as tuples in
-        engines.step_record.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
+        engines.core.step_record.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
         several times faster than dicts, which matters for a window of thousands of steps): the
-        engine's step recorder (engines/step_record.py), sized by EngineConfig.step_record_len."""
+        engine's step recorder (engines/core/step_record.py), sized by EngineConfig.step_record_len."""
         c = self.engine.engine.config
         layout = {"tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size,
                   "worker_threads": c.worker_threads, "max_num_seqs": c.max_num_seqs,
@@ -278,7 +278,7 @@ class ModelCore:
                                                 exc.code or "invalid_value"), finished=True)
             return
         except Exception as exc:
-            from engines.async_engine import EngineDeadError
+            from engines.core.async_engine import EngineDeadError
 
             if isinstance(exc, EngineDeadError):
                 info = errors.engine_unavailable(f"model {self.spec.name!r}: {exc}")

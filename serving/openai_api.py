@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engines.plan import TokenLogprob
+from engines.core.plan import TokenLogprob
 from serving.chat import render_chat
 from serving.errors import APIError
 from serving.gateway import ServedModel, gateway_of, new_request_id, now_s, read_json, sampling_params

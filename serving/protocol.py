@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.grammar import StructuredOutput
+from engines.runner.grammar import StructuredOutput
 from serving.errors import APIError, invalid
 
 MAX_N = 128
@@ -92,13 +92,13 @@ class _Sampling(_Body):
     task: str | None = None
     """P-tuned task (shardserve extension; the openai client sends it via extra_body)."""
     response_format: ResponseFormat | None = None
-    """Structured output: json_object or json_schema (engines/grammar.py); text: unconstrained."""
+    """Structured output: json_object or json_schema (engines/runner/grammar.py); text: unconstrained."""
 
     @field_validator("task")
     @classmethod
     def _task(cls, v):
         if v is not None:
-            from engines.ptuning import TaskError, check_task_name
+            from engines.transforms.ptuning import TaskError, check_task_name
 
             try:
                 check_task_name(v)
@@ -309,7 +309,7 @@ class ChatCompletionRequest(_Sampling):
         mode = self.tool_mode
         if mode is None:
             return self.response_format.structured() if self.response_format is not None else None
-        from engines.grammar import check
+        from engines.runner.grammar import check
 
         for i, t in enumerate(self.tools):  # each function's schema alone first, to name the bad one
             param = f"tools[{i}].function.parameters"

@@ -29,8 +29,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from engines.config import ConfigError
-from engines.ptuning import (
+from engines.core.config import ConfigError
+from engines.transforms.ptuning import (
     TASK_NAME_RE,
     DatasetError,
     TaskError,

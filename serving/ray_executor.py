@@ -29,10 +29,10 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.config import ConfigError, EngineConfig, ModelConfig, resolve_engine_config
-from engines.executor import Executor, ExecutorError
+from engines.core.config import ConfigError, EngineConfig, ModelConfig, resolve_engine_config
+from engines.core.executor import Executor, ExecutorError
 from engines.parallel.layout import ParallelLayout
-from engines.plan import StepPlan, StepResult
+from engines.core.plan import StepPlan, StepResult
 
 log = logging.getLogger("shardserve.ray_executor")
 SHARD_ACTOR_PREFIX = "shardserve-shard-"
@@ -302,7 +302,7 @@ def ray_executor_factory(cpus_per_worker: float = 1.0, gpus_per_worker: float = 
 
     def factory(model_dir: str, engine_cfg: EngineConfig) -> Executor:
         if engine_cfg.world_size == 1:
-            from engines.executor import InProcessExecutor
+            from engines.core.executor import InProcessExecutor
 
             return InProcessExecutor(model_dir, engine_cfg)
         return RayExecutor(model_dir, engine_cfg, cpus_per_worker, gpus_per_worker)

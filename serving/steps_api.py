@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from engines.step_record import STEP_FIELDS
+from engines.core.step_record import STEP_FIELDS
 from serving import errors
 from serving.auth import require_admin
 from serving.gateway import gateway_of

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.plan import TokenLogprob
-from engines.sampling_params import SamplingParams
+from engines.core.plan import TokenLogprob
+from engines.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ModelInfo:
     step_record_len: int = 256
     """Working steps each replica's engine keeps (EngineConfig.step_record_len): GET /v1/admin/steps' limit."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """SamplingParams fields from the checkpoint's generation_config.json (engines.sampling_params.
+    """SamplingParams fields from the checkpoint's generation_config.json (engines.core.sampling_params.
     generation_defaults): the gateway uses them for the fields a request leaves unset."""
 
 
@@ -64,7 +64,7 @@ class GenerateRequest:
     """Token ids of each prompt; each produces params.n completions."""
     params: SamplingParams
     task: str | None = None
-    """P-tuned task whose virtual tokens precede every prompt (engines/ptuning.py); None: plain."""
+    """P-tuned task whose virtual tokens precede every prompt (engines/transforms/ptuning.py); None: plain."""
     stream: bool = False
     """Send an empty chunk as soon as the request is admitted, so a streaming response can start
     (and notice a client that leaves) while the request still waits for the engine."""

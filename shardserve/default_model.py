@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.model_source import default_cache_dir
+from engines.loading.model_source import default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def fetch_gguf(pin: PinnedGGUF = SMOLLM2, cache_dir: Path | None = None, log=pri
 
 def engine_auto_dtype(n_embd: int = 576, ffn_dim: int = 1536) -> str:
     """"bf16" or "fp32": what the engine's dtype="auto" picks on this machine for these widths."""
-    from engines.hardware import engine_dtype
+    from engines.core.hardware import engine_dtype
 
     return "bf16" if engine_dtype("cpu", n_embd, ffn_dim).precision == "bfloat16" else "fp32"
 
@@ -110,7 +110,7 @@ def ensure_default_model(out: Path = DEFAULT_OUT, dtype: str = "auto", pin: Pinn
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    from engines.gguf_import import import_gguf
+    from engines.loading.gguf_import import import_gguf
 
     gguf_path = fetch_gguf(pin, cache_dir, log)
     chosen = engine_auto_dtype() if dtype == "auto" else dtype

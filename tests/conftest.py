@@ -82,7 +82,7 @@ def _cpu_without_bf16():
     flags (tests/test_hardware_dtype.py). Shard workers get the resolved config from the parent.
     Session-scoped, so that module- and session-scoped engines (built before any function-scoped
     fixture runs) are posed too."""
-    from engines import hardware
+    from engines.core import hardware
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hardware, "read_cpu_flags", lambda *a, **k: frozenset({"avx2"}))

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engine
 
-from engines.config import EngineConfig
-from engines.executor import InProcessExecutor
+from engines.core.config import EngineConfig
+from engines.core.executor import InProcessExecutor
 from engines.parallel.mp_executor import MultiprocExecutor
-from engines.sampling_params import SamplingParams
+from engines.core.sampling_params import SamplingParams
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 BASE = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines import SamplingParams
-from engines.llm_engine import LLMEngine
+from engines.core.llm_engine import LLMEngine
 
 ARRIVALS = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
 """Request i joins at these steps; prompt i is range(3 + i, 20 + 4 i) (17-37 tokens)."""

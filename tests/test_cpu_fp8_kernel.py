@@ -1,4 +1,4 @@
-"""The FP8 weight-only CPU Linear kernel (engines/panel_kernel.py fp8_*, csrc/fp8_panel_kernel.cpp): every
+"""The FP8 weight-only CPU Linear kernel (engines/cpu/panel_kernel.py fp8_*, csrc/fp8_panel_kernel.cpp): every
 variant, forced, equals dequantize-then-matmul; a variant the CPU lacks is refused with the reason."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines import panel_kernel as pk
+from engines.cpu import panel_kernel as pk
 
 pytestmark = pytest.mark.skipif(pk.load_fp8()[0] is None, reason="the C++ kernels cannot be built here")
 
@@ -72,16 +72,16 @@ def test_variants_resolve_and_refuse_by_name():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_layer_equals_the_dequantizing_layer(dtype):
-    """Fp8PanelLinear (kept one byte a weight) against engines.fp8's Fp8Linear, whose forward dequantizes:
+    """Fp8PanelLinear (kept one byte a weight) against engines.transforms.fp8's Fp8Linear, whose forward dequantizes:
     decode rows through the kernel, a prefill chunk through F.linear on a per-call dequantized copy."""
-    from engines.fast_linear import BULK_FROM, Fp8PanelLinear
-    from engines.fp8 import Fp8Linear
+    from engines.cpu.fast_linear import BULK_FROM, Fp8PanelLinear
+    from engines.transforms.fp8 import Fp8Linear
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=True))
     model[0] = Fp8Linear.quantize(model[0])
     ref = model[0]
-    model[0] = Fp8PanelLinear.from_fp8(ref, dtype)  # what engines.fp8.apply_fp8 does on CPU
+    model[0] = Fp8PanelLinear.from_fp8(ref, dtype)  # what engines.transforms.fp8.apply_fp8 does on CPU
     assert model[0].panels.element_size() == 1 and torch.equal(model[0].weight_fp8().view(torch.uint8),
                                                                ref.weight.view(torch.uint8))
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 1e-2}

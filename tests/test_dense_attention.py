@@ -1,4 +1,4 @@
-"""The CPU causal attention used for training (engines/dense_attention.py) against SDPA."""
+"""The CPU causal attention used for training (engines/model/dense_attention.py) against SDPA."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.dense_attention import causal_attention
+from engines.model.dense_attention import causal_attention
 
 
 def _grads(fn, q, k, v, g, dtype):

@@ -17,7 +17,7 @@ from deploy.schema import (
     read_api_keys,
     validate_config,
 )
-from engines.config import ConfigError, EngineConfig
+from engines.core.config import ConfigError, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
@@ -165,7 +165,7 @@ def test_engine_option_errors_are_the_engines_own():
 
 
 def test_deploy_imports_only_the_torch_free_engine_config():
-    """deploy/ imports engines.config (standard library only) for its engine options, and nothing
+    """deploy/ imports engines.core.config (standard library only) for its engine options, and nothing
     heavy: no torch, numpy, Ray, FastAPI or serving (the schema loads on a laptop)."""
     code = "import sys, deploy, deploy.schema; bad = [m for m in ('serving', 'torch', 'numpy', 'ray', 'fastapi') " \
            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"

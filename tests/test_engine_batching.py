@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engines import EngineConfig, SamplingParams
-from engines.llm_engine import LLMEngine
+from engines.core.llm_engine import LLMEngine
 
 TARGET = list(range(20, 57))
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""compile_decode: the inductor-compiled static decode step (engines/compiled.py) against eager, on CPU.
+"""compile_decode: the inductor-compiled static decode step (engines/runner/compiled.py) against eager, on CPU.
 
 Tiny models, two graphs per engine; the compiled code goes to a per-session cache directory."""
 
@@ -11,10 +11,10 @@ import torch
 from staggered import run_staggered
 
 from engines import EngineConfig
-from engines import compiled as compiled_mod
-from engines.compiled import CompileUnavailable, cpp_compiler, resolve_compile
-from engines.config import ConfigError
-from engines.llm_engine import LLMEngine
+from engines.runner import compiled as compiled_mod
+from engines.runner.compiled import CompileUnavailable, cpp_compiler, resolve_compile
+from engines.core.config import ConfigError
+from engines.core.llm_engine import LLMEngine
 from tests.test_engine_decode_runner import GREEDY, SEEDED
 
 needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU kernels")
@@ -73,7 +73,7 @@ def test_no_compiler_auto_warns_and_runs_eager_on_fails(gpt2_dir, monkeypatch, c
     monkeypatch.setattr(compiled_mod, "cpp_compiler", lambda: None)
     with pytest.raises(CompileUnavailable, match="compile_decode: 'on' but no C\\+\\+ compiler"):
         LLMEngine(gpt2_dir, EngineConfig(compile_decode="on", cpu_linear_autotune=False))
-    with caplog.at_level(logging.WARNING, logger="engines.compiled"):
+    with caplog.at_level(logging.WARNING, logger="engines.runner.compiled"):
         engine = LLMEngine(gpt2_dir, EngineConfig(compile_decode="auto", cpu_linear_autotune=False))
     assert engine.executor.runner.decode_runner is None  # eager decode
     assert any("no C++ compiler" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)

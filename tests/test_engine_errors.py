@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from engines import LLM, AsyncLLMEngine, EngineConfig, RequestError, SamplingParams
-from engines.checkpoint import CheckpointError
-from engines.config import ConfigError
+from engines.loading.checkpoint import CheckpointError
+from engines.core.config import ConfigError
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -68,7 +68,7 @@ def test_missing_weights_and_wrong_shapes(gpt2_dir, tmp_path):
 
 
 def test_config_errors_name_the_field():
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     with pytest.raises(ConfigError, match="n_embd"):
         ModelConfig(model_type="gpt2", vocab_size=10, n_layer=1, n_head=3, n_embd=64)
@@ -156,7 +156,7 @@ def test_async_abort_frees_blocks(gpt2_dir):
 
 
 def test_engine_failure_fails_requests_clearly(gpt2_dir):
-    from engines.async_engine import EngineDeadError
+    from engines.core.async_engine import EngineDeadError
 
     engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig())
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from engines.plan import SeqResult, StepResult
-from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler, SchedulerConfig
-from engines.sequence import Sequence
+from engines.core.plan import SeqResult, StepResult
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import Scheduler, SchedulerConfig
+from engines.core.sequence import Sequence
 
 
 def _burst(seed: int, n: int = 48, num_blocks: int = 60):

@@ -1,4 +1,4 @@
-"""The CPU kernel choices of engines/fast_linear.py compute exactly what nn.Linear computes."""
+"""The CPU kernel choices of engines/cpu/fast_linear.py compute exactly what nn.Linear computes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-import engines.fast_linear as fl
-from engines.fast_linear import FastLinear, apply_fast_linear, packing_available
+import engines.cpu.fast_linear as fl
+from engines.cpu.fast_linear import FastLinear, apply_fast_linear, packing_available
 
 ONE_ROW_ONLY = {"gemv"}
 
@@ -63,7 +63,7 @@ def test_unknown_kernel_names_the_allowed_ones():
 
 
 def test_apply_keeps_tied_head_and_outputs(gpt2_dir):
-    from engines.checkpoint import load_model
+    from engines.loading.checkpoint import load_model
 
     model, cfg = load_model(gpt2_dir)
     keys = set(model.state_dict())
@@ -82,7 +82,7 @@ def test_apply_keeps_tied_head_and_outputs(gpt2_dir):
 
 def test_wide_head_forced_sliced_keeps_the_tie_and_outputs(monkeypatch, gpt2_dir):
     """A head whose decode-batch choice is the sliced kernel keeps its tie and the model's logits."""
-    from engines.checkpoint import load_model
+    from engines.loading.checkpoint import load_model
 
     model, cfg = load_model(gpt2_dir)
     monkeypatch.setattr(fl, "choose_kernels", lambda w, b: ("linear", "sliced", "linear"))
@@ -126,7 +126,7 @@ def test_unreadable_choices_file_is_timed_again(tmp_path):
 
 def test_one_thread_steps_use_the_kernels_timed_on_one_thread(monkeypatch):
     """FastLinear dispatches on the step's thread count: `single` at one thread, the others above."""
-    from engines.cpu_threads import intra_op_threads
+    from engines.cpu.cpu_threads import intra_op_threads
 
     torch.manual_seed(0)
     lin = nn.Linear(16, 24)
@@ -150,8 +150,8 @@ def test_one_thread_steps_use_the_kernels_timed_on_one_thread(monkeypatch):
 
 
 def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
-    from engines.checkpoint import load_model
-    from engines.cpu_threads import intra_op_threads
+    from engines.loading.checkpoint import load_model
+    from engines.cpu.cpu_threads import intra_op_threads
 
     monkeypatch.setenv("SHARDSERVE_FAST_LINEAR_CACHE", str(tmp_path / "choices.json"))
     monkeypatch.setattr(fl, "_CHOSEN", {})
@@ -170,7 +170,7 @@ def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
 def test_halves_on_two_threads_equal_the_whole_packed_weight(dtype, bias):
     """One row split by output features over two threads (odd width: unequal halves) gives exactly
     the whole prepacked kernel's row; more rows and one-thread steps run the whole weight."""
-    from engines.cpu_threads import intra_op_threads
+    from engines.cpu.cpu_threads import intra_op_threads
 
     if not packing_available(dtype):
         pytest.skip(f"oneDNN {dtype} packing not available here")

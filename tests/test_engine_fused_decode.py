@@ -1,4 +1,4 @@
-"""The fused decode step (engines/fused_decode.py): the blocks of a decode-only step in one C++ call
+"""The fused decode step (engines/cpu/fused_decode.py): the blocks of a decode-only step in one C++ call
 give bitwise the module path's tokens and logprobs (GPT-2 and Llama: GQA, tied and untied heads, fp32
 and bf16), and it runs only where it applies."""
 
@@ -10,12 +10,12 @@ from conftest import make_checkpoint
 from staggered import run_staggered
 from torch import nn
 
-import engines.fast_linear as fl
-import engines.fused_decode as fd
+import engines.cpu.fast_linear as fl
+import engines.cpu.fused_decode as fd
 from engines import EngineConfig, SamplingParams
-from engines.llm_engine import LLMEngine
-from engines.paged_kernel import load as load_paged
-from engines.panel_kernel import load as load_panel
+from engines.core.llm_engine import LLMEngine
+from engines.cpu.paged_kernel import load as load_paged
+from engines.cpu.panel_kernel import load as load_panel
 
 pytestmark = pytest.mark.skipif(load_paged()[0] is None or load_panel()[0] is None,
                                 reason="the C++ kernels cannot be built here")
@@ -119,7 +119,7 @@ def test_fused_decode_is_validated():
 def _qwen3_as_ours(hf, cfg):
     """Our GPT with HF Qwen3's weights, plus per-head q / k RMSNorms on each block's attention (the parts
     a Qwen3 adds; the fused step takes their weights)."""
-    from engines.model import GPT, RMSNorm
+    from engines.model.transformer import GPT, RMSNorm
 
     model = GPT(cfg).eval()
     sd = hf.state_dict()
@@ -151,8 +151,8 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
     equal to transformers' (fp32, 1e-5)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engines.attention import KVCache
-    from engines.config import ModelConfig
+    from engines.model.attention import KVCache
+    from engines.core.config import ModelConfig
 
     _force(monkeypatch)
     torch.manual_seed(0)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from engines.config import ConfigError, EngineConfig, kv_bytes_per_block, num_kv_blocks
-from engines.kv_sizing import activation_reserve_bytes, kv_cache_budget
+from engines.core.config import ConfigError, EngineConfig, kv_bytes_per_block, num_kv_blocks
+from engines.core.kv_sizing import activation_reserve_bytes, kv_cache_budget
 
 GiB = 2**30
 
 
 def test_fraction_budget_respects_free_memory(gpt2_dir):
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     cfg = ModelConfig.from_dir(gpt2_dir)
     eng = EngineConfig(kv_cache_memory_fraction=0.5)
@@ -34,7 +34,7 @@ def test_fraction_budget_respects_free_memory(gpt2_dir):
 def test_engine_sizes_cache_from_host_memory(gpt2_dir):
     llm = LLM(gpt2_dir, kv_cache_memory_fraction=0.05, cpu_linear_autotune=False)
     runner = llm.engine.executor.runner
-    from engines.kv_sizing import host_available_bytes
+    from engines.core.kv_sizing import host_available_bytes
 
     assert 0 < runner.cache.nbytes <= 0.05 * host_available_bytes() + runner.cache.nbytes * 0.5
     out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))

@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (engines/paged_kernel.py) against the per-sequence SDPA loop."""
+"""The CPU paged-attention kernel (engines/cpu/paged_kernel.py) against the per-sequence SDPA loop."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 from staggered import run_staggered
 
-import engines.paged_kernel as pk
+import engines.cpu.paged_kernel as pk
 from engines import EngineConfig, SamplingParams
-from engines.attention import KVCache, PagedAttention
-from engines.llm_engine import LLMEngine
-from engines.paged_kernel import load
-from engines.plan import SeqWork
+from engines.model.attention import KVCache, PagedAttention
+from engines.core.llm_engine import LLMEngine
+from engines.cpu.paged_kernel import load
+from engines.core.plan import SeqWork
 
 pytestmark = pytest.mark.skipif(load()[0] is None, reason="the C++ kernel cannot be built here")
 
@@ -55,7 +55,7 @@ def test_kernel_equals_the_loop_bf16():
 @pytest.mark.parametrize("rows", [1, 3])
 def test_decode_uses_the_kernel_at_any_batch(rows, monkeypatch):
     """With the kernel on, every decode step goes through it, batch 1 included, on any thread count."""
-    import engines.attention as att
+    import engines.model.attention as att
 
     calls = []
 
@@ -79,7 +79,7 @@ def test_decode_uses_the_kernel_at_any_batch(rows, monkeypatch):
 
 
 def test_kernel_does_not_depend_on_the_thread_count():
-    from engines.paged_kernel import paged_decode
+    from engines.cpu.paged_kernel import paged_decode
 
     torch.manual_seed(0)
     cache_k, cache_v = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
@@ -96,7 +96,7 @@ def test_kernel_does_not_depend_on_the_thread_count():
 
 
 def test_kernel_rejects_a_length_beyond_its_table():
-    from engines.paged_kernel import paged_decode
+    from engines.cpu.paged_kernel import paged_decode
 
     cache = torch.zeros(8, 2, 4)
     with pytest.raises(RuntimeError, match="outside its block table"):
@@ -123,7 +123,7 @@ def test_decode_attention_is_validated():
 
 
 def test_kernel_asked_for_but_unavailable_fails_at_load(gpt2_dir, monkeypatch):
-    import engines.paged_kernel as pk
+    import engines.cpu.paged_kernel as pk
 
     monkeypatch.setattr(pk, "load", lambda: (None, "no compiler"))
     with pytest.raises(RuntimeError, match="decode_attention: 'kernel' but no compiler"):

@@ -1,4 +1,4 @@
-"""The panel Linear kernel (engines/panel_kernel.py): what nn.Linear computes, the same bits on any
+"""The panel Linear kernel (engines/cpu/panel_kernel.py): what nn.Linear computes, the same bits on any
 thread count and for a row alone or in a batch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines import panel_kernel as pk
+from engines.cpu import panel_kernel as pk
 
 pytestmark = pytest.mark.skipif(pk.load()[0] is None, reason="no C++ compiler to build the panel kernel")
 
@@ -62,7 +62,7 @@ def test_huge_page_copy_is_an_equal_aligned_copy():
     tensor under 2 MB is kept as it is."""
     import sys
 
-    from engines.host_memory import HUGE_PAGE, huge_page_copy
+    from engines.cpu.host_memory import HUGE_PAGE, huge_page_copy
 
     small = torch.randn(10, 10)
     assert huge_page_copy(small) is small
@@ -83,7 +83,7 @@ def test_a_stale_build_lock_does_not_hang_the_load():
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    from engines.cpp_ext import STALE_LOCK_S, build, build_name, clear_stale_lock
+    from engines.cpu.cpp_ext import STALE_LOCK_S, build, build_name, clear_stale_lock
 
     name = build_name("shardserve_panel_", pk._SOURCE + pk._FP8_SOURCE)
     lock = os.path.join(_get_build_directory(name, verbose=False), "lock")

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
-from engines.checkpoint import load_model, save_checkpoint
+from engines.loading.checkpoint import load_model, save_checkpoint
 
 torch.manual_seed(0)
 
@@ -98,7 +98,7 @@ def test_legacy_bin_loads_weights_only(model_dir, tmp_path):
 
 
 def test_pickled_objects_are_refused(model_dir, tmp_path):
-    from engines.checkpoint import CheckpointError
+    from engines.loading.checkpoint import CheckpointError
 
     class Evil:
         def __reduce__(self):
@@ -122,7 +122,7 @@ def test_bf16_engine_runs_close_to_fp32(gpt2_dir):
 
 
 def test_config_round_trip(model_dir):
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
-from engines.tokenizer import Tokenizer
+from engines.loading.tokenizer import Tokenizer
 
 PROMPT = "To be, or not to be"
 
@@ -40,7 +40,7 @@ def test_stop_string_truncates_text(llm):
 
 def test_streamed_deltas_hold_back_partial_stop_strings(gpt2_dir):
     from engines import EngineConfig
-    from engines.llm_engine import LLMEngine
+    from engines.core.llm_engine import LLMEngine
 
     llm_text = LLM(gpt2_dir).generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     text = llm_text[0].outputs[0].text
@@ -77,7 +77,7 @@ def test_stop_token_text_is_left_out_unless_asked_for(llm):
 
 def test_stop_string_written_before_min_tokens_does_not_count(gpt2_dir):
     from engines import EngineConfig
-    from engines.llm_engine import LLMEngine
+    from engines.core.llm_engine import LLMEngine
 
     full = LLM(gpt2_dir).generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
     tk = Tokenizer.from_dir(gpt2_dir)
@@ -200,8 +200,8 @@ def test_inverse_transform_draws_match_probabilities_and_skip_cut_tokens():
     """The sampler's draw, straight on crafted logits: 4,000 rows, top_k=3 of 6 tokens. Cut tokens
     (probability 0, including the last vocabulary entry) are never drawn; the others come at
     their renormalised probabilities, and a seeded row repeats whatever else is in the batch."""
-    from engines.plan import SeqInit
-    from engines.sampler import Sampler
+    from engines.core.plan import SeqInit
+    from engines.runner.sampler import Sampler
 
     logits = torch.tensor([0.0, 1.0, -30.0, 2.0, 0.5, -1.0])
     n = 4000
@@ -232,8 +232,8 @@ def test_degenerate_temperature_and_top_p_sample_the_argmax():
     """logits / 1e-300 overflows to inf and the softmax to NaN: the row takes the T -> 0 limit
     (the argmax); top_p=1e-300 is 0.0 in float32 and keeps just the top token. An ordinary row
     in the same batch still samples."""
-    from engines.plan import SeqInit
-    from engines.sampler import Sampler
+    from engines.core.plan import SeqInit
+    from engines.runner.sampler import Sampler
 
     logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
     sampler = Sampler(4, seed=0, device=torch.device("cpu"))

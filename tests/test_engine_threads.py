@@ -1,4 +1,4 @@
-"""CPU threading defaults of the engine (engines/cpu_threads.py)."""
+"""CPU threading defaults of the engine (engines/cpu/cpu_threads.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from engines.attention import KVCache, PagedAttention
-from engines.cpu_threads import configure_openmp_env, single_threaded
-from engines.plan import SeqWork
+from engines.model.attention import KVCache, PagedAttention
+from engines.cpu.cpu_threads import configure_openmp_env, single_threaded
+from engines.core.plan import SeqWork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def _import_engines_first(env_extra: dict[str, str]) -> str:
 
 
 def test_a_short_spin_is_the_default_when_engines_loads_before_torch():
-    from engines.cpu_threads import SPIN_COUNT_DEFAULT
+    from engines.cpu.cpu_threads import SPIN_COUNT_DEFAULT
 
     assert _import_engines_first({}) == f"None {SPIN_COUNT_DEFAULT}"
 
@@ -84,7 +84,7 @@ def test_decode_attention_is_the_same_on_one_thread_and_on_two():
 
 
 def test_engine_threads_default_to_every_core_unless_told():
-    from engines.cpu_threads import engine_threads
+    from engines.cpu.cpu_threads import engine_threads
 
     assert engine_threads(0, cpu_count=2, environ={}) == 2
     assert engine_threads(0, cpu_count=16, environ={}) == 16
@@ -120,7 +120,7 @@ def test_engine_steps_run_on_engine_threads_and_leave_the_callers_count(model_di
 
 def test_adaptive_threads_switches_to_the_faster_count_and_back():
     """Synthetic step times: the chooser moves to whichever count measures faster per step class."""
-    from engines.cpu_threads import EXPLORE_MAX, EXPLORE_MIN, AdaptiveThreads, step_class
+    from engines.cpu.cpu_threads import EXPLORE_MAX, EXPLORE_MIN, AdaptiveThreads, step_class
 
     a = AdaptiveThreads(2)
     assert a.candidates == (2, 1)
@@ -152,7 +152,7 @@ def test_adaptive_threads_switches_to_the_faster_count_and_back():
 
 
 def test_adaptive_threads_reacts_soon_to_a_sudden_slowdown():
-    from engines.cpu_threads import MIN_SAMPLES, SAMPLES, TRIAL_GAP, AdaptiveThreads
+    from engines.cpu.cpu_threads import MIN_SAMPLES, SAMPLES, TRIAL_GAP, AdaptiveThreads
 
     a = AdaptiveThreads(2)
     cls = (False, 3)
@@ -184,7 +184,7 @@ def test_one_disturbed_sample_decides_nothing():
     """Issue 40: one disturbed two-thread step (86 ms, where two threads usually take 15 and one 20) just
     before the first trial moved the class to one thread (the old chooser's smoothed time); a decision now
     compares medians of MIN_SAMPLES or more."""
-    from engines.cpu_threads import AdaptiveThreads
+    from engines.cpu.cpu_threads import AdaptiveThreads
 
     a = AdaptiveThreads(2)
     cls = (False, 5)
@@ -200,7 +200,7 @@ def test_noisy_runs_agree():
     steps, so three runs of a benchmark agree instead of depending on which step was disturbed."""
     import random
 
-    from engines.cpu_threads import AdaptiveThreads
+    from engines.cpu.cpu_threads import AdaptiveThreads
 
     for seed in range(20):
         rng = random.Random(seed)
@@ -213,7 +213,7 @@ def test_noisy_runs_agree():
 def test_drift_of_the_current_count_drops_stale_samples():
     """When the current count's median moves past DRIFT, the counts' samples (taken on another machine
     state) are dropped and measured afresh (MIN_SAMPLES each) before any decision."""
-    from engines.cpu_threads import DRIFT, MIN_SAMPLES, SAMPLES, AdaptiveThreads
+    from engines.cpu.cpu_threads import DRIFT, MIN_SAMPLES, SAMPLES, AdaptiveThreads
 
     a = AdaptiveThreads(2)
     cls = (False, 2)
@@ -227,7 +227,7 @@ def test_drift_of_the_current_count_drops_stale_samples():
 
 
 def test_one_core_never_adapts():
-    from engines.cpu_threads import AdaptiveThreads
+    from engines.cpu.cpu_threads import AdaptiveThreads
 
     a = AdaptiveThreads(1)
     assert a.candidates == (1,)
@@ -236,8 +236,9 @@ def test_one_core_never_adapts():
 
 def test_engine_tokens_do_not_depend_on_the_thread_count(gpt2_dir, monkeypatch):
     """Steps switching between 1 and 2 threads give the tokens of a fixed count (greedy and seeded)."""
-    from engines import EngineConfig, SamplingParams, cpu_threads
-    from engines.llm_engine import LLMEngine
+    from engines import EngineConfig, SamplingParams
+    from engines.cpu import cpu_threads
+    from engines.core.llm_engine import LLMEngine
 
     monkeypatch.setattr(cpu_threads, "EXPLORE_MIN", 1)
     monkeypatch.setattr(cpu_threads, "EXPLORE_MAX", 1)  # a trial every other step: many switches

@@ -15,9 +15,9 @@ from parallel_fixtures import PROMPTS, LogitsRecorder, ThreadTPExecutor, max_log
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
-from engines.checkpoint import load_model, save_checkpoint
-from engines.config import ConfigError, EngineConfig, ModelConfig
-from engines.executor import InProcessExecutor
+from engines.loading.checkpoint import load_model, save_checkpoint
+from engines.core.config import ConfigError, EngineConfig, ModelConfig
+from engines.core.executor import InProcessExecutor
 from engines.parallel.mp_executor import MultiprocExecutor
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -183,7 +183,7 @@ def test_chat_template_jinja_file_is_read(tmp_path):
     """transformers 5 saves the chat template as chat_template.jinja, not inside tokenizer_config.json."""
     from tokenizers import Tokenizer, models
 
-    from engines.tokenizer import Tokenizer as OurTokenizer
+    from engines.loading.tokenizer import Tokenizer as OurTokenizer
     Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text("{}")
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")

@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from engines import EngineConfig, SamplingParams
-from engines.checkpoint import load_model
-from engines.config import ConfigError
-from engines.executor import InProcessExecutor
-from engines.fast_linear import Fp8PanelLinear
-from engines.fp8 import Fp8Linear, ScaledMMLinear, apply_fp8, quantize_tokens
-from engines.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
-from engines.llm_engine import LLMEngine
+from engines.loading.checkpoint import load_model
+from engines.core.config import ConfigError
+from engines.core.executor import InProcessExecutor
+from engines.cpu.fast_linear import Fp8PanelLinear
+from engines.transforms.fp8 import Fp8Linear, ScaledMMLinear, apply_fp8, quantize_tokens
+from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
+from engines.core.llm_engine import LLMEngine
 from shardserve.cli import app
 
 runner = CliRunner()
@@ -88,7 +88,7 @@ def test_quantized_checkpoint_layout(llama_dir, llama_fp8):
 def test_quantized_bytes_half_of_bf16(gpt2_dir, tmp_path):
     """The block Linears of a bf16 checkpoint take ~0.5x the bytes in FP8 (1 byte + 4 per row)."""
     m, cfg = load_model(gpt2_dir)
-    from engines.checkpoint import save_checkpoint
+    from engines.loading.checkpoint import save_checkpoint
 
     save_checkpoint(m, cfg, tmp_path / "bf16", dtype=torch.bfloat16, tokenizer_dir=gpt2_dir)
     r = runner.invoke(app, ["quantize", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "q")])
@@ -393,7 +393,7 @@ def test_w8a8_decode_step_has_no_host_sync(llama_fp8):
     to the host: per-token activation scales stay on the device."""
     from test_engine_decode_runner import _OpLog
 
-    from engines.plan import SeqWork
+    from engines.core.plan import SeqWork
 
     eng = _engine_on(llama_fp8, BASE.replace(static_decode="on", block_size=4), force_w8a8=True)
     dr = eng.executor.runner.decode_runner

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from test_fp8 import _our_model
 from typer.testing import CliRunner
 
-from engines.checkpoint import CheckpointError, load_model
-from engines.fp8_format import FP8_DTYPE
+from engines.loading.checkpoint import CheckpointError, load_model
+from engines.transforms.fp8_format import FP8_DTYPE
 from shardserve.cli import app
 
 runner = CliRunner()

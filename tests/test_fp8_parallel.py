@@ -11,11 +11,11 @@ import torch
 from parallel_fixtures import PROMPTS, LogitsRecorder, run_engine
 from typer.testing import CliRunner
 
-from engines.checkpoint import load_model
-from engines.config import EngineConfig
-from engines.executor import InProcessExecutor
-from engines.fp8 import Fp8Linear
-from engines.fp8_format import FP8_DTYPE
+from engines.loading.checkpoint import load_model
+from engines.core.config import EngineConfig
+from engines.core.executor import InProcessExecutor
+from engines.transforms.fp8 import Fp8Linear
+from engines.transforms.fp8_format import FP8_DTYPE
 from engines.parallel.comm import LocalComm
 from engines.parallel.mp_executor import MultiprocExecutor
 from engines.parallel.sharded_loading import load_shard

@@ -8,7 +8,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf_support import byte_level_vocab, tiny_llama, write_llama_gguf
 
-from engines.gguf_import import GGUFImportError, import_gguf
+from engines.loading.gguf_import import GGUFImportError, import_gguf
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q
 from gguf_support import CHATML, byte_level_vocab, tiny_llama, write_llama_gguf
 
-from engines.checkpoint import load_model
-from engines.gguf_import import SUPPORTED_TYPES, dequantize_tensor, import_gguf, read_gguf
-from engines.model_source import resolve_model
+from engines.loading.checkpoint import load_model
+from engines.loading.gguf_import import SUPPORTED_TYPES, dequantize_tensor, import_gguf, read_gguf
+from engines.loading.model_source import resolve_model
 
 ROWS, COLS = 3, 512  # two 256-element super-blocks per row for the K-quants
 # byte offsets of the fp16 scale fields inside one block (random bytes there could be inf/NaN)

@@ -12,8 +12,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf_support import CHATML, SPECIALS, TEXT, byte_level_vocab
 
-from engines.gguf_import import read_gguf
-from engines.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+from engines.loading.gguf_import import read_gguf
+from engines.loading.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
 
 SAMPLES = [TEXT, " leading space", "tabs\tand  double  spaces\n\n\n", "émigré 日本語 🙂 x²",
            "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>b", ""]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.config import EngineConfig, ModelConfig
-from engines.decode_runner import StaticDecodeBackend, capture_plan
-from engines.fp8 import Fp8Linear
-from engines.fp8_choice import TensorwiseScaledMMLinear, pick, quantize_tensor
-from engines.fp8_format import dequantize
-from engines.kv_sizing import kv_cache_budget
-from engines.llm_engine import LLMEngine
-from engines.plan import SeqWork
+from engines.core.config import EngineConfig, ModelConfig
+from engines.runner.decode_runner import StaticDecodeBackend, capture_plan
+from engines.transforms.fp8 import Fp8Linear
+from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, pick, quantize_tensor
+from engines.transforms.fp8_format import dequantize
+from engines.core.kv_sizing import kv_cache_budget
+from engines.core.llm_engine import LLMEngine
+from engines.core.plan import SeqWork
 
 
 def test_fill_writes_only_the_columns_the_step_reads(gpt2_dir):
@@ -64,7 +64,7 @@ def test_kv_budget_measures_after_freed_memory_is_returned(monkeypatch):
     model = ModelConfig(model_type="llama", vocab_size=1000, n_layer=2, n_head=4, n_embd=64, intermediate_size=128,
                         n_kv_head=2, bias=False, activation="silu", tie_word_embeddings=False)
     engine = EngineConfig(kv_cache_memory_fraction=0.9)
-    from engines.kv_sizing import activation_reserve_bytes
+    from engines.core.kv_sizing import activation_reserve_bytes
 
     budget = kv_cache_budget(model, engine, torch.device("cuda"))
     assert state["calls"] == ["empty_cache", "mem_get_info"]

@@ -1,4 +1,4 @@
-"""engines/hardware.py and the engine's dtype="auto": bf16 hardware detection from the CPU flags
+"""engines/core/hardware.py and the engine's dtype="auto": bf16 hardware detection from the CPU flags
 (posed as AMX, AVX512-BF16, AVX2-only and Arm CPUs), CUDA, the probe harness, and a real engine
 that resolves its config once into the concrete dtype every derived value sees."""
 
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from engines import hardware
-from engines.config import ConfigError, EngineConfig, ModelConfig, kv_bytes_per_block, resolved_dtype
-from engines.hardware import Rates, choose_precision, detect, engine_dtype, read_cpu_flags, time_precisions
+from engines.core import hardware
+from engines.core.config import ConfigError, EngineConfig, ModelConfig, kv_bytes_per_block, resolved_dtype
+from engines.core.hardware import Rates, choose_precision, detect, engine_dtype, read_cpu_flags, time_precisions
 
 AVX2 = frozenset(["fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"])
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # Cascade Lake: no native bf16
@@ -137,13 +137,13 @@ def test_kv_sizing_of_an_unresolved_config_follows_the_hardware(monkeypatch):
 
 @pytest.mark.parametrize("flags, want", [(AMX, torch.bfloat16), (AVX2, torch.float32)])
 def test_engine_resolves_auto_once(gpt2_dir, monkeypatch, caplog, flags, want):
-    from engines.llm_engine import LLMEngine
-    from engines.sampling_params import SamplingParams
+    from engines.core.llm_engine import LLMEngine
+    from engines.core.sampling_params import SamplingParams
 
     monkeypatch.setattr(hardware, "read_cpu_flags", lambda *a: flags)
     monkeypatch.setattr(hardware, "time_precisions", lambda *a, **k: FAST_BF16)
     requested = EngineConfig(num_kv_blocks=0, kv_cache_bytes=2**20)
-    with caplog.at_level(logging.INFO, logger="engines.config"):
+    with caplog.at_level(logging.INFO, logger="engines.core.config"):
         engine = LLMEngine(gpt2_dir, requested)
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[want]
     assert requested.dtype == "auto"  # the caller's config is not changed; the engine holds a new one

@@ -4,7 +4,7 @@ source file in the packages past MAX_LINES.
 
 There is no allowance list: any circle fails (issue 36 broke the last ones: FP8 shards itself for
 TP through engines.parallel.tp.ShardableLinear; ModelConfig and its HF form live in
-engines.model_config, under engines.config and engines.hardware).
+engines.model.model_config, under engines.core.config and engines.core.hardware).
 """
 
 from __future__ import annotations

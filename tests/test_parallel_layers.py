@@ -18,17 +18,17 @@ from parallel_fixtures import (
     run_engine,
 )
 
-from engines.checkpoint import load_model
-from engines.config import ConfigError, EngineConfig, ModelConfig
-from engines.executor import InProcessExecutor
+from engines.loading.checkpoint import load_model
+from engines.core.config import ConfigError, EngineConfig, ModelConfig
+from engines.core.executor import InProcessExecutor
 from engines.parallel import check_parallel_config, make_executor_factory
 from engines.parallel.comm import LocalComm
 from engines.parallel.layout import ParallelLayout, stage_layer_ranges
 from engines.parallel.pp import ideal_bubble, measured_bubble, split_microbatches, split_stage
 from engines.parallel.sharded_loading import expected_shard_bytes, load_shard, meta_device, shard_bytes
 from engines.parallel.tp import apply_tp
-from engines.plan import SeqWork
-from engines.sampling_params import SamplingParams
+from engines.core.plan import SeqWork
+from engines.core.sampling_params import SamplingParams
 
 MEDIUM = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=24, n_head=16, n_embd=1024)
 GQA = ModelConfig(model_type="llama", vocab_size=1000, n_layer=3, n_head=8, n_embd=64, n_kv_head=2,
@@ -110,7 +110,7 @@ def test_microbatches_are_contiguous_and_balanced():
 # the sharding plan, on the meta device with a faked world size (litgpt style)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_shard_shapes_on_meta(tp):
-    from engines.model import GPT
+    from engines.model.transformer import GPT
 
     for cfg in (MEDIUM, GQA, GQA.replace(n_kv_head=1)):
         with meta_device():

@@ -9,9 +9,9 @@ def test_llm_picks_the_multiprocess_executor_for_tp(gpt2_dir):
     """LLM(..., tensor_parallel_size=2) shards without any executor named."""
     from parallel_fixtures import PROMPTS as P
 
-    from engines.llm_engine import LLM
+    from engines.core.llm_engine import LLM
     from engines.parallel.mp_executor import MultiprocExecutor
-    from engines.sampling_params import SamplingParams as SP
+    from engines.core.sampling_params import SamplingParams as SP
 
     params = SP(temperature=0, max_tokens=8, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(gpt2_dir, num_kv_blocks=64).generate(P, params)]

@@ -15,11 +15,11 @@ ray = pytest.importorskip("ray")
 
 from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engine
 
-from engines.async_engine import AsyncLLMEngine, EngineDeadError
-from engines.config import ConfigError, EngineConfig
-from engines.executor import ExecutorError, InProcessExecutor
-from engines.llm_engine import LLMEngine
-from engines.sampling_params import SamplingParams
+from engines.core.async_engine import AsyncLLMEngine, EngineDeadError
+from engines.core.config import ConfigError, EngineConfig
+from engines.core.executor import ExecutorError, InProcessExecutor
+from engines.core.llm_engine import LLMEngine
+from engines.core.sampling_params import SamplingParams
 from serving.ray_executor import RayExecutor, check_cluster_resources, placement_bundles, ray_executor_factory
 
 BASE = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engines import EngineConfig, SamplingParams
-from engines.llm_engine import LLMEngine
-from engines.ptuning import ModelShape, write_task_dir
+from engines.core.llm_engine import LLMEngine
+from engines.transforms.ptuning import ModelShape, write_task_dir
 
 _rng = random.Random(7)
 SYS = [_rng.randrange(1, 300) for _ in range(37)]  # a "system prompt": 9 full blocks of 4
@@ -154,7 +154,7 @@ def test_ptuning_tasks_never_share_blocks(gpt2_dir, tmp_path):
 def test_no_prefix_caching_flag(tmp_path, gpt2_dir):
     from typer.testing import CliRunner
 
-    from engines.config import EngineConfig as EC
+    from engines.core.config import EngineConfig as EC
     from serving.cli import deployment_config
     from shardserve.cli import app
 

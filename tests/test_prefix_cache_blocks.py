@@ -8,11 +8,11 @@ import dataclasses
 
 import numpy as np
 
-from engines.block_manager import BlockManager, cache_key
-from engines.plan import SeqResult, StepResult
-from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler, SchedulerConfig
-from engines.sequence import Sequence
+from engines.core.block_manager import BlockManager, cache_key
+from engines.core.plan import SeqResult, StepResult
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import Scheduler, SchedulerConfig
+from engines.core.sequence import Sequence
 
 BS = 4
 

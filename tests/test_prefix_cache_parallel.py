@@ -8,9 +8,9 @@ import pytest
 from parallel_fixtures import LogitsRecorder
 from test_prefix_cache import BS, QUESTIONS, SYS, chat_schedule, params, run
 
-from engines.config import EngineConfig
-from engines.executor import InProcessExecutor
-from engines.llm_engine import LLMEngine
+from engines.core.config import EngineConfig
+from engines.core.executor import InProcessExecutor
+from engines.core.llm_engine import LLMEngine
 from engines.parallel.mp_executor import MultiprocExecutor
 
 BASE = EngineConfig(num_kv_blocks=64, block_size=BS, max_num_batched_tokens=64, worker_threads=1, dist_timeout_s=60)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from engines.config import EngineConfig
-from engines.llm_engine import LLMEngine
-from engines.ptuning import ModelShape, TaskError, UnknownTaskError, write_task_dir
+from engines.core.config import EngineConfig
+from engines.core.llm_engine import LLMEngine
+from engines.transforms.ptuning import ModelShape, TaskError, UnknownTaskError, write_task_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["the king said", "to be or not to be that is", "my lord", "love is a smoke raised with the fume of sighs"]

@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from deploy.schema import validate_config
 from engines import LLM, SamplingParams
-from engines.ptuning import write_task_dir
+from engines.transforms.ptuning import write_task_dir
 from serving.app import create_local_app
 from serving.ptuning_admin import RECIPE_KEYS, _job_alive
 
@@ -59,7 +59,7 @@ def test_recipe_keys_match_the_training_recipe():
 def test_admin_runs_typed_operations(tmp_path):
     """The replica side takes typed operations (serving/ptuning_ops.py), no op-name strings; errors
     come back as data, naming the field."""
-    from engines.ptuning import ModelShape, TaskRegistry
+    from engines.transforms.ptuning import ModelShape, TaskRegistry
     from serving.ptuning_admin import PtuningAdmin
     from serving.ptuning_ops import DeleteTask, GetJob, ListJobs, ListTasks, StartJob
 

@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from engines import LLM, SamplingParams
-from engines.checkpoint import load_model
-from engines.config import ConfigError
+from engines.loading.checkpoint import load_model
+from engines.core.config import ConfigError
 from training.ptune import DatasetError, train_task
 from training.ptune_recipe import PtuneRecipe, ptune_recipe_from_dict
 
@@ -111,7 +111,7 @@ def test_cli_and_cancel(model_copy, tmp_path):
 
 
 def test_text_init_residual_encoder_schedule_and_answer_only_loss(model_copy, tmp_path):
-    from engines.tokenizer import Tokenizer
+    from engines.loading.tokenizer import Tokenizer
     from training.ptune import PromptEncoder, init_token_ids, lr_factor, tokenize_examples
 
     tok = Tokenizer.from_dir(model_copy)
@@ -192,7 +192,7 @@ def test_choice_loss_is_the_labels_cross_entropy_among_the_labels(model_copy, tm
 
 
 def test_bf16_autocast_training_matches_fp32(model_copy, tmp_path):
-    from engines.tokenizer import Tokenizer
+    from engines.loading.tokenizer import Tokenizer
     from training.ptune import evaluate, resolve_precision, tokenize_examples
 
     assert resolve_precision("fp32") == "fp32" and resolve_precision("auto") in ("bf16", "fp32")
@@ -217,7 +217,7 @@ def test_bf16_autocast_training_matches_fp32(model_copy, tmp_path):
 def test_every_layer_task_trains_and_is_served_as_trained(gpt2_dir, llama_dir, tmp_path, family):
     """prompt_depth every_layer (P-tuning v2): each layer's keys/values of the virtual tokens. The
     training forward (hooks after rotary embedding) and the engine's paged backend agree."""
-    from engines.tokenizer import Tokenizer
+    from engines.loading.tokenizer import Tokenizer
     from training.ptune import LayerPrefix, hooked
 
     d = tmp_path / "m"

@@ -1,4 +1,4 @@
-"""One runner (engines/runner.py) for one device and for every shard: TP and PP shards take the same
+"""One runner (engines/runner/model_runner.py) for one device and for every shard: TP and PP shards take the same
 fast decode paths as one device (the fused CPU step, the static step), recorded in runner.paths, and
 give the single-device tokens. Shards are threads of this process (tests/parallel_fixtures.py)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from parallel_fixtures import PROMPTS, LogitsRecorder, ThreadTPExecutor, make_own_checkpoint, run_engine
 
-from engines.config import EngineConfig
-from engines.executor import InProcessExecutor
-from engines.fused_decode import load
+from engines.core.config import EngineConfig
+from engines.core.executor import InProcessExecutor
+from engines.cpu.fused_decode import load
 
 pytestmark = pytest.mark.skipif(load()[0] is None, reason="the fused decode step does not build here")
 
@@ -80,7 +80,7 @@ def test_tp_shard_says_why_it_is_not_compiled(llama_dir, monkeypatch):
     """A TP shard's step is not compiled (its all-reduce cannot be traced into one graph; the config
     refuses compile_decode on with TP, and the runner says why should one reach it); its decode steps
     take the fused step instead."""
-    import engines.runner as runner_mod
+    import engines.runner.model_runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "resolve_compile", lambda mode, device: (True, "compiled (test)"))
     ex = ThreadTPExecutor(llama_dir, BASE.replace(tensor_parallel_size=2))

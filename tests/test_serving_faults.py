@@ -16,7 +16,7 @@ import uvicorn
 from test_serving_app import MODEL, metric, parse_metrics
 
 from deploy.schema import validate_config
-from engines.async_engine import EngineDeadError
+from engines.core.async_engine import EngineDeadError
 from serving.app import create_local_app
 from serving.model_core import ModelCore
 

@@ -13,9 +13,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from deploy.schema import validate_config
-from engines.config import ConfigError, EngineConfig
-from engines.llm_engine import STEP_LOG_LEN
-from engines.step_record import STEP_FIELDS, STEP_RECORD_MAX, StepRecorder
+from engines.core.config import ConfigError, EngineConfig
+from engines.core.llm_engine import STEP_LOG_LEN
+from engines.core.step_record import STEP_FIELDS, STEP_RECORD_MAX, StepRecorder
 from serving.app import create_local_app
 
 ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 8, "cpu_linear_autotune": False}

@@ -162,7 +162,7 @@ def test_refusals_name_the_field(url):
 
 def test_engine_batch_mixes_constrained_and_plain(gpt2_dir):
     from engines import LLM, SamplingParams
-    from engines.grammar import StructuredOutput
+    from engines.runner.grammar import StructuredOutput
 
     llm = LLM(gpt2_dir, cpu_linear_autotune=False, num_kv_blocks=64, max_model_len=200)
     plain = SamplingParams(max_tokens=24, temperature=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 from typer.testing import CliRunner
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from tuner.train_search import Candidate, enumerate_candidates, memory_estimate
 
 CFG = ModelConfig("gpt2", vocab_size=128, n_layer=2, n_head=4, n_embd=32, max_position_embeddings=32)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.config import ConfigError
+from engines.core.config import ConfigError
 from training import shakespeare
 from training.corpus import CorpusError, find_inputs, read_documents, strip_gutenberg
 from training.data import DataError, TokenData, TrainOrder, prepare_data, val_starts

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engines.config import ConfigError
+from engines.core.config import ConfigError
 from training.data import TokenData, TrainOrder, prepare_data
 from training.metrics import read_metrics
 from training.recipe import recipe_from_dict
@@ -100,7 +100,7 @@ def test_first_step_loss_equals_transformers_and_export_keeps_tokenizer(family, 
     from transformers import AutoModelForCausalLM
 
     from engines import LLM, SamplingParams
-    from engines.tokenizer import Tokenizer
+    from engines.loading.tokenizer import Tokenizer
     from training.trainer import train
 
     init = _model_dir(tmp_path, family)

@@ -73,7 +73,7 @@ def test_export_from_shards_loads_in_engine_and_transformers(runs):
     from transformers import AutoModelForCausalLM
 
     from engines import LLM, SamplingParams
-    from engines.model import GPT
+    from engines.model.transformer import GPT
     from training.recipe import recipe_from_dict
 
     exported = runs / "model"

@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 from training_parallel_worker import OPTIM, STEPS, batches, worker
 
-from engines.config import ConfigError, ModelConfig
-from engines.model import GPT
+from engines.core.config import ConfigError, ModelConfig
+from engines.model.transformer import GPT
 from training.distributed import free_port
 from training.model_setup import NextTokenLoss
 from training.optim import build_optimizer

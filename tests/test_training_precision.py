@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.hardware import Rates
+from engines.core.hardware import Rates
 from training import precision as precision_mod
 from training.data import prepare_data
 from training.metrics import read_metrics

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engines.config import ModelConfig
-from engines.scheduler import SchedulerConfig
+from engines.core.config import ModelConfig
+from engines.core.scheduler import SchedulerConfig
 from loadtest.config import SLO
 from shardserve.cli import app
 from tuner.cost import CostModel, LayoutError, StepWork, layout_problem, static_batch

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from tuner.cost import CostModel, StepWork
 from tuner.measure_engine import DECODE_BATCHES, fit_on_engine
 from tuner.profiles import LAYOUT_DECODE, HardwareProfile, ProfileError, load_profile, profile_from_dict

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from tuner.cost import CostModel, StepWork
 from tuner.measure_engine import fit_layout
 from tuner.profiles import HardwareProfile

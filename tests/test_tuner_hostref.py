@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from tuner.cost import COMPONENTS, CostModel, StepWork
 from tuner.hostref import (
     SCALE_RANGE,

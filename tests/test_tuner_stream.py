@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.scheduler import SchedulerConfig
+from engines.core.scheduler import SchedulerConfig
 from tuner.probe_model import text_token_share, write_tokenizer
 from tuner.simulate import simulate
 from tuner.stream import stream_interval_s
@@ -67,7 +67,7 @@ def test_text_token_share_of_a_probe_tokenizer(tmp_path):
 def test_refit_reads_truncated_tpots_as_the_client_measures_them():
     """Runs 'measured' by a client that leaves out final chunks without text (a random checkpoint's
     tokenizer): the refit, told the share of ids with text, still finds the step factor."""
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
     from tuner.cost import CostModel
     from tuner.profiles import HardwareProfile
     from tuner.refit import Run, refit

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from engines.config import ModelConfig
-from engines.scheduler import SchedulerConfig
+from engines.core.config import ModelConfig
+from engines.core.scheduler import SchedulerConfig
 from loadtest.config import SLO
 from shardserve.cli import app
 from tuner.cost import StepWork
@@ -253,9 +253,9 @@ def test_scheduler_kv_cap_counts_the_bos_token():
     """The simulator's KV blocks are capped at max_num_seqs requests of max_model_len tokens (the
     workload's input + output + the tokenizer's BOS): all max_num_seqs requests fit at once, as in
     the served engine whose cache is sized from memory."""
-    from engines.sampling_params import SamplingParams
-    from engines.scheduler import Scheduler
-    from engines.sequence import Sequence
+    from engines.core.sampling_params import SamplingParams
+    from engines.core.scheduler import Scheduler
+    from engines.core.sequence import Sequence
     from tuner.cost import CostModel
     from tuner.search import Workload, scheduler_config
 

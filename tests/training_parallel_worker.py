@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from training.optim import build_optimizer
 from training.parallel.grads import clip_grads, sync_grads
 from training.parallel.groups import Layout, build_groups

@@ -1,7 +1,7 @@
 """Training: corpus and tokenizer preparation, GPT pretraining (data parallel), export.
 
-The model trained here is `engines.model.GPT` itself; a finished run is exported with
-`engines.checkpoint.save_checkpoint`, so what training writes the engine serves unchanged.
+The model trained here is `engines.model.transformer.GPT` itself; a finished run is exported with
+`engines.loading.checkpoint.save_checkpoint`, so what training writes the engine serves unchanged.
 
     corpus.py       text inputs (.txt / .jsonl), Gutenberg stripping, the default Shakespeare corpus
     tokenizer.py    byte-level BPE training with `tokenizers`

@@ -73,7 +73,7 @@ def train(
     SIGTERM or Ctrl-C saves a checkpoint; --resume continues it on the same loss curve. With
     out.export_dir set, the final model is exported for `shardserve serve` / `engines.LLM`.
     """
-    from engines.config import ConfigError
+    from engines.core.config import ConfigError
     from training.data import DataError
     from training.recipe import load_recipe
     from training.state import ResumeError

@@ -1,7 +1,7 @@
 """Export: a trained GPT -> the engine's HF-compatible directory (config, safetensors, tokenizer).
 
 The exported config drops dropout (serving never uses it); weights, names and shapes are exactly
-the training model's, written by `engines.checkpoint.save_checkpoint`.
+the training model's, written by `engines.loading.checkpoint.save_checkpoint`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from engines.checkpoint import save_checkpoint
-from engines.config import ModelConfig
+from engines.loading.checkpoint import save_checkpoint
+from engines.core.config import ModelConfig
 
 
 class ExportError(ValueError):
@@ -84,7 +84,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir
 
 def _export_shards(shard_dir: Path, out_dir, tokenizer_dir, dtype: str) -> Path:
     """One HF-compatible directory from a parallel run's shards (training/parallel/state.py)."""
-    from engines.model import GPT
+    from engines.model.transformer import GPT
     from training.parallel.state import assemble_shards
     from training.recipe import recipe_from_dict
 

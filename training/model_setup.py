@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.config import ConfigError, ModelConfig
-from engines.model import GPT
+from engines.core.config import ConfigError, ModelConfig
+from engines.model.transformer import GPT
 from training.distributed import DistContext
 from training.loss import linear_cross_entropy
 
@@ -28,7 +28,7 @@ def load_pretrained(cfg: ModelConfig, init: str) -> GPT:
     """GPT(cfg) holding the fp32 weights of the model directory `init` (read by the engine's own
     checkpoint reader, so every format and family the engine loads trains). `cfg` is init's config
     (training/recipe.py init_model_config), dropout aside."""
-    from engines.checkpoint import CheckpointError, check_shapes, load_state_dict
+    from engines.loading.checkpoint import CheckpointError, check_shapes, load_state_dict
 
     try:
         state = load_state_dict(init, cfg, torch.float32)

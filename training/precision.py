@@ -2,7 +2,7 @@
 
     auto   on CPU, time a forward + backward of the recipe's own shapes (its model, seq_len, a
            slice of its micro-batch) in bf16 autocast and in fp32, and train in the faster;
-           on CUDA, bf16 where the GPU has it (engines/hardware.py, the helper the engine's
+           on CUDA, bf16 where the GPU has it (engines/core/hardware.py, the helper the engine's
            dtype="auto" uses too)
     bf16   bf16 autocast, as configured; a warning names both rates if it measures much slower
     fp32   fp32, likewise
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.hardware import Choice, Hardware, Rates, RunFn, choose_precision, detect, time_precisions
+from engines.core.hardware import Choice, Hardware, Rates, RunFn, choose_precision, detect, time_precisions
 from training.distributed import DistContext
 from training.model_setup import NextTokenLoss
 from training.recipe import Recipe

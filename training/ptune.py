@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engines.checkpoint import load_model
-from engines.hardware import detect
-from engines.ptuning import (
+from engines.loading.checkpoint import load_model
+from engines.core.hardware import detect
+from engines.transforms.ptuning import (
     DatasetError,
     ModelShape,
     base_model_hashes,
@@ -32,7 +32,7 @@ from engines.ptuning import (
     read_dataset,
     write_task_dir,
 )
-from engines.tokenizer import Tokenizer
+from engines.loading.tokenizer import Tokenizer
 from training.metrics import MetricsLog, Progress, plot_loss_curve
 from training.ptune_recipe import PtuneRecipe
 

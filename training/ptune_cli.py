@@ -24,8 +24,8 @@ def ptune(
     """
     import json
 
-    from engines.config import ConfigError
-    from engines.ptuning import TaskError
+    from engines.core.config import ConfigError
+    from engines.transforms.ptuning import TaskError
     from training.ptune import DatasetError, train_task
     from training.ptune_recipe import parse_overrides, ptune_recipe_from_dict
 

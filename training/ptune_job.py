@@ -27,8 +27,8 @@ def write_state(job_dir: Path, **fields) -> dict:
 
 
 def run_job(job_dir: str | Path) -> int:
-    from engines.config import ConfigError
-    from engines.sampling_params import RequestError
+    from engines.core.config import ConfigError
+    from engines.core.sampling_params import RequestError
     from training.ptune import train_task
     from training.ptune_recipe import ptune_recipe_from_dict
 

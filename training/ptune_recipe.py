@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engines.config import ConfigError
+from engines.core.config import ConfigError
 from training.recipe import _build, _require
 
 
@@ -75,7 +75,7 @@ class PtuneRecipe:
     """Datasets with more examples are refused (a REST job's upload is bounded by this)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """The frozen base's forward/backward: bf16 autocast or fp32. auto: bf16 where the CPU/GPU has
-    native bf16 matmuls (AMX, AVX512-BF16, CUDA; engines.hardware.detect), else fp32 (emulated bf16
+    native bf16 matmuls (AMX, AVX512-BF16, CUDA; engines.core.hardware.detect), else fp32 (emulated bf16
     is slower). The table and encoder stay fp32 either way."""
     time_budget_s: float = 0.0
     """Stop after this many seconds of training; 0: no limit."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engines.config import ConfigError, ModelConfig
+from engines.core.config import ConfigError, ModelConfig
 
 
 def _require(cond: bool, key: str, message: str) -> None:

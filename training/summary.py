@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engines.hardware import Choice, detect
+from engines.core.hardware import Choice, detect
 from training.recipe import Recipe
 from training.state import TrainState
 

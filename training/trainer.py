@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.config import ConfigError
-from engines.host_memory import retain_freed_memory
+from engines.core.config import ConfigError
+from engines.cpu.host_memory import retain_freed_memory
 from training.data import TokenData, TrainOrder, val_starts
 from training.distributed import DistContext, StopFlag, init_context, shutdown
 from training.metrics import MetricsLog, Progress, plot_loss_curve

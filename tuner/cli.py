@@ -17,7 +17,7 @@ def _fail(message: str) -> None:
 
 
 def _model(path: Path):
-    from engines.config import ConfigError, ModelConfig
+    from engines.core.config import ConfigError, ModelConfig
 
     try:
         data = json.loads(Path(path).read_text())
@@ -112,7 +112,7 @@ def simulate_cmd(
     the predicted TTFT / TPOT / ITL / E2E percentiles, throughput and KV memory as JSON."""
     import numpy as np
 
-    from engines.scheduler import SchedulerConfig
+    from engines.core.scheduler import SchedulerConfig
     from loadtest.arrivals import schedule
     from tuner.cost import GIB
     from tuner.simulate import simulate, summarize
@@ -329,7 +329,7 @@ def profile_cmd(
 
     if dtype not in ("auto", "bfloat16", "float32"):
         _fail(f"--dtype: must be auto, bfloat16 or float32, got {dtype!r}")
-    from engines.cpu_threads import host_cores
+    from engines.cpu.cpu_threads import host_cores
 
     cores = host_cores()
     if not 0 <= serving_cores < cores:

@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from loadtest.config import SLO
 from tuner.profiles import HardwareProfile
 from tuner.refit import refit

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from tuner.profiles import HardwareProfile
 
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8")
@@ -179,7 +179,7 @@ class CostModel:
             "layer": layers * (const["layer_overhead_us"] * 1e-6
                                + (p.prefill_layer_overhead_us * 1e-6 if w.prefill_attn_pairs else 0.0)
                                # a decode step of 2+ rows: the batch kernels' own cost per layer beyond
-                               # the batch-1 path's (engines.fused_decode; tuner.measure_engine.fit_on_engine)
+                               # the batch-1 path's (engines.cpu.fused_decode; tuner.measure_engine.fit_on_engine)
                                + (lay.get("decode_batch_layer_us", 0.0) * 1e-6
                                   if lay and not w.prefill_attn_pairs and seqs >= 2 else 0.0)
                                + (lay.get("token_layer_width_ns", 0.0) * 1e-9 * w.tokens * m.n_embd / self.tp

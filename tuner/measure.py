@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu_threads) as the served engine has it
-from engines.cpu_threads import host_cores
+import engines  # noqa: F401 - before torch: libgomp's wait policy (engines.cpu.cpu_threads) as the served engine has it
+from engines.cpu.cpu_threads import host_cores
 from tuner.profiles import HardwareProfile
 
 ROWS = (1, 4, 16, 64, 256, 1024)
@@ -143,7 +143,7 @@ def measure(name: str = "this-machine", serve: bool = True, progress: Callable[[
     `serving_cores`: HardwareProfile.serving_cores (below the host's cores)."""
     import torch
 
-    from engines.config import EngineConfig, resolved_dtype
+    from engines.core.config import EngineConfig, resolved_dtype
     from tuner.hostref import combine, host_reference
     from tuner.measure_comm import measure_gloo
     from tuner.measure_engine import measure_layouts
@@ -201,7 +201,7 @@ def _served(base: HardwareProfile, tmp: Path, dtype: str, progress: Callable[[st
     references taken before and after the probe server: tuner.hostref)."""
     import numpy as np
 
-    from engines.scheduler import SchedulerConfig
+    from engines.core.scheduler import SchedulerConfig
     from tuner.cost import CostModel
     from tuner.measure_engine import PROBE_POSITIONS, fit_layout, layouts_for
     from tuner.measure_served import (

@@ -73,7 +73,7 @@ def engine_steps(model_dir: Path, scenarios, dtype: str, tp: int = 1, pp: int = 
     """Run the engine (its real executor for tp x pp) on (batch, prompt_len, max_tokens) scenarios;
     (StepWork, seconds) per step. Greedy sampling, as the load tester asks."""
     from engines import EngineConfig, SamplingParams
-    from engines.llm_engine import LLMEngine
+    from engines.core.llm_engine import LLMEngine
     from tuner.simulate import work_of
 
     cfg = EngineConfig(dtype=dtype, kv_cache_bytes=256 * 2**20, max_num_seqs=64, max_num_batched_tokens=4096,
@@ -147,7 +147,7 @@ def fit_layout(steps: list[tuple[object, float, object]], threads: int = 1, voca
     fitted and the measured time. The served fit (tuner.measure._served) used the mean from pass 9
     to pass 18, reasoning that steps other processes stretch are part of what a request waits for.
     But the probes' spread of slow steps is not a deployment's: a one-shard engine times each step
-    class on 1 and 2 threads (engines.cpu_threads.AdaptiveThreads), every class starting on 2 for
+    class on 1 and 2 threads (engines.cpu.cpu_threads.AdaptiveThreads), every class starting on 2 for
     its first 8 steps, and the probes meet many classes young (pass 18: each prefill class 1-10
     steps in a copy's measured window, decode batches of 5-16 2-14, beside a few in the warm-up)
     and in bursts of arrivals; their step times are bimodal (the 6 x 384 probe at batch 6:
@@ -261,7 +261,7 @@ fitted; short prompts for the profile's time budget: a decode step's attention o
 small part of it, and the served decode steps at contexts 97-113 set the level). The served probes' open-loop runs keep 1-5 requests in
 flight and meet batches past 1 in a handful of steps each, in bursts of arrivals through the
 gateway: until pass 25 a decode step's cost per sequence came from those alone. Since the engine
-runs decode batches of 2-64 through one fused C++ call (engines.fused_decode, main 852545a), a
+runs decode batches of 2-64 through one fused C++ call (engines.cpu.fused_decode, main 852545a), a
 sequence more costs a fraction of what it did: in one process on this host (one thread) the
 6 x 384 probe's decode step is 1.3 / 2.3 / 2.4 / 3.5 / 5.5 ms at 1 / 2 / 4 / 8 / 16 sequences and
 the 12 x 768 one's 7.2 / 10.2 / 9.9 / 15.5 / 26.3 ms, where pass 25's served fit gave the default
@@ -272,7 +272,7 @@ batch-1 path beyond its rows (decode_batch_layer_us: the 6 x 384 probe 1.3 -> 2.
 sequences, then 2.4 ms at 4)."""
 ENGINE_THREADS = 1
 """Threads of the in-process probe engine: a served one-shard engine on this shared host runs its
-steps on one thread mostly (engines.cpu_threads.AdaptiveThreads; tuner.measure_served.probe_models)."""
+steps on one thread mostly (engines.cpu.cpu_threads.AdaptiveThreads; tuner.measure_served.probe_models)."""
 
 
 def _fitted_times(fit: dict[str, float], rows: list[tuple[object, float, object]]) -> np.ndarray:

@@ -64,7 +64,7 @@ WARMUP = ((1, 2, 16, 9), (2, 4, 16, 9), (4, 8, 16, 9), (6, 6, 16, 9), (2, 4, 96,
 """(in flight, requests, prompt tokens, output tokens) of closed-loop runs before the measured ones
 (not kept): they take each step class the measured runs meet (decode batches of 1, 2, 3-4 and 5-8,
 ~8-16 steps each; prefills of 17 to 194 tokens, alone and beside decodes) through the engine's
-thread chooser (engines.cpu_threads.AdaptiveThreads) first. Each class starts on every core, tries
+thread chooser (engines.cpu.cpu_threads.AdaptiveThreads) first. Each class starts on every core, tries
 the other count on its next step, then again after 8, 16, 32... steps; on this host a 2-thread step
 of a small model waits for a descheduled partner thread (a short prefill ~5x, BENCHMARKS.md issue
 12 run 8), so a class measured while the chooser is young runs more of its steps on the slow count
@@ -92,7 +92,7 @@ def probe_models(copies: dict[str, tuple[Path, int, int]], profile, dtype: str) 
 
     Until pass 14 the probes set worker_threads for the one-shard layout too (every core), which
     fixes the engine's thread count; a deployed one-shard replica leaves it unset, and the engine's
-    adaptive chooser (engines.cpu_threads.AdaptiveThreads) times each step class on both counts and
+    adaptive chooser (engines.cpu.cpu_threads.AdaptiveThreads) times each step class on both counts and
     keeps the faster, on a host shared with the gateway and the load tester mostly one thread (two
     wait on a descheduled partner): the one-shard probes' steps were 1.2-1.6x those of the same
     shapes deployed, and GPT-2's went from +26..+40% to +3..+7% with this (passes 14, 15, 17)."""
@@ -115,7 +115,7 @@ def server_env(profile) -> dict[str, str]:
     """Environment of the probe server: OMP_NUM_THREADS as Ray sets it for a deployed one-shard
     replica (floor of its num_cpus, which tuner.emit makes every core). The probes' fractional
     reservations would make Ray set 1, and a replica whose engine does not fix its thread count
-    takes OMP_NUM_THREADS as its most (engines.cpu_threads.engine_threads); shard workers and the
+    takes OMP_NUM_THREADS as its most (engines.cpu.cpu_threads.engine_threads); shard workers and the
     multi-shard replicas' executors fix theirs (worker_threads)."""
     return {"OMP_NUM_THREADS": str(profile.cores or 1)}
 

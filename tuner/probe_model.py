@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 
 _CORPUS = ("the quick brown fox jumps over the lazy dog while shardserve serves many requests at once; "
            "tokens stream back one step at a time and the tuner predicts how long each step takes. ") * 40
@@ -54,8 +54,8 @@ def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0
     """Write `cfg` with random weights (and a tokenizer whose ids fit the vocabulary) to out_dir."""
     import torch
 
-    from engines.checkpoint import save_checkpoint
-    from engines.model import GPT
+    from engines.loading.checkpoint import save_checkpoint
+    from engines.model.transformer import GPT
     from training.tokenizer import min_vocab_size
 
     if cfg.vocab_size < min_vocab_size():

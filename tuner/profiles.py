@@ -63,7 +63,7 @@ class HardwareProfile:
     replica's event loop, Ray, the gateway, the streams): its engine runs a fixed cores -
     serving_cores threads (threads(1); tuner.emit sets worker_threads to it), as vLLM's CPU backend
     does with VLLM_CPU_NUM_OF_RESERVED_CPU. 0: the engine picks each step's count
-    itself (engines.cpu_threads.AdaptiveThreads): the faster deployment on a 2-core host, but its
+    itself (engines.cpu.cpu_threads.AdaptiveThreads): the faster deployment on a 2-core host, but its
     choices depend on what the host ran before, which a profile does not see (BENCHMARKS.md, SLO
     tuner on this machine, session 33)."""
     matmul_tflops: dict[int, dict[str, dict[int, float]]] = field(default_factory=dict)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from tuner.cost import CostModel, static_batch
 from tuner.profiles import PROFILE_DIR, HardwareProfile, load_profile
 

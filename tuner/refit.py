@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.config import ModelConfig
-from engines.scheduler import SchedulerConfig
+from engines.core.config import ModelConfig
+from engines.core.scheduler import SchedulerConfig
 from tuner.cost import COMPONENTS, CostModel
 from tuner.profiles import LAYOUT_DECODE, HardwareProfile
 from tuner.simulate import StepRecord, simulate

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engines.config import ModelConfig
-from engines.scheduler import SchedulerConfig
+from engines.core.config import ModelConfig
+from engines.core.scheduler import SchedulerConfig
 from loadtest.arrivals import schedule
 from loadtest.config import SLO
 from tuner.cost import GIB, CostModel, LayoutError, layout_problem, static_batch

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.plan import SeqResult, StepPlan, StepResult
-from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler, SchedulerConfig
-from engines.sequence import Sequence
+from engines.core.plan import SeqResult, StepPlan, StepResult
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import Scheduler, SchedulerConfig
+from engines.core.sequence import Sequence
 from tuner.cost import StepWork
 from tuner.stream import stream_interval_s
 

@@ -48,7 +48,7 @@ def _divisors(n: int) -> list[int]:
 def param_count(cfg) -> int:
     import torch
 
-    from engines.model import GPT
+    from engines.model.transformer import GPT
 
     with torch.device("meta"):
         return sum(p.numel() for p in GPT(cfg).parameters())
@@ -77,7 +77,7 @@ def memory_estimate(cfg, c: Candidate, seq_len: int, batch_size: int) -> float:
 
 
 def enumerate_candidates(cfg, seq_len: int, batch_size: int, devices: int) -> list[Candidate]:
-    from engines.config import ConfigError
+    from engines.core.config import ConfigError
     from training.parallel.setup import check_layout
 
     out = []
@@ -117,7 +117,7 @@ def _time_worker(cfg_dict: dict, seq_len: int, batch_size: int, cands: list[dict
     import torch
     import torch.distributed as dist
 
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
     from training.optim import build_optimizer
     from training.parallel.grads import clip_grads, sync_grads
     from training.parallel.groups import Layout, build_groups
@@ -216,7 +216,7 @@ def tune_train(
 
     import yaml
 
-    from engines.config import ConfigError
+    from engines.core.config import ConfigError
     from training.recipe import load_recipe
 
     try:

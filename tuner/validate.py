@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.config import ModelConfig
-from engines.scheduler import SchedulerConfig
+from engines.core.config import ModelConfig
+from engines.core.scheduler import SchedulerConfig
 from loadtest.config import SLO
 from tuner.cost import CostModel, StepWork
 from tuner.profiles import HardwareProfile
@@ -284,7 +284,7 @@ def served_steps_check(url: str, model: str, since: float, cost: CostModel) -> d
             "raw": [[w.tokens, w.sampled, w.prefill_attn_pairs, w.decode_context, w.seqs, dt, gap, end]
                     for (w, dt, gap), end in zip(cyc, ends, strict=True)],
             # every step of the run, also those after which the engine may have idled (gap_s None), as
-            # the route's fields (engines.step_record.STEP_FIELDS) with end_s from `since`
+            # the route's fields (engines.core.step_record.STEP_FIELDS) with end_s from `since`
             "all": [[s["end_s"] - since, *(v for k, v in s.items() if k != "end_s")] for steps in runs for s in steps]}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.config import ConfigError, EngineConfig, ModelConfig
+from engines.core.config import ConfigError, EngineConfig, ModelConfig
 
 
 def check_parallel_config(model: ModelConfig, tp: int, pp: int) -> None:

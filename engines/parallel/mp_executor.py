@@ -18,10 +18,10 @@ from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 
-from engines.config import EngineConfig, ModelConfig, resolve_engine_config
-from engines.executor import Executor, ExecutorError
+from engines.core.config import EngineConfig, ModelConfig, resolve_engine_config
+from engines.core.executor import Executor, ExecutorError
 from engines.parallel.layout import ParallelLayout
-from engines.plan import StepPlan, StepResult
+from engines.core.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

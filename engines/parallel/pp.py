@@ -1,7 +1,7 @@
 """Pipeline parallelism: a stage is a contiguous range of a GPT's layers, cut out of the built model.
 
 The first stage embeds, the last applies the final norm and the LM head; activations travel
-stage to stage (see engines/runner.py). A step's sequences are split into micro-batches so that
+stage to stage (see engines/runner/model_runner.py). A step's sequences are split into micro-batches so that
 stage s works on micro-batch m + 1 while stage s + 1 works on m: with S stages and M
 micro-batches the ideal bubble (idle fraction) is (S - 1) / (M + S - 1) instead of (S - 1) / S.
 That pays when a stage's time grows with its tokens (prefill, large batches); a small decode
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.config import ModelConfig
-from engines.model import rope_cache
-from engines.plan import SeqWork
+from engines.core.config import ModelConfig
+from engines.model.transformer import rope_cache
+from engines.core.plan import SeqWork
 
 
 class StageModel(nn.Module):

@@ -5,7 +5,7 @@ no full-size tensor is ever allocated; then every parameter of the shard is read
 safetensors files as exactly the slice `tp.shard_spec` names: rows of an HF tensor, or columns
 of GPT-2's transposed Conv1D weights (a column of ours is a row of theirs and vice versa).
 
-FP8 block Linears (engines/fp8.py) load as e4m3 slices with their per-channel scales: a
+FP8 block Linears (engines/transforms/fp8.py) load as e4m3 slices with their per-channel scales: a
 column-parallel shard keeps the scales of its rows, a row-parallel shard all of them (its output
 channels are whole). With weight_dtype "fp8" on a float checkpoint the shard quantizes as it
 loads, a row-parallel layer with the absmax of its full rows, so every layout holds the same
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.checkpoint import (
+from engines.loading.checkpoint import (
     QUANTIZABLE,
     CheckpointError,
     Source,
@@ -31,8 +31,8 @@ from engines.checkpoint import (
     scale_name,
     weight_plan,
 )
-from engines.config import ConfigError, ModelConfig
-from engines.fp8_format import FP8_DTYPE, FP8_MAX, Fp8FormatError, check_scale, quantize_rows
+from engines.core.config import ConfigError, ModelConfig
+from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, Fp8FormatError, check_scale, quantize_rows
 from engines.parallel.comm import Comm
 from engines.parallel.pp import StageModel, split_stage
 from engines.parallel.tp import ShardSpec, apply_tp, shard_spec
@@ -129,11 +129,11 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, co
                weight_dtype: str = "auto") -> StageModel:
     """The shard of layers [start, end) for TP rank comm.tp_rank, its weights read as slices.
 
-    FP8 block Linears load as engines.fp8.Fp8Linear (weight_dtype "fp8" quantizes a float
-    checkpoint's as they load); engines.fp8.apply_fp8 then picks their kernel.
+    FP8 block Linears load as engines.transforms.fp8.Fp8Linear (weight_dtype "fp8" quantizes a float
+    checkpoint's as they load); engines.transforms.fp8.apply_fp8 then picks their kernel.
     """
-    from engines.fp8 import convert_to_storage
-    from engines.model import GPT
+    from engines.transforms.fp8 import convert_to_storage
+    from engines.model.transformer import GPT
 
     with meta_device():
         stage = apply_tp(split_stage(GPT(cfg), start, end), cfg, comm)
@@ -219,7 +219,7 @@ def shard_bytes(module: torch.nn.Module) -> int:
 def expected_shard_bytes(cfg: ModelConfig, tp: int, start: int, end: int, itemsize: int = 4) -> int:
     """What a shard should hold: its layers' 1/tp share of the big matrices plus the replicated
     parts (norms, row-parallel biases, positions), and its vocabulary slice of the embedding/head."""
-    from engines.model import GPT
+    from engines.model.transformer import GPT
     from engines.parallel.comm import LocalComm
 
     fake = LocalComm()  # only shapes are built: the collectives are never called

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.config import ModelConfig
+from engines.core.config import ModelConfig
 from engines.parallel.comm import Comm
 from engines.parallel.layout import local_kv_heads, padded_vocab
 

@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from engines.config import EngineConfig
+from engines.core.config import EngineConfig
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout
-from engines.runner import ModelRunner
+from engines.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engines.config import ConfigError
+from engines.core.config import ConfigError
 
 
 @dataclass(frozen=True)

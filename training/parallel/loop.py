@@ -199,7 +199,7 @@ def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress
 
 def export_full(full: dict[str, torch.Tensor], recipe: Recipe) -> Path:
     """One HF-compatible model directory from the gathered tensors, whatever the layout."""
-    from engines.model import GPT
+    from engines.model.transformer import GPT
     from training.export import export_model
 
     model = GPT(recipe.model)

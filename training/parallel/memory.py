@@ -101,7 +101,7 @@ def _measure_worker(cfg_dict: dict, s: int, b: int, t: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
     from training.parallel.groups import Layout, build_groups
     from training.parallel.setup import build_stage
 

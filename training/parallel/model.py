@@ -1,6 +1,6 @@
 """ParallelStage: the built GPT -> this rank's shard of it for training (TP, SP, PP, recompute).
 
-The model definition stays engines/model.py. This file cuts a pipeline stage out of the built
+The model definition stays engines/model/transformer.py. This file cuts a pipeline stage out of the built
 model (layers [start, end), the embedding on the first stage, the final norm and the loss on the
 last), slices its Linear layers with the engines' sharding plan (engines.parallel.tp.shard_spec),
 swaps the attention for one that runs sequence-first with an optional recomputed core, and routes
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.config import ModelConfig
-from engines.dense_attention import causal_attention
-from engines.model import GPT, apply_rope, rope_cache
+from engines.core.config import ModelConfig
+from engines.model.dense_attention import causal_attention
+from engines.model.transformer import GPT, apply_rope, rope_cache
 from engines.parallel.layout import local_kv_heads
 from engines.parallel.tp import shard_spec
 from training.parallel.collectives import group_size, reduce_from_tp, scatter_seq

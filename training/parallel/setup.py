@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engines.config import ConfigError, ModelConfig
-from engines.model import GPT
+from engines.core.config import ConfigError, ModelConfig
+from engines.model.transformer import GPT
 from engines.parallel.layout import allowed_tp_sizes, stage_layer_ranges
 from training.parallel.groups import Groups
 from training.parallel.model import ParallelSpec, ParallelStage

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engines.model import GPT
+from engines.model.transformer import GPT
 from engines.parallel.tp import shard_spec
 from training.parallel.collectives import group_size
 from training.parallel.model import ParallelStage
@@ -85,7 +85,7 @@ def assemble_shards(shard_dir) -> tuple[dict, dict[str, torch.Tensor]]:
 
     from safetensors import safe_open
 
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
     from training.parallel.groups import Layout
     from training.recipe import recipe_from_dict
     from training.state import read_meta

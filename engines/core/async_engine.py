@@ -1,0 +1,195 @@
+"""The async engine the server uses: add a request, iterate its outputs, abort it.
+
+One background thread owns the LLMEngine and runs its step loop; torch releases the GIL inside
+its kernels, so the event loop (HTTP, tokenization) keeps running during a step. Requests and
+aborts reach the thread through a queue and take effect between steps, so an aborted request's
+KV blocks are free within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.core.config import EngineConfig
+from engines.core.llm_engine import LLMEngine, Prompt
+from engines.core.outputs import RequestOutput
+from engines.core.sampling_params import RequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served by this engine any more."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: deque[tuple[str, tuple]] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, engine_config: EngineConfig | None = None,
+                       **kwargs) -> AsyncLLMEngine:
+        return cls(LLMEngine(model_dir, engine_config, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters, plus `num_inbox`: adds and aborts handed to the loop that it has not
+        taken yet (requests about to join num_waiting)."""
+        return {**self.engine.stats(), "num_inbox": len(self._inbox)}
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop failed: {self.dead!r}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+        try:  # a shard that died while the engine was idle
+            self.engine.executor.check_health()
+        except Exception as exc:  # any executor failure makes the engine unusable
+            raise EngineDeadError(f"executor unhealthy: {exc}") from exc
+
+    # requests
+    def validate(self, prompt: Prompt, params: SamplingParams, task: str | None = None):
+        """Check a request without queueing it (raises RequestError); thread-safe."""
+        return self.engine.validate(prompt, params, task)
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                       task: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs of one request (each carries this step's deltas).
+
+        Raises RequestError before the first output for invalid input, EngineDeadError when the
+        engine fails. Leaving the iteration early (client gone, timeout) aborts the request.
+        """
+        self.check_health()
+        if self._stopping:
+            raise EngineDeadError("engine is shutting down")
+        params = params or SamplingParams(**self.engine.sampling_defaults)  # generation_config.json defaults
+        validated = self.engine.validate(prompt, params, task)
+        if request_id in self._streams:
+            raise RequestError(f"request_id: {request_id!r} is already running", param="request_id")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        if self.dead is not None:  # died while we registered
+            self._streams.pop(request_id, None)
+            self.check_health()
+        self._inbox.append(("add", (request_id, prompt, params, validated, task)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.append(("abort", (request_id, None)))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request and wait until its KV blocks are back in the pool."""
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.append(("abort", (request_id, _Stream(asyncio.get_running_loop(), done))))
+        self._wake.set()
+        await done
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests, let running ones finish for up to drain_timeout s, abort the rest."""
+        self._stopping = True
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and time.monotonic() < deadline and self.dead is None:
+            time.sleep(0.02)
+        for rid in list(self._streams):
+            self._inbox.append(("abort", (rid, None)))
+        self._inbox.append(("stop", ()))
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+    # the loop thread
+    def _drain_inbox(self) -> bool:
+        while self._inbox:
+            kind, args = self._inbox.popleft()
+            if kind == "stop":
+                return False
+            if kind == "add":
+                rid, prompt, params, validated, task = args
+                try:
+                    self.engine.add_request(rid, prompt, params, validated=validated, task=task)
+                except Exception as exc:  # noqa: BLE001 - reported to that request only
+                    self._send(rid, exc, final=True)
+            elif kind == "abort":
+                rid, waiter = args
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._send(rid, out, final=True)
+                if waiter is not None:
+                    waiter.loop.call_soon_threadsafe(
+                        lambda f=waiter.queue: f.done() or f.set_result(None))
+        return True
+
+    def _send(self, rid: str, item, final: bool = False) -> None:
+        stream = self._streams.pop(rid, None) if final else self._streams.get(rid)
+        if stream is not None:
+            stream.put(item)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_inbox():
+                    return
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.last_step_time = time.monotonic()
+                for out in outputs:
+                    self._send(out.request_id, out, final=out.finished)
+        except BaseException as exc:  # the engine is dead: fail everyone clearly
+            log.exception("engine loop failed")
+            self.dead = exc
+            message = f"engine failed: {type(exc).__name__}: {exc}"
+            try:
+                self.engine.fail_all(message)
+            except Exception:  # noqa: BLE001
+                pass
+            for rid in list(self._streams):
+                self._send(rid, EngineDeadError(message), final=True)

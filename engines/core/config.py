@@ -1,0 +1,251 @@
+"""Frozen configuration of the engine; the model's shape is engines.model.model_config.ModelConfig (re-exported).
+
+One source of truth: the CLI, the deployment schema (deploy/, which derives its EngineOptions from
+EngineConfig's fields) and the tuner all build these objects; nothing changes them after
+construction. Derived values are properties or pure functions of the fields. At module level this
+imports the standard library and two modules of the same kind (engines.model.model_config,
+engines.core.step_record) only: deploy/ imports it without torch (tests/test_deploy_schema.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engines.model.model_config import MODEL_TYPES, ConfigError, ModelConfig, _require
+from engines.core.step_record import STEP_RECORD_MAX
+
+__all__ = ["DTYPES", "ENGINE_DTYPES", "MODEL_TYPES", "WEIGHT_DTYPES", "ConfigError", "EngineConfig", "ModelConfig",
+           "kv_bytes_per_block", "max_model_len", "num_kv_blocks", "resolve_engine_config", "resolved_dtype"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+ENGINE_DTYPES = ("auto", *DTYPES)
+WEIGHT_DTYPES = ("auto", "fp8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of the inference engine; the names follow vLLM where one exists."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights, activations and KV cache. auto: bfloat16 where the hardware has native bf16 (AMX or
+    AVX512-BF16 CPUs, confirmed by a forward probe; bf16-capable CUDA GPUs), float32 otherwise
+    (engines/core/hardware.py). The engine resolves it once, when it is built, into a new config with
+    the concrete dtype, and logs why; `resolved_dtype` gives it for a config not yet resolved."""
+    device: str = "cpu"
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """Storage of the blocks' Linear weights. auto: what the checkpoint holds (FP8 for a
+    compressed-tensors FP8 file, else `dtype`). fp8: FP8 e4m3 with per-channel scales, quantizing
+    a float checkpoint at load. FP8 runs W8A8 (torch._scaled_mm) on CUDA with compute capability
+    >= 8.9 and is dequantized to `dtype` at load elsewhere (engines/transforms/fp8.py)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = 0
+    """Memory budget of the paged KV cache (all layers, keys and values); 0 sizes it from the
+    device's memory with kv_cache_memory_fraction (see engines.core.kv_sizing)."""
+    kv_cache_memory_fraction: float = 0.9
+    """With kv_cache_bytes 0: the fraction of the device's memory this engine may hold in all
+    (like vLLM's gpu_memory_utilization, default 0.9). On CUDA: of the device's total memory, less
+    what is already in use after the weights are loaded. On CPU: of the memory available to the
+    process (MemAvailable, and the cgroup limit if lower) after the weights are loaded. Pages of
+    a CPU cache are only touched as blocks are used."""
+    num_kv_blocks: int = 0
+    """Explicit number of KV blocks; 0 derives it from kv_cache_bytes."""
+    max_num_seqs: int = 64
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step (decode tokens + prefill chunk tokens)."""
+    max_model_len: int = 0
+    """Longest prompt + output; 0 means the model's max_position_embeddings."""
+    admission_reserves_growth: bool = True
+    """Admission keeps the blocks the running sequences will still need (their max_tokens), so an
+    admitted stream is not preempted mid-way by later arrivals (bounded inter-token gaps); off
+    admits optimistically (more sequences per step, recompute preemption when blocks run out)."""
+    seed: int = 0
+    """Seed of the engine's default generator (requests without their own seed)."""
+    max_logprobs: int = 20
+    cpu_linear_autotune: bool = True
+    """On CPU, time each Linear shape's kernels (F.linear, addmm on a transposed weight, mv, oneDNN
+    on a reordered weight) at load for one row, a decode batch and a prefill chunk, keep the fastest
+    of each (engines/cpu/fast_linear.py), and save the choices per CPU, torch build and thread count
+    (SHARDSERVE_FAST_LINEAR_CACHE; "" saves nothing); off keeps the model's plain nn.Linear layers."""
+    static_decode: Literal["auto", "on", "off"] = "auto"
+    """Decode-only steps through engines.runner.decode_runner (padded batch buckets, persistent buffers,
+    no host sync in the step). auto: on for CUDA, off on CPU, where the eager per-sequence
+    in-place attention measured faster."""
+    cuda_graphs: bool = True
+    """With the static decode path on CUDA: capture one CUDA graph per bucket and replay it."""
+    cuda_graph_capture_s: float = 30.0
+    """CUDA: seconds the engine may spend at load capturing decode graphs for the batch and context
+    buckets its max_num_seqs and max_model_len allow (every batch bucket's widest context first);
+    steps later use the nearest captured context and never capture. 0 captures lazily instead, the
+    first time a (batch, context) bucket is met, while that step's requests wait."""
+    compile_decode: Literal["auto", "on", "off"] = "auto"
+    """CUDA: "on" compiles the static decode step (inductor, Triton) and captures the compiled step in
+    the CUDA graphs; auto replays graphs of the eager step. CPU: compile the static decode step with torch.compile (inductor's C++ kernels), two graphs
+    (batch 1; any batch >= 2 and context) compiled at load and cached on disk (engines/runner/compiled.py).
+    on: turns the static decode path on and fails at load if no C++ compiler is found or inductor
+    fails. auto: eager decode on CPU (measured on a 2-core AMD EPYC: bf16 batched decode +12-33%,
+    fp32 and batch 1 level, a first start ~105 s of compiling, BENCHMARKS.md issue 12 run 4); where
+    no compiler is found it says so with a warning. off: never."""
+    decode_attention: Literal["auto", "kernel", "loop"] = "auto"
+    """CPU decode attention of the eager step. kernel: engines.cpu.paged_kernel, one C++ op per layer
+    over the block table on the step's threads (built once per machine with the C++ compiler
+    torch.utils.cpp_extension finds; load fails when it cannot be built). loop: one SDPA call per
+    sequence on one thread. auto: the kernel where it builds, else the loop with a warning."""
+    fused_decode: Literal["auto", "off"] = "auto"
+    """CPU: run the transformer blocks of a decode-only step as one C++ call (engines/cpu/fused_decode.py:
+    the same kernels in the same order, bitwise the module path's result, without ~300 Python-entered
+    ops a token). auto: for GPT-2 and Llama-family models (RMSNorm, rotary, GQA, SwiGLU; Linear biases
+    and per-head q / k norms too) whose block Linears chose kernels it calls and whose attention is the
+    paged kernel, where it builds (else the module path, with the reason logged). off: never."""
+    tensor_parallel_size: int = 1
+    """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
+    pipeline_parallel_size: int = 1
+    """Stages of contiguous layers; activations go stage to stage."""
+    pipeline_microbatches: int = 0
+    """Micro-batches a step's sequences are split into so that pipeline stages overlap; 1 turns
+    micro-batching off. 0 (auto) splits a step into pipeline_parallel_size micro-batches only when
+    each would still be compute-bound (engines.parallel.pp.MIN_MICROBATCH_TOKENS tokens or more):
+    a memory-bound decode micro-batch re-reads the stage's weights, so splitting it costs more
+    than the bubble it removes."""
+    worker_threads: int = 0
+    """torch threads per shard worker; 0 shares the host's cores evenly among the shards (in
+    process on CPU: OMP_NUM_THREADS when set, else every core, see engines.cpu.cpu_threads)."""
+    adaptive_threads: bool = True
+    """In-process CPU engine whose count is not fixed by worker_threads: run each step on the
+    fewer-or-equal thread count measured fastest for that kind of step while the engine runs
+    (OMP_NUM_THREADS, or every core, is then the most it uses; engines.cpu.cpu_threads.AdaptiveThreads).
+    On a shared host a 2-thread step can wait ~4 ms per op for a descheduled thread. False runs
+    every step on the full count, as does compile_decode "on" (dynamo guards on the count)."""
+    dist_timeout_s: float = 120.0
+    """Deadline of one step in a multi-process executor: a hung or dead shard worker fails the step
+    with ExecutorError naming that shard instead of hanging it. The shards' collectives time out a
+    little later (engines.parallel.worker_proc.collective_timeout_s), so the driver names the hung
+    shard rather than a peer waiting on it."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching: full KV blocks are kept by content (hash of the parent block, the
+    block's token ids and a p-tuning task's identity) and a new request reuses those of its longest
+    cached prefix instead of computing them again (a chat's system prompt is computed once); blocks
+    no request holds stay cached and are evicted least recently used when the pool needs them
+    (engines/core/block_manager.py). False: every prompt is computed in full."""
+    step_record_len: int = 256
+    """Working steps the engine's step recorder keeps (engines/core/step_record.py), the most that
+    `GET /v1/admin/steps` returns: the tuner's served-step fit reads them; its accuracy runs keep a
+    whole run (tuner.validate.RUN_STEPS_KEPT). At most 1,000,000 (about 100 bytes a step)."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Reserved for executor-specific options (tp/pp arrive with model parallelism)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ENGINE_DTYPES, "dtype", f"must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
+        _require(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype",
+                 f"must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
+        _require(isinstance(self.kv_cache_bytes, int) and self.kv_cache_bytes >= 0, "kv_cache_bytes",
+                 f"must be an integer >= 0 (0 sizes the cache from free memory), got {self.kv_cache_bytes!r}")
+        _require(isinstance(self.kv_cache_memory_fraction, (int, float))
+                 and 0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction",
+                 f"must be a number in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        _require(self.num_kv_blocks >= 0, "num_kv_blocks", "must be >= 0 (0 derives it from kv_cache_bytes)")
+        _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
+        _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
+        _require(self.static_decode in ("auto", "on", "off"), "static_decode",
+                 f"must be auto, on or off, got {self.static_decode!r}")
+        _require(self.decode_attention in ("auto", "kernel", "loop"), "decode_attention",
+                 f"must be auto, kernel or loop, got {self.decode_attention!r}")
+        _require(self.fused_decode in ("auto", "off"), "fused_decode",
+                 f"must be auto or off, got {self.fused_decode!r}")
+        _require(self.cuda_graph_capture_s >= 0, "cuda_graph_capture_s",
+                 f"must be >= 0 seconds (0 captures lazily), got {self.cuda_graph_capture_s!r}")
+        _require(self.compile_decode in ("auto", "on", "off"), "compile_decode",
+                 f"must be auto, on or off, got {self.compile_decode!r}")
+        _require(not (self.compile_decode == "on" and self.static_decode == "off"), "compile_decode",
+                 "'on' compiles the static decode step, but static_decode is 'off'; set static_decode to auto or on")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _require(not (self.compile_decode == "on" and self.tensor_parallel_size > 1), "compile_decode",
+                 "'on' compiles the decode step of one device or of a pipeline stage; a tensor-parallel shard "
+                 "all-reduces inside every layer, which one compiled graph cannot hold (its decode steps take the "
+                 "fused CPU step, or CUDA graphs of the eager step): set tensor_parallel_size to 1 or "
+                 "compile_decode to auto/off")
+        _require(isinstance(self.pipeline_microbatches, int) and self.pipeline_microbatches >= 0,
+                 "pipeline_microbatches", f"must be an integer >= 0 (0 chooses per step), "
+                 f"got {self.pipeline_microbatches!r}")
+        _require(isinstance(self.worker_threads, int) and self.worker_threads >= 0, "worker_threads",
+                 f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
+        _require(isinstance(self.adaptive_threads, bool), "adaptive_threads",
+                 f"must be true or false, got {self.adaptive_threads!r}")
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+                 f"must be true or false, got {self.enable_prefix_caching!r}")
+        _require(isinstance(self.step_record_len, int) and not isinstance(self.step_record_len, bool)
+                 and 1 <= self.step_record_len <= STEP_RECORD_MAX, "step_record_len",
+                 f"must be an integer in [1, {STEP_RECORD_MAX}], got {self.step_record_len!r}")
+        _require(isinstance(self.dist_timeout_s, (int, float)) and 0 < self.dist_timeout_s < 10**7, "dist_timeout_s",
+                 f"must be a number of seconds in (0, 1e7), got {self.dist_timeout_s!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Shard workers of one model copy: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "extra")
+
+
+def resolved_dtype(engine: EngineConfig) -> str:
+    """The concrete dtype of `engine`: its own, or what dtype "auto" picks on this host's hardware
+    (an engine resolves its config once with a probe on bf16 CPUs; the rule here is the same
+    without the probe, engines/core/hardware.py)."""
+    if engine.dtype != "auto":
+        return engine.dtype
+    from engines.core.hardware import engine_dtype  # torch: only when a config is left on auto
+
+    return engine_dtype(engine.device).precision
+
+
+def resolve_engine_config(engine_cfg: EngineConfig, model_cfg: ModelConfig | None = None) -> EngineConfig:
+    """`engine_cfg` with dtype "auto" replaced by the concrete dtype (a new config; the same one
+    if it was concrete already), the reason logged. `model_cfg` gives the widths of the confirming
+    bf16 probe (engines.core.hardware.engine_dtype)."""
+    if engine_cfg.dtype != "auto":
+        return engine_cfg
+    from engines.core.hardware import engine_dtype  # torch: only when a config is left on auto
+
+    widths = (model_cfg.n_embd, model_cfg.ffn_dim) if model_cfg is not None else (0, 0)
+    choice = engine_dtype(engine_cfg.device, *widths)
+    log.info(choice.reason)
+    return engine_cfg.replace(dtype=choice.precision)
+
+
+def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
+    """Bytes of one block across all layers: keys and values, block_size tokens each."""
+    itemsize = 4 if resolved_dtype(engine) == "float32" else 2
+    return 2 * model.n_layer * engine.block_size * model.kv_heads * model.hd * itemsize
+
+
+def num_kv_blocks(model: ModelConfig, engine: EngineConfig, budget_bytes: int | None = None) -> int:
+    """Blocks of the cache: num_kv_blocks if set, else the byte budget (kv_cache_bytes, or
+    `budget_bytes` measured from free memory when kv_cache_bytes is 0) over the block size."""
+    if engine.num_kv_blocks:
+        return engine.num_kv_blocks
+    budget = engine.kv_cache_bytes or budget_bytes
+    if budget is None:
+        raise ConfigError("kv_cache_bytes: 0 sizes the cache from free memory; pass the measured budget")
+    return max(1, budget // kv_bytes_per_block(model, engine))
+
+
+def max_model_len(model: ModelConfig, engine: EngineConfig) -> int:
+    if engine.max_model_len:
+        return min(engine.max_model_len, model.max_position_embeddings)
+    return model.max_position_embeddings

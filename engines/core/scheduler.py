@@ -1,0 +1,225 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Pure Python (no torch), so the tuner's simulator runs this very class with a cost model.
+Each step: running sequences first (decode, or the next chunk of a long prompt), oldest request
+first; when KV blocks run out, the *youngest* running sequence by arrival (not by admission) is
+preempted (its blocks are freed and it is recomputed later) and goes back to the waiting queue in
+arrival order, ahead of every request that arrived after it; then waiting sequences are admitted
+in that order while the token budget, the sequence cap and the free blocks allow. An admitted
+sequence starts after the longest prefix of its tokens whose blocks are cached (prefix caching,
+engines/core/block_manager.py): those tokens are neither computed nor counted against the budget, and
+a resumed preempted sequence finds its own blocks again if nothing evicted them. Blocks are
+registered in the cache in update(), once their keys and values are computed.
+
+Why arrival order and not admission order: a resumed sequence is the most recently admitted one,
+so admission-order (LIFO) preemption picks it again and again while younger streams run, and it
+starves (a 52 s mid-stream stall in a 64-stream burst). With arrival order the oldest request
+always progresses, so every request's wait is bounded by the work of those that arrived before it.
+Sequence ids are handed out in arrival order, so they are the priority.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from engines.core.block_manager import BlockManager, blocks_for
+from engines.core.plan import SeqInit, SeqWork, StepPlan, StepResult
+from engines.core.sampling_params import RequestError
+from engines.core.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    admission_reserves_growth: bool = True
+    """Admit a request only when the free blocks also cover what the running sequences will still
+    grow by (no mid-stream preemption of requests with max_tokens); off admits on what a request
+    needs now (more concurrency, recompute preemption under pressure)."""
+    enable_prefix_caching: bool = True
+    """Reuse the cached keys and values of the longest cached prefix of a new (or resumed)
+    sequence's tokens (engines/core/block_manager.py)."""
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._released: list[int] = []
+        self._step = 0
+        self.num_preemptions = 0
+
+    # admission
+    def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
+        """Reject, with a clear reason, a request that could never run."""
+        limit = self.cfg.max_model_len
+        if prompt_len >= limit:
+            raise RequestError(
+                f"prompt: {prompt_len} tokens leave no room to generate within the context window of "
+                f"{limit} tokens", param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise RequestError(
+                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"window of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        total = min(limit, prompt_len + (max_tokens if max_tokens is not None else limit))
+        need = blocks_for(total, self.cfg.block_size)
+        if need > self.cfg.num_blocks:
+            raise RequestError(
+                f"max_tokens: prompt + max_tokens need {need} KV blocks ({total} tokens) but the KV cache has only "
+                f"{self.cfg.num_blocks} blocks of {self.cfg.block_size} tokens; lower max_tokens or raise "
+                "the KV-cache budget", param="max_tokens", code="kv_cache_too_small")
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (stop string, abort, ...): its blocks are free at once."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.worker_has_state:
+            self._released.append(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # planning
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # back in arrival order: only earlier preempted sequences can be older than seq
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].seq_id < seq.seq_id:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(step=self._step)
+        self._step += 1
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while self.blocks.needed(seq, seq.num_computed + n) > self.blocks.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # seq was the last running one and was preempted
+            self.blocks.allocate(seq, seq.num_computed + n)
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        # admission reserves what the running sequences will still grow by, so that a new request
+        # does not take blocks that force a running one out later (which would stall its stream);
+        # with nothing running, the head of the queue is admitted on what it needs now
+        room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.cfg.max_num_seqs):
+            seq = self.waiting[0]
+            hits = self.blocks.match(seq)  # a waiting sequence holds no blocks and has none computed
+            cached = len(hits) * self.cfg.block_size
+            n = min(seq.num_tokens - cached, budget)
+            # free blocks it takes: new ones, and cached ones that no running sequence holds now
+            claim = self.blocks.claim_cost(hits)
+            if blocks_for(cached + n, self.cfg.block_size) - len(hits) + claim > self.blocks.num_free:
+                break
+            whole = self.blocks.growth(seq) - len(hits) + claim
+            if self.cfg.admission_reserves_growth and self.running and whole > room:
+                break  # FIFO: later requests never overtake the head, so the head cannot starve
+            room -= whole
+            self.waiting.popleft()
+            self.blocks.share(seq, hits)
+            seq.num_computed = cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+            self.blocks.allocate(seq, cached + n)
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)  # a resumed sequence rejoins by age
+            scheduled.append((seq, n))
+            budget -= n
+        for seq, n in scheduled:
+            start = seq.num_computed
+            end = start + n
+            work = SeqWork(seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
+                           block_ids=list(seq.block_ids), sample=end == seq.num_tokens,
+                           **self._prompt_lp(seq, start, end))
+            if n == 1 and start > 0:
+                plan.decode.append(work)
+            else:
+                plan.prefill.append(work)
+            if not seq.worker_has_state:
+                plan.new_seqs.append(SeqInit(seq.seq_id, seq.index, seq.params, seq.token_ids[:seq.prompt_len],
+                                             self.cfg.eos_token_ids))
+                seq.worker_has_state = True
+        plan.released_seq_ids, self._released = self._released, []
+        return plan
+
+    @staticmethod
+    def _prompt_lp(seq: Sequence, start: int, end: int) -> dict:
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return {}
+        # rows at positions i score prompt token i + 1; skip those returned before a preemption
+        first = max(start, seq.prompt_logprobs_done)
+        last = min(end, seq.prompt_len - 1)
+        if first >= last:
+            return {}
+        seq.prompt_logprobs_done = last
+        return {"prompt_lp_from": first, "prompt_lp_targets": seq.token_ids[first + 1:last + 1]}
+
+    def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence]) -> list[Sequence]:
+        """Advance the sequences of `plan` with the sampled tokens; returns those that got a token.
+
+        Token-level stops happen here (EOS, stop token ids, max_tokens, context window); stop
+        strings need text and are applied by the engine through finish().
+        """
+        touched = []
+        for work in (*plan.decode, *plan.prefill):
+            seq = seqs.get(work.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed = work.start_pos + len(work.token_ids)
+            self.blocks.cache_computed(seq)  # before a finish below releases its blocks
+            if not work.sample:
+                continue
+            tok = result.seqs[work.seq_id].token_id
+            seq.token_ids.append(tok)
+            touched.append(seq)
+            p = seq.params
+            can_stop = seq.num_output >= p.min_tokens
+            if can_stop and not p.ignore_eos and tok in self.cfg.eos_token_ids:
+                self.finish(seq, "stop", None)
+            elif can_stop and tok in p.stop_token_ids:
+                self.finish(seq, "stop", tok)
+            elif ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
+                  or seq.num_tokens >= self.cfg.max_model_len):
+                self.finish(seq, "length")
+        return touched

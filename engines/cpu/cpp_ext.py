@@ -1,0 +1,105 @@
+"""Building the engine's small C++ CPU kernels (engines/cpu/paged_kernel.py, engines/cpu/panel_kernel.py).
+
+Each is compiled once per machine with torch.utils.cpp_extension (gcc, -O3 -march=native, OpenMP,
+so loops run on torch's intra-op threads) into torch's extension directory
+(~/.cache/torch_extensions), under a name that includes the CPU's model and flags, the torch
+version, the environment and a digest of the source: a -march=native binary must never load on
+another CPU, and two venvs or checkouts sharing one name would rebuild each other's copy at every
+first load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def build_name(prefix: str, source: str = "") -> str:
+    """`prefix` + a digest of the machine, CPU model and flags, torch version, interpreter prefix and
+    the source: two checkouts sharing one venv (or a checkout before and after a change) then build and
+    load each its own copy instead of rebuilding one another's at every first load."""
+    ident = platform.machine() + torch.__version__ + sys.prefix + source
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        ident += "".join(lines)
+    except OSError:
+        pass
+    return prefix + hashlib.sha1(ident.encode()).hexdigest()[:12]
+
+
+def find_ninja() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it beside this
+    interpreter, which is not on PATH when the venv is not activated (make serve, Ray workers)."""
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+
+
+STALE_LOCK_S = 600
+"""A build lock older than this is left by a killed process (a build takes ~25 s on 2 cores)."""
+
+
+def clear_stale_lock(name: str) -> bool:
+    """Remove the build lock of extension `name` when it is older than STALE_LOCK_S; whether it did.
+
+    torch's builder takes a lock file in the extension's directory for every load, built or not, and
+    waits for it forever: a process killed while it held the lock (Ctrl-C or a timeout during the
+    first start) left every later engine start hanging at load (seen here: a CI run waited 9 min)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:  # no lock: nothing to clear
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    log.warning("removing a stale build lock %s (%.0f s old, left by a process that was stopped mid-build)",
+                lock, age)
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    return True
+
+
+def bindings(functions: list[str]) -> str:
+    """The module's Python bindings of `functions`, each called with the GIL released (as torch's own
+    ops are): a kernel bound as load_inline's `functions=` would hold it for its whole run, and the
+    serving process's event loop (HTTP, streaming, new requests) then stalls for each engine step
+    that runs one (a whole fused decode step: BENCHMARKS.md, issue 15). The functions take and
+    return tensors and plain values only, and their shared state has its own locks."""
+    defs = "".join(f'  m.def("{f}", &{f}, "{f}", py::call_guard<py::gil_scoped_release>());\n' for f in functions)
+    return f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
+
+
+def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[object | None, str]:
+    """(the built module, why) or (None, why it is unavailable): no compiler, no ninja or a build
+    error all mean "not on this machine"; the caller decides whether that is an error."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        find_ninja()
+        name = build_name(prefix, source)
+        clear_stale_lock(name)
+        t = time.perf_counter()
+        mod = load_inline(name=name, cpp_sources=source + bindings(functions), functions=None,
+                          extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+        why = f"{what} ready in {time.perf_counter() - t:.1f} s"
+        log.info(why)
+        return mod, why
+    except Exception as exc:  # noqa: BLE001 (see the docstring)
+        why = f"{what} unavailable ({type(exc).__name__}: {str(exc)[-300:]})"
+        log.warning(why)
+        return None, why

@@ -1,0 +1,257 @@
+// The fused CPU decode step's loop (engines/cpu/fused_decode.py): a decode-only step's transformer blocks in
+// one call. engines/cpu/fused_decode.py compiles it after the panel kernel's and the paged kernel's sources,
+// each in a namespace of its own (panel_src::, paged_src::); the includes below go to the top.
+#include <torch/extension.h>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace {
+c10::optional<torch::Tensor> given(const torch::Tensor& t) {
+  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// cache[slots[m]] = src[m] for each of the step's M rows (what index_copy_ does): src (M, nkv * hd), rows
+// any stride apart, elements adjacent; one memcpy a row where the cache is a contiguous (slots, nkv, hd)
+// table of src's dtype, index_copy_ otherwise
+void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& src, int64_t nkv,
+                int64_t hd) {
+  const int64_t M = src.size(0), n = nkv * hd;
+  if (!cache.is_contiguous() || cache.scalar_type() != src.scalar_type() || src.stride(1) != 1 ||
+      slots.scalar_type() != at::kLong || !slots.is_contiguous() || cache.numel() != cache.size(0) * n) {
+    cache.index_copy_(0, slots, src.reshape({M, nkv, hd}));
+    return;
+  }
+  const int64_t S = cache.size(0), ld = src.stride(0), es = src.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(sp[m] >= 0 && sp[m] < S, "decode_blocks: cache slot ", sp[m], " out of range [0, ", S, ")");
+    std::memcpy(dst + sp[m] * n * es, from + m * ld * es, n * es);
+  }
+}
+
+// rotary embedding in place, rotate-half form, as engines/model/transformer.py apply_rope: x (M, H, hd), its last dim
+// adjacent; cos / sin (M, hd / 2) fp32. In fp32 each product rounded on its own, then the difference / sum
+// (torch's x1 * cos - x2 * sin as three ops), then rounded to T: no fused multiply-add here, or the
+// result would differ from the module path's in the last bit
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_rows(T* x, int64_t M, int64_t H, int64_t hd, int64_t s0,
+                                                             int64_t s1, const float* cos, const float* sin) {
+  const int64_t half = hd / 2;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* c = cos + m * half;
+    const float* s = sin + m * half;
+    for (int64_t h = 0; h < H; ++h) {
+      T* p = x + m * s0 + h * s1;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = static_cast<float>(p[i]), b = static_cast<float>(p[i + half]);
+        const float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+        p[i] = static_cast<T>(ac - bs);
+        p[i + half] = static_cast<T>(bc + as);
+      }
+    }
+  }
+}
+
+void rope_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t M = x.size(0), H = x.size(1), hd = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && hd % 2 == 0, "decode_blocks: rope on (M, heads, even hd) rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+              sin.scalar_type() == at::kFloat && cos.numel() == M * hd / 2 && sin.numel() == M * hd / 2,
+              "decode_blocks: cos / sin (M, hd / 2) contiguous float32");
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) rope_rows(x.data_ptr<float>(), M, H, hd, x.stride(0), x.stride(1), c, s);
+  else if (x.scalar_type() == at::kBFloat16)
+    rope_rows(x.data_ptr<c10::BFloat16>(), M, H, hd, x.stride(0), x.stride(1), c, s);
+  else if (x.scalar_type() == at::kHalf) rope_rows(x.data_ptr<c10::Half>(), M, H, hd, x.stride(0), x.stride(1), c, s);
+  else TORCH_CHECK(false, "decode_blocks: rope on float32, bfloat16 or float16, got ", x.scalar_type());
+}
+
+// engines/model/transformer.py RMSNorm: normalise in fp32, round to the model dtype, then scale (weight * y)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const int64_t C = x.size(-1);
+  return weight * at::rms_norm(x.to(at::kFloat), {C}, c10::nullopt, eps).to(x.scalar_type());
+}
+
+// one of the block's norms: RMSNorm (bias empty) or LayerNorm
+torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms,
+                   double eps) {
+  if (rms) return rms_norm(x, weight, eps);
+  return at::layer_norm(x, {x.size(-1)}, weight, given(bias), eps);
+}
+
+// one block Linear through the kernel its FastLinear chose for this step's row count, as FastLinear.run
+// calls it (engines/cpu/fast_linear.py): t = (weight, bias or empty, panels, packed, weight_t; empty where not
+// built); kind 0 panel, 1 packed (oneDNN on the prepacked weight), 2 linear, 3 pretransposed, 4 gemv (one
+// row: mv / addmv on the weight). With a
+// residual: residual + the Linear's output (the panel kernel adds it in its store loop; the others by
+// torch's add, as the module path's `x + ...`)
+torch::Tensor block_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
+                           const c10::optional<torch::Tensor>& residual) {
+  const auto bias = given(t[1]);
+  if (kind == 0) return panel_src::panel_linear_res(x, t[2], N, bias, residual);
+  torch::Tensor y;
+  if (kind == 1) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, t[3], bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                            c10::List<c10::optional<at::Scalar>>(), c10::IValue(std::string(""))};
+    op.callBoxed(&stack);
+    y = stack[0].toTensor();
+  } else if (kind == 2) {
+    y = at::linear(x, t[0], bias);
+  } else if (kind == 3) {
+    y = bias.has_value() ? at::addmm(*bias, x, t[4]) : at::mm(x, t[4]);
+  } else if (kind == 4) {
+    TORCH_CHECK(x.size(0) == 1, "decode_blocks: gemv takes one row, got ", x.size(0));
+    y = (bias.has_value() ? at::addmv(*bias, t[0], x[0]) : at::mv(t[0], x[0])).unsqueeze(0);
+  } else {
+    TORCH_CHECK(false, "decode_blocks: unknown Linear kernel ", kind);
+  }
+  return residual.has_value() ? *residual + y : y;
+}
+
+// the tensors of one model's blocks, bound once (bind): a step passes a handle, not ~250 tensors
+struct Bound {
+  std::vector<torch::Tensor> w, k_caches, v_caches;
+};
+std::mutex bound_mu;
+std::vector<std::shared_ptr<Bound>> bound;
+
+// norm1 weight, bias, norm2 weight, bias, q-norm weight, k-norm weight (empty where the model has none),
+// then 5 tensors a Linear
+constexpr int64_t PER_LAYER = 6 + 4 * 5;
+
+// The step's constants, as passed to decode_blocks (see there)
+struct StepArgs {
+  const torch::Tensor &slots, &table, &lens, &cos, &sin;
+  int64_t block_size, n_head, ffn;
+  double eps;
+  int64_t act;
+  bool rms;
+  double qk_eps;
+};
+
+// Half 0 of layer l (norm1, the QKV Linear, q / k norms, rotary, KV writes, paged attention, the output
+// projection) or half 1 (norm2, the up Linear, the activation, the down projection) on x (M, C): with a
+// residual, residual + the closing Linear's output (the next x); without, the closing Linear's output alone
+// (a tensor-parallel shard's partial product, see decode_half_bound)
+torch::Tensor run_half(const torch::Tensor& x, const torch::Tensor* p, const int64_t* kind, int64_t half,
+                       const torch::Tensor& k_cache, const torch::Tensor& v_cache, const StepArgs& a,
+                       const c10::optional<torch::Tensor>& residual) {
+  const int64_t M = x.size(0), C = x.size(1);
+  const int64_t nkv = k_cache.size(1), hd = k_cache.size(2);
+  const int64_t qn = a.n_head * hd, kn = nkv * hd;
+  if (half == 1) {
+    const torch::Tensor *up_w = p + 16, *down_w = p + 21;
+    const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
+    auto h = norm(x, p[2], p[3], a.rms, a.eps);
+    auto u = block_linear(kind[2], h, up_w, a.act == 2 ? 2 * a.ffn : a.ffn, c10::nullopt);
+    u = a.act == 2 ? at::silu(u.narrow(1, 0, a.ffn)) * u.narrow(1, a.ffn, a.ffn) : at::gelu(u, approximate);
+    return block_linear(kind[3], u, down_w, C, residual);  // x + down(u)
+  }
+  const torch::Tensor *qkv_w = p + 6, *proj_w = p + 11;
+  auto h = norm(x, p[0], p[1], a.rms, a.eps);
+  auto qkv = block_linear(kind[0], h, qkv_w, qn + 2 * kn, c10::nullopt);  // (M, qn + 2 kn)
+  auto q = qkv.narrow(1, 0, qn).view({M, a.n_head, hd});                  // (M, nh, hd)
+  auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});                      // (M, nkv, hd)
+  if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);  // per head, before the rotation (Qwen3)
+  if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
+  if (a.cos.numel() > 0) {
+    rope_(q, a.cos, a.sin);  // in place: qkv (or the normed copy) is this step's own
+    rope_(k, a.cos, a.sin);
+  }
+  write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
+  write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
+  auto y = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size);  // (M, nh, hd)
+  return block_linear(kind[1], y.view({M, qn}), proj_w, C, residual);  // x + proj(y)
+}
+}  // namespace
+
+// The family's choices (engines/cpu/fused_decode.py Family): act 0 GELU, 1 GELU (tanh), 2 SwiGLU (the up
+// Linear's rows [0, ffn) the gate, [ffn, 2 ffn) the up projection, silu(gate) * up); rms: RMSNorm for the
+// block norms instead of LayerNorm; qk_eps: the per-head q / k RMSNorms' epsilon (where bound).
+//
+// x (M, C): the step's M decode tokens after the embeddings (or the previous pipeline stage's output);
+// w: PER_LAYER tensors a layer (see above; for qkv, proj, up and down: weight, bias, panels, packed,
+// weight_t, an empty tensor for one not built); kinds: 4 a layer, the kernel of each Linear (block_linear);
+// k_caches / v_caches (slots, nkv, hd) a layer; slots (M) int64 cache slots of this step's keys; table
+// (M, max_blocks), lens (M) as paged_decode; cos / sin (M, hd / 2) float32 of the tokens' positions (empty:
+// no rotary embedding); n_head and ffn are this shard's (its query heads, its MLP width) -> (M, C) after the
+// blocks
+torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                            torch::Tensor slots, torch::Tensor table, torch::Tensor lens, int64_t block_size,
+                            int64_t n_head, int64_t ffn, double eps, int64_t act, bool rms, double qk_eps,
+                            torch::Tensor cos, torch::Tensor sin) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && static_cast<int64_t>(w.size()) == PER_LAYER * L &&
+              static_cast<int64_t>(kinds.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
+              "decode_blocks: x (M, C), ", PER_LAYER, " tensors, 4 kernels and 2 caches a layer");
+  TORCH_CHECK(act >= 0 && act <= 2, "decode_blocks: act 0 (gelu), 1 (gelu tanh) or 2 (swiglu), got ", act);
+  const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
+  x = x.contiguous();
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* p = w.data() + PER_LAYER * l;
+    const int64_t* kind = kinds.data() + 4 * l;
+    x = run_half(x, p, kind, 0, k_caches[l], v_caches[l], a, x);
+    x = run_half(x, p, kind, 1, k_caches[l], v_caches[l], a, x);
+  }
+  return x;
+}
+
+int64_t bind(std::vector<torch::Tensor> w, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
+  TORCH_CHECK(!k_caches.empty() && static_cast<int64_t>(w.size()) == PER_LAYER * static_cast<int64_t>(k_caches.size()) &&
+              v_caches.size() == k_caches.size(), "bind: ", PER_LAYER, " tensors and 2 caches a layer");
+  std::lock_guard<std::mutex> g(bound_mu);
+  bound.push_back(std::make_shared<Bound>(Bound{std::move(w), std::move(k_caches), std::move(v_caches)}));
+  return static_cast<int64_t>(bound.size()) - 1;
+}
+
+void unbind(int64_t handle) {
+  std::lock_guard<std::mutex> g(bound_mu);
+  if (handle >= 0 && handle < static_cast<int64_t>(bound.size())) bound[handle].reset();
+}
+
+// decode_blocks on the tensors bound under `handle`
+torch::Tensor decode_bound(int64_t handle, torch::Tensor x, std::vector<int64_t> kinds, torch::Tensor slots,
+                           torch::Tensor table, torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn,
+                           double eps, int64_t act, bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
+  std::shared_ptr<Bound> b;
+  {
+    std::lock_guard<std::mutex> g(bound_mu);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle],
+                "decode_bound: no tensors bound as ", handle);
+    b = bound[handle];
+  }
+  return decode_blocks(x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps,
+                       act, rms, qk_eps, cos, sin);
+}
+
+// One half of layer `layer` of the blocks bound under `handle` for a tensor-parallel shard (half 0: norm1 ..
+// the attention's output projection; 1: norm2 .. the MLP's down projection), kinds its 4 kernels: returns
+// that closing Linear's partial product (M, C), without bias or residual (bound without bias). The caller
+// all-reduces it over the TP group and adds the bias and the residual, as engines/parallel/tp.py
+// RowParallelLinear and the block's `x + ...` do, then calls the next half
+torch::Tensor decode_half_bound(int64_t handle, torch::Tensor x, int64_t layer, int64_t half,
+                                std::vector<int64_t> kinds, torch::Tensor slots, torch::Tensor table,
+                                torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn, double eps,
+                                int64_t act, bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
+  std::shared_ptr<Bound> b;
+  {
+    std::lock_guard<std::mutex> g(bound_mu);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle],
+                "decode_half_bound: no tensors bound as ", handle);
+    b = bound[handle];
+  }
+  const int64_t L = static_cast<int64_t>(b->k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && layer >= 0 && layer < L && (half == 0 || half == 1) && kinds.size() == 4,
+              "decode_half_bound: x (M, C), layer in [0, ", L, "), half 0 or 1, 4 kernels");
+  TORCH_CHECK(act >= 0 && act <= 2, "decode_half_bound: act 0 (gelu), 1 (gelu tanh) or 2 (swiglu), got ", act);
+  const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
+  return run_half(x.contiguous(), b->w.data() + PER_LAYER * layer, kinds.data(), half, b->k_caches[layer],
+                  b->v_caches[layer], a, c10::nullopt);
+}

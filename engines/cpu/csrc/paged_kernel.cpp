@@ -1,0 +1,243 @@
+// The CPU paged decode-attention kernel: built and bound by engines/cpu/paged_kernel.py (see its docstring).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t W = 16;  // lanes: one AVX-512 register of fp32, two of AVX2
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+// W elements widened to fp32 (bf16: the high half of an fp32, so a shift)
+inline vf load16(const float* p) { vf v; std::memcpy(&v, p, sizeof(vf)); return v; }
+inline vf load16(const c10::BFloat16* p) {
+  vh h; std::memcpy(&h, p, sizeof(vh));
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v; std::memcpy(&v, &u, sizeof(vf)); return v;
+}
+inline vf load16(const c10::Half* p) { vf v; for (int64_t j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]); return v; }
+
+inline float hsum(vf v) { float s = 0.f; for (int64_t j = 0; j < W; ++j) s += v[j]; return s; }
+
+// a (fp32) . b (n elements of T), W lanes of partial sums then the tail
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  vf part = vf{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) part += load16(a + i) * load16(b + i);
+  float s = hsum(part);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+
+// acc (fp32) += p * v (n elements of T)
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vf a = load16(acc + i) + p * load16(v + i);
+    std::memcpy(acc + i, &a, sizeof(vf));
+  }
+  for (; i < n; ++i) acc[i] += p * static_cast<float>(v[i]);
+}
+
+// y[i] = exp(x[i]) for x <= 0, W lanes at a time: 2^(x log2 e) = 2^n 2^f, n = round, |f| <= 1/2,
+// 2^f by a degree-6 polynomial (relative error ~2e-7, below fp32 softmax rounding); x < -87 -> ~0
+inline void exp_nonpos(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vf v; std::memcpy(&v, x + i, sizeof(vf));
+    v = v < -87.f ? vf{} - 87.f : v;
+    vf y = v * 1.44269504088896341f;
+    vf r = (y + 12582912.f) - 12582912.f;  // round to nearest (|y| < 2^22)
+    vf f = y - r;
+    vf p = vf{} + 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
+    vi e = (__builtin_convertvector(r, vi) + 127) << 23;
+    vf scale; std::memcpy(&scale, &e, sizeof(vf));
+    v = p * scale;
+    std::memcpy(x + i, &v, sizeof(vf));
+  }
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// a task's piece of a slot's row is a few hundred bytes every row's length apart, and the cache
+// holds no context between steps (every Linear's weights stream through it): the hardware
+// prefetchers do not follow such a walk, so each piece would wait for memory. Rows AHEAD slots on
+// are requested while this one is used (in situ on GPT-2 batch-1 decode: -0.25 ms a token, of
+// ~1.5 ms of attention and small ops; BENCHMARKS.md issue 12)
+constexpr int64_t AHEAD = 4;
+inline void ahead(const void* p, int64_t nbytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(c + o);
+}
+
+// one sequence, nq consecutive query heads (whole kv-head groups of `group`): attention over the first
+// len slots. Keys and values are read in place block by block (no division per key), each slot's
+// row of these heads once, front to back (one sequential stream, not one per head); the query
+// head h reads kv head h / group; scores, softmax and sums in fp32
+template <typename T>
+void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs,
+            int64_t row, int64_t hd, int64_t nq, int64_t group, float scale, float* qf, float* scores,
+            float* acc, T* out, int64_t lpad) {
+  for (int64_t i = 0; i < nq * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  const int64_t nbytes = nq / group * hd * static_cast<int64_t>(sizeof(T));  // this task's part of a slot's row
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const int64_t n = std::min(bs, len - t);
+    const T* k = kc + table[b] * bs * row;
+    for (int64_t i = 0; i < n; ++i, ++t, k += row) {
+      if (i + AHEAD < n) ahead(k + AHEAD * row, nbytes);
+      for (int64_t h = 0; h < nq; ++h) scores[h * lpad + t] = dot(qf + h * hd, k + h / group * hd, hd);
+    }
+  }
+  for (int64_t h = 0; h < nq; ++h) {
+    float* sc = scores + h * lpad;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    for (int64_t t = 0; t < len; ++t) sc[t] -= mx;
+    exp_nonpos(sc, len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += sc[t];
+    sc[len] = 1.f / sum;  // lpad > len: the normaliser rides in the padding
+  }
+  std::fill(acc, acc + nq * hd, 0.f);
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const int64_t n = std::min(bs, len - t);
+    const T* v = vc + table[b] * bs * row;
+    for (int64_t i = 0; i < n; ++i, ++t, v += row) {
+      if (i + AHEAD < n) ahead(v + AHEAD * row, nbytes);
+      for (int64_t h = 0; h < nq; ++h) axpy(acc + h * hd, scores[h * lpad + t], v + h / group * hd, hd);
+    }
+  }
+  for (int64_t h = 0; h < nq; ++h) {
+    const float inv = scores[h * lpad + len];
+    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[h * hd + d] * inv);
+  }
+}
+
+}  // namespace
+
+// q (S, nh, hd); k_cache / v_cache (slots, nkv, hd), slots = num_blocks * block_size; table (S, max_blocks)
+// int64 block ids; lens (S) int64 context lengths (>= 1) -> (S, nh, hd) in q's dtype
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                           torch::Tensor lens, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_decode: q, k_cache, v_cache are 3-D");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and the cache must share a dtype");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "paged_decode: int64 table/lens");
+  q = q.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && table.is_contiguous() && lens.is_contiguous(),
+              "paged_decode: cache, table and lens must be contiguous");
+  const int64_t S = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
+  TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "paged_decode: head shapes");
+  const int64_t group = nh / nkv, mb = table.size(1), row = nkv * hd;
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  int64_t lmax = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ln[s] >= 1 && ln[s] <= mb * block_size, "paged_decode: a length outside its block table");
+    lmax = ln[s] > lmax ? ln[s] : lmax;
+  }
+  const int64_t lpad = lmax + 1;  // one more: each head's softmax normaliser
+  // a task is one sequence's kv heads [c * per, (c + 1) * per): whole rows when there are enough
+  // sequences for the threads (several tasks a thread, for balance), else each sequence's heads
+  // split evenly over the threads (one long stream a thread rather than several short ones)
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = S >= threads ? 4 * threads : threads;
+  const int64_t chunks = std::min(nkv, std::max<int64_t>(1, (want + S - 1) / S));
+  const int64_t per = (nkv + chunks - 1) / chunks;
+  auto out = torch::empty_like(q);
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
+      // scores (heads x lpad), scaled queries and accumulators (heads x hd each)
+      const int64_t nq_max = per * group;
+      std::vector<float> buf(nq_max * lpad + 2 * nq_max * hd);
+      float* scores = buf.data();
+      float* qf = scores + nq_max * lpad;
+      float* acc = qf + nq_max * hd;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / chunks, g0 = i % chunks * per, g1 = std::min(nkv, g0 + per);
+        if (g0 >= g1) continue;
+        const int64_t h0 = g0 * group;
+        attend<T>(qp + (s * nh + h0) * hd, kp + g0 * hd, vp + g0 * hd, tab + s * mb, ln[s], block_size, row, hd,
+                  (g1 - g0) * group, group, scale, qf, scores, acc, op + (s * nh + h0) * hd, lpad);
+      }
+    });
+  };
+  if (q.scalar_type() == torch::kFloat) run(float{});
+  else if (q.scalar_type() == torch::kBFloat16) run(c10::BFloat16{});
+  else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
+  else TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16, got ", q.scalar_type());
+  return out;
+}
+
+namespace {
+// the first index of the row's maximum, a NaN counting as larger than any number (torch.argmax):
+// 16 lanes, each keeping its first maximum (strict >), then the lowest index among the lanes' ties
+int64_t argmax_row(const float* r, int64_t V) {
+  typedef int32_t vi32 __attribute__((vector_size(64)));
+  int64_t k = 0, best = 0;
+  float bv = r[0];
+  bool nan = false;
+  if (V >= 2 * W) {
+    vf m = load16(r), any_nan = vf{};
+    vi32 cur, bi;
+    for (int j = 0; j < W; ++j) cur[j] = j;
+    bi = cur;
+    any_nan = (vf)((vi32)any_nan | (vi32)(m != m));
+    for (k = W; k + W <= V; k += W) {
+      const vf v = load16(r + k);
+      cur += static_cast<int32_t>(W);
+      const vi32 gt = v > m;
+      m = gt ? v : m;
+      bi = gt ? cur : bi;
+      any_nan = (vf)((vi32)any_nan | (vi32)(v != v));
+    }
+    for (int j = 0; j < W; ++j) nan = nan || ((vi32)any_nan)[j] != 0;
+    bv = m[0], best = bi[0];
+    for (int j = 1; j < W; ++j)
+      if (m[j] > bv || (m[j] == bv && bi[j] < best)) bv = m[j], best = bi[j];
+  } else {
+    k = 1;
+    nan = r[0] != r[0];
+  }
+  for (; k < V; ++k) {
+    nan = nan || r[k] != r[k];
+    if (r[k] > bv) bv = r[k], best = k;
+  }
+  if (nan)
+    for (int64_t i = 0; i < V; ++i)
+      if (r[i] != r[i]) return i;
+  return best;
+}
+}  // namespace
+
+// logits (S, V) float32 -> (S) int64: torch.argmax(logits, dim=-1), vectorized (torch's CPU argmax
+// scans one element at a time: ~44 us for a 50,257-entry row here, ~2.7 ms for 64 rows)
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.size(1) > 0,
+              "argmax_rows: (S, V) float32 with V > 0");
+  auto x = logits.contiguous();
+  const int64_t S = x.size(0), V = x.size(1);
+  auto out = torch::empty({S}, x.options().dtype(torch::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) o[s] = argmax_row(p + s * V, V);
+  });
+  return out;
+}

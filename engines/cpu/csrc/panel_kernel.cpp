@@ -1,0 +1,222 @@
+// The CPU panel Linear kernel: built and bound by engines/cpu/panel_kernel.py (see its docstring).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t NR = 16;  // outputs per panel
+constexpr int MR = 16;      // rows per block: MR vector accumulators
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+inline vf as_f(vu u) { vf v; std::memcpy(&v, &u, sizeof(vf)); return v; }
+inline vu load_u(const void* p) { vu u; std::memcpy(&u, p, sizeof(vu)); return u; }
+
+// fp32: acc (R, NR) = xt[:, :R]^T (R, K) @ w (K, NR); xt holds the rows transposed, ldx apart per k
+template <int R>
+inline void block(const float* xt, int64_t ldx, const float* w, int64_t K, float* acc) {
+  vf c[R];
+  for (int m = 0; m < R; ++m) c[m] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const vf b = as_f(load_u(w + k * NR));
+    const float* xk = xt + k * ldx;
+    for (int m = 0; m < R; ++m) c[m] += xk[m] * b;
+  }
+  for (int m = 0; m < R; ++m) std::memcpy(acc + m * NR, &c[m], sizeof(vf));
+}
+
+// bf16: the weight panel is (K2, NR) pairs, a 32-bit lane holding inputs 2k (low half) and 2k + 1
+// (high half) of one output; xp (K2, ldx) the rows' inputs paired the same way. With AVX512-BF16 one
+// vdpbf16ps does both products of a lane (fp32 sums, flushing denormals); elsewhere both halves are
+// widened (a bf16 is the high half of an fp32) and multiplied in fp32
+template <int R>
+inline void block(const uint32_t* xp, int64_t ldx, const c10::BFloat16* w, int64_t K2, float* acc) {
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
+#if defined(__AVX512BF16__)
+  __m512 c[R];
+  for (int m = 0; m < R; ++m) c[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh b = (__m512bh)_mm512_loadu_si512(wp + k * NR);
+    const uint32_t* xk = xp + k * ldx;
+    for (int m = 0; m < R; ++m) c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)_mm512_set1_epi32((int)xk[m]), b);
+  }
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(acc + m * NR, c[m]);
+#else
+  vf c[R];
+  for (int m = 0; m < R; ++m) c[m] = vf{};
+  for (int64_t k = 0; k < K2; ++k) {
+    const vu u = load_u(wp + k * NR);
+    const vf lo = as_f(u << 16), hi = as_f(u & 0xFFFF0000u);
+    const uint32_t* xk = xp + k * ldx;
+    for (int m = 0; m < R; ++m) {
+      uint32_t a = xk[m] << 16, z = xk[m] & 0xFFFF0000u;
+      float xa, xz;
+      std::memcpy(&xa, &a, 4);
+      std::memcpy(&xz, &z, 4);
+      c[m] += xa * lo;
+      c[m] += xz * hi;
+    }
+  }
+  for (int m = 0; m < R; ++m) std::memcpy(acc + m * NR, &c[m], sizeof(vf));
+#endif
+}
+
+// one row through G panels at once (fp32): one output's sum is still in order over k, but G
+// independent FMA chains keep the loads streaming where a single panel's chain would wait on each
+// FMA's latency (one 64-byte line per ~4 cycles, below a fast host's memory rate; BENCHMARKS.md issue 12)
+template <int G>
+inline void row_panels(const float* x, const float* w, int64_t panel, int64_t K, float* acc) {
+  vf c[G];
+  for (int g = 0; g < G; ++g) c[g] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const float xk = x[k];
+    for (int g = 0; g < G; ++g) c[g] += xk * as_f(load_u(w + g * panel + k * NR));
+  }
+  for (int g = 0; g < G; ++g) std::memcpy(acc + g * NR, &c[g], sizeof(vf));
+}
+
+// bf16, as block<R> above for one row
+template <int G>
+inline void row_panels(const uint32_t* xp, const c10::BFloat16* w, int64_t panel, int64_t K2, float* acc) {
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
+  const int64_t lanes = panel / 2;  // 32-bit lanes per panel
+#if defined(__AVX512BF16__)
+  __m512 c[G];
+  for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[k]);
+    for (int g = 0; g < G; ++g) c[g] = _mm512_dpbf16_ps(c[g], a, (__m512bh)_mm512_loadu_si512(wp + g * lanes + k * NR));
+  }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * NR, c[g]);
+#else
+  vf c[G];
+  for (int g = 0; g < G; ++g) c[g] = vf{};
+  for (int64_t k = 0; k < K2; ++k) {
+    uint32_t a = xp[k] << 16, z = xp[k] & 0xFFFF0000u;
+    float xa, xz;
+    std::memcpy(&xa, &a, 4);
+    std::memcpy(&xz, &z, 4);
+    for (int g = 0; g < G; ++g) {
+      const vu u = load_u(wp + g * lanes + k * NR);
+      c[g] += xa * as_f(u << 16);
+      c[g] += xz * as_f(u & 0xFFFF0000u);
+    }
+  }
+  for (int g = 0; g < G; ++g) std::memcpy(acc + g * NR, &c[g], sizeof(vf));
+#endif
+}
+
+template <typename X, typename T>
+void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
+  switch (r) {
+#define ROWS(i) case i: block<i>(xt, ldx, w, K, acc); break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+    ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15)
+#undef ROWS
+    default: block<MR>(xt, ldx, w, K, acc); break;
+  }
+}
+
+// xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N); with res
+// (M, N), out = res + (the Linear's output rounded to T), rounded to T: what `res + linear(x)` gives
+template <typename X, typename T>
+void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out) {
+  const int64_t P = (N + NR - 1) / NR;
+  const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
+  // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
+  auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
+    const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
+    for (int m = 0; m < r; ++m)
+      for (int64_t j = 0; j < nn; ++j) {
+        const int64_t i = (m0 + m) * N + n0 + j;
+        const T y = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+        out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
+      }
+  };
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float acc[MR * NR];
+    int64_t p = p0;
+    if (M == 1) {  // G = 4 panels a pass (the same sums, in the same order, as one panel at a time)
+      constexpr int G = 4;
+      for (; p + G <= p1; p += G) {
+        row_panels<G>(xt, w + p * panel, panel, Kp, acc);
+        for (int g = 0; g < G; ++g) store(p + g, 0, 1, acc + g * NR);
+      }
+    }
+    for (; p < p1; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        rows_block(r, xt + m0, M, w + p * panel, Kp, acc);
+        store(p, m0, r, acc);
+      }
+  });
+}
+
+}  // namespace
+
+// weight (N, K) -> fp32 panels (ceil(N / 16), K, 16), or bf16 panels (ceil(N / 16), ceil(K / 2), 16, 2):
+// the padded outputs' (and a padded odd input's) weights zero
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_panels: a 2-D weight");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
+  if (weight.scalar_type() == torch::kBFloat16) {
+    const int64_t K2 = (K + 1) / 2;
+    auto padded = torch::zeros({P * NR, 2 * K2}, weight.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+    return padded.view({P, NR, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat, "pack_panels: float32 or bfloat16, got ", weight.scalar_type());
+  auto padded = torch::zeros({P * NR, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, NR, K}).transpose(1, 2).contiguous();
+}
+
+// x (M, K), panels of a weight with N outputs, optional bias (N), optional residual (M, N) -> (M, N) in
+// x's dtype: x @ W^T + bias, plus the residual (added after the Linear's result is rounded, as torch's add)
+torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
+                               c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2, "panel_linear: x (M, K)");
+  TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "panel_linear: x and the weight must share a dtype");
+  TORCH_CHECK(panels.is_contiguous() && panels.size(0) == (N + NR - 1) / NR && panels.size(2) == NR,
+              "panel_linear: panels of N outputs");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  const bool with_res = residual.has_value() && residual->defined();
+  if (with_res)
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->is_contiguous() && residual->dim() == 2 &&
+                residual->size(0) == M && residual->size(1) == N, "panel_linear: a contiguous (M, N) residual of x's dtype");
+  torch::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(torch::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  if (x.scalar_type() == torch::kFloat) {
+    TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K, "panel_linear: fp32 panels (P, K, 16)");
+    auto xt = x.t().contiguous();  // (K, M): one input's row values adjacent
+    run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, with_res ? residual->data_ptr<float>() : nullptr,
+        out.data_ptr<float>());
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    const int64_t K2 = (K + 1) / 2;
+    TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
+                "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
+    auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
+    auto xt = xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a row's pair is 32 bits
+    run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
+        N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "panel_linear: float32 or bfloat16, got ", x.scalar_type());
+  }
+  return out;
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  return panel_linear_res(x, panels, N, bias, c10::nullopt);
+}

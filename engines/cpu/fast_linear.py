@@ -1,0 +1,418 @@
+"""A runtime transformation for CPU inference: each Linear gets the fastest kernel for its shape,
+chosen by timing at load, separately for one row, a decode batch and a prefill chunk.
+
+On CPU a matrix-vector product (decode at batch 1) is memory-bound, and the kernels a torch build
+ships stream memory at very different rates depending on the CPU, the dtype and the shape. Measured
+on a 2-core AMD EPYC with AVX512-BF16 (BENCHMARKS.md, issue 12): the bf16 GPT-2 head (50,257 x 768,
+77 MB) took 12-24 ms per row through `F.linear` / `mm` / `mv` and 5-6 ms through oneDNN's linear on
+a weight reordered once into its blocked layout (`packed`); fp32 `F.linear` was up to 3x slower
+than `mm` on a pre-transposed weight on some shapes. Which kernel wins flips between machines
+(AVX2-only, AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
+(out, in, dtype, threads) shape is timed all ways once per process, on one row, on MANY_ROWS rows
+(a decode batch) and on BULK_ROWS rows (a prefill chunk), and `FastLinear` dispatches on the row
+count, on repeated interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its
+best round to replace it (a single lucky or disturbed round decides nothing). The choices persist in
+~/.cache/shardserve/fast_linear.json keyed by the machine (CPU model and flags, torch build,
+threads), so a later start on the same machine skips the timing (~5-10 s on 2 cores) and computes
+with the same kernels, hence the same rounding; delete the file to time again.
+
+The weight stays the module's `weight` Parameter (a tied LM head stays tied, state_dict keys are
+unchanged); pre-transposed and packed copies are extra, non-persistent buffers, built only for the
+kernels chosen. Under torch.compile every FastLinear is plain `F.linear` on that weight, so the
+compiled graph does not depend on this process's timings (inductor's cache hits across starts).
+The model file stays plain; only modules of exact type nn.Linear are swapped (a parallel layer that
+subclasses Linear keeps its own forward).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.cpu import panel_kernel
+
+log = logging.getLogger(__name__)
+
+ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves", "panel")
+"""Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where
+the step runs on two threads or more and oneDNN packing is available; "panel" (engines/cpu/panel_kernel.py)
+where its C++ kernel builds, for fp32 and bf16."""
+MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
+"""Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
+KERNEL_SET = 4
+"""Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
+agree, see _fastest), part of the saved choices' key: a choice saved before a kernel was added never
+competed with it, so a new set times every shape again."""
+MANY_ROWS, BULK_ROWS = 32, 128
+"""Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
+BULK_FROM = 65
+WIDE_MIN_OUT = 16384
+"""Linears with at least this many outputs (vocabulary heads) also time the sliced kernel."""
+COLD_BYTES = 96 << 20
+"""Weights are timed cold: on enough copies to exceed this (3x a 32 MB L3), see choose_kernels."""
+WIDE_CHUNK = 1024
+"""Output features per slice of the sliced kernel: a (rows, 1024) result stays in cache."""
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear can run `dtype` in this build on this CPU."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def panel_available(dtype: torch.dtype) -> bool:
+    """Whether engines.cpu.panel_kernel builds here (once per machine) and takes `dtype`."""
+    return panel_kernel.available(dtype)
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """The panel kernel's copy of a weight, in 2 MB pages (a decode step streams it whole)."""
+    from engines.cpu.host_memory import huge_page_copy
+
+    return huge_page_copy(panel_kernel.pack_panels(weight))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out, in) reordered once into oneDNN's blocked layout for `_linear_pointwise`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+class FastLinear(nn.Module):
+    """y = x @ W^T + b with a kernel per row count: `one` for a single row, `many` for up to
+    BULK_FROM - 1 rows, `bulk` above. Kernels: linear (F.linear), pretransposed (addmm on a
+    contiguous W^T), gemv (mv, one row only), packed (oneDNN on a prepacked W), sliced (F.linear
+    over WIDE_CHUNK output features at a time, for a vocabulary head), panel (engines/cpu/panel_kernel.py
+    on a copy of W stored in 16-output panels). `prepare` names more kernels to build copies for
+    (the timing probes run every candidate)."""
+
+    def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
+                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None, prepare: tuple[str, ...] = ()):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
+        self.one, self.many, self.bulk, self.chunk = one, many, bulk, chunk
+        self.single = single
+        """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
+        adaptive thread count, engines.cpu.cpu_threads); None: the kernels above at any count."""
+        kinds = {one, many, bulk, *(single or ()), *prepare}
+        w = linear.weight.detach()
+        self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
+                             persistent=False)  # (in, out)
+        self.register_buffer("packed", pack_weight(w) if "packed" in kinds else None, persistent=False)
+        half = (self.out_features + 1) // 2
+        self.half = half
+        self.register_buffer("packed_lo", pack_weight(w[:half].contiguous()) if "halves" in kinds else None,
+                             persistent=False)  # output features [0, half)
+        self.register_buffer("packed_hi", pack_weight(w[half:].contiguous()) if "halves" in kinds else None,
+                             persistent=False)  # [half, out)
+        self.register_buffer("panels", _panels(w) if "panel" in kinds else None,
+                             persistent=False)  # (ceil(out / 16), in, 16)
+
+    def extra_repr(self) -> str:
+        one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
+        return (f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
+                f"{one_thread}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the graph must not depend on this process's timings
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        m = x2.shape[0]
+        one, many, bulk = (self.single if self.single is not None and torch.get_num_threads() == 1
+                           else (self.one, self.many, self.bulk))
+        kind = one if m == 1 else many if m < BULK_FROM else bulk
+        return self.run(kind, x2).view(*x.shape[:-1], self.out_features)
+
+    def run(self, kind: str, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, in) -> (M, out) through `kind`."""
+        w, b = self.weight, self.bias
+        if kind == "linear":
+            return F.linear(x2, w, b)
+        if kind == "pretransposed":
+            return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
+        if kind == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
+        if kind == "panel":
+            return panel_kernel.panel_linear(x2, self.panels, self.out_features, b)
+        if kind == "halves":
+            if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
+                return self.run("packed", x2) if self.packed is not None else F.linear(x2, w, b)
+            return _two_halves(x2, self.packed_lo, self.packed_hi, b, self.half)
+        if kind == "gemv":
+            if x2.shape[0] != 1:
+                raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
+            return (torch.mv(w, x2[0]) if b is None else torch.addmv(b, w, x2[0]))[None]
+        if kind == "sliced":
+            out = x2.new_empty(x2.shape[0], self.out_features)  # (M, out)
+            for s in range(0, self.out_features, self.chunk):
+                e = min(s + self.chunk, self.out_features)
+                out[:, s:e] = F.linear(x2, w[s:e], None if b is None else b[s:e])
+            return out
+        raise ValueError(f"unknown kernel {kind!r}; allowed: {sorted(set(ONE_ROW + MULTI_ROW))}")
+
+
+_HELPER: ThreadPoolExecutor | None = None
+"""One helper thread (one intra-op thread) that computes the upper half of a "halves" Linear."""
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = ThreadPoolExecutor(1, thread_name_prefix="fast-linear-half",
+                                     initializer=torch.set_num_threads, initargs=(1,))
+    return _HELPER
+
+
+def _two_halves(x2: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor | None,
+                half: int) -> torch.Tensor:
+    """One row through a Linear split by output features: [0, half) on this thread, the rest on the
+    helper thread, each on one intra-op thread, at the same time (torch releases the GIL in the op).
+
+    Why: oneDNN's one-row linear streams its weight at one core's rate (~15 GB/s on the EPYC of
+    BENCHMARKS.md, issue 12, the same on 1 and 2 threads) while two cores read ~30 GB/s; a one-row
+    product is memory-bound, so reading two halves on two cores at once nearly halves its time.
+    Each output element is the same dot product as in the whole-weight kernel (bitwise equal in
+    the tests). Costs a thread hand-off (~20-50 us), so it must win its timing to be used."""
+    from engines.cpu.cpu_threads import intra_op_threads
+
+    b_lo, b_hi = (None, None) if b is None else (b[:half], b[half:])
+
+    def upper() -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, hi, b_hi, "none", [], "")
+
+    fut = _helper().submit(upper)
+    with intra_op_threads(1):
+        low = torch.ops.mkldnn._linear_pointwise(x2, lo, b_lo, "none", [], "")
+    return torch.cat([low, fut.result()], dim=1)  # (1, out)
+
+
+class _Weights(nn.Module):
+    """What FastLinear reads of an nn.Linear, around an existing weight (for timing on it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+
+
+MARGIN = 0.9
+"""A kernel replaces plain F.linear only when both its median and its best time are under this fraction
+of linear's (the two statistics must agree: a lucky round alone, or a disturbed one, decides nothing)."""
+
+
+def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
+             clock: Callable[[], float] = time.perf_counter) -> tuple[str, dict[str, float]]:
+    """(the chosen kernel, each kernel's median seconds) over rounds of one call each (after a warm-up
+    call each), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
+    interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet
+    moments. The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on
+    its best round; "linear" otherwise. `clock` is injectable (tests)."""
+    from engines.cpu.cpu_threads import median
+
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
+        for k, fn in fns.items():
+            t = clock()
+            fn()
+            dt = clock() - t
+            times[k].append(dt)
+            spent += dt
+        rounds += 1
+    med = {k: median(v) for k, v in times.items()}
+    winner = min(med, key=med.get)
+    beats = med[winner] < MARGIN * med["linear"] and min(times[winner]) < MARGIN * min(times["linear"])
+    return (winner if beats else "linear"), med
+
+
+_CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}
+"""Choices already made in this process: every engine built here uses the same kernels for a
+shape (the same rounding, hence the same tokens) and pays for the timing once."""
+
+
+def choices_file() -> Path | None:
+    """Where choices persist across processes: $SHARDSERVE_FAST_LINEAR_CACHE ("" turns it off), else
+    ~/.cache/shardserve/fast_linear.json ($XDG_CACHE_HOME honoured)."""
+    env = os.environ.get("SHARDSERVE_FAST_LINEAR_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shardserve" / "fast_linear.json"
+
+
+def machine_key() -> str:
+    """The CPU model, a digest of its flags, the torch build and the intra-op thread count: a
+    choice timed under one of these is reused only under the same."""
+    from engines.core.hardware import cpu_name, read_cpu_flags
+
+    flags = " ".join(sorted(read_cpu_flags() or ()))
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    return (f"{cpu_name()}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+            f"|kernels v{KERNEL_SET}")
+
+
+def _shape_key(out_f: int, in_f: int, dtype: torch.dtype, bias: bool) -> str:
+    return f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')}{' bias' if bias else ''}"
+
+
+def _load_saved() -> dict:
+    path = choices_file()
+    if path is None or not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # a torn or foreign file: time again, overwrite it
+        log.warning("fast_linear: ignoring unreadable %s (%s)", path, exc)
+        return {}
+
+
+def _save(machine: str, shape: str, choice: tuple[str, str, str], times: list[dict[str, float]]) -> None:
+    path = choices_file()
+    if path is None:
+        return
+    data = _load_saved()
+    data.setdefault(machine, {})[shape] = {
+        "kernels": list(choice), "ms": [{k: round(v * 1e3, 4) for k, v in t.items()} for t in times]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError as exc:
+        log.warning("fast_linear: could not save choices to %s (%s)", path, exc)
+
+
+def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.4) -> tuple[str, str, str]:
+    """(one, many, bulk) kernels of this Linear's shape, timed on first use on this machine on its
+    own weight (a transposed and a prepacked copy made for the timing only), ~`budget_s` for each
+    row count (the prefill one at least one round): ~5 s for the GPT-2-124M shapes on 2 cores."""
+    out_f, in_f = weight.shape
+    dtype = weight.dtype
+    key = (out_f, in_f, dtype, torch.get_num_threads())
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
+    saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
+    if isinstance(saved, list) and len(saved) == 3 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
+            not {"packed", "halves"} & set(saved) or packing_available(dtype)) and (
+            "panel" not in saved or panel_available(dtype)):
+        _CHOSEN[key] = (saved[0], saved[1], saved[2])
+        return _CHOSEN[key]
+    packs = packing_available(dtype)
+    # in a model every Linear's weight is read after the others evicted it from the caches, so a
+    # weight smaller than COLD_BYTES is timed on a ring of copies (each call the next one): timed
+    # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
+    copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
+    halves = packs and torch.get_num_threads() >= 2  # a second core to read the other half
+    panels = panel_available(dtype)
+    probes = [FastLinear(_Weights(weight if i == 0 else weight.detach().clone(), bias), "pretransposed",
+                         "packed" if packs else "linear", "halves" if halves else "linear",
+                         prepare=("panel",) if panels else ()) for i in range(copies)]
+    turn = iter(range(1 << 62))
+
+    def call(kind: str, x: torch.Tensor) -> torch.Tensor:
+        return probes[next(turn) % copies].run(kind, x)
+
+    runs = []
+    with torch.no_grad():
+        for rows, kinds, min_rounds in (
+                (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)
+                     and (k != "panel" or panels)], 5),
+                (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
+                             and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
+                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 3)):  # compute-bound
+            x = torch.randn(rows, in_f).to(dtype)
+            runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))
+    probes.clear()  # the copies (up to COLD_BYTES in three layouts) go now
+    _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0])
+    _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
+    log.debug("fast_linear %s: %s; ms %s", key, _CHOSEN[key],
+              [{k: round(v * 1e3, 3) for k, v in t.items()} for _, t in runs])
+    return _CHOSEN[key]
+
+
+def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
+                      ) -> dict[tuple[int, int], tuple[str, str, str]]:
+    """Swap each plain CPU nn.Linear (fp32 / bf16 / fp16) for a FastLinear with its shape's timed
+    kernels (one row, decode batch, prefill chunk); returns the choices by (out, in). A shape whose
+    three choices are all plain linear keeps its nn.Linear.
+
+    single_thread_too: when this runs on several threads, also time each shape on one thread and
+    use those kernels in steps run on one thread (the engine's adaptive thread count). Timing on
+    one thread is also the one that a busy host cannot distort: on 2 cores shared with other
+    processes every 2-thread call waited ~4 ms for its partner thread, so the 2-thread times there
+    were the scheduler's, not the kernels' (BENCHMARKS.md, issue 12, run 7)."""
+    from engines.cpu.cpu_threads import intra_op_threads
+
+    choices: dict[tuple[int, int], tuple[str, str, str]] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            key = (child.out_features, child.in_features)
+            choices[key] = choose_kernels(child.weight, child.bias)
+            single = None
+            if single_thread_too and torch.get_num_threads() > 1:
+                with intra_op_threads(1):
+                    single = choose_kernels(child.weight, child.bias)
+            if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3):
+                setattr(parent, name, FastLinear(child, *choices[key], single=single))
+    if choices:
+        log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
+    return choices
+
+
+class Fp8PanelLinear(nn.Module):
+    """An FP8 weight-only Linear on CPU that keeps one byte a weight: the e4m3 weight in panels, widened in
+    registers by engines/panel_kernel.fp8_linear (per-output scales and the bias applied in the kernel)
+    for decode-sized row counts; a prefill chunk (BULK_FROM rows or more) dequantizes to x's dtype and
+    runs F.linear (compute-bound there: the dequantized copy is per call, never kept).
+
+    Built from an engines.transforms.fp8.Fp8Linear that is not a tensor-parallel shard (`from_fp8`); engines.transforms.fp8.apply_fp8
+    swaps a CPU model's such layers for these instead of dequantizing them at load."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 variant: str = "auto"):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.variant = variant
+        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in, 16) uint8
+        self.register_buffer("scales", weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def from_fp8(cls, mod: nn.Module, dtype: torch.dtype, variant: str = "auto") -> Fp8PanelLinear:
+        """From an engines.transforms.fp8.Fp8Linear (e4m3 weight (out, in), fp32 weight_scale (out, 1)); bias in `dtype`."""
+        if getattr(mod, "comm", None) is not None:
+            raise ValueError("Fp8PanelLinear: a tensor-parallel shard all-reduces its output; not handled here")
+        bias = mod.bias.detach().to(dtype) if mod.bias is not None else None
+        return cls(mod.weight.detach(), mod.weight_scale.detach(), bias, variant)
+
+    def weight_fp8(self) -> torch.Tensor:
+        """The (out, in) e4m3 weight, unpacked from the panels (for the prefill path and checks)."""
+        p = self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]  # (out, in) uint8
+        return p.contiguous().view(torch.float8_e4m3fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if x2.shape[0] >= BULK_FROM:
+            w = (self.weight_fp8().float() * self.scales[:, None]).to(x.dtype)
+            y = F.linear(x2, w, self.bias)
+        else:
+            y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
+        return y.view(*x.shape[:-1], self.out_features)

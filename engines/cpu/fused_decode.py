@@ -1,0 +1,310 @@
+"""A CPU decode step's transformer blocks in one C++ call: no Python between the ops.
+
+At batch 1 a GPT-2-124M decode token is ~10 ms of weight streaming (the Linears) and, in the
+module path, ~1.7 ms of ~300 small ops each entered from Python (norms, the QKV split, KV writes,
+attention, GELU, residual adds, FastLinear's dispatch; BENCHMARKS.md issue 12 run 12): the host
+waits on the interpreter while no weight is read; on a small model at a decode batch of 2-16 those ops
+are most of the step. Here the blocks of a decode-only step run as one C++ function calling the same
+kernels in the same order as engines/model/transformer.py with the kernel each FastLinear chose for the step's row
+count and engines/paged_kernel attention: at::layer_norm, the QKV Linear with its bias, the KV writes
+(one memcpy a row: what index_copy_ does), paged decode attention, the output projection plus the
+residual (the panel kernel adds it in its store loop, after its result is rounded, as torch's add;
+the other kernels through torch's add), layer_norm, the up projection, GELU, the down projection
+plus the residual. The same arithmetic on the same inputs: the hidden states are bitwise those of the
+module path (tests). The blocks' weight, kernel-copy and cache tensors are handed to C++ once
+(`bind`); a step passes a handle and the Linears' kernel codes.
+
+The same loop computes the Llama family (engines/fused_decode.Family): RMSNorm in place of
+LayerNorm (normalised in fp32, rounded, then scaled, as engines/model/transformer.py RMSNorm), the rotary embedding
+of q and k in place (rotate-half; cos / sin computed per step in Python by the model file's own rope
+function, so rope scaling needs nothing here), grouped-query attention (the paged kernel reads a kv
+head once for its group of query heads), the SwiGLU MLP on the fused gate/up Linear, and optional
+parts that other families add: a bias on any Linear (Qwen2's qkv), per-head q / k RMSNorm before the
+rotation (Qwen3). The LM head (tied or not) is outside the blocks and unchanged.
+
+It applies where the module path would run exactly those kernels: a model whose every part the loop
+knows (`family`; anything else, sliding-window attention included, is refused by name), on CPU, every
+block Linear a FastLinear whose timed choice for this row count and thread count is one the loop calls
+(KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed, gemv) or a plain nn.Linear
+(F.linear), decode attention through the paged kernel, a decode-only step. Anything else (prefill
+chunks, FP8 layers, a "halves" / "sliced" kernel chosen, more than BULK_FROM - 1 rows) runs the module
+path.
+
+Shards take it too (engines/runner/model_runner.py). A pipeline stage (engines/parallel/pp.StageModel) runs its own
+layers: the first embeds, a later one starts from the hidden states it received, and only the last
+applies the final norm. A tensor-parallel shard's row-parallel Linears (the attention's output and the
+MLP's down projection) end in an all-reduce, which the C++ loop cannot call, so its step is split at
+those points: one C++ call per half-layer (`decode_half_bound`: norm .. the closing Linear's partial
+product, F.linear without bias, exactly RowParallelLinear's local product), then in Python the
+all-reduce over the shard's communicator, the bias and the residual add, as RowParallelLinear and the
+block compute them: 2 calls and 2 all-reduces a layer instead of ~20 Python-entered ops. The
+source is the panel and paged kernels' own source, each in a namespace of its own, plus the loop in
+csrc/fused_decode.cpp: one build (~40 s on 2 cores, once per machine, engines/cpu/cpp_ext.py);
+EngineConfig.fused_decode "off" never builds or uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engines.cpu import paged_kernel, panel_kernel
+from engines.cpu.cpp_ext import build
+
+CSRC = Path(__file__).parent / "csrc"
+"""The C++ sources beside this package (package data of the installed package)."""
+
+
+def _split(source: str) -> tuple[list[str], str]:
+    """(its #include lines, the rest): the includes go to the top of the combined source, the rest
+    into a namespace (an #include inside a namespace would put the library in it)."""
+    includes = re.findall(r"^#include [<\"].*[>\"]$", source, flags=re.MULTILINE)
+    return includes, re.sub(r"^#include [<\"].*[>\"]$", "", source, flags=re.MULTILINE)
+
+
+def combined_source() -> str:
+    """The panel kernel's and the paged kernel's sources, each in a namespace, then the loop
+    (csrc/fused_decode.cpp)."""
+    parts, includes = [], []
+    loop_inc, loop = _split((CSRC / "fused_decode.cpp").read_text())
+    for name, src in (("panel_src", panel_kernel._SOURCE), ("paged_src", paged_kernel._SOURCE)):
+        inc, body = _split(src)
+        includes += [i for i in inc if i not in includes and "immintrin" not in i]
+        parts.append(f"namespace {name} {{\n{body}\n}}  // namespace {name}\n")
+    includes += [i for i in loop_inc if i not in includes]
+    # immintrin.h only where the panel kernel uses it (its own guard, kept in its body, is now empty)
+    head = "\n".join(includes) + "\n#if defined(__AVX512BF16__)\n#include <immintrin.h>\n#endif\n"
+    return head + "".join(parts) + loop
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> tuple[object | None, str]:
+    """(the built module, why) or (None, why it is unavailable); built on first use."""
+    return build("shardserve_fused_", combined_source(),
+                 ["decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound"], "CPU fused decode step")
+
+
+KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}
+"""FastLinear kernels the C++ loop calls (block_linear's codes); a step whose Linears chose another runs
+the module path."""
+
+ACTS = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
+"""The MLP activations the loop computes (its `act` codes): "silu" is the gated SwiGLU MLP."""
+
+_CHILDREN = {"block": {"norm1", "attn", "norm2", "mlp"}, "attn": {"qkv", "proj", "resid_drop", "q_norm", "k_norm"},
+             "mlp": {"up", "down", "drop"}}
+"""The submodules the loop knows how to compute; a block with any other (a family's new part) runs the
+module path, named in why_not."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the C++ loop computes differently between families, read from the built model."""
+
+    act: int
+    """ACTS code of the MLP."""
+    rms: bool
+    """RMSNorm block norms (Llama, Qwen, Mistral); LayerNorm otherwise (GPT-2)."""
+    rope: bool
+    """Rotary embedding of q and k (cos / sin from the model's own rope function, per step)."""
+    qk_norm: bool
+    """Per-head RMSNorm of q and k before the rotation (Qwen3)."""
+    qk_eps: float
+    """Those norms' epsilon (0 where there are none)."""
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT (a ModuleList) or of a pipeline stage (a ModuleDict), in order."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return []
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def row_parallel(lin: nn.Module) -> bool:
+    """Whether a block Linear is a tensor-parallel row-parallel one (its output all-reduced)."""
+    from engines.parallel.tp import RowParallelLinear
+
+    return isinstance(lin, RowParallelLinear)
+
+
+def family(model: nn.Module) -> Family | str:
+    """The loop's description of this model's (or pipeline stage's) blocks, or why the loop cannot
+    compute them."""
+    from engines.model.transformer import RMSNorm
+
+    cfg = model.cfg
+    for field in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, field, None):
+            return f"{field} is set: the fused step does not compute it"
+    if cfg.activation not in ACTS:
+        return f"activation {cfg.activation!r}: the fused step computes {sorted(ACTS)}"
+    first = getattr(model, "first", True)  # a later pipeline stage holds no embeddings
+    if (first and cfg.uses_rope != (getattr(model, "wpe", None) is None)) or (cfg.uses_rope and cfg.hd % 2):
+        return "positions neither learned (wpe) nor rotary over an even head size"
+    blocks = blocks_of(model)
+    if not blocks:
+        return "no transformer blocks"
+    rms = isinstance(blocks[0].norm1, RMSNorm)
+    qk = getattr(blocks[0].attn, "q_norm", None) is not None
+    qk_eps = blocks[0].attn.q_norm.eps if qk else 0.0
+    for i, block in enumerate(blocks):
+        for part, mod in (("block", block), ("attn", block.attn), ("mlp", block.mlp)):
+            extra = {n for n, _ in mod.named_children()} - _CHILDREN[part]
+            if extra:
+                return f"block {i} has {part} parts the fused step does not compute: {sorted(extra)}"
+        for norm in (block.norm1, block.norm2):
+            ok = isinstance(norm, RMSNorm) if rms else isinstance(norm, nn.LayerNorm)
+            if not ok or norm.eps != cfg.norm_eps:
+                return f"block {i}: norms neither all RMSNorm nor all LayerNorm with eps {cfg.norm_eps}"
+        if getattr(block.attn, "kv_hook", None) is not None:
+            return "a kv_hook is set (p-tuning of every layer, training)"
+        if block.mlp.gated != (cfg.activation == "silu"):
+            return "a gated MLP whose activation is not silu, or silu without the gate"
+        for name in ("q_norm", "k_norm"):
+            n = getattr(block.attn, name, None)
+            if (n is not None) != qk or (n is not None and (
+                    not isinstance(n, RMSNorm) or n.weight.numel() != cfg.hd or n.eps != qk_eps)):
+                return f"block {i}: {name} is not an RMSNorm over the head size in every block (eps {qk_eps})"
+    return Family(act=ACTS[cfg.activation], rms=rms, rope=cfg.uses_rope, qk_norm=qk, qk_eps=qk_eps)
+
+
+def why_not(model: nn.Module, device: torch.device) -> str | None:
+    """Why the fused step cannot run this model here (None: it can, for some row and thread counts)."""
+    from engines.cpu.fast_linear import FastLinear
+
+    if device.type != "cpu":
+        return "not a CPU engine"
+    if getattr(model, "cfg", None) is None:
+        return "not an engines.model.transformer.GPT"
+    fam = family(model)
+    if isinstance(fam, str):
+        return fam
+    for block in blocks_of(model):
+        for lin in (block.attn.qkv, block.mlp.up):
+            if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear:
+                return (f"a block Linear is a {type(lin).__name__} (FP8 layers), neither a FastLinear nor a "
+                        "plain nn.Linear")
+        for lin in (block.attn.proj, block.mlp.down):
+            if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear and not row_parallel(lin):
+                return (f"a block Linear is a {type(lin).__name__} (FP8 layers), neither a FastLinear, a plain "
+                        "nn.Linear nor a tensor-parallel RowParallelLinear")
+    return None
+
+
+def rope(model: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (M, hd / 2) float32 of positions (1, M), from the model file's own rope function (rope
+    scaling included), as GPT.forward computes them."""
+    from engines.model.transformer import rope_cache
+
+    cos, sin = rope_cache(model.cfg, positions)  # (1, M, hd / 2) each
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+class FusedDecode:
+    """The blocks of a model or of a shard as C++ calls for decode-only steps (see the module doc):
+    one call for all blocks, or, on a tensor-parallel shard, one a half-layer between its all-reduces."""
+
+    def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        mod, why = load()
+        if mod is None:
+            raise RuntimeError(why)
+        fam = family(model)
+        if isinstance(fam, str):
+            raise ValueError(f"fused decode step: {fam}")  # noqa: TRY004 (a model it cannot compute)
+        self.mod, self.model, self.family, cfg = mod, model, fam, model.cfg
+        self.first, self.last = getattr(model, "first", True), getattr(model, "last", True)
+        blocks = blocks_of(model)
+        self.split = row_parallel(blocks[0].attn.proj)
+        """A tensor-parallel shard: the step runs half a layer a call, all-reducing in between."""
+        if any(row_parallel(lin) != self.split for b in blocks for lin in (b.attn.proj, b.mlp.down)):
+            raise ValueError("fused decode step: some block Linears are row-parallel and some are not")
+        empty = torch.empty(0)
+
+        def given(t: torch.Tensor | None) -> torch.Tensor:
+            return t if t is not None else empty
+
+        self.linears = [lin for b in blocks for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
+        self.comm = blocks[0].attn.proj.comm if self.split else None
+        # a row-parallel Linear's bias is added after the all-reduce (RowParallelLinear), in Python
+        self.biases = [(b.attn.proj.bias, b.mlp.down.bias) for b in blocks] if self.split else []
+        weights: list[torch.Tensor] = []
+        for b in blocks:
+            weights += [b.norm1.weight, given(getattr(b.norm1, "bias", None)), b.norm2.weight,
+                        given(getattr(b.norm2, "bias", None))]
+            weights += [given(getattr(getattr(b.attn, n, None), "weight", None)) for n in ("q_norm", "k_norm")]
+            for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):  # a plain nn.Linear: F.linear, no copies
+                bias = empty if row_parallel(lin) else given(getattr(lin, "bias", None))
+                weights += [lin.weight, bias, *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
+        self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
+        # this shard's query heads and MLP width (the whole model's on one device)
+        self.n_head = blocks[0].attn.n_head
+        self.ffn = blocks[0].mlp.down.weight.shape[1]
+        self.eps = cfg.norm_eps
+        self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
+
+    def kinds(self, rows: int) -> list[int] | None:
+        """The kernel code (KERNELS) of every block Linear at `rows` rows on this thread count, as
+        FastLinear.forward picks it (a row-parallel Linear: F.linear, as RowParallelLinear); None when
+        one of them is a kernel the C++ loop does not call ("halves", "sliced") or the rows are a
+        prefill-sized batch: the module path runs then."""
+        from engines.cpu.fast_linear import BULK_FROM
+
+        if rows >= BULK_FROM:
+            return None
+        one_thread = torch.get_num_threads() == 1
+        key = (one_thread, rows == 1)
+        if key not in self._kinds:
+            codes: list[int] | None = []
+            for lin in self.linears:
+                if type(lin) is nn.Linear or row_parallel(lin):  # plain: kept by apply_fast_linear, or autotuning off
+                    codes.append(KERNELS["linear"])
+                    continue
+                chosen = lin.single if one_thread and lin.single is not None else (lin.one, lin.many, lin.bulk)
+                code = KERNELS.get(chosen[0 if rows == 1 else 1])
+                if code is None:
+                    codes = None
+                    break
+                codes.append(code)
+            self._kinds[key] = codes
+        return self._kinds[key]
+
+    def usable(self, rows: int) -> bool:
+        """Whether the fused step runs a decode step of `rows` rows (every block Linear's kernel is one
+        it calls, exactly as the module path would: the two paths are then the same ops)."""
+        return self.kinds(rows) is not None
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+            lens: torch.Tensor, block_size: int) -> torch.Tensor:
+        """x: input ids (1, M) of M decode tokens on a first stage (one device: always), the previous
+        stage's hidden states (1, M, C) otherwise; positions (1, M) -> hidden states (1, M, C), after the
+        final norm on the last stage."""
+        model, fam = self.model, self.family
+        if self.first:  # as GPT.forward / StageModel.forward
+            x = model.wte(x)  # (1, M, C)
+            if not fam.rope:
+                x = x + model.wpe(positions)
+        cos, sin = rope(model, positions) if fam.rope else (torch.empty(0), torch.empty(0))
+        kinds = self.kinds(positions.shape[1])
+        args = (slots, table, lens, block_size, self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin)
+        if not self.split:
+            h = self.mod.decode_bound(self.handle, x[0], kinds, *args)
+        else:
+            h = x[0]
+            for layer, biases in enumerate(self.biases):
+                for half, bias in enumerate(biases):
+                    part = self.mod.decode_half_bound(self.handle, h, layer, half, kinds[4 * layer:4 * layer + 4],
+                                                      *args)  # (M, C) this rank's partial product
+                    y = self.comm.all_reduce(part, "tp_layer")
+                    h = h + (y + bias if bias is not None else y)
+        return model.norm_f(h[None]) if self.last else h[None]
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            self.mod.unbind(handle)  # the engine is gone: its weights and caches may be freed

@@ -1,0 +1,50 @@
+"""A CPU paged-attention kernel for decode: one C++ op per layer for every decode sequence.
+
+Decode attention reads each sequence's keys and values once (the step is memory-bound: a context of
+L keys is 2 x L x nkv x hd elements for ~4 x L x nh x hd FLOPs). In torch ops that is either one
+small SDPA call per sequence from a Python loop (single-threaded, ~0.16 ms a call at ~270 keys
+on the 2-core EPYC of BENCHMARKS.md) or a gather of every context into a padded batch, which
+copies the contexts once more than it reads them and measured 15-30x slower than the loop. This
+kernel walks the block table in C++: one task per sequence (or part of its heads) over torch's intra-op
+thread pool (so the engine's adaptive thread count applies), keys and values read in place from
+the cache, scores, softmax and the weighted sum of values in fp32 whatever the cache dtype
+(bf16 / fp16 are widened on load, as the eager path's fp32 scratch does). A task reads each
+slot's key and value rows of its heads once, front to back (one sequential stream: a task per
+(sequence, head) read 128-256-byte pieces 1.5-3 KB apart and streamed 3-8 GB/s once the contexts
+outgrew the last-level cache); query heads that share a kv head (GQA) share its reads; the block
+table is walked block by block (no division per key); the softmax's exponentials are computed 16
+lanes at a time.
+
+It is built once per machine (engines/cpu/cpp_ext.py: gcc, -O3 -march=native, keyed by the CPU's model
+and flags, so a cache shared between machines never loads a binary built for another CPU). `load()`
+returns None with the reason when no compiler is present or the build fails; the engine then
+uses the per-sequence loop and says why (EngineConfig.decode_attention).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from engines.cpu.cpp_ext import build
+
+_SOURCE = (Path(__file__).parent / "csrc" / "paged_kernel.cpp").read_text()
+"""The kernel's C++ source (package data beside this module)."""
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> tuple[object | None, str]:
+    """(the built module, why) or (None, why it is unavailable). Builds on first use (~20 s on 2
+    cores), then loads from torch's extension cache."""
+    return build("shardserve_paged_", _SOURCE, ["paged_decode", "argmax_rows"], "CPU paged-attention kernel")
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                 lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """q (S, nh, hd), caches (slots, nkv, hd), table (S, max_blocks) int64, lens (S) int64 -> (S, nh, hd)."""
+    mod, why = load()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod.paged_decode(q, k_cache, v_cache, table, lens, block_size)

@@ -1,0 +1,117 @@
+"""A CPU Linear kernel for the few rows of a decode step: y = x @ W^T + b on a weight stored in panels.
+
+At 1-32 rows a Linear is neither one matrix-vector product nor a big GEMM, and the kernels torch
+ships are tuned for the two ends: on the 2-core EPYC of BENCHMARKS.md (issue 12) oneDNN's
+prepacked fp32 kernel ran GPT-2-124M's decode Linears at 14 GB/s for one row (the machine streams
+35) and at ~100 GFLOP/s for 16 rows (the fp32 peak is ~190). Here the weight (N, K) is stored once
+as panels (ceil(N / 16), K, 16): 16 output features side by side for each input feature, so a
+panel is one sequential read. One task per panel on torch's intra-op threads keeps up to 16 rows x
+16 outputs of fp32 sums in vector registers, and for each input feature loads 16 weights once and
+multiplies them by each row's value (the rows are transposed first, so those values are adjacent).
+More rows run in blocks of 16 over the same panel while it is in cache.
+
+A bf16 weight is stored as pairs of inputs per output lane, (ceil(N / 16), ceil(K / 2), 16, 2): where
+the CPU has AVX512-BF16 one vdpbf16ps multiplies a lane's pair by the row's pair and adds both to
+the fp32 sum (twice the products of an fp32 FMA per instruction; oneDNN's bf16 kernel does the
+same); elsewhere both halves are widened (a bf16 is the high half of an fp32) and multiplied in
+fp32. Sums are fp32; the result is rounded to the input's dtype. Every output element is one sequential sum over K in
+order, computed by one thread: the result does not depend on the thread count. Vectors are GCC
+vector extensions, so -march=native makes them AVX-512 or two AVX2 registers. Built once per
+machine (engines/cpu/cpp_ext.py); engines/cpu/fast_linear.py times it against torch's kernels for each
+shape and row count and uses it only where it measured faster.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from engines.cpu.cpp_ext import build
+
+PANEL = 16
+"""Output features per panel (one AVX-512 register of fp32)."""
+
+_SOURCE = (Path(__file__).parent / "csrc" / "panel_kernel.cpp").read_text()
+"""The kernel's C++ source (package data beside this module)."""
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+_FP8_SOURCE = (Path(__file__).parent / "csrc" / "fp8_panel_kernel.cpp").read_text()
+"""The FP8 weight-only kernel's source, built into the same module (one build: most of a build's time
+is torch's headers)."""
+
+
+FUNCTIONS = ["pack_panels", "panel_linear", "fp8_pack_panels", "fp8_linear", "fp8_variant"]
+"""The module's bound functions."""
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> tuple[object | None, str]:
+    """(the built module, why) or (None, why it is unavailable); built on first use (~25 s on 2 cores)."""
+    return build("shardserve_panel_", _SOURCE + _FP8_SOURCE, FUNCTIONS, "CPU panel Linear kernels")
+
+
+def available(dtype: torch.dtype) -> bool:
+    return dtype in DTYPES and load()[0] is not None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) -> panels, a copy: fp32 (ceil(N / 16), K, 16), bf16 (ceil(N / 16), ceil(K / 2), 16, 2)."""
+    mod, why = load()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod.pack_panels(weight.detach())
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) through the panels of an (out_features, K) weight (+ bias) -> (M, out_features)."""
+    mod, why = load()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod.panel_linear(x, panels, out_features, bias)
+
+
+FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+"""The FP8 kernel's variants (csrc/fp8_panel_kernel.cpp): "auto" the best this CPU runs; the others forced
+(tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere)."""
+
+
+def load_fp8() -> tuple[object | None, str]:
+    """(the module with the FP8 weight-only kernel, why) or (None, why it is unavailable): the panel module."""
+    return load()
+
+
+def _fp8_mod():
+    mod, why = load_fp8()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod
+
+
+def fp8_variant(variant: str = "auto") -> str:
+    """The variant `variant` resolves to on this CPU; ValueError naming what the CPU lacks for a forced one."""
+    if variant not in FP8_VARIANTS:
+        raise ValueError(f"fp8 kernel variant {variant!r}; allowed: {sorted(FP8_VARIANTS)}")
+    try:
+        code = _fp8_mod().fp8_variant(FP8_VARIANTS[variant])
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from exc
+    return {v: k for k, v in FP8_VARIANTS.items()}[code]
+
+
+def fp8_pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) float8_e4m3fn -> panels (ceil(N / 16), K, 16) of its bytes (one byte a weight)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_pack_panels: a float8_e4m3fn weight, got {weight.dtype}")
+    return _fp8_mod().fp8_pack_panels(weight.detach().view(torch.uint8))
+
+
+def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None, variant: str = "auto") -> torch.Tensor:
+    """x (M, K) fp32 / bf16 through FP8 panels with per-output scales (out_features,) (+ bias) -> (M, out)
+    in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers."""
+    fp8_variant(variant)  # a forced variant the CPU lacks: a clear error
+    return _fp8_mod().fp8_linear(x, panels, scales, out_features, bias, FP8_VARIANTS[variant])

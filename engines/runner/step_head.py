@@ -1,0 +1,118 @@
+"""The last stage's end of a step: logits of the rows to sample, and sampling on one rank.
+
+Every rank of the last pipeline stage turns its micro-batches' sampled rows (and prompt-logprob rows)
+into logits: the full vocabulary on one device, its vocabulary shard on a tensor-parallel rank. TP
+rank 0 samples, after either an argmax combined across shards (a greedy TP batch: two numbers per row
+move) or a gather of the full logits (anything else; on one device the gather is the identity), and is
+the only rank that fills a StepResult.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.parallel.comm import Comm
+from engines.core.plan import SeqResult, SeqWork, StepPlan, StepResult
+from engines.runner.sampler import Sampler
+from engines.core.sampling_params import SamplingParams
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that needs the full vocabulary row (logprobs, penalties, suppression)."""
+    return (p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
+            and p.structured is None)
+
+
+class StepHead:
+    """Logits and sampling of a last-stage rank; `sampler` only on the sampling rank (TP rank 0)."""
+
+    def __init__(self, model: torch.nn.Module, comm: Comm, sampler: Sampler | None, vocab_size: int, tp_rank: int):
+        self.model, self.comm, self.sampler = model, comm, sampler
+        self.vocab_size, self.tp_rank = vocab_size, tp_rank
+        self.params: dict[int, SamplingParams] = {}
+        """Sampling options of the live sequences, kept by every last-stage rank so that all of
+        them take the same (combined-argmax or gathered) path."""
+        self._sample_ids: list[int] = []
+        self._sample_logits: list[torch.Tensor] = []  # (rows, Vp) per micro-batch
+        self._lp_logits: list[tuple[int, list[int], torch.Tensor]] = []
+
+    def update(self, plan: StepPlan) -> None:
+        """Forget released sequences, learn new ones (before the step's rows arrive)."""
+        for seq_id in plan.released_seq_ids:
+            self.params.pop(seq_id, None)
+            if self.sampler is not None:
+                self.sampler.release(seq_id)
+        for init in plan.new_seqs:
+            self.params[init.seq_id] = init.params
+            if self.sampler is not None:
+                self.sampler.add(init)
+
+    def add_rows(self, ws: list[SeqWork], hidden: torch.Tensor) -> None:
+        """Local logits of one micro-batch's rows to sample and its prompt-logprob rows; hidden (n, C)."""
+        rows = []
+        offset = 0
+        for w in ws:
+            if w.sample:
+                rows.append(offset + len(w.token_ids) - 1)
+                self._sample_ids.append(w.seq_id)
+            if w.prompt_lp_targets:
+                first = offset + w.prompt_lp_from - w.start_pos
+                self._lp_logits.append((w.seq_id, w.prompt_lp_targets,
+                                        self.model.logits(hidden[first:first + len(w.prompt_lp_targets)])))
+            offset += len(w.token_ids)
+        if rows:
+            h = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            self._sample_logits.append(self.model.logits(h))  # (rows, Vp)
+
+    def sample(self, result: StepResult | None, want_logits: bool) -> dict[int, torch.Tensor] | None:
+        """Sample the rows added this step into `result` (the sampling rank's); returns the logits of
+        each sampled sequence when want_logits (sampling rank only)."""
+        sample_ids, sample_logits, lp_logits = self._sample_ids, self._sample_logits, self._lp_logits
+        self._sample_ids, self._sample_logits, self._lp_logits = [], [], []
+        logits_out = None
+        if sample_ids:
+            local = torch.cat(sample_logits, 0) if len(sample_logits) > 1 else sample_logits[0]  # (S, Vp)
+            if (self.comm.tp_size > 1 and not want_logits
+                    and all(plain_greedy(self.params[s]) for s in sample_ids)):
+                tokens = self._combined_argmax(local)
+                if self.sampler is not None:
+                    for seq_id, tok in zip(sample_ids, tokens):
+                        self.sampler.states[seq_id].num_output += 1
+                        result.seqs[seq_id] = SeqResult(token_id=tok)
+            else:
+                full = self._gather_full(local)
+                if self.sampler is not None:
+                    for seq_id, (tok, lp) in zip(sample_ids, self.sampler.sample(sample_ids, full)):
+                        result.seqs[seq_id] = SeqResult(token_id=tok, logprob=lp)
+                    if want_logits:
+                        logits_out = {s: full[i].clone() for i, s in enumerate(sample_ids)}
+        for seq_id, targets, local in lp_logits:
+            full = self._gather_full(local)
+            if self.sampler is not None:
+                lp = torch.log_softmax(full, dim=-1)
+                top_n = self.params[seq_id].prompt_logprobs or 0
+                result.seqs.setdefault(seq_id, SeqResult()).prompt_logprobs = [
+                    Sampler.logprob_entry(lp[j], tok, top_n) for j, tok in enumerate(targets)]
+        return logits_out
+
+    def _gather_full(self, local: torch.Tensor) -> torch.Tensor | None:
+        """(rows, Vp) vocabulary shards -> (rows, V) full logits on TP rank 0, None elsewhere."""
+        if self.comm.tp_size == 1:  # one device, or a pipeline stage of one rank: nothing moves
+            return local if local.shape[-1] == self.vocab_size else local[:, :self.vocab_size]
+        parts = self.comm.gather(local, "tp_logits")
+        if parts is None:
+            return None
+        return torch.cat(parts, -1)[:, :self.vocab_size]
+
+    def _combined_argmax(self, local: torch.Tensor) -> list[int]:
+        """Greedy tokens from vocabulary shards: each rank's best (value, id); the highest value
+        wins, ties going to the lowest id (as a single argmax over the full row would)."""
+        vals, idx = local.max(dim=-1)  # (S,)
+        start = self.tp_rank * local.shape[-1]
+        packed = torch.stack([vals.double(), (idx + start).double()], -1)  # (S, 2)
+        parts = self.comm.gather(packed, "tp_logits")
+        if parts is None:
+            return []
+        allp = torch.stack(parts, 1)  # (S, tp, 2)
+        best = allp[:, :, 0].argmax(dim=1)  # first (lowest-rank) maximum
+        return allp[torch.arange(allp.shape[0]), best, 1].long().tolist()
