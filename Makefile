@@ -25,10 +25,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv and install shardserve with its test extras
 
 test: $(STAMP)   ## run the whole test suite
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)  ## the unit and parity tier (tests/conftest.py FAST_TIER); target: under 2 minutes on 2 idle cores
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --fast
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --fast
 
 bench: $(STAMP)  ## run the benchmarks (figures go to BENCHMARKS.md by hand, with the command)
 	$(BIN)/python benchmarks/bench_decode.py
