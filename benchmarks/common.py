@@ -14,8 +14,8 @@ CACHE = Path(os.environ.get("SHARDSERVE_BENCH_CACHE", Path.home() / ".cache" / "
 
 def gpt2_124m_dir() -> Path:
     """A random-weight GPT-2-124M-shaped checkpoint (written once, reused)."""
-    from engines.loading.checkpoint import save_checkpoint
     from engines.core.config import ModelConfig
+    from engines.loading.checkpoint import save_checkpoint
     from engines.model.transformer import GPT
 
     d = CACHE / "gpt2-124m-random"
@@ -26,6 +26,19 @@ def gpt2_124m_dir() -> Path:
     model = GPT(cfg).init_weights(seed=0)
     save_checkpoint(model, cfg, d)
     return d
+
+
+CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+"""The flags that choose a kernel variant here: printed with every figure (the CPU changes between machines)."""
+
+
+def cpu_line() -> str:
+    """'<model name>, <n> cores, flags: <the CPU_FLAGS it has> (no <the others>)'."""
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    return f"{name}, {os.cpu_count()} cores, flags: {' '.join(f for f in CPU_FLAGS if f in flags) or '-'} " \
+           f"(no {' '.join(f for f in CPU_FLAGS if f not in flags) or '-'})"
 
 
 def read_bandwidth(nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 5) -> float:
