@@ -158,14 +158,23 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # `make test` hands whole files to four workers in collection order (--dist loadfile
 # --no-loadscope-reorder; xdist by default puts the files with the most tests first), so a long
 # file with few tests (test_tuner_validate.py: 5 tests, 4 minutes) went last and became the tail:
-# the other workers idled while it ran. Starting the files that take over a minute of a 2-core host
-# first (longest-processing-time-first) ends the suite on short files. Measured by --durations on
-# a fresh clone; the order inside each file is kept.
+# the other workers idled while it ran. The files that take over a minute of a 2-core host start
+# first (longest-processing-time-first), alternating between files that start a Ray instance and
+# files that only compute: four Ray instances starting at once on two loaded cores miss Ray's own
+# 30 s node-registration wait (seen here at load 17). Measured by --durations; the order inside
+# each file is kept.
 SLOW_FIRST = (
-    "test_engine_compile.py", "test_tuner_validate.py", "test_serving_ingress.py", "test_training_loop.py",
-    "test_parallel_ray_http_parity.py", "test_cluster_two_nodes.py", "test_serving_ray.py",
-    "test_serving_steps.py", "test_tuner.py", "test_serving_openapi.py", "test_training_parallel.py",
-    "test_parallel_ray_http.py", "test_loadtest_e2e.py", "test_training_megatron_loop.py",
+    "test_engine_compile.py", "test_tuner_validate.py",
+    "test_training_parallel.py", "test_parallel_ray_http_parity.py",
+    "test_serving_openapi.py", "test_training_loop.py",
+    "test_training_megatron_loop.py", "test_serving_ingress.py",
+    "test_parallel_mp_gpt2.py", "test_parallel_ray_http.py",
+    "test_engine_panel_kernel.py", "test_serving_ray.py",
+    "test_ptuning_training.py", "test_serving_steps.py",
+    "test_fp8_parallel.py", "test_tuner.py",
+    "test_families.py", "test_cluster_two_nodes.py",
+    "test_ptuning_engine.py", "test_serving_cli.py",
+    "test_engine_fast_linear.py", "test_parallel_ray.py",
 )
 
 
