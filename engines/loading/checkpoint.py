@@ -404,8 +404,10 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pat
     hf = model_config_to_hf(cfg)
     hf.pop("torch_dtype", None)
     hf["dtype"] = dtype_name
-    if quantized:
-        hf["quantization_config"] = quantization_config()
+    if quantized:  # block Linears kept in float (a per-layer choice) are named in `ignore`, as vLLM needs
+        kept = sorted({src.name.removesuffix(".weight") for ours, sources in weight_plan(cfg).items()
+                       if ours.endswith(QUANTIZABLE) for src in sources if tensors[src.name].dtype != FP8_DTYPE})
+        hf["quantization_config"] = quantization_config(ignore=("lm_head", *kept))
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     gen = {k: v for k, v in (("bos_token_id", hf["bos_token_id"]), ("eos_token_id", hf["eos_token_id"]))
            if v is not None}
