@@ -96,12 +96,19 @@ def gptq_quantize(model: torch.nn.Module, windows: torch.Tensor, keep: frozenset
     names = {n for n, m in model.named_modules() if n.endswith(BLOCK_LINEARS) and n not in keep
              and isinstance(m, torch.nn.Linear)}
     hs = input_hessians(model, windows, names)
-    for name in sorted(names):
-        lin = model.get_submodule(name)
-        fp8 = Fp8Linear.quantize(lin, getattr(lin, "comm", None))
-        fp8.weight.data, fp8.weight_scale.data = gptq_rows(lin.weight, hs.pop(name), name=name)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, fp8)
+    # the column loop runs thousands of ops on (out, <=128) slices: waking a thread team for each costs
+    # more than it saves (SmolLM2-135M on a loaded 2-core host: 154 s on one thread, >15 min on two)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in sorted(names):
+            lin = model.get_submodule(name)
+            fp8 = Fp8Linear.quantize(lin, getattr(lin, "comm", None))
+            fp8.weight.data, fp8.weight_scale.data = gptq_rows(lin.weight, hs.pop(name), name=name)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, fp8)
+    finally:
+        torch.set_num_threads(threads)
     return len(names)
 
 
