@@ -370,7 +370,8 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pat
     """Write an HF-compatible directory that transformers' AutoModelForCausalLM can load.
 
     fp8 (or a model holding engines.transforms.fp8.Fp8Linear layers) writes the block Linears as FP8 in the
-    compressed-tensors scheme (engines/transforms/fp8_format.py); everything else is written in `dtype`.
+    compressed-tensors scheme (engines/transforms/fp8_format.py); everything else is written in `dtype`, and
+    block Linears left in float next to FP8 ones are named in the config's `ignore` list.
     Files are written to a temporary directory beside `out_dir` and renamed into place, so a
     crash never leaves a half-written checkpoint.
     """
