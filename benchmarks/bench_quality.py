@@ -6,7 +6,9 @@ Prints one table:
   - perplexity on the Shakespeare validation text (the last 5% of the corpus stream, as
     `shardserve data` splits it, decoded back to text and tokenized with SmolLM2's tokenizer):
     ours (engine prompt logprobs) vs transformers' own GGUF-loaded model, fp32 (target 0.1%) and
-    bf16 (target 1%); our TP=3 (its 9 heads refuse TP=2), PP=2 and FP8 (`shardserve quantize`) vs our bf16 (target 1%);
+    bf16 (target 1%); our TP=3 (its 9 heads refuse TP=2), PP=2 and FP8 (`shardserve quantize --calibration`:
+    GPTQ on the training split's text, never the validation text) vs our bf16 (target 1%); `--only fp8` also
+    scores round-to-nearest FP8 and prints each file's weight bytes;
   - greedy answers (fp32, 32 tokens) to 20 fixed chat prompts: ours equal to transformers' (count/20).
 
 Usage: PYTHONPATH=. python benchmarks/bench_quality.py [--windows 8 --window 256]
@@ -51,6 +53,37 @@ def validation_text(texts: list[str], fraction: float = 0.05) -> str:
     """The tail of the corpus stream (the validation split's share), as text."""
     stream = "\n\n".join(texts)
     return stream[int(len(stream) * (1 - fraction)):]
+
+
+def training_text(texts: list[str], fraction: float = 0.05) -> str:
+    """The rest of the stream (the training split): FP8's GPTQ calibration text, never the validation text."""
+    stream = "\n\n".join(texts)
+    return stream[:int(len(stream) * (1 - fraction))]
+
+
+def quantize(src: Path, out: Path, calibration: Path | None) -> None:
+    """`shardserve quantize` (a fresh file: the quantizer is what is measured), GPTQ when given text."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    extra = ["--calibration", str(calibration)] if calibration is not None else []
+    subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(src), "--out", str(out), *extra],
+                   check=True, cwd=ROOT)
+
+
+def weight_bytes(d: Path) -> tuple[int, int]:
+    """(bytes of the block Linear weights and their scales, bytes of all tensors) in a directory's safetensors."""
+    from safetensors import safe_open
+
+    lin = total = 0
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                t = st.get_slice(k)
+                n = math.prod(t.get_shape()) * {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
+                total += n
+                lin += n if ".layers." in k and "_proj." in k else 0
+    return lin, total
 
 
 def engine_nll(model_dir: Path, windows: list[list[int]], **opts) -> tuple[float, int]:
@@ -102,14 +135,10 @@ def main() -> None:
         dirs[dt] = args.work / f"smollm2-{dt}"
         if not (dirs[dt] / "config.json").is_file():
             import_gguf(gguf_path, dirs[dt], dtype=dt)
-    fp8 = args.work / "smollm2-fp8"
-    if args.only == "fp8" and fp8.is_dir():  # the quantizer is what is measured: never a stale file
-        import shutil
-
-        shutil.rmtree(fp8)
-    if not (fp8 / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(dirs["bf16"]),
-                        "--out", str(fp8)], check=True, cwd=ROOT)
+    fp8 = args.work / "smollm2-fp8"  # GPTQ on the training split's text (the quantizer is re-run: never stale)
+    calibration = args.work / "calibration.txt"
+    calibration.write_text(training_text(shakespeare_texts()), encoding="utf-8")
+    quantize(dirs["bf16"], fp8, calibration)
     ours_tk = Tokenizer.from_dir(dirs["fp32"])
     if args.only == "fp8":
         return fp8_only(args, dirs, fp8, ours_tk, t0)
@@ -144,7 +173,7 @@ def main() -> None:
     # SmolLM2-135M has 9 query / 3 KV heads: TP=2 does not divide them, TP=3 is the smallest TP it allows
     for label, d, opts in (("ours TP=3 bf16", dirs["fp32"], {"tensor_parallel_size": 3}),
                            ("ours PP=2 bf16", dirs["fp32"], {"pipeline_parallel_size": 2}),
-                           ("ours FP8 (bf16 act)", fp8, {})):
+                           ("ours FP8 GPTQ (bf16 act)", fp8, {})):
         nll, n = engine_nll(d, windows, dtype="bfloat16", **opts)
         ppl[label] = math.exp(nll / n)
     rows["ppl_tokens"] = n
@@ -181,7 +210,7 @@ def main() -> None:
     print(f"{'model':28s} {'ppl':>9s} {'vs ref':>9s} {'target':>7s}")
     for label, ref, tgt in (("ours fp32", "transformers fp32", 0.1), ("ours bf16", "transformers bf16", 1.0),
                             ("ours TP=3 bf16", "ours bf16", 1.0), ("ours PP=2 bf16", "ours bf16", 1.0),
-                            ("ours FP8 (bf16 act)", "ours bf16", 1.0)):
+                            ("ours FP8 GPTQ (bf16 act)", "ours bf16", 1.0)):
         for name in (ref, label) if ref.startswith("transformers") else (label,):
             d = 100 * (ppl[name] / ppl[ref] - 1)
             print(f"{name:28s} {ppl[name]:9.4f} {d:+8.3f}% {('<=' + str(tgt) + '%') if name == label else '':>7s}"
@@ -193,20 +222,30 @@ def main() -> None:
 
 
 def fp8_only(args, dirs: dict[str, Path], fp8: Path, ours_tk, t0: float) -> None:
-    """`--only fp8`: our bf16 and FP8 (bf16 activations) perplexity on the same windows, and their ratio."""
+    """`--only fp8`: our bf16, FP8 round-to-nearest and FP8 GPTQ (bf16 activations) perplexity on the same
+    windows, their ratios, and the weight bytes of each file."""
     val_ids = ours_tk.encode(validation_text(shakespeare_texts()))
     windows = [val_ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
-    ppl = {}
-    for label, d in (("ours bf16", dirs["fp32"]), ("ours FP8 (bf16 act)", fp8)):
+    rtn = args.work / "smollm2-fp8-rtn"
+    quantize(dirs["bf16"], rtn, None)
+    ppl, size = {}, {}
+    # the bf16 row runs the fp32 import in bf16 (as the full table does); its bytes are the bf16 file's
+    for label, d, f in (("ours bf16", dirs["fp32"], dirs["bf16"]), ("ours FP8 RTN (bf16 act)", rtn, rtn),
+                        ("ours FP8 GPTQ (bf16 act)", fp8, fp8)):
         nll, n = engine_nll(d, windows, dtype="bfloat16")
-        ppl[label] = math.exp(nll / n)
-    d = 100 * (ppl["ours FP8 (bf16 act)"] / ppl["ours bf16"] - 1)
+        ppl[label], size[label] = math.exp(nll / n), weight_bytes(f)
+    delta = {k: 100 * (v / ppl["ours bf16"] - 1) for k, v in ppl.items()}
     (ROOT / "runs").mkdir(exist_ok=True)
-    (ROOT / "runs" / "bench_quality_fp8.json").write_text(json.dumps({"ppl": ppl, "tokens": n, "delta_pct": d}))
-    print(f"perplexity, {n:,} predicted tokens ({args.windows} windows of {args.window}):")
+    (ROOT / "runs" / "bench_quality_fp8.json").write_text(json.dumps(
+        {"ppl": ppl, "tokens": n, "delta_pct": delta, "bytes": size}, indent=2))
+    print(f"perplexity on the Shakespeare validation text, {n:,} predicted tokens ({args.windows} windows of "
+          f"{args.window}); FP8 files from `shardserve quantize` of {dirs['bf16'].name}:")
+    print(f"{'model':26s} {'ppl':>9s} {'vs bf16':>9s} {'block Linear bytes':>19s} {'all weight bytes':>17s}")
+    lin0, tot0 = size["ours bf16"]
     for label, v in ppl.items():
-        print(f"{label:28s} {v:9.4f}")
-    print(f"FP8 vs ours bf16: {d:+.3f}% (target <= 1%)  ({time.time() - t0:.1f} s)")
+        lin, tot = size[label]
+        print(f"{label:26s} {v:9.4f} {delta[label]:+8.3f}% {lin:>12,} {lin / lin0:5.3f}x {tot:>11,} {tot / tot0:5.3f}x")
+    print(f"FP8 GPTQ vs ours bf16: {delta['ours FP8 GPTQ (bf16 act)']:+.3f}% (target <= 1%)  ({time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,22 @@ def quantize(
     model: Path = typer.Option(..., "--model", help="Source checkpoint directory (float weights)."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
     format: str = typer.Option("fp8", "--format", help="Quantization format: fp8 (e4m3, per-channel scales)."),
+    calibration: Path | None = typer.Option(
+        None, "--calibration", help="UTF-8 text file (e.g. the training split) for GPTQ error compensation; "
+        "without it each weight is rounded to nearest."),
+    calibration_windows: int = typer.Option(16, help="Windows of calibration text (spread over the file)."),
+    calibration_window: int = typer.Option(256, help="Tokens per calibration window."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
     fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
-    embeddings, norms and the LM head keep the source dtype.
+    embeddings, norms and the LM head keep the source dtype. With --calibration the e4m3 codes are
+    chosen by GPTQ (engines/transforms/fp8_gptq.py) on that text: same scales and file layout,
+    smaller output error.
     """
+    import torch
+
     from engines.loading.checkpoint import (
         QUANTIZABLE,
         CheckpointError,
@@ -53,18 +62,22 @@ def quantize(
         src_dtype = reader.get(next(iter(weight_plan(cfg).values()))[0].name).dtype
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
-        net, cfg = load_model(model, dtype=src_dtype)
+        # GPTQ's calibration pass and Hessians run in fp32; the file keeps src_dtype either way
+        net, cfg = load_model(model, dtype=torch.float32 if calibration is not None else src_dtype)
+        if calibration is not None:
+            _gptq(net, model, calibration, calibration_windows, calibration_window)
         before = _linear_bytes(reader, cfg)
         from engines.loading.checkpoint import save_checkpoint
 
         save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=True, tokenizer_dir=model)
-    except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError) as exc:
+    except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     after = _linear_bytes(TensorReader(out), cfg)
     n = sum(len(sources) for name, sources in weight_plan(cfg).items() if name.endswith(QUANTIZABLE))
     total_in = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales), the rest kept in "
+    how = f"GPTQ on {calibration}" if calibration is not None else "round to nearest"
+    typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales, {how}), the rest kept in "
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
                f"weight files: {total_in:,} -> {total_out:,} bytes ({total_out / max(total_in, 1):.3f}x)")
@@ -73,6 +86,28 @@ def quantize(
                    "correctly (its GPT-2 layers are Conv1D, which compressed-tensors does not quantize, so it "
                    "loads the e4m3 values without their scales). Llama-family files load in all three. "
                    "See docs/fp8.md.")
+
+
+def _gptq(net, model: Path, calibration: Path, windows: int, window: int) -> None:
+    """Quantize net's block Linears in place with GPTQ on the calibration text (tokenized with the model's
+    tokenizer); raises ValueError naming --calibration for an unusable file."""
+    from engines.loading.tokenizer import Tokenizer
+    from engines.transforms.fp8_gptq import calibration_windows, gptq_quantize
+
+    if not calibration.is_file():
+        raise ValueError(f"--calibration: {str(calibration)!r} is not a file")
+    tk = Tokenizer.from_dir(model)
+    if tk is None:
+        raise ValueError(f"--calibration: {str(model)!r} has no tokenizer.json to tokenize the text with")
+    try:
+        text = calibration.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--calibration: {str(calibration)!r} is not UTF-8 text ({exc})") from exc
+    try:
+        wins = calibration_windows(tk.encode(text), windows, window)
+    except ValueError as exc:
+        raise ValueError(f"--calibration: {exc}") from exc
+    gptq_quantize(net, wins)
 
 
 def _linear_bytes(reader, cfg) -> int:

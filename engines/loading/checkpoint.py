@@ -370,7 +370,8 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pat
     """Write an HF-compatible directory that transformers' AutoModelForCausalLM can load.
 
     fp8 (or a model holding engines.transforms.fp8.Fp8Linear layers) writes the block Linears as FP8 in the
-    compressed-tensors scheme (engines/transforms/fp8_format.py); everything else is written in `dtype`.
+    compressed-tensors scheme (engines/transforms/fp8_format.py); everything else is written in `dtype`, and
+    block Linears left in float next to FP8 ones are named in the config's `ignore` list.
     Files are written to a temporary directory beside `out_dir` and renamed into place, so a
     crash never leaves a half-written checkpoint.
     """
@@ -404,8 +405,10 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pat
     hf = model_config_to_hf(cfg)
     hf.pop("torch_dtype", None)
     hf["dtype"] = dtype_name
-    if quantized:
-        hf["quantization_config"] = quantization_config()
+    if quantized:  # block Linears kept in float (a per-layer choice) are named in `ignore`, as vLLM needs
+        kept = sorted({src.name.removesuffix(".weight") for ours, sources in weight_plan(cfg).items()
+                       if ours.endswith(QUANTIZABLE) for src in sources if tensors[src.name].dtype != FP8_DTYPE})
+        hf["quantization_config"] = quantization_config(ignore=("lm_head", *kept))
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     gen = {k: v for k, v in (("bos_token_id", hf["bos_token_id"]), ("eos_token_id", hf["eos_token_id"]))
            if v is not None}

@@ -5,7 +5,9 @@ The scheme is the one transformers (with the `compressed-tensors` package) and v
 `<name>.weight_scale` as fp32 (out, 1), one scale per output channel, with
     weight ~= weight_fp8.float() * weight_scale,   weight_scale = absmax(row) / 448.
 Activations are quantized on the fly, one scale per token, by the engine that runs the file.
-Embeddings, norms and the LM head stay in the source dtype (`ignore: ["lm_head"]`).
+Embeddings, norms and the LM head stay in the source dtype (`ignore: ["lm_head"]`, plus any block
+Linear a model keeps in float). `shardserve quantize --calibration TEXT` keeps these scales and this
+layout and only chooses the e4m3 codes differently (GPTQ, engines/transforms/fp8_gptq.py).
 
 This module holds what both sides of a checkpoint need: the quantizer, the config that is
 written, and the parsing of a config that is read. The schemes we read are this one, per-tensor
