@@ -114,4 +114,4 @@ def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_
     """x (M, K) fp32 / bf16 through FP8 panels with per-output scales (out_features,) (+ bias) -> (M, out)
     in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers."""
     fp8_variant(variant)  # a forced variant the CPU lacks: a clear error
-    return _fp8_mod().fp8_linear(x, panels, scales, out_features, bias, FP8_VARIANTS[variant])
+    return _fp8_mod().fp8_linear(x, panels, scales.float().contiguous(), out_features, bias, FP8_VARIANTS[variant])
