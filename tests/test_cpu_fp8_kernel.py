@@ -36,14 +36,15 @@ def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("rows", "n", "k", "dtype", "bias"), [
-    (1, 40, 130, torch.float32, False), (5, 33, 64, torch.float32, True), (11, 16, 200, torch.float32, False),
+    (1, 40, 131, torch.float32, False), (5, 33, 64, torch.float32, True), (11, 16, 200, torch.float32, False),
     (3, 50, 96, torch.bfloat16, True)])
 def test_fp8_kernel_equals_dequantize_then_matmul(variant, rows, n, k, dtype, bias):
     w, scales = _fp8_weight(n, k, seed=rows)
     b = torch.randn(n) if bias else None
     x = torch.randn(rows, k).to(dtype)
     panels = pk.fp8_pack_panels(w)
-    assert panels.dtype == torch.uint8 and panels.numel() == -(-n // 16) * 16 * k  # one byte a weight
+    assert panels.dtype == torch.uint8 and panels.numel() == -(-n // 16) * 16 * -(-k // 2) * 2  # one byte a weight
+    assert torch.equal(pk.fp8_unpack_panels(panels, n, k).view(torch.uint8), w.view(torch.uint8))
     got = pk.fp8_linear(x, panels, scales, n, b, variant=variant)
     ref = x.float() @ (w.float() * scales[:, None]).t() + (b if bias else 0)  # dequantize, then matmul
     assert got.dtype == dtype and got.shape == (rows, n)

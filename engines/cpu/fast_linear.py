@@ -391,7 +391,7 @@ class Fp8PanelLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.variant = variant
-        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in, 16) uint8
+        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in / 2, 32) uint8
         self.register_buffer("scales", weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
         self.bias = bias
 
@@ -405,8 +405,7 @@ class Fp8PanelLinear(nn.Module):
 
     def weight_fp8(self) -> torch.Tensor:
         """The (out, in) e4m3 weight, unpacked from the panels (for the prefill path and checks)."""
-        p = self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]  # (out, in) uint8
-        return p.contiguous().view(torch.float8_e4m3fn)
+        return panel_kernel.fp8_unpack_panels(self.panels, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, in)
