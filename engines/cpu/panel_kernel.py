@@ -14,7 +14,9 @@ A bf16 weight is stored as pairs of inputs per output lane, (ceil(N / 16), ceil(
 the CPU has AVX512-BF16 one vdpbf16ps multiplies a lane's pair by the row's pair and adds both to
 the fp32 sum (twice the products of an fp32 FMA per instruction; oneDNN's bf16 kernel does the
 same); elsewhere both halves are widened (a bf16 is the high half of an fp32) and multiplied in
-fp32. Sums are fp32; the result is rounded to the input's dtype. Every output element is one sequential sum over K in
+fp32 (on an AVX2 host without AVX-512 the one-row path is AVX2 + FMA intrinsics chosen at run time,
+PANEL_VARIANTS: GCC's 64-byte vector code went through the stack there). Sums are fp32; the result is
+rounded to the input's dtype. Every output element is one sequential sum over K in
 order, computed by one thread: the result does not depend on the thread count. Vectors are GCC
 vector extensions, so -march=native makes them AVX-512 or two AVX2 registers. Built once per
 machine (engines/cpu/cpp_ext.py); engines/cpu/fast_linear.py times it against torch's kernels for each
