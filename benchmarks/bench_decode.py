@@ -2,6 +2,15 @@
 
     .venv/bin/python benchmarks/bench_decode.py [--tokens 64] [--rounds 4] [--device cpu|cuda]
     .venv/bin/python benchmarks/bench_decode.py --fused-ab [--tokens 32] [--rounds 3]
+    .venv/bin/python benchmarks/bench_decode.py --real [--model DIR] [--tokens 48] [--rounds 5] [--threads 2]
+
+--real: the real SmolLM2-135M-Instruct (default /work/main/models/smollm2) at batch 1 in fp32, bf16 and FP8
+weight-only (the `shardserve quantize` file, written once into the bench cache; bf16 activations), the fused
+CPU decode step on: decode tok/s (a 1-token and a (1 + N)-token generation timed back to back, the
+difference), rounds interleaved, best of each; the weight bytes a decode token reads and the replica's
+weight memory (the model's tensors: parameters, kernel copies, scales), FP8 / bf16 both ways; and the
+fraction of the memory roofline: weight bytes per token over the best of a streaming read (fp32 sum) and a
+copy (bytes read + written), measured between the rounds.
 
 --fused-ab: on a random-weight Llama of SmolLM2-135M's shape (30 layers, width 576, 9 q / 3 kv heads,
 FFN 1536, vocabulary 49152, tied head), our engine with the fused CPU decode step against the same
@@ -85,6 +94,128 @@ def fused_ab(args) -> None:
         del llms
 
 
+FP8_OVER_BF16, ROOFLINE = 1.6, 0.80
+"""Issue 40 targets: batch-1 FP8 / bf16 decode, and the fraction of the memory roofline."""
+
+
+def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes/s moved by a large copy (read + written, STREAM's convention), best of N."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct tensor storages (parameters and buffers: weights, kernel copies, scales)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is None or t.device.type != "cpu":
+            continue
+        try:
+            key, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except NotImplementedError:  # oneDNN's packed weight (opaque): its elements
+            key, n = id(t), t.numel() * t.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += n
+    return total
+
+
+def read_bytes_per_token(model: torch.nn.Module) -> int:
+    """Weight bytes one batch-1 decode token reads: each block Linear's weight as its kernel stores it (FP8
+    panels one byte a weight plus the scales), the LM head, the norms (embedding lookups: one row, left out)."""
+    from engines.cpu.fast_linear import Fp8PanelLinear
+    from engines.cpu.fused_decode import blocks_of
+
+    total = 0
+    for b in blocks_of(model):
+        for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):
+            if isinstance(lin, Fp8PanelLinear):
+                total += lin.panels.numel() + 4 * lin.scales.numel()
+            else:
+                total += lin.weight.numel() * lin.weight.element_size()
+        total += sum(p.numel() * p.element_size() for n in (b.norm1, b.norm2) for p in n.parameters())
+    head = model.lm_head.weight
+    return total + head.numel() * head.element_size()
+
+
+def fp8_dir(model: Path) -> Path:
+    """`shardserve quantize --format fp8` of `model`, written once into the bench cache."""
+    import subprocess
+
+    from benchmarks.common import CACHE
+
+    out = CACHE / f"{model.name}-fp8"
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(model), "--out", str(out)],
+                       check=True, cwd=Path(__file__).resolve().parents[1])
+    return out
+
+
+def real_model(args) -> None:
+    """fp32, bf16 and FP8 batch-1 decode on the real model against the memory roofline (see the module doc)."""
+    import os
+
+    from engines import LLM, SamplingParams
+    from engines.core.hardware import cpu_name, read_cpu_flags
+    from engines.cpu.panel_kernel import fp8_variant
+
+    model = Path(args.model)
+    flags = sorted(f for f in (read_cpu_flags() or ()) if f.startswith(("avx", "fma", "f16c", "amx")))
+    print(f"batch-1 decode, {model.name}, {args.tokens} tokens, threads={args.threads}; CPU {cpu_name()} "
+          f"({' '.join(flags)}); FP8 kernel variant {fp8_variant('auto')}; load average {os.getloadavg()[0]:.1f}")
+    runs = {"fp32": (model, "float32"), "bf16": (model, "bfloat16"), "fp8": (fp8_dir(model), "bfloat16")}
+    # a fixed thread count (the adaptive chooser would pick per step, on a busy host unlike run to run)
+    llms = {k: LLM(d, dtype=dt, worker_threads=args.threads) for k, (d, dt) in runs.items()}
+    for k, llm in llms.items():
+        runner = llm.engine.executor.runner
+        if runner.fused is None:
+            print(f"  {k}: the fused step does not apply ({runner.why_not.get('fused')})")
+    prompt = [list(range(100, 108))]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=1 + args.tokens, ignore_eos=True)
+    best = {k: float("inf") for k in llms}
+    bw_read = bw_copy = 0.0
+    for llm in llms.values():
+        llm.generate(prompt, many)  # warm-up
+    for _ in range(args.rounds):
+        for k, llm in llms.items():  # A/B/C interleaved: a neighbour's burst hits all alike
+            t0 = time.perf_counter()
+            llm.generate(prompt, one)
+            t1 = time.perf_counter()
+            llm.generate(prompt, many)
+            t2 = time.perf_counter()
+            best[k] = min(best[k], ((t2 - t1) - (t1 - t0)) / args.tokens)
+        bw_read = max(bw_read, read_bandwidth(1 << 28))
+        bw_copy = max(bw_copy, copy_bandwidth())
+    bw = max(bw_read, bw_copy)
+    print(f"  memory: streaming read {bw_read / 1e9:.1f} GB/s, copy {bw_copy / 1e9:.1f} GB/s (read + written); "
+          f"roofline on {bw / 1e9:.1f} GB/s; load average now {os.getloadavg()[0]:.1f}")
+    res = {}
+    for k, llm in llms.items():
+        m = llm.engine.executor.runner.model
+        rb, mem = read_bytes_per_token(m), tensor_bytes(m)
+        tps = 1 / best[k]
+        res[k] = (tps, rb, mem)
+        print(f"  {k:5s} {tps:7.1f} tok/s ({best[k] * 1e3:6.2f} ms/token) | reads {rb / 1e6:6.1f} MB/token -> "
+              f"{rb * tps / 1e9:5.1f} GB/s = {100 * rb * tps / bw:4.1f}% of the roofline | weight memory "
+              f"{mem / 1e6:6.1f} MB | paths {dict(llm.engine.executor.runner.paths)}")
+    f, b = res["fp8"], res["bf16"]
+    print(f"  fp8 / bf16: {f[0] / b[0]:.2f}x tok/s [{'MET' if f[0] / b[0] >= FP8_OVER_BF16 else 'MISSED'} "
+          f">= {FP8_OVER_BF16}x]; bytes read a token {f[1] / b[1]:.3f}x (the ceiling of the speed-up: "
+          f"{b[1] / f[1]:.2f}x); weight memory {f[2] / b[2]:.3f}x")
+    print(f"  bf16 / fp32: {b[0] / res['fp32'][0]:.2f}x tok/s")
+    for k, (tps, rb, _) in res.items():
+        frac = rb * tps / bw
+        print(f"  roofline {k}: {100 * frac:.1f}% [{'MET' if frac >= ROOFLINE else 'MISSED'} >= {100 * ROOFLINE:.0f}%]")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=64)
@@ -93,10 +224,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--fused-ab", action="store_true", help="fused decode step on / off, SmolLM2 shape")
+    ap.add_argument("--real", action="store_true", help="fp32 / bf16 / FP8 batch 1 on the real model, roofline")
+    ap.add_argument("--model", default="/work/main/models/smollm2", help="--real: the model directory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.fused_ab:
         return fused_ab(args)
+    if args.real:
+        return real_model(args)
     from transformers import AutoModelForCausalLM
 
     from engines import LLM, SamplingParams

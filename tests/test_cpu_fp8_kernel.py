@@ -36,19 +36,34 @@ def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("rows", "n", "k", "dtype", "bias"), [
-    (1, 40, 130, torch.float32, False), (5, 33, 64, torch.float32, True), (11, 16, 200, torch.float32, False),
+    (1, 40, 131, torch.float32, False), (5, 33, 64, torch.float32, True), (11, 16, 200, torch.float32, False),
     (3, 50, 96, torch.bfloat16, True)])
 def test_fp8_kernel_equals_dequantize_then_matmul(variant, rows, n, k, dtype, bias):
     w, scales = _fp8_weight(n, k, seed=rows)
     b = torch.randn(n) if bias else None
     x = torch.randn(rows, k).to(dtype)
     panels = pk.fp8_pack_panels(w)
-    assert panels.dtype == torch.uint8 and panels.numel() == -(-n // 16) * 16 * k  # one byte a weight
+    assert panels.dtype == torch.uint8 and panels.numel() == -(-n // 16) * 16 * -(-k // 2) * 2  # one byte a weight
+    assert torch.equal(pk.fp8_unpack_panels(panels, n, k).view(torch.uint8), w.view(torch.uint8))
     got = pk.fp8_linear(x, panels, scales, n, b, variant=variant)
     ref = x.float() @ (w.float() * scales[:, None]).t() + (b if bias else 0)  # dequantize, then matmul
     assert got.dtype == dtype and got.shape == (rows, n)
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 8e-3}  # bf16: one rounding
     torch.testing.assert_close(got, ref.to(dtype), **tol)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize(("rows", "n"), [(1, 16 * 9 + 5), (7, 40)])
+def test_vector_variants_give_the_portable_bits(variant, rows, n):
+    """Every variant sums each output in the same order with one fused multiply-add an input: the same bits
+    as the portable scalar reference (one row: several panels a pass; a tail panel alone; a row block)."""
+    w, scales = _fp8_weight(n, 72, seed=n)
+    panels = pk.fp8_pack_panels(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, 72).to(dtype)
+        b = torch.randn(n)
+        assert torch.equal(pk.fp8_linear(x, panels, scales, n, b, variant=variant),
+                           pk.fp8_linear(x, panels, scales, n, b, variant="portable"))
 
 
 def test_the_decoding_is_exact_for_every_byte():
@@ -64,7 +79,7 @@ def test_variants_resolve_and_refuse_by_name():
     assert pk.fp8_variant("portable") == "portable"
     with pytest.raises(ValueError, match="allowed"):
         pk.fp8_variant("amx")
-    if not _runs_here("avx512"):
+    if not _runs_here("avx512"):  # this AVX2 host: the AVX-512 variant is compiled, guarded, refused by name
         with pytest.raises(ValueError, match="AVX-512F"):
             pk.fp8_linear(torch.ones(1, 16), pk.fp8_pack_panels(torch.ones(16, 16).to(torch.float8_e4m3fn)),
                           torch.ones(16), 16, variant="avx512")

@@ -181,3 +181,29 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
             got.append(fused.run(ids[:, t][None], torch.tensor([[t, t]]), slots, table, torch.tensor([t + 1] * 2), 4))
         expect = hf(ids, output_hidden_states=True).hidden_states[-1]  # (2, T, C) after the final norm
     torch.testing.assert_close(torch.cat(got)[:, :, :].transpose(0, 1), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "variant"), [("float32", "portable"), ("bfloat16", "auto")])
+def test_fp8_fused_step_equals_the_module_path(llama_dir, monkeypatch, dtype, variant):
+    """FP8 weight-only blocks (quantized at load, kept one byte a weight in Fp8PanelLinear panels): the fused
+    step runs them through the same FP8 kernel variant as the module path, bit for bit (tokens and logprobs)."""
+    from engines.cpu.panel_kernel import FP8_VARIANTS
+
+    _force(monkeypatch, dtype=dtype)
+    make = fl.Fp8PanelLinear.from_fp8.__func__
+    monkeypatch.setattr(fl.Fp8PanelLinear, "from_fp8",
+                        classmethod(lambda cls, mod, dt, variant_=variant: make(cls, mod, dt, variant_)))
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
+            "max_num_batched_tokens": 16, "weight_dtype": "fp8"}
+    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
+    runner = fused.executor.runner
+    assert runner.fused is not None, runner.why_not
+    assert all(isinstance(lin, fl.Fp8PanelLinear) and lin.variant == variant for lin in runner.fused.linears)
+    assert runner.fused.kinds(1) == [fd.FP8_KERNEL + FP8_VARIANTS[variant]] * len(runner.fused.linears)
+    calls = []
+    run = runner.fused.run
+    monkeypatch.setattr(runner.fused, "run", lambda *a: calls.append(a[0].shape[1]) or run(*a))
+    expect, got = (run_staggered(e, PARAMS, _tokens_and_logprobs) for e in (off, fused))
+    assert got == expect
+    assert len(calls) > 20 and max(calls) > 1

@@ -131,3 +131,33 @@ def test_kernel_calls_release_the_gil():
     quarter = (t1 - t0) / 4
     inside = [t for t in ticks if t0 + quarter < t < t1 - quarter]
     assert len(inside) > 10, f"{len(inside)} Python iterations in the middle half of a {t1 - t0:.3f} s kernel call"
+
+
+def _row_variant_runs(variant: str) -> bool:
+    try:
+        return pk.panel_variant(variant) == variant
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("variant", [pytest.param("avx2", marks=pytest.mark.skipif(
+    not _row_variant_runs("avx2"), reason="this CPU lacks AVX2 + FMA (the variant is tested where they exist)"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_variants_give_the_portable_bits(variant, dtype):
+    """The one-row kernel forced to each variant: the portable code's bits (same FMAs, same order), on 4-panel
+    passes and a tail (9 panels), with a bias; and still a row of a batch's bits."""
+    torch.manual_seed(2)
+    w = torch.randn(16 * 9 - 3, 130).to(dtype)
+    b = torch.randn(w.shape[0]).to(dtype)
+    x = torch.randn(3, 130).to(dtype)
+    panels = pk.pack_panels(w)
+    got = pk.panel_linear(x[:1], panels, w.shape[0], b, variant=variant)
+    assert torch.equal(got, pk.panel_linear(x[:1], panels, w.shape[0], b, variant="portable"))
+    assert torch.equal(got, pk.panel_linear(x, panels, w.shape[0], b)[:1])
+
+
+def test_panel_variants_resolve_and_refuse_by_name():
+    assert pk.panel_variant("auto") in ("portable", "avx2")
+    assert pk.panel_variant("portable") == "portable"
+    with pytest.raises(ValueError, match="allowed"):
+        pk.panel_variant("avx512")

@@ -49,10 +49,11 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 4
+KERNEL_SET = 5
 """Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
-agree, see _fastest), part of the saved choices' key: a choice saved before a kernel was added never
-competed with it, so a new set times every shape again."""
+agree, see _fastest; 5: the panel kernel's AVX2 one-row code, 2-3x faster on AVX2 hosts), part of the saved
+choices' key: a choice saved before a kernel was added or changed never competed with it, so a new set
+times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
 BULK_FROM = 65
@@ -391,7 +392,7 @@ class Fp8PanelLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.variant = variant
-        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in, 16) uint8
+        self.register_buffer("panels", panel_kernel.fp8_pack_panels(weight), persistent=False)  # (P, in / 2, 32) uint8
         self.register_buffer("scales", weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
         self.bias = bias
 
@@ -405,8 +406,7 @@ class Fp8PanelLinear(nn.Module):
 
     def weight_fp8(self) -> torch.Tensor:
         """The (out, in) e4m3 weight, unpacked from the panels (for the prefill path and checks)."""
-        p = self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]  # (out, in) uint8
-        return p.contiguous().view(torch.float8_e4m3fn)
+        return panel_kernel.fp8_unpack_panels(self.panels, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, in)

@@ -25,10 +25,11 @@ rotation (Qwen3). The LM head (tied or not) is outside the blocks and unchanged.
 It applies where the module path would run exactly those kernels: a model whose every part the loop
 knows (`family`; anything else, sliding-window attention included, is refused by name), on CPU, every
 block Linear a FastLinear whose timed choice for this row count and thread count is one the loop calls
-(KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed, gemv) or a plain nn.Linear
-(F.linear), decode attention through the paged kernel, a decode-only step. Anything else (prefill
-chunks, FP8 layers, a "halves" / "sliced" kernel chosen, more than BULK_FROM - 1 rows) runs the module
-path.
+(KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed, gemv), an FP8 weight-only
+Fp8PanelLinear (its e4m3 panels through the FP8 kernel's variant the layer runs, the residual added in
+the kernel's store loop as the panel kernel does) or a plain nn.Linear (F.linear), decode attention
+through the paged kernel, a decode-only step. Anything else (prefill chunks, W8A8 or dequantizing FP8
+layers, a "halves" / "sliced" kernel chosen, more than BULK_FROM - 1 rows) runs the module path.
 
 Shards take it too (engines/runner/model_runner.py). A pipeline stage (engines/parallel/pp.StageModel) runs its own
 layers: the first embeds, a later one starts from the hidden states it received, and only the last
@@ -38,7 +39,7 @@ those points: one C++ call per half-layer (`decode_half_bound`: norm .. the clos
 product, F.linear without bias, exactly RowParallelLinear's local product), then in Python the
 all-reduce over the shard's communicator, the bias and the residual add, as RowParallelLinear and the
 block compute them: 2 calls and 2 all-reduces a layer instead of ~20 Python-entered ops. The
-source is the panel and paged kernels' own source, each in a namespace of its own, plus the loop in
+source is the panel, FP8 and paged kernels' own source, each in a namespace of its own, plus the loop in
 csrc/fused_decode.cpp: one build (~40 s on 2 cores, once per machine, engines/cpu/cpp_ext.py);
 EngineConfig.fused_decode "off" never builds or uses it.
 """
@@ -72,13 +73,14 @@ def combined_source() -> str:
     (csrc/fused_decode.cpp)."""
     parts, includes = [], []
     loop_inc, loop = _split((CSRC / "fused_decode.cpp").read_text())
-    for name, src in (("panel_src", panel_kernel._SOURCE), ("paged_src", paged_kernel._SOURCE)):
+    for name, src in (("panel_src", panel_kernel._SOURCE), ("fp8_src", panel_kernel._FP8_SOURCE),
+                      ("paged_src", paged_kernel._SOURCE)):
         inc, body = _split(src)
         includes += [i for i in inc if i not in includes and "immintrin" not in i]
         parts.append(f"namespace {name} {{\n{body}\n}}  // namespace {name}\n")
     includes += [i for i in loop_inc if i not in includes]
-    # immintrin.h only where the panel kernel uses it (its own guard, kept in its body, is now empty)
-    head = "\n".join(includes) + "\n#if defined(__AVX512BF16__)\n#include <immintrin.h>\n#endif\n"
+    # immintrin.h on x86 (the panel and FP8 kernels' own guards, kept in their bodies, are now empty)
+    head = "\n".join(includes) + "\n#if defined(__x86_64__)\n#include <immintrin.h>\n#endif\n"
     return head + "".join(parts) + loop
 
 
@@ -92,6 +94,9 @@ def load() -> tuple[object | None, str]:
 KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}
 """FastLinear kernels the C++ loop calls (block_linear's codes); a step whose Linears chose another runs
 the module path."""
+FP8_KERNEL = 5
+"""block_linear's code of an FP8 weight-only Linear (engines/cpu/fast_linear.Fp8PanelLinear) is this plus its
+kernel variant's code (engines/cpu/panel_kernel.FP8_VARIANTS): the loop runs the variant the layer runs."""
 
 ACTS = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
 """The MLP activations the loop computes (its `act` codes): "silu" is the gated SwiGLU MLP."""
@@ -176,7 +181,7 @@ def family(model: nn.Module) -> Family | str:
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:
     """Why the fused step cannot run this model here (None: it can, for some row and thread counts)."""
-    from engines.cpu.fast_linear import FastLinear
+    from engines.cpu.fast_linear import FastLinear, Fp8PanelLinear
 
     if device.type != "cpu":
         return "not a CPU engine"
@@ -187,13 +192,14 @@ def why_not(model: nn.Module, device: torch.device) -> str | None:
         return fam
     for block in blocks_of(model):
         for lin in (block.attn.qkv, block.mlp.up):
-            if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear:
-                return (f"a block Linear is a {type(lin).__name__} (FP8 layers), neither a FastLinear nor a "
+            if not isinstance(lin, (FastLinear, Fp8PanelLinear)) and type(lin) is not nn.Linear:
+                return (f"a block Linear is a {type(lin).__name__}, neither a FastLinear, an Fp8PanelLinear nor a "
                         "plain nn.Linear")
         for lin in (block.attn.proj, block.mlp.down):
-            if not isinstance(lin, FastLinear) and type(lin) is not nn.Linear and not row_parallel(lin):
-                return (f"a block Linear is a {type(lin).__name__} (FP8 layers), neither a FastLinear, a plain "
-                        "nn.Linear nor a tensor-parallel RowParallelLinear")
+            if (not isinstance(lin, (FastLinear, Fp8PanelLinear)) and type(lin) is not nn.Linear
+                    and not row_parallel(lin)):
+                return (f"a block Linear is a {type(lin).__name__}, neither a FastLinear, an Fp8PanelLinear, a "
+                        "plain nn.Linear nor a tensor-parallel RowParallelLinear")
     return None
 
 
@@ -211,6 +217,8 @@ class FusedDecode:
     one call for all blocks, or, on a tensor-parallel shard, one a half-layer between its all-reduces."""
 
     def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        from engines.cpu.fast_linear import Fp8PanelLinear
+
         mod, why = load()
         if mod is None:
             raise RuntimeError(why)
@@ -240,11 +248,15 @@ class FusedDecode:
             weights += [given(getattr(getattr(b.attn, n, None), "weight", None)) for n in ("q_norm", "k_norm")]
             for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):  # a plain nn.Linear: F.linear, no copies
                 bias = empty if row_parallel(lin) else given(getattr(lin, "bias", None))
+                if isinstance(lin, Fp8PanelLinear):  # per-output scales, bias, the e4m3 panels
+                    weights += [lin.scales, bias, lin.panels, empty, empty]
+                    continue
                 weights += [lin.weight, bias, *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
         self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
         # this shard's query heads and MLP width (the whole model's on one device)
         self.n_head = blocks[0].attn.n_head
-        self.ffn = blocks[0].mlp.down.weight.shape[1]
+        down = blocks[0].mlp.down
+        self.ffn = down.in_features if isinstance(down, Fp8PanelLinear) else down.weight.shape[1]
         self.eps = cfg.norm_eps
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
 
@@ -253,7 +265,7 @@ class FusedDecode:
         FastLinear.forward picks it (a row-parallel Linear: F.linear, as RowParallelLinear); None when
         one of them is a kernel the C++ loop does not call ("halves", "sliced") or the rows are a
         prefill-sized batch: the module path runs then."""
-        from engines.cpu.fast_linear import BULK_FROM
+        from engines.cpu.fast_linear import BULK_FROM, Fp8PanelLinear
 
         if rows >= BULK_FROM:
             return None
@@ -264,6 +276,9 @@ class FusedDecode:
             for lin in self.linears:
                 if type(lin) is nn.Linear or row_parallel(lin):  # plain: kept by apply_fast_linear, or autotuning off
                     codes.append(KERNELS["linear"])
+                    continue
+                if isinstance(lin, Fp8PanelLinear):  # its kernel at any decode row count
+                    codes.append(FP8_KERNEL + panel_kernel.FP8_VARIANTS[lin.variant])
                     continue
                 chosen = lin.single if one_thread and lin.single is not None else (lin.one, lin.many, lin.bulk)
                 code = KERNELS.get(chosen[0 if rows == 1 else 1])

@@ -14,7 +14,9 @@ A bf16 weight is stored as pairs of inputs per output lane, (ceil(N / 16), ceil(
 the CPU has AVX512-BF16 one vdpbf16ps multiplies a lane's pair by the row's pair and adds both to
 the fp32 sum (twice the products of an fp32 FMA per instruction; oneDNN's bf16 kernel does the
 same); elsewhere both halves are widened (a bf16 is the high half of an fp32) and multiplied in
-fp32. Sums are fp32; the result is rounded to the input's dtype. Every output element is one sequential sum over K in
+fp32 (on an AVX2 host without AVX-512 the one-row path is AVX2 + FMA intrinsics chosen at run time,
+PANEL_VARIANTS: GCC's 64-byte vector code went through the stack there). Sums are fp32; the result is
+rounded to the input's dtype. Every output element is one sequential sum over K in
 order, computed by one thread: the result does not depend on the thread count. Vectors are GCC
 vector extensions, so -march=native makes them AVX-512 or two AVX2 registers. Built once per
 machine (engines/cpu/cpp_ext.py); engines/cpu/fast_linear.py times it against torch's kernels for each
@@ -44,7 +46,7 @@ _FP8_SOURCE = (Path(__file__).parent / "csrc" / "fp8_panel_kernel.cpp").read_tex
 is torch's headers)."""
 
 
-FUNCTIONS = ["pack_panels", "panel_linear", "fp8_pack_panels", "fp8_linear", "fp8_variant"]
+FUNCTIONS = ["pack_panels", "panel_linear", "panel_variant", "fp8_pack_panels", "fp8_linear", "fp8_variant"]
 """The module's bound functions."""
 
 
@@ -66,12 +68,36 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return mod.pack_panels(weight.detach())
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) through the panels of an (out_features, K) weight (+ bias) -> (M, out_features)."""
+PANEL_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2}
+"""The panel kernel's one-row (batch-1 decode) variants: "portable" the GCC vector code (AVX-512 / AVX512-BF16
+where the build has them), "avx2" AVX2 + FMA intrinsics, the same bits; "auto" avx2 on an AVX2 host whose
+build lacks AVX-512F. Several rows always run the portable code."""
+
+
+def panel_variant(variant: str = "auto") -> str:
+    """The one-row variant `variant` resolves to on this CPU; ValueError naming what the CPU lacks for a forced one."""
+    if variant not in PANEL_VARIANTS:
+        raise ValueError(f"panel kernel variant {variant!r}; allowed: {sorted(PANEL_VARIANTS)}")
     mod, why = load()
     if mod is None:
         raise RuntimeError(why)
-    return mod.panel_linear(x, panels, out_features, bias)
+    try:
+        code = mod.panel_variant(PANEL_VARIANTS[variant])
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from exc
+    return {v: k for k, v in PANEL_VARIANTS.items()}[code]
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 variant: str = "auto") -> torch.Tensor:
+    """x (M, K) through the panels of an (out_features, K) weight (+ bias) -> (M, out_features); `variant`: the
+    one-row code (PANEL_VARIANTS)."""
+    mod, why = load()
+    if mod is None:
+        raise RuntimeError(why)
+    if variant not in PANEL_VARIANTS:
+        raise ValueError(f"panel kernel variant {variant!r}; allowed: {sorted(PANEL_VARIANTS)}")
+    return mod.panel_linear(x, panels, out_features, bias, PANEL_VARIANTS[variant])
 
 
 FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
@@ -102,11 +128,24 @@ def fp8_variant(variant: str = "auto") -> str:
     return {v: k for k, v in FP8_VARIANTS.items()}[code]
 
 
+FP8_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+"""Output of each 2-byte slot of an FP8 panel's 32-byte chunk (csrc/fp8_panel_kernel.cpp ORDER)."""
+
+
 def fp8_pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) float8_e4m3fn -> panels (ceil(N / 16), K, 16) of its bytes (one byte a weight)."""
+    """weight (N, K) float8_e4m3fn -> panels (ceil(N / 16), ceil(K / 2), 32) of its bytes (one byte a weight):
+    per pair of inputs, each of 16 outputs' two bytes side by side, outputs in FP8_ORDER."""
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_pack_panels: a float8_e4m3fn weight, got {weight.dtype}")
     return _fp8_mod().fp8_pack_panels(weight.detach().view(torch.uint8))
+
+
+def fp8_unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The (out_features, in_features) float8_e4m3fn weight of fp8_pack_panels' panels (a copy)."""
+    p, k2 = panels.shape[:2]
+    slots = panels.view(p, k2, 16, 2)[:, :, list(FP8_ORDER)]  # (P, K2, 16 outputs in order, 2); an involution
+    w = slots.permute(0, 2, 1, 3).reshape(p * 16, 2 * k2)[:out_features, :in_features]
+    return w.contiguous().view(torch.float8_e4m3fn)
 
 
 def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_features: int,
@@ -114,4 +153,4 @@ def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_
     """x (M, K) fp32 / bf16 through FP8 panels with per-output scales (out_features,) (+ bias) -> (M, out)
     in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers."""
     fp8_variant(variant)  # a forced variant the CPU lacks: a clear error
-    return _fp8_mod().fp8_linear(x, panels, scales, out_features, bias, FP8_VARIANTS[variant])
+    return _fp8_mod().fp8_linear(x, panels, scales.float().contiguous(), out_features, bias, FP8_VARIANTS[variant])

@@ -1,70 +1,97 @@
 // FP8 (e4m3) weight-only Linear for CPU decode: built after csrc/panel_kernel.cpp into one module and bound
-// by engines/cpu/panel_kernel.py (fp8_*).
+// by engines/cpu/panel_kernel.py (fp8_*); the fused decode step (csrc/fused_decode.cpp) calls fp8_linear_res.
 //
-// The weight stays one byte a weight in memory, stored as panels (ceil(N / 16), K, 16) of e4m3 bytes: 16
-// outputs side by side for each input, so a panel is one sequential read. Each byte is widened to fp32 in
-// registers: the 7 bits below the sign, shifted into an fp32's exponent and mantissa fields, are the
-// value times 2^-120 (subnormals included, as fp32 denormals), so one multiply by 2^120 and the sign bit
-// give the exact value (the e4m3 NaN pattern, 0x7f / 0xff, reads as +-480: weights hold no NaN). Sums
-// over the inputs in fp32, in order; the per-output (channel) scale and the bias applied once at the end:
-// y[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n], rounded to x's dtype.
+// The weight stays one byte a weight in memory, stored as panels (ceil(N / 16), ceil(K / 2), 32): for each pair
+// of inputs, a 32-byte chunk with each of 16 outputs' two bytes side by side, so a panel is one sequential
+// read. The vector variants widen 32 bytes in registers with 8 integer ops into 4 fp32 vectors of the weights
+// times 2^-120, exactly (decode32_avx2: the byte becomes a bf16 whose exponent has the wrong bias, widened
+// as the bf16 panel kernel widens bf16); the input rows are scaled by 2^90 instead, so every product is x w
+// 2^-30, a normal fp32 (exact scalings: rows with |x| >= 2^38 would overflow; activations are far below). The
+// first version of this kernel widened 8 bytes to 32-bit lanes and shifted the bits into an fp32 (7 ops per
+// 8 weights), the second to fp16 and F16C (12 uops per 16): both compute-bound on the 2-core AVX2 EPYC (SmolLM2's
+// decode Linears on one thread: 6.6 and 7.1 GB/s of FP8 bytes; this one 8.5-9.1, the bf16 panel kernel 11.6-12.7). The e4m3 NaN
+// pattern (0x7f / 0xff) reads as +-480: weights hold no NaN. Sums over the inputs in fp32, in order, one
+// fused multiply-add an input (std::fma in the portable variant, on unscaled rows: the same bits); the
+// per-output (channel) scale, the scale-back and the bias applied once at the end: y[m, n] = scale[n] *
+// sum_k x[m, k] w[n, k] + bias[n], rounded to x's dtype (+ a residual, rounded again, as torch's `res + y`).
 //
 // Variants, chosen at run time (variant 0) or forced: 1 portable (scalar C++, the reference), 2 AVX2 + FMA
-// (8 lanes, two registers a panel), 3 AVX-512 (16 lanes). Each is compiled for its own target whatever the
-// build host (function target attributes), and runs only where the CPU has it (checked per call).
+// (8 lanes, two registers a panel), 3 AVX-512F/DQ (16 lanes). Each is compiled for its own target whatever the
+// build host (function target attributes), and runs only where the CPU has it (checked per call). One row
+// (batch-1 decode) runs G panels at once: 2G independent FMA chains keep the loads streaming.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define F8_X86 1
+#endif
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t F8_NR = 16;  // outputs per panel
-constexpr int F8_MR = 8;       // rows per block
+constexpr int F8_MR = 4;       // rows per block: 2 x 4 accumulators + 4 weights + 2 broadcasts of 16 ymm
+constexpr int F8_G = 4;        // panels a pass for one row
+constexpr float X_UP = 0x1p90f, W_DOWN = 0x1p-120f;  // rows scaled up, the decoded weights' scale (see the top)
+// position of output j's pair in a 32-byte chunk (an involution: output ORDER[p] sits at position p)
+constexpr int ORDER[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-inline float e4m3(uint8_t b) {
-  uint32_t u = static_cast<uint32_t>(b & 0x7f) << 20;
-  float f;
-  std::memcpy(&f, &u, 4);
-  f *= 0x1p120f;
-  return (b & 0x80) ? -f : f;
+// e4m3 byte -> its value times 2^-8 (fp32, exact), the portable reference's decoding
+inline float e4m3_scaled(uint8_t b) {
+  const float mag = std::ldexp(static_cast<float>(b & 7), -3);  // mantissa / 8
+  const int e = (b >> 3) & 15;
+  const float v = e ? std::ldexp(1.f + mag, e - 7 - 8) : std::ldexp(mag, -6 - 8);
+  return (b & 0x80) ? -v : v;
 }
 
-// acc (r, F8_NR) = xt[:, m0 : m0 + r]^T (r, K) @ w (K, F8_NR) decoded; xt (K, M) fp32
-void block_portable(const float* xt, int64_t M, int64_t m0, int r, const uint8_t* w, int64_t K, float* acc) {
+// acc (r, F8_NR) = x (r rows, ldx apart; fp32, unscaled) @ the panel (K2 chunks of 32 bytes) decoded; the
+// sums times 2^-8 (the store multiplies by scale * 2^8)
+void block_portable(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2, float* acc) {
   std::fill(acc, acc + r * F8_NR, 0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    float wk[F8_NR];
-    for (int64_t j = 0; j < F8_NR; ++j) wk[j] = e4m3(w[k * F8_NR + j]);
-    for (int m = 0; m < r; ++m) {
-      const float xv = xt[k * M + m0 + m];
-      for (int64_t j = 0; j < F8_NR; ++j) acc[m * F8_NR + j] += xv * wk[j];
-    }
-  }
+  for (int64_t k2 = 0; k2 < K2; ++k2)
+    for (int t = 0; t < 2; ++t)  // inputs 2 k2, 2 k2 + 1 in order
+      for (int64_t j = 0; j < F8_NR; ++j) {
+        const float wk = e4m3_scaled(w[k2 * 32 + 2 * ORDER[j] + t]);
+        for (int m = 0; m < r; ++m)
+          acc[m * F8_NR + j] = std::fma(x[m * ldx + 2 * k2 + t], wk, acc[m * F8_NR + j]);
+      }
 }
 
-__attribute__((target("avx2,fma"))) void block_avx2(const float* xt, int64_t M, int64_t m0, int r, const uint8_t* w,
-                                                     int64_t K, float* acc) {
+#if F8_X86
+// 32 bytes (inputs 2 k2 and 2 k2 + 1 of 16 outputs) -> 4 fp32 vectors of the weights times 2^-120, exactly:
+// a byte in the high half of a 16-bit lane (s eeee mmm 0^8), shifted right by 4 arithmetically and masked
+// (s 0000 eeee mmm 0000), is a bf16 with the e4m3 exponent under bias 127 instead of 7 (subnormals
+// included, as bf16 denormals); a 32-bit lane holds one output's two inputs, widened as the bf16 kernel
+// does (a 16-bit shift, a mask). a0 / b0: outputs 0-7, inputs 2 k2 / 2 k2 + 1; a1 / b1: outputs 8-15
+__attribute__((target("avx2,fma"))) inline void decode32_avx2(const uint8_t* p, __m256& a0, __m256& b0, __m256& a1,
+                                                              __m256& b1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16(static_cast<short>(0x87F0));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 4), keep);  // outputs 0-7
+  const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 4), keep);  // 8-15
+  a0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+  b0 = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+  a1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+  b1 = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+}
+
+// x: rows scaled by X_UP, ldx apart (padded to 2 K2)
+__attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2,
+                                                     float* acc) {
   __m256 c[2 * F8_MR];
-  for (int i = 0; i < 2 * r; ++i) c[i] = _mm256_setzero_ps();
-  const __m256i low7 = _mm256_set1_epi32(0x7f), sign = _mm256_set1_epi32(0x80);
-  const __m256 big = _mm256_set1_ps(0x1p120f);
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 wv[2];
-    for (int h = 0; h < 2; ++h) {
-      __m128i b;
-      std::memcpy(&b, w + k * F8_NR + 8 * h, 8);  // 8 bytes into the low half
-      const __m256i u = _mm256_cvtepu8_epi32(b);
-      const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(u, low7), 20);
-      const __m256i sg = _mm256_slli_epi32(_mm256_and_si256(u, sign), 24);
-      wv[h] = _mm256_or_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag), big), _mm256_castsi256_ps(sg));
-    }
-    const float* xk = xt + k * M + m0;
+  for (int i = 0; i < 2 * F8_MR; ++i) c[i] = _mm256_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m256 a0, b0, a1, b1;
+    decode32_avx2(w + k2 * 32, a0, b0, a1, b1);
     for (int m = 0; m < r; ++m) {
-      const __m256 xv = _mm256_set1_ps(xk[m]);
-      c[2 * m] = _mm256_fmadd_ps(xv, wv[0], c[2 * m]);
-      c[2 * m + 1] = _mm256_fmadd_ps(xv, wv[1], c[2 * m + 1]);
+      const __m256 xa = _mm256_broadcast_ss(x + m * ldx + 2 * k2), xb = _mm256_broadcast_ss(x + m * ldx + 2 * k2 + 1);
+      c[2 * m] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, c[2 * m]));
+      c[2 * m + 1] = _mm256_fmadd_ps(xb, b1, _mm256_fmadd_ps(xa, a1, c[2 * m + 1]));
     }
   }
   for (int m = 0; m < r; ++m) {
@@ -73,26 +100,127 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* xt, int64_t M, 
   }
 }
 
-__attribute__((target("avx512f"))) void block_avx512(const float* xt, int64_t M, int64_t m0, int r, const uint8_t* w,
-                                                      int64_t K, float* acc) {
+// one row (scaled) through G panels (panel bytes apart): acc (G, F8_NR)
+template <int G>
+__attribute__((target("avx2,fma"))) void row_avx2(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
+                                                   float* acc) {
+  __m256 c[2 * G];
+  for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const __m256 xa = _mm256_broadcast_ss(x + 2 * k2), xb = _mm256_broadcast_ss(x + 2 * k2 + 1);
+    for (int g = 0; g < G; ++g) {
+      __m256 a0, b0, a1, b1;
+      decode32_avx2(w + g * panel + k2 * 32, a0, b0, a1, b1);
+      c[2 * g] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, c[2 * g]));
+      c[2 * g + 1] = _mm256_fmadd_ps(xb, b1, _mm256_fmadd_ps(xa, a1, c[2 * g + 1]));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    _mm256_storeu_ps(acc + g * F8_NR, c[2 * g]);
+    _mm256_storeu_ps(acc + g * F8_NR + 8, c[2 * g + 1]);
+  }
+}
+
+// AVX-512: the same decoding, the halves joined into 16-lane vectors (a: input 2 k2, b: 2 k2 + 1). Compiled
+// on every x86 build; runs only where the CPU has AVX-512F (not on the AVX2 host this was written on)
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline void decode32_avx512(const uint8_t* p, __m512& a, __m512& b) {
+  __m256 a0, b0, a1, b1;
+  decode32_avx2(p, a0, b0, a1, b1);
+  a = _mm512_insertf32x8(_mm512_castps256_ps512(a0), a1, 1);
+  b = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
+}
+
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void block_avx512(const float* x, int64_t ldx, int r,
+                                                                        const uint8_t* w, int64_t K2, float* acc) {
   __m512 c[F8_MR];
-  for (int i = 0; i < r; ++i) c[i] = _mm512_setzero_ps();
-  const __m512i low7 = _mm512_set1_epi32(0x7f), sign = _mm512_set1_epi32(0x80);
-  const __m512 big = _mm512_set1_ps(0x1p120f);
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * F8_NR)));
-    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, low7), 20);
-    const __m512i sg = _mm512_slli_epi32(_mm512_and_si512(u, sign), 24);
-    const __m512 wv = _mm512_castsi512_ps(
-        _mm512_or_si512(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(mag), big)), sg));
-    const float* xk = xt + k * M + m0;
-    for (int m = 0; m < r; ++m) c[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), wv, c[m]);
+  for (int i = 0; i < F8_MR; ++i) c[i] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m512 a, b;
+    decode32_avx512(w + k2 * 32, a, b);
+    for (int m = 0; m < r; ++m)
+      c[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + 2 * k2 + 1]), b,
+                             _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + 2 * k2]), a, c[m]));
   }
   for (int m = 0; m < r; ++m) _mm512_storeu_ps(acc + m * F8_NR, c[m]);
 }
 
+template <int G>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void row_avx512(const float* x, const uint8_t* w,
+                                                                      int64_t panel, int64_t K2, float* acc) {
+  __m512 c[G];
+  for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const __m512 xa = _mm512_set1_ps(x[2 * k2]), xb = _mm512_set1_ps(x[2 * k2 + 1]);
+    for (int g = 0; g < G; ++g) {
+      __m512 a, b;
+      decode32_avx512(w + g * panel + k2 * 32, a, b);
+      c[g] = _mm512_fmadd_ps(xb, b, _mm512_fmadd_ps(xa, a, c[g]));
+    }
+  }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * F8_NR, c[g]);
+}
+
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
+bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
+#else  // not x86: the portable variant only
+bool has_avx2() { return false; }
+bool has_avx512() { return false; }
+#endif
+
+// the sums of panels [p, p + g) for rows [m0, m0 + r) of x (M, ldx) -> acc (g or r, F8_NR)
+void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r, int g, const uint8_t* wp,
+          float* acc) {
+  const int64_t panel = K2 * 32;
+#if F8_X86
+  if (r == 1 && g == F8_G && v == 3) return row_avx512<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
+  if (r == 1 && g == F8_G && v == 2) return row_avx2<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
+#endif
+  for (int i = 0; i < g; ++i) {  // (g == 1 unless one row)
+    float* a = acc + i * F8_NR;
+    const uint8_t* w = wp + i * panel;
+#if F8_X86
+    if (v == 3) { block_avx512(x + m0 * ldx, ldx, r, w, K2, a); continue; }
+    if (v == 2) { block_avx2(x + m0 * ldx, ldx, r, w, K2, a); continue; }
+#endif
+    block_portable(x + m0 * ldx, ldx, r, w, K2, a);
+  }
+}
+
+// x (M, ldx) fp32, scaled by X_UP for the vector variants; the sums' scale back: 2^8 (portable), 2^30 (vector)
+template <typename T>
+void run_fp8(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
+             const float* s, const float* bias, const T* res, T* out) {
+  const int64_t P = (N + F8_NR - 1) / F8_NR;
+  const float back = v == 1 ? 0x1p8f : 1.f / (X_UP * W_DOWN);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float acc[F8_MR * F8_NR > F8_G * F8_NR ? F8_MR * F8_NR : F8_G * F8_NR];
+    // rows [m0, m0 + r) of panel p from acc (r, F8_NR)
+    auto store = [&](int64_t p, int64_t m0, int r, const float* a) {
+      const int64_t n0 = p * F8_NR, nn = std::min(F8_NR, N - n0);
+      for (int m = 0; m < r; ++m)
+        for (int64_t j = 0; j < nn; ++j) {
+          const int64_t i = (m0 + m) * N + n0 + j;
+          const T y = static_cast<T>(a[m * F8_NR + j] * (s[n0 + j] * back) + (bias ? bias[n0 + j] : 0.f));
+          out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
+        }
+    };
+    for (int64_t p = p0; p < p1;) {
+      if (M == 1) {
+        const int g = p + F8_G <= p1 ? F8_G : 1;
+        sums(v, x, ldx, K2, 0, 1, g, w + p * K2 * 32, acc);
+        for (int i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * F8_NR);
+        p += g;
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += F8_MR) {
+        const int r = static_cast<int>(std::min<int64_t>(F8_MR, M - m0));
+        sums(v, x, ldx, K2, m0, r, 1, w + p * K2 * 32, acc);
+        store(p, m0, r, acc);
+      }
+      ++p;
+    }
+  });
+}
 
 }  // namespace
 
@@ -102,59 +230,71 @@ int64_t fp8_variant(int64_t variant) {
               variant);
   if (variant == 0) return has_avx512() ? 3 : has_avx2() ? 2 : 1;
   TORCH_CHECK(variant != 2 || has_avx2(), "fp8 kernel: the avx2 variant needs AVX2 and FMA, which this CPU lacks");
-  TORCH_CHECK(variant != 3 || has_avx512(), "fp8 kernel: the avx512 variant needs AVX-512F, which this CPU lacks");
+  TORCH_CHECK(variant != 3 || has_avx512(), "fp8 kernel: the avx512 variant needs AVX-512F and AVX-512DQ, which this "
+              "CPU lacks");
   return variant;
 }
 
-// weight (N, K) uint8 (e4m3 bytes) -> panels (ceil(N / 16), K, 16) uint8, padded outputs zero
+// weight (N, K) uint8 (e4m3 bytes) -> panels (ceil(N / 16), ceil(K / 2), 32) uint8: for each pair of inputs a
+// 32-byte chunk holding each output's two bytes side by side, outputs in ORDER (the vector decoding's lane
+// order); padded outputs and a padded odd input zero
 torch::Tensor fp8_pack_panels(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kByte, "fp8_pack_panels: (N, K) uint8 e4m3 bytes");
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + F8_NR - 1) / F8_NR;
-  auto padded = torch::zeros({P * F8_NR, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({P, F8_NR, K}).transpose(1, 2).contiguous();
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + F8_NR - 1) / F8_NR, K2 = (K + 1) / 2;
+  auto padded = torch::zeros({P * F8_NR, 2 * K2}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  auto order = torch::tensor(std::vector<int64_t>(ORDER, ORDER + F8_NR), torch::kLong);
+  return padded.view({P, F8_NR, K2, 2}).permute({0, 2, 1, 3}).index_select(2, order).contiguous().view({P, K2, 32});
 }
 
-// x (M, K) float32 / bfloat16; panels (P, K, 16) uint8; scales (N) per-output; bias (N) or none -> (M, N)
-// in x's dtype: scale[n] * (x @ fp8(W)^T)[:, n] + bias[n]
-torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
-                         c10::optional<torch::Tensor> bias, int64_t variant) {
+// x (M, K) float32 / bfloat16; panels (P, K, 16) uint8; scales (N) fp32 per-output; bias (N) or none; residual
+// (M, N) of x's dtype or none -> (M, N) in x's dtype: scale[n] * (x @ fp8(W)^T)[:, n] + bias[n], rounded, plus
+// the residual (rounded again, as torch's `res + y`)
+torch::Tensor fp8_linear_res(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
+                             c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual, int64_t variant) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "fp8_linear: x (M, K) float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), P = (N + F8_NR - 1) / F8_NR;
+  const int64_t M = x.size(0), K = x.size(1), P = (N + F8_NR - 1) / F8_NR, K2 = (K + 1) / 2;
   TORCH_CHECK(panels.scalar_type() == torch::kByte && panels.is_contiguous() && panels.dim() == 3 &&
-              panels.size(0) == P && panels.size(1) == K && panels.size(2) == F8_NR, "fp8_linear: panels (ceil(N / 16), K, 16) uint8");
-  auto sc = scales.to(torch::kFloat).contiguous();
-  TORCH_CHECK(sc.numel() == N, "fp8_linear: one scale an output (", N, "), got ", sc.numel());
+              panels.size(0) == P && panels.size(1) == K2 && panels.size(2) == 32,
+              "fp8_linear: panels (ceil(N / 16), ceil(K / 2), 32) uint8 (fp8_pack_panels)");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "fp8_linear: one float32 scale an output (", N, "), got ", scales.numel(), " ", scales.scalar_type());
   torch::Tensor bf;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    bf = bias->to(torch::kFloat).contiguous();
+    bf = bias->scalar_type() == torch::kFloat ? bias->contiguous() : bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(bf.numel() == N, "fp8_linear: bias of N outputs");
     bp = bf.data_ptr<float>();
   }
+  const bool with_res = residual.has_value() && residual->defined();
+  if (with_res)
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->is_contiguous() && residual->dim() == 2 &&
+                residual->size(0) == M && residual->size(1) == N, "fp8_linear: a contiguous (M, N) residual of x's dtype");
   const int64_t v = fp8_variant(variant);
-  auto xt = x.to(torch::kFloat).t().contiguous();  // (K, M)
-  auto out32 = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  const float* xp = xt.data_ptr<float>();
-  const float* s = sc.data_ptr<float>();
+  // x as fp32 rows (M, 2 K2), the odd input's pad zero; scaled by X_UP for the vector variants (exact: a
+  // power of two)
+  std::vector<float> xf(M * 2 * K2, 0.f);
+  const float up = v == 1 ? 1.f : X_UP;
+  auto xc = x.contiguous();
+  const float* x32 = x.scalar_type() == torch::kFloat ? xc.data_ptr<float>() : nullptr;
+  const c10::BFloat16* x16 = x32 ? nullptr : xc.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      xf[m * 2 * K2 + k] = up * (x32 ? x32[m * K + k] : static_cast<float>(x16[m * K + k]));
+  auto out = torch::empty({M, N}, x.options());
   const uint8_t* w = panels.data_ptr<uint8_t>();
-  float* o = out32.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float acc[F8_MR * F8_NR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * F8_NR, nn = std::min(F8_NR, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += F8_MR) {
-        const int r = static_cast<int>(std::min<int64_t>(F8_MR, M - m0));
-        const uint8_t* wp = w + p * K * F8_NR;
-        if (v == 3) block_avx512(xp, M, m0, r, wp, K, acc);
-        else if (v == 2) block_avx2(xp, M, m0, r, wp, K, acc);
-        else block_portable(xp, M, m0, r, wp, K, acc);
-        for (int m = 0; m < r; ++m)
-          for (int64_t j = 0; j < nn; ++j)
-            o[(m0 + m) * N + n0 + j] = acc[m * F8_NR + j] * s[n0 + j] + (bp ? bp[n0 + j] : 0.f);
-      }
-    }
-  });
-  return x.scalar_type() == torch::kFloat ? out32 : out32.to(x.scalar_type());
+  const float* s = scales.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat)
+    run_fp8<float>(v, xf.data(), M, 2 * K2, K2, w, N, s, bp, with_res ? residual->data_ptr<float>() : nullptr,
+                   out.data_ptr<float>());
+  else
+    run_fp8<c10::BFloat16>(v, xf.data(), M, 2 * K2, K2, w, N, s, bp,
+                           with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
+                         c10::optional<torch::Tensor> bias, int64_t variant) {
+  return fp8_linear_res(x, panels, scales, N, bias, c10::nullopt, variant);
 }

@@ -86,13 +86,15 @@ torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, const to
 // one block Linear through the kernel its FastLinear chose for this step's row count, as FastLinear.run
 // calls it (engines/cpu/fast_linear.py): t = (weight, bias or empty, panels, packed, weight_t; empty where not
 // built); kind 0 panel, 1 packed (oneDNN on the prepacked weight), 2 linear, 3 pretransposed, 4 gemv (one
-// row: mv / addmv on the weight). With a
-// residual: residual + the Linear's output (the panel kernel adds it in its store loop; the others by
-// torch's add, as the module path's `x + ...`)
+// row: mv / addmv on the weight), 5 + v the FP8 weight-only kernel's variant v (engines/cpu/fast_linear.py
+// Fp8PanelLinear: t = (scales, bias or empty, e4m3 panels, empty, empty)). With a residual: residual + the
+// Linear's output (the panel and FP8 kernels add it in their store loops; the others by torch's add, as the
+// module path's `x + ...`)
 torch::Tensor block_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
                            const c10::optional<torch::Tensor>& residual) {
   const auto bias = given(t[1]);
   if (kind == 0) return panel_src::panel_linear_res(x, t[2], N, bias, residual);
+  if (kind >= 5) return fp8_src::fp8_linear_res(x, t[2], t[0], N, bias, residual, kind - 5);
   torch::Tensor y;
   if (kind == 1) {
     static const c10::OperatorHandle op =

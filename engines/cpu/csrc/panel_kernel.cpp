@@ -5,8 +5,9 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512BF16__)
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define PANEL_X86 1
 #endif
 
 namespace {
@@ -113,6 +114,78 @@ inline void row_panels(const uint32_t* xp, const c10::BFloat16* w, int64_t panel
 #endif
 }
 
+#if PANEL_X86
+// The one-row paths above written with AVX2 + FMA intrinsics, chosen at run time (variant 2): on an AVX2 host
+// GCC lowers the 64-byte vector types of the portable code poorly (the broadcast of each input and the
+// accumulators go through the stack, seen in its assembly; bf16 read ~3 GB/s a core against ~6 for FP8). The
+// same fused multiply-adds in the same order as the portable code (which GCC contracts to FMAs on such a
+// host): the same bits.
+template <int G>
+__attribute__((target("avx2,fma"))) void row_avx2(const float* x, const float* w, int64_t panel, int64_t K,
+                                                   float* acc) {
+  __m256 c[2 * G];
+  for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 xv = _mm256_broadcast_ss(x + k);
+    for (int g = 0; g < G; ++g) {
+      const float* p = w + g * panel + k * NR;
+      c[2 * g] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p), c[2 * g]);
+      c[2 * g + 1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p + 8), c[2 * g + 1]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    _mm256_storeu_ps(acc + g * NR, c[2 * g]);
+    _mm256_storeu_ps(acc + g * NR + 8, c[2 * g + 1]);
+  }
+}
+
+// bf16: a 32-bit lane's low half (input 2k) widened by a 16-bit shift, its high half by a mask
+template <int G>
+__attribute__((target("avx2,fma"))) void row_avx2(const uint32_t* xp, const c10::BFloat16* w, int64_t panel,
+                                                   int64_t K2, float* acc) {
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
+  const int64_t lanes = panel / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 c[2 * G];
+  for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m256i xk = _mm256_set1_epi32(static_cast<int>(xp[k]));
+    const __m256 xa = _mm256_castsi256_ps(_mm256_slli_epi32(xk, 16)), xz = _mm256_castsi256_ps(_mm256_and_si256(xk, high));
+    for (int g = 0; g < G; ++g) {
+      const uint32_t* p = wp + g * lanes + k * NR;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * h));
+        c[2 * g + h] = _mm256_fmadd_ps(xa, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), c[2 * g + h]);
+        c[2 * g + h] = _mm256_fmadd_ps(xz, _mm256_castsi256_ps(_mm256_and_si256(u, high)), c[2 * g + h]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    _mm256_storeu_ps(acc + g * NR, c[2 * g]);
+    _mm256_storeu_ps(acc + g * NR + 8, c[2 * g + 1]);
+  }
+}
+#endif
+
+// the one-row variant `variant` resolves to here: 1 portable (the vector code above, AVX-512 or AVX512-BF16
+// where the build has them), 2 AVX2 + FMA; 0: AVX2 where the CPU has it and the build has no AVX-512F (whose
+// portable code is already fast), else portable. An error names what a forced one lacks.
+int64_t row_variant(int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant <= 2, "panel kernel: variant 0 (auto), 1 (portable), 2 (avx2), got ", variant);
+#if PANEL_X86
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  const bool avx2 = false;
+#endif
+  TORCH_CHECK(variant != 2 || avx2, "panel kernel: the avx2 variant needs AVX2 and FMA, which this CPU lacks");
+  if (variant) return variant;
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return avx2 ? 2 : 1;
+#endif
+}
+
 template <typename X, typename T>
 void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
   switch (r) {
@@ -127,7 +200,8 @@ void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* a
 // xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N); with res
 // (M, N), out = res + (the Linear's output rounded to T), rounded to T: what `res + linear(x)` gives
 template <typename X, typename T>
-void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out) {
+void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out,
+         int64_t variant) {
   const int64_t P = (N + NR - 1) / NR;
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
@@ -146,7 +220,11 @@ void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float*
     if (M == 1) {  // G = 4 panels a pass (the same sums, in the same order, as one panel at a time)
       constexpr int G = 4;
       for (; p + G <= p1; p += G) {
-        row_panels<G>(xt, w + p * panel, panel, Kp, acc);
+#if PANEL_X86
+        if (variant == 2) row_avx2<G>(xt, w + p * panel, panel, Kp, acc);
+        else
+#endif
+          row_panels<G>(xt, w + p * panel, panel, Kp, acc);
         for (int g = 0; g < G; ++g) store(p + g, 0, 1, acc + g * NR);
       }
     }
@@ -181,7 +259,8 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 // x (M, K), panels of a weight with N outputs, optional bias (N), optional residual (M, N) -> (M, N) in
 // x's dtype: x @ W^T + bias, plus the residual (added after the Linear's result is rounded, as torch's add)
 torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
-                               c10::optional<torch::Tensor> residual) {
+                               c10::optional<torch::Tensor> residual, int64_t variant = 0) {
+  const int64_t v = row_variant(variant);
   TORCH_CHECK(x.dim() == 2, "panel_linear: x (M, K)");
   TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "panel_linear: x and the weight must share a dtype");
   TORCH_CHECK(panels.is_contiguous() && panels.size(0) == (N + NR - 1) / NR && panels.size(2) == NR,
@@ -202,7 +281,7 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
     TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K, "panel_linear: fp32 panels (P, K, 16)");
     auto xt = x.t().contiguous();  // (K, M): one input's row values adjacent
     run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, with_res ? residual->data_ptr<float>() : nullptr,
-        out.data_ptr<float>());
+        out.data_ptr<float>(), v);
   } else if (x.scalar_type() == torch::kBFloat16) {
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
@@ -210,13 +289,17 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
     auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
     auto xt = xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a row's pair is 32 bits
     run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
-        N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>());
+        N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), v);
   } else {
     TORCH_CHECK(false, "panel_linear: float32 or bfloat16, got ", x.scalar_type());
   }
   return out;
 }
 
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
-  return panel_linear_res(x, panels, N, bias, c10::nullopt);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
+                           int64_t variant) {
+  return panel_linear_res(x, panels, N, bias, c10::nullopt, variant);
 }
+
+// the one-row variant `variant` resolves to on this CPU (see row_variant)
+int64_t panel_variant(int64_t variant) { return row_variant(variant); }
