@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -m engines.cpu.prebuild
 	touch $(STAMP)
 
-setup: $(STAMP)  ## create .venv and install shardserve with its test extras
+setup: $(STAMP)  ## create .venv, install shardserve with its test extras, build the CPU kernels (once per machine)
 
 test: $(STAMP)   ## run the whole test suite
 	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -28,19 +28,19 @@ from pathlib import Path
 
 import torch
 
-from engines.model.attention import KVCache, PagedAttention
-from engines.runner.compiled import CompileUnavailable, configure_cache, resolve_compile
 from engines.core.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
-from engines.runner.decode_runner import DecodeRunner
-from engines.runner.grammar import Grammars, tokenizer_bytes
 from engines.core.kv_sizing import kv_cache_budget, shard_kv_budget
+from engines.core.plan import SeqWork, StepPlan, StepResult
+from engines.model.attention import KVCache, PagedAttention
 from engines.parallel.comm import Comm, LocalComm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import split_microbatches
-from engines.core.plan import SeqWork, StepPlan, StepResult
-from engines.transforms.prompt_inject import SeqTables
+from engines.runner.compiled import CompileUnavailable, configure_cache, resolve_compile
+from engines.runner.decode_runner import DecodeRunner
+from engines.runner.grammar import Grammars, tokenizer_bytes
 from engines.runner.sampler import Sampler
 from engines.runner.step_head import StepHead
+from engines.transforms.prompt_inject import SeqTables
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ class ModelRunner:
         self.dtype = DTYPES[resolved_dtype(engine_cfg)]  # an engine hands a resolved config; auto here too
         sharded = layout is not None and layout.world_size > 1
         loaded = model is None
+        if self.device.type == "cpu":  # the C++ kernels build side by side while the weights load
+            from engines.cpu import prebuild
+
+            prebuild.start()
         if loaded and not sharded:
             from engines.loading.checkpoint import load_model
 
@@ -103,7 +107,9 @@ class ModelRunner:
             model = load_shard(model_dir, cfg, start, end, self.comm, self.dtype, self.device, engine_cfg.weight_dtype)
         if loaded:
             without_dropout(model)  # ours alone: a model handed in may still be trained by its owner
-        from engines.transforms.fp8 import apply_fp8  # FP8 block Linears: W8A8 or dequantized, chosen once here
+        from engines.transforms.fp8 import (
+            apply_fp8,  # FP8 block Linears: W8A8 or dequantized, chosen once here
+        )
 
         self.fp8 = apply_fp8(model, engine_cfg.weight_dtype, self.device, self.dtype)
         if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
