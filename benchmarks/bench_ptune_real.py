@@ -45,11 +45,12 @@ from training.ptune_tasks import PLAYS
 CHATML = "<|im_start|>user\n{input}<|im_end|>\n<|im_start|>assistant\n"
 """SmolLM2-Instruct's chat turn (tokenizer_config.json's template without the default system turn)."""
 INSTRUCTIONS = {
-    "play": "Which play is this line from: Hamlet, Macbeth, Romeo and Juliet, Julius Caesar or Twelfth Night? "
-            "Answer with the title only.",
+    "play": "Name the play of this line: Hamlet, Macbeth, Romeo and Juliet, Julius Caesar or Twelfth Night. "
+            "Title only.",
     "next_speaker": "Answer with the next speaker's name only, one of the two named.",
 }
-"""The hand-written instruction of each task: the in-context prompt's head and our trainer's init text."""
+"""The hand-written instruction of each task: the in-context prompt's system turn (30 and 20 tokens with its
+markers, so it fits the default budget of 32) and our trainer's init text."""
 
 
 def stride(rows: list[dict], n: int) -> list[dict]:
@@ -121,7 +122,7 @@ def train_ours(model: Path, task: str, train: list[dict], val: list[dict], args,
     recipe = ptune_recipe_from_dict({
         "num_virtual_tokens": args.virtual_tokens, "max_steps": args.steps, "batch_size": args.batch,
         "eval_every": args.eval_every, "template": CHATML, "init_text": INSTRUCTIONS[task],
-        "precision": args.precision, "patience": 0, "seed": 0, **parse_overrides(args.ours_set)})
+        "precision": args.precision, "patience": 0, "seed": 0, "lr": args.ours_lr, **parse_overrides(args.ours_set)})
     data = write_jsonl(work / f"{task}.jsonl", train + [{**r, "split": "val"} for r in val])
     t0 = time.perf_counter()
     m = train_task(model, task, data, recipe, out_dir=work / "ours" / task, progress=False)
@@ -229,14 +230,17 @@ def main() -> None:
     ap.add_argument("--model", default="models/smollm2")
     ap.add_argument("--tasks", default="play,next_speaker")
     ap.add_argument("--virtual-tokens", type=int, default=32, help="N, and the in-context prompt budget")
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps, both trainers")
+    ap.add_argument("--steps", type=int, default=20, help="optimizer steps, both trainers")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--n-val", type=int, default=48)
-    ap.add_argument("--n-test", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--n-val", type=int, default=32)
+    ap.add_argument("--n-test", type=int, default=120)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--peft-lr", type=float, default=3e-3, help="PEFT's AdamW peak rate (its p-tuning examples: 1e-3..3e-3)")
+    ap.add_argument("--ours-lr", type=float, default=0.03,
+                    help="our peak rate; the recipe's default for every_layer (0.3, fitted on the 10M default model) "
+                         "diverged on SmolLM2 (answer loss 12 -> 16 in 4 steps), 0.03 descended")
     ap.add_argument("--ours-set", action="append", default=[], help="our recipe override, e.g. lr=0.1 (repeatable)")
     ap.add_argument("--out", default="runs/bench_ptune_real")
     args = ap.parse_args()
