@@ -1,6 +1,6 @@
 """P-tuning on a real base against the anchors (issue 39): ours vs PEFT's own trainer vs in-context.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_ptune_real.py [--model models/smollm2] [--steps 40]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_ptune_real.py [--model models/smollm2] [--tasks play] [--steps 12]
 
 Tasks: training/ptune_tasks.py's "which play" (5 plays) and "who speaks next" (2 named candidates),
 with its fixed hash split (80/10/10 by SHA-256 of each example). Every trainer sees the whole train
@@ -10,21 +10,28 @@ is scored once, at the end.
 
     ours       training.ptune.train_task (the code a REST job runs) with the recipe's defaults
                (P-tuning v2: the N virtual tokens' keys/values in every layer, started from the
-               instruction's text), the same N, step budget, batch and precision; scored through the
-               serving engine (engines.LLM with the task loaded, greedy).
+               instruction's text; choice loss) but a peak rate of 0.03 (--ours-lr), the same N,
+               step budget, batch and precision.
     PEFT       peft.get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), PromptEncoderConfig(
                P_TUNING, MLP encoder)), PEFT's usual loop (AdamW, linear warm-up/decay, loss on the
                answer tokens), the same batches in the same order, best state by validation loss.
     in-context the frozen model, a hand-written instruction plus as many training examples (as chat
                turns) as fit in N tokens: the same prompt budget as the N virtual tokens.
 
-Accuracy: the greedy answer is exactly the label followed by end-of-turn (ours and in-context by the
-engine's greedy generation; PEFT by teacher-forced argmax over label + EOS in its own forward, which
-is the same event). Time to accuracy: training seconds (evaluations included, model load excluded)
-until the first validation pass at or above PEFT's selected validation accuracy. Both trainers run in
-this process with the same torch thread count and dtype (fp32 here: the CPU lacks native bf16).
-Raw output (per-step logs, the table) goes to runs/bench_ptune_real/. Default budget: ~15 min on 2
-shared cores.
+Accuracy (test): all three through the same serving engine (engines.LLM, greedy, <= 16 tokens; ours
+and PEFT's selected prompt loaded as tasks, PEFT's as its P_TUNING table): the answer names the right
+candidate and no other (in brackets: exactly the label, then EOS). results.json also holds PEFT's
+teacher-forced exact match in its own forward, a check of the engine path. Validation accuracy (both
+trainers): teacher-forced exact match of label + EOS. Time to accuracy: training seconds (evaluations
+included, model load excluded) until the first validation pass at or above PEFT's selected validation
+accuracy. Both trainers run in this process, one after the other, with the same torch thread count
+and dtype (fp32 by default: this CPU lacks native bf16).
+Raw output (per-step logs, the table) goes to runs/bench_ptune_real/.
+
+Budget: the defaults (N = 32, 12 steps of batch 8, validation every 4 steps on 24 examples, 80 test
+examples) were sized for ~15 min on 2 cores; one training step of batch 8 on SmolLM2-135M in fp32
+measured 4-7 s at load ~7 and ~60 s at load 15-18 on the shared 2-core host, so timings there are noisy.
+`--tasks play` and `--tasks next_speaker` may run as two processes (each writes its own table).
 """
 
 from __future__ import annotations
