@@ -312,8 +312,12 @@ def main() -> None:
         ex = {k: v["exact"] for k, v in r["test"].items()}
         target = r["peft"]["val_accuracy"]
         to, tp = time_to(r["ours"]["evals"], target), time_to(r["peft"]["evals"], target)
-        ratio = f"{to:.0f} / {tp:.0f} s = {to / tp:.2f}x" if to is not None and tp else \
-            f"ours never reached {target:.1%}" if to is None else "n/a"
+        if target <= 0:  # PEFT never answered a validation example: no accuracy to reach, no ratio
+            to = tp = None
+            ratio = "n/a: PEFT's val acc stayed 0"
+        else:
+            ratio = f"{to:.0f} / {tp:.0f} s = {to / tp:.2f}x" if to is not None and tp else \
+                f"ours never reached {target:.1%}" if to is None else "n/a"
         r["time_ratio"] = None if to is None or not tp else to / tp
         lines.append(
             f"| {task} | {r['n_test']} | {t['ours']:.1%} ({ex['ours']:.1%}) | {t['peft']:.1%} ({ex['peft']:.1%}) "
