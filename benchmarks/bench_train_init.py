@@ -8,6 +8,14 @@ this machine), and prints each step's loss and the largest difference from one p
 target: within 1e-4). DATA_DIR: `shardserve data --tokenizer MODEL_DIR --out DATA_DIR`. SmolLM2-135M
 has 9 query / 3 key-value heads, so its TP size is 3 (2 does not divide the heads). Raw output goes
 to runs/bench_train_init/.
+
+    python benchmarks/bench_train_init.py --finetune --init MODEL_DIR --data DATA_DIR \
+        [--recipe recipes/smollm2-shakespeare.yaml]
+
+The ten-minute fine-tune point instead: the base's loss over the whole validation split, then
+`shardserve train --config RECIPE --init MODEL_DIR` as a user runs it (the recipe's time budget, which
+includes the trainer's final evaluation over the same whole split), and both perplexities (issue 39
+target: the fine-tuned one >= 20 % below the base's).
 """
 
 from __future__ import annotations
@@ -47,8 +55,64 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
+def base_val_loss(recipe_path: str, init: str, data: str) -> tuple[float, int, float]:
+    """(mean next-token loss, windows, seconds) of `init` over data's whole val split, fp32, seq_len
+    and micro-batch of the recipe: the windows and loss the trainer's final evaluation uses."""
+    import time
+
+    from training.data import TokenData, val_starts
+    from training.distributed import DistContext
+    from training.model_setup import build_model
+    from training.recipe import load_recipe
+    from training.trainer import evaluate
+
+    r = load_recipe(recipe_path, [f"data.dir={data}"], init)
+    d = TokenData(data)
+    starts = val_starts(d.meta["val_tokens"], r.data.seq_len, d.meta["val_tokens"])
+    model = build_model(r.model, 0, torch.device("cpu"), init)
+    t = time.perf_counter()
+    loss = evaluate(model, d, starts, r, DistContext(), "fp32")
+    return loss, len(starts), time.perf_counter() - t
+
+
+def finetune(a) -> None:
+    import math
+    import subprocess
+    import sys
+    import time
+
+    from training.metrics import read_metrics
+
+    out = Path(a.out) / "finetune"
+    out.mkdir(parents=True, exist_ok=True)
+    base, windows, eval_s = base_val_loss(a.recipe, a.init, a.data)
+    print(f"base: val loss {base:.4f} (ppl {math.exp(base):.2f}) over {windows} windows, {eval_s:.0f} s", flush=True)
+    cmd = [sys.executable, "-m", "shardserve", "train", "--config", a.recipe, "--init", a.init, "--no-progress",
+           "--set", f"data.dir={a.data}", "--set", f"out.dir={out / 'run'}", "--set", f"out.export_dir={out / 'model'}"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    (out / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"training failed ({proc.returncode}); see {out / 'train.log'}")
+    rows = read_metrics(out / "run" / "metrics.jsonl")
+    tuned = [r for r in rows if "val_loss" in r][-1]
+    steps = max(r.get("step", 0) for r in rows)
+    cut = 1 - math.exp(tuned["val_loss"]) / math.exp(base)
+    res = {"base_val_loss": base, "tuned_val_loss": tuned["val_loss"], "steps": steps, "wall_s": wall,
+           "trainer_elapsed_s": tuned.get("elapsed_s"), "val_windows": windows, "ppl_cut": cut}
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    print(f"| model | val loss | val perplexity | |\n|---|---|---|---|\n"
+          f"| base ({a.init}) | {base:.4f} | {math.exp(base):.2f} | |\n"
+          f"| fine-tuned, {steps} steps, {wall:.0f} s wall ({a.recipe}) | {tuned['val_loss']:.4f} "
+          f"| {math.exp(tuned['val_loss']):.2f} | {cut:.1%} below the base (target >= 20 %: "
+          f"{'met' if cut >= 0.2 else 'MISSED'}) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--finetune", action="store_true", help="the ten-minute fine-tune point instead (see above)")
+    ap.add_argument("--recipe", default="recipes/smollm2-shakespeare.yaml")
     ap.add_argument("--init", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--tp", type=int, default=3)
@@ -57,6 +121,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=192, help="a multiple of --tp (sequence parallelism)")
     ap.add_argument("--out", default="runs/bench_train_init")
     a = ap.parse_args()
+    if a.finetune:
+        finetune(a)
+        return
     from training.distributed import free_port
     from training.recipe import recipe_from_dict
     from training.trainer import train
