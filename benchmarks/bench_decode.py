@@ -46,8 +46,8 @@ def weight_bytes_per_token(cfg, itemsize: int) -> int:
 def smollm2_shape_dir() -> Path:
     """A random-weight Llama checkpoint of SmolLM2-135M's shape (written once, reused)."""
     from benchmarks.common import CACHE
-    from engines.loading.checkpoint import save_checkpoint
     from engines.core.config import ModelConfig
+    from engines.loading.checkpoint import save_checkpoint
     from engines.model.transformer import GPT
 
     d = CACHE / "smollm2-135m-shape-random"

@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.loading.checkpoint import TensorReader, load_model, save_checkpoint
 from engines.core.config import EngineConfig, ModelConfig
-from engines.transforms.fp8 import apply_fp8, convert_to_storage
+from engines.loading.checkpoint import TensorReader, load_model, save_checkpoint
 from engines.model.transformer import GPT
 from engines.parallel.sharded_loading import shard_bytes
+from engines.transforms.fp8 import apply_fp8, convert_to_storage
 from shardserve.quantize_cmd import _linear_bytes, perplexity
 
 

@@ -33,9 +33,9 @@ def main() -> None:
     import torch
 
     from engines import EngineConfig, SamplingParams
-    from engines.loading.checkpoint import save_checkpoint
     from engines.core.config import ModelConfig, kv_bytes_per_block
     from engines.core.llm_engine import LLMEngine
+    from engines.loading.checkpoint import save_checkpoint
     from engines.model.transformer import GPT
 
     torch.set_num_threads(2)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import matmul_peak, read_bandwidth
-from engines.cpu.fast_linear import pack_weight, packing_available
 from engines.core.hardware import cpu_name
+from engines.cpu.fast_linear import pack_weight, packing_available
 from engines.cpu.panel_kernel import fp8_linear, fp8_pack_panels, fp8_variant, load, pack_panels, panel_linear
 
 SHAPES = ((2304, 768, 12), (768, 768, 12), (3072, 768, 12), (768, 3072, 12), (50257, 768, 1))

@@ -35,8 +35,8 @@ from benchmarks.common import CACHE, read_bandwidth
 
 def gpt2_medium_dir(layers: int = 24) -> Path:
     """A random-weight GPT-2-medium-shaped checkpoint (written once, reused)."""
-    from engines.loading.checkpoint import save_checkpoint
     from engines.core.config import ModelConfig
+    from engines.loading.checkpoint import save_checkpoint
     from engines.model.transformer import GPT
 
     d = CACHE / f"gpt2-medium-random-{layers}l"

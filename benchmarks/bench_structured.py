@@ -44,8 +44,8 @@ def checkpoint(vocab: int) -> Path:
         return d
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from engines.loading.checkpoint import save_checkpoint
     from engines.core.config import ModelConfig
+    from engines.loading.checkpoint import save_checkpoint
     from engines.model.transformer import GPT
 
     rng = random.Random(0)

@@ -12,9 +12,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines import SamplingParams
-from engines.loading.checkpoint import save_checkpoint
 from engines.core.config import EngineConfig, ModelConfig
 from engines.core.llm_engine import LLMEngine
+from engines.loading.checkpoint import save_checkpoint
 from engines.model.transformer import GPT
 
 SUMMARY: list[str] = []

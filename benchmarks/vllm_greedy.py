@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def child(inp: Path, out: Path) -> None:
     """Runs in vLLM's venv: greedy token ids for each prompt of `inp` into `out`."""
-    from vllm import LLM, SamplingParams, TokensPrompt
     import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
 
     job = json.loads(inp.read_text())
     t = time.perf_counter()

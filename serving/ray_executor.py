@@ -31,8 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.core.config import ConfigError, EngineConfig, ModelConfig, resolve_engine_config
 from engines.core.executor import Executor, ExecutorError
-from engines.parallel.layout import ParallelLayout
 from engines.core.plan import StepPlan, StepResult
+from engines.parallel.layout import ParallelLayout
 
 log = logging.getLogger("shardserve.ray_executor")
 SHARD_ACTOR_PREFIX = "shardserve-shard-"

@@ -38,6 +38,7 @@ def quantize(
     """
     import torch
 
+    from engines.core.config import ConfigError, ModelConfig
     from engines.loading.checkpoint import (
         QUANTIZABLE,
         CheckpointError,
@@ -47,7 +48,6 @@ def quantize(
         quantized_params,
         weight_plan,
     )
-    from engines.core.config import ConfigError, ModelConfig
     from engines.transforms.fp8_format import Fp8FormatError
 
     if format not in FORMATS:
@@ -201,8 +201,8 @@ def ppl(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a line."),
 ) -> None:
     """Validation perplexity of MODEL on a token file, so a user sees what quantization cost."""
-    from engines.loading.checkpoint import CheckpointError
     from engines.core.config import WEIGHT_DTYPES, ConfigError
+    from engines.loading.checkpoint import CheckpointError
 
     if weight_dtype not in WEIGHT_DTYPES:
         raise _fail(f"--weight-dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")

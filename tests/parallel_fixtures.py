@@ -11,17 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engines.loading.checkpoint import load_model
 from engines.core.config import EngineConfig
 from engines.core.executor import Executor
 from engines.core.llm_engine import LLMEngine
+from engines.core.plan import StepPlan, StepResult
+from engines.core.sampling_params import SamplingParams
+from engines.loading.checkpoint import load_model
 from engines.parallel.comm import Comm
 from engines.parallel.layout import ParallelLayout
 from engines.parallel.pp import split_stage
 from engines.parallel.tp import apply_tp
-from engines.core.plan import StepPlan, StepResult
 from engines.runner.model_runner import ModelRunner
-from engines.core.sampling_params import SamplingParams
 
 
 class ThreadGroup:
@@ -159,8 +159,8 @@ def reference_logits(model_dir, token_ids: list[int], prompt_len: int) -> torch.
 
 def make_own_checkpoint(out_dir, **cfg_fields):
     """A random checkpoint of any shape, written by our own saver (no tokenizer: prompts are ids)."""
-    from engines.loading.checkpoint import save_checkpoint
     from engines.core.config import ModelConfig
+    from engines.loading.checkpoint import save_checkpoint
     from engines.model.transformer import GPT
 
     cfg = ModelConfig(**cfg_fields)

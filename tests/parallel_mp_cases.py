@@ -12,8 +12,8 @@ from parallel_fixtures import PROMPTS, LogitsRecorder, max_logit_error, run_engi
 
 from engines.core.config import EngineConfig
 from engines.core.executor import InProcessExecutor
-from engines.parallel.mp_executor import MultiprocExecutor
 from engines.core.sampling_params import SamplingParams
+from engines.parallel.mp_executor import MultiprocExecutor
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 BASE = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)

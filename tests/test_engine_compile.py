@@ -11,10 +11,10 @@ import torch
 from staggered import run_staggered
 
 from engines import EngineConfig
-from engines.runner import compiled as compiled_mod
-from engines.runner.compiled import CompileUnavailable, cpp_compiler, resolve_compile
 from engines.core.config import ConfigError
 from engines.core.llm_engine import LLMEngine
+from engines.runner import compiled as compiled_mod
+from engines.runner.compiled import CompileUnavailable, cpp_compiler, resolve_compile
 from tests.test_engine_decode_runner import GREEDY, SEEDED
 
 needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU kernels")

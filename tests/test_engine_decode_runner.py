@@ -8,9 +8,9 @@ from staggered import run_staggered
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines import EngineConfig, SamplingParams
-from engines.runner.decode_runner import context_buckets, pick_bucket
 from engines.core.llm_engine import LLMEngine
 from engines.core.plan import SeqWork
+from engines.runner.decode_runner import context_buckets, pick_bucket
 
 GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 6, 14, 9, 17, 3)]
 SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7 + i, max_tokens=n, ignore_eos=True)

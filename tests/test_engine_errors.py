@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from engines import LLM, AsyncLLMEngine, EngineConfig, RequestError, SamplingParams
-from engines.loading.checkpoint import CheckpointError
 from engines.core.config import ConfigError
+from engines.loading.checkpoint import CheckpointError
 
 
 @pytest.mark.parametrize("field,value,match", [

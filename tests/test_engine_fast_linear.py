@@ -150,8 +150,8 @@ def test_one_thread_steps_use_the_kernels_timed_on_one_thread(monkeypatch):
 
 
 def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
-    from engines.loading.checkpoint import load_model
     from engines.cpu.cpu_threads import intra_op_threads
+    from engines.loading.checkpoint import load_model
 
     monkeypatch.setenv("SHARDSERVE_FAST_LINEAR_CACHE", str(tmp_path / "choices.json"))
     monkeypatch.setattr(fl, "_CHOSEN", {})

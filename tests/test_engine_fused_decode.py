@@ -151,8 +151,8 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
     equal to transformers' (fp32, 1e-5)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engines.model.attention import KVCache
     from engines.core.config import ModelConfig
+    from engines.model.attention import KVCache
 
     _force(monkeypatch)
     torch.manual_seed(0)

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from engines import EngineConfig, SamplingParams
-from engines.model.attention import KVCache, PagedAttention, block_runs
 from engines.core.block_manager import BlockManager
 from engines.core.llm_engine import LLMEngine
 from engines.core.plan import SeqWork
 from engines.core.sequence import Sequence
+from engines.model.attention import KVCache, PagedAttention, block_runs
 
 
 def seq(seq_id: int, prompt_len: int, max_tokens: int | None) -> Sequence:

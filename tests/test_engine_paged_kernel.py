@@ -8,10 +8,10 @@ from staggered import run_staggered
 
 import engines.cpu.paged_kernel as pk
 from engines import EngineConfig, SamplingParams
-from engines.model.attention import KVCache, PagedAttention
 from engines.core.llm_engine import LLMEngine
-from engines.cpu.paged_kernel import load
 from engines.core.plan import SeqWork
+from engines.cpu.paged_kernel import load
+from engines.model.attention import KVCache, PagedAttention
 
 pytestmark = pytest.mark.skipif(load()[0] is None, reason="the C++ kernel cannot be built here")
 

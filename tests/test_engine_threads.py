@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from engines.model.attention import KVCache, PagedAttention
-from engines.cpu.cpu_threads import configure_openmp_env, single_threaded
 from engines.core.plan import SeqWork
+from engines.cpu.cpu_threads import configure_openmp_env, single_threaded
+from engines.model.attention import KVCache, PagedAttention
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,8 +237,8 @@ def test_one_core_never_adapts():
 def test_engine_tokens_do_not_depend_on_the_thread_count(gpt2_dir, monkeypatch):
     """Steps switching between 1 and 2 threads give the tokens of a fixed count (greedy and seeded)."""
     from engines import EngineConfig, SamplingParams
-    from engines.cpu import cpu_threads
     from engines.core.llm_engine import LLMEngine
+    from engines.cpu import cpu_threads
 
     monkeypatch.setattr(cpu_threads, "EXPLORE_MIN", 1)
     monkeypatch.setattr(cpu_threads, "EXPLORE_MAX", 1)  # a trial every other step: many switches

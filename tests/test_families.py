@@ -15,9 +15,9 @@ from parallel_fixtures import PROMPTS, LogitsRecorder, ThreadTPExecutor, max_log
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
-from engines.loading.checkpoint import load_model, save_checkpoint
 from engines.core.config import ConfigError, EngineConfig, ModelConfig
 from engines.core.executor import InProcessExecutor
+from engines.loading.checkpoint import load_model, save_checkpoint
 from engines.parallel.mp_executor import MultiprocExecutor
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

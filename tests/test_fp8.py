@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from engines import EngineConfig, SamplingParams
-from engines.loading.checkpoint import load_model
 from engines.core.config import ConfigError
 from engines.core.executor import InProcessExecutor
+from engines.core.llm_engine import LLMEngine
 from engines.cpu.fast_linear import Fp8PanelLinear
+from engines.loading.checkpoint import load_model
 from engines.transforms.fp8 import Fp8Linear, ScaledMMLinear, apply_fp8, quantize_tokens
 from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
-from engines.core.llm_engine import LLMEngine
 from shardserve.cli import app
 
 runner = CliRunner()

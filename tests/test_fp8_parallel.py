@@ -11,15 +11,15 @@ import torch
 from parallel_fixtures import PROMPTS, LogitsRecorder, run_engine
 from typer.testing import CliRunner
 
-from engines.loading.checkpoint import load_model
 from engines.core.config import EngineConfig
 from engines.core.executor import InProcessExecutor
-from engines.transforms.fp8 import Fp8Linear
-from engines.transforms.fp8_format import FP8_DTYPE
+from engines.loading.checkpoint import load_model
 from engines.parallel.comm import LocalComm
 from engines.parallel.mp_executor import MultiprocExecutor
 from engines.parallel.sharded_loading import load_shard
 from engines.parallel.tp import shard_spec
+from engines.transforms.fp8 import Fp8Linear
+from engines.transforms.fp8_format import FP8_DTYPE
 from shardserve.cli import app
 
 BASE = EngineConfig(dtype="float32", num_kv_blocks=64, worker_threads=1, dist_timeout_s=60, cpu_linear_autotune=False)

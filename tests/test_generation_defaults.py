@@ -12,8 +12,8 @@ import pytest
 from test_serving_app import MODEL, local_client
 
 from engines import LLM, SamplingParams
-from engines.model.model_config import ConfigError
 from engines.core.sampling_params import generation_defaults
+from engines.model.model_config import ConfigError
 from serving.gateway import sampling_params
 
 GEN = {"temperature": 0.0, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1, "max_new_tokens": 3,

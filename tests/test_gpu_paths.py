@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from engines.core.config import EngineConfig, ModelConfig
+from engines.core.kv_sizing import kv_cache_budget
+from engines.core.llm_engine import LLMEngine
+from engines.core.plan import SeqWork
 from engines.runner.decode_runner import StaticDecodeBackend, capture_plan
 from engines.transforms.fp8 import Fp8Linear
 from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, pick, quantize_tensor
 from engines.transforms.fp8_format import dequantize
-from engines.core.kv_sizing import kv_cache_budget
-from engines.core.llm_engine import LLMEngine
-from engines.core.plan import SeqWork
 
 
 def test_fill_writes_only_the_columns_the_step_reads(gpt2_dir):

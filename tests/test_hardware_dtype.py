@@ -12,7 +12,14 @@ import torch
 
 from engines.core import hardware
 from engines.core.config import ConfigError, EngineConfig, ModelConfig, kv_bytes_per_block, resolved_dtype
-from engines.core.hardware import Rates, choose_precision, detect, engine_dtype, read_cpu_flags, time_precisions
+from engines.core.hardware import (
+    Rates,
+    choose_precision,
+    detect,
+    engine_dtype,
+    read_cpu_flags,
+    time_precisions,
+)
 
 AVX2 = frozenset(["fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"])
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # Cascade Lake: no native bf16

@@ -15,9 +15,9 @@ from engines.core.async_engine import AsyncLLMEngine, EngineDeadError
 from engines.core.config import EngineConfig
 from engines.core.executor import ExecutorError
 from engines.core.llm_engine import LLMEngine
-from engines.parallel.mp_executor import MultiprocExecutor
 from engines.core.plan import StepPlan
 from engines.core.sampling_params import SamplingParams
+from engines.parallel.mp_executor import MultiprocExecutor
 
 CFG = EngineConfig(num_kv_blocks=64, worker_threads=1, tensor_parallel_size=2, dist_timeout_s=30)
 

@@ -18,17 +18,17 @@ from parallel_fixtures import (
     run_engine,
 )
 
-from engines.loading.checkpoint import load_model
 from engines.core.config import ConfigError, EngineConfig, ModelConfig
 from engines.core.executor import InProcessExecutor
+from engines.core.plan import SeqWork
+from engines.core.sampling_params import SamplingParams
+from engines.loading.checkpoint import load_model
 from engines.parallel import check_parallel_config, make_executor_factory
 from engines.parallel.comm import LocalComm
 from engines.parallel.layout import ParallelLayout, stage_layer_ranges
 from engines.parallel.pp import ideal_bubble, measured_bubble, split_microbatches, split_stage
 from engines.parallel.sharded_loading import expected_shard_bytes, load_shard, meta_device, shard_bytes
 from engines.parallel.tp import apply_tp
-from engines.core.plan import SeqWork
-from engines.core.sampling_params import SamplingParams
 
 MEDIUM = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=24, n_head=16, n_embd=1024)
 GQA = ModelConfig(model_type="llama", vocab_size=1000, n_layer=3, n_head=8, n_embd=64, n_kv_head=2,

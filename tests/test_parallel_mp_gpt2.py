@@ -10,8 +10,8 @@ def test_llm_picks_the_multiprocess_executor_for_tp(gpt2_dir):
     from parallel_fixtures import PROMPTS as P
 
     from engines.core.llm_engine import LLM
-    from engines.parallel.mp_executor import MultiprocExecutor
     from engines.core.sampling_params import SamplingParams as SP
+    from engines.parallel.mp_executor import MultiprocExecutor
 
     params = SP(temperature=0, max_tokens=8, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(gpt2_dir, num_kv_blocks=64).generate(P, params)]

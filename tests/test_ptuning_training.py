@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from engines import LLM, SamplingParams
-from engines.loading.checkpoint import load_model
 from engines.core.config import ConfigError
+from engines.loading.checkpoint import load_model
 from training.ptune import DatasetError, train_task
 from training.ptune_recipe import PtuneRecipe, ptune_recipe_from_dict
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from engines.loading.checkpoint import save_checkpoint
 from engines.core.config import ModelConfig
+from engines.loading.checkpoint import save_checkpoint
 
 
 class ExportError(ValueError):

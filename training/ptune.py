@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engines.loading.checkpoint import load_model
 from engines.core.hardware import detect
+from engines.loading.checkpoint import load_model
+from engines.loading.tokenizer import Tokenizer
 from engines.transforms.ptuning import (
     DatasetError,
     ModelShape,
@@ -32,7 +33,6 @@ from engines.transforms.ptuning import (
     read_dataset,
     write_task_dir,
 )
-from engines.loading.tokenizer import Tokenizer
 from training.metrics import MetricsLog, Progress, plot_loss_curve
 from training.ptune_recipe import PtuneRecipe
 

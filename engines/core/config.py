@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engines.model.model_config import MODEL_TYPES, ConfigError, ModelConfig, _require
 from engines.core.step_record import STEP_RECORD_MAX
+from engines.model.model_config import MODEL_TYPES, ConfigError, ModelConfig, _require
 
 __all__ = ["DTYPES", "ENGINE_DTYPES", "MODEL_TYPES", "WEIGHT_DTYPES", "ConfigError", "EngineConfig", "ModelConfig",
            "kv_bytes_per_block", "max_model_len", "num_kv_blocks", "resolve_engine_config", "resolved_dtype"]

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from engines.core.config import EngineConfig, ModelConfig
-from engines.cpu.cpu_threads import AdaptiveThreads, engine_threads, intra_op_threads, step_class
 from engines.core.plan import StepPlan, StepResult
+from engines.cpu.cpu_threads import AdaptiveThreads, engine_threads, intra_op_threads, step_class
 
 
 class ExecutorError(RuntimeError):

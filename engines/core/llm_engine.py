@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.core.block_manager import cache_key
-from engines.loading.checkpoint import CheckpointError
 from engines.core.config import EngineConfig, ModelConfig, max_model_len, resolve_engine_config
 from engines.core.executor import Executor, InProcessExecutor
-from engines.loading.model_source import resolve_model
 from engines.core.outputs import CompletionOutput, RequestOutput
 from engines.core.plan import StepPlan, TokenLogprob
-from engines.transforms.ptuning import ModelShape, Task, TaskRegistry, attach_tables, virtual_ids
 from engines.core.sampling_params import RequestError, SamplingParams, generation_defaults
 from engines.core.scheduler import Scheduler, SchedulerConfig
 from engines.core.sequence import Sequence
 from engines.core.step_record import StepRecorder
+from engines.loading.checkpoint import CheckpointError
+from engines.loading.model_source import resolve_model
 from engines.loading.tokenizer import Detokenizer, Tokenizer
+from engines.transforms.ptuning import ModelShape, Task, TaskRegistry, attach_tables, virtual_ids
 
 STEP_LOG_LEN = 256
 """Working steps kept in LLMEngine.step_log (a replica's admission fits step time to tokens from it)."""

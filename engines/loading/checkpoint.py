@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engines.core.config import ConfigError, ModelConfig
+from engines.model.model_config import model_config_to_hf
 from engines.transforms.fp8_format import (
     FP8_DTYPE,
     Fp8FormatError,
@@ -34,7 +35,6 @@ from engines.transforms.fp8_format import (
     quantize_rows,
     scheme_from_hf,
 )
-from engines.model.model_config import model_config_to_hf
 
 
 class CheckpointError(ValueError):

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engines.core.plan import SeqWork
 from engines.cpu.cpu_threads import single_threaded
 from engines.cpu.paged_kernel import paged_decode
-from engines.core.plan import SeqWork
 
 BATCHED_PREFILL_MAX_MASK = 1 << 26
 """Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for

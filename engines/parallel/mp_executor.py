@@ -20,8 +20,8 @@ from pathlib import Path
 
 from engines.core.config import EngineConfig, ModelConfig, resolve_engine_config
 from engines.core.executor import Executor, ExecutorError
-from engines.parallel.layout import ParallelLayout
 from engines.core.plan import StepPlan, StepResult
+from engines.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from engines.core.config import ModelConfig
-from engines.model.transformer import rope_cache
 from engines.core.plan import SeqWork
+from engines.model.transformer import rope_cache
 
 
 class StageModel(nn.Module):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engines.core.config import ConfigError, ModelConfig
 from engines.loading.checkpoint import (
     QUANTIZABLE,
     CheckpointError,
@@ -31,11 +32,10 @@ from engines.loading.checkpoint import (
     scale_name,
     weight_plan,
 )
-from engines.core.config import ConfigError, ModelConfig
-from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, Fp8FormatError, check_scale, quantize_rows
 from engines.parallel.comm import Comm
 from engines.parallel.pp import StageModel, split_stage
 from engines.parallel.tp import ShardSpec, apply_tp, shard_spec
+from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, Fp8FormatError, check_scale, quantize_rows
 
 
 def _source_rows(name: str, cfg: ModelConfig, n_sources: int, full_rows: int) -> list[int]:
@@ -132,8 +132,8 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, co
     FP8 block Linears load as engines.transforms.fp8.Fp8Linear (weight_dtype "fp8" quantizes a float
     checkpoint's as they load); engines.transforms.fp8.apply_fp8 then picks their kernel.
     """
-    from engines.transforms.fp8 import convert_to_storage
     from engines.model.transformer import GPT
+    from engines.transforms.fp8 import convert_to_storage
 
     with meta_device():
         stage = apply_tp(split_stage(GPT(cfg), start, end), cfg, comm)

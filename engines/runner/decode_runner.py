@@ -36,9 +36,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engines.core.plan import SeqWork
 from engines.model.attention import KVCache
 from engines.runner.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
-from engines.core.plan import SeqWork
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CAPTURE_BUDGET_S = 30.0

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from engines.parallel.comm import Comm
 from engines.core.plan import SeqResult, SeqWork, StepPlan, StepResult
-from engines.runner.sampler import Sampler
 from engines.core.sampling_params import SamplingParams
+from engines.parallel.comm import Comm
+from engines.runner.sampler import Sampler
 
 
 def plain_greedy(p: SamplingParams) -> bool:

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.core.config import WEIGHT_DTYPES
-from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
-from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
 from engines.parallel.comm import Comm
 from engines.parallel.tp import RowParallelLinear, ShardSpec
+from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
+from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
 
 log = logging.getLogger(__name__)
 
