@@ -254,7 +254,7 @@ def test_engine_tokens_do_not_depend_on_the_thread_count(gpt2_dir, monkeypatch):
                 eng.executor.adaptive = ad = cpu_threads.AdaptiveThreads(2)
                 chosen: list[int] = []
                 real_choose = ad.choose
-                ad.choose = lambda cls: chosen.append(real_choose(cls)) or chosen[-1]
+                ad.choose = lambda cls, seen=chosen, real=real_choose: seen.append(real(cls)) or seen[-1]
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", p, SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=20,
                                                            ignore_eos=True))
