@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv, install shardserve with its test extras, build the CPU kernels (once per machine)
 
 test: $(STAMP)   ## run the whole test suite
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: $(STAMP)  ## the unit and parity tier (tests/conftest.py FAST_TIER); target: under 2 minutes on 2 idle cores
 	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --fast

@@ -170,7 +170,7 @@ SLOW_FIRST = (
     "test_training_megatron_loop.py", "test_serving_ingress.py",
     "test_parallel_mp_gpt2.py", "test_parallel_ray_http.py",
     "test_engine_panel_kernel.py", "test_serving_ray.py",
-    "test_ptuning_training.py", "test_serving_steps.py",
+    "test_ptuning_training.py",
     "test_fp8_parallel.py", "test_tuner.py",
     "test_families.py", "test_cluster_two_nodes.py",
     "test_ptuning_engine.py", "test_serving_cli.py",

@@ -97,6 +97,27 @@ def settled(url: str, value, timeout: float = 30) -> dict:
         prev = m
 
 
+def test_every_ray_replica_reports_its_steps(url):
+    """GET /v1/admin/steps gathers every replica's latest engine steps, a TP2 replica's with its
+    layout. First in the module: the gpt2 replicas have run no request before these 8."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for model in ("gpt2", "gpt2-tp2"):
+            for _ in range(8):  # Ray's router spreads these over both replicas of gpt2
+                r = c.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 3,
+                                                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+        deadline, reps = time.monotonic() + 10, []
+        while time.monotonic() < deadline:  # published every 0.2 s
+            reps = c.get("/v1/admin/steps", params={"model": "gpt2"}).json()["data"]
+            if len(reps) == 2 and sum(len(w["steps"]) for w in reps) == 8 * 3:
+                break
+            time.sleep(0.2)
+        assert len(reps) == 2 and len({w["replica"] for w in reps}) == 2
+        assert sum(len(w["steps"]) for w in reps) == 8 * 3  # 8 requests: a prefill and 2 decodes each
+        tp2 = c.get("/v1/admin/steps", params={"model": "gpt2-tp2"}).json()["data"]
+        assert len(tp2) == 1 and tp2[0]["layout"]["tensor_parallel_size"] == 2 and tp2[0]["steps"]
+
+
 def test_openai_client_completions(openai_client):
     out = openai_client.completions.create(model="gpt2", prompt="To be, or not", max_tokens=8, temperature=0)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8

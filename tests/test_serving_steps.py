@@ -1,14 +1,12 @@
 """GET /v1/admin/steps: each replica's latest engine steps (the tuner's served-step fit reads them).
 
-In-process (the real engine behind the gateway app) for the content and the keys; through Ray Serve
-(two replicas of one model, a TP2 one) for "every replica"."""
+In-process (the real engine behind the gateway app) for the content and the keys; "every replica"
+(two replicas of one model, a TP2 one, through Ray Serve) is in test_serving_ray, on its server."""
 
 from __future__ import annotations
 
 import itertools
-import time
 
-import httpx
 import pytest
 from starlette.testclient import TestClient
 
@@ -112,40 +110,3 @@ def test_admin_key_required_when_keys_are_configured(gpt2_dir):
     with _client(gpt2_dir, api_keys=("usr",)) as c:  # user keys but no admin keys: admin routes are off
         r = c.get("/v1/admin/steps", headers={"Authorization": "Bearer usr"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
-
-
-@pytest.mark.integration
-def test_every_ray_replica_reports_its_steps(gpt2_dir):
-    ray = pytest.importorskip("ray")
-    from serving import launcher
-    from training.distributed import free_port
-
-    if ray.is_initialized():
-        ray.shutdown()
-    eng = {"num_kv_blocks": 512, "cpu_linear_autotune": False}
-    cfg = validate_config({
-        "models": [{"name": "m", "path": str(gpt2_dir), "replicas": 2, "num_cpus": 0.3, "engine": eng},
-                   {"name": "m-tp2", "path": str(gpt2_dir), "num_cpus": 0.2, "shard_num_cpus": 0.2,
-                    "engine": {**eng, "tensor_parallel_size": 2, "worker_threads": 1}}],
-        "server": {"port": free_port(), "log_requests": False, "metrics_push_interval_s": 0.2},
-    })
-    running = launcher.start(cfg, api_keys=[])
-    try:
-        with httpx.Client(base_url=running.url, timeout=120) as c:
-            for model in ("m", "m-tp2"):
-                for _ in range(8):  # Ray's router spreads these over both replicas of m
-                    r = c.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 3,
-                                                        "ignore_eos": True})
-                    assert r.status_code == 200, r.text
-            deadline, reps = time.monotonic() + 10, []
-            while time.monotonic() < deadline:  # published every 0.2 s
-                reps = c.get("/v1/admin/steps", params={"model": "m"}).json()["data"]
-                if len(reps) == 2 and sum(len(w["steps"]) for w in reps) == 8 * 3:
-                    break
-                time.sleep(0.2)
-            assert len(reps) == 2 and len({w["replica"] for w in reps}) == 2
-            assert sum(len(w["steps"]) for w in reps) == 8 * 3  # 8 requests: a prefill and 2 decodes each
-            tp2 = c.get("/v1/admin/steps", params={"model": "m-tp2"}).json()["data"]
-            assert len(tp2) == 1 and tp2[0]["layout"]["tensor_parallel_size"] == 2 and tp2[0]["steps"]
-    finally:
-        launcher.stop(running)

@@ -185,7 +185,8 @@ def test_search_emits_valid_deployment_and_rejects_impossible_slo(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY.to_hf()))
     args = ["tune", "search", "--model", str(cfg), "--hardware", "a100-80gb", "--devices", "2", "--input-len", "16",
-            "--output-len", "8", "--num-prompts", "20", "--out", str(tmp_path / "out")]
+            "--output-len", "8", "--num-prompts", "20", "--out", str(tmp_path / "out"),
+            "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]  # layouts x dtypes: 6 configs, not 24
     run = CliRunner().invoke(app, [*args, "--slo", "ttft_p99_ms=1000", "--slo", "tpot_ms=100"])
     assert run.exit_code == 0, run.output
     dep = load_config(tmp_path / "out" / "tuned.yaml")

@@ -213,6 +213,8 @@ def search_cmd(
         profile = _recalibrated(load_profile(hardware), recalibrate)
     except ProfileError as exc:
         _fail(str(exc))
+    if validate:  # refused before the search, not after minutes of it
+        _check_validate(profile, model_path)
     t0 = time.perf_counter()
     cands = evaluate(m, profile, grid(m, devices, tps=tuple(tp), pps=tuple(pp), seqs=tuple(max_num_seqs),
                                       tokens=tuple(max_num_batched_tokens), dtypes=tuple(dict.fromkeys(weight_dtype)),
@@ -251,14 +253,20 @@ def search_cmd(
                   model_path, settings)
 
 
+def _check_validate(profile, model_path: str) -> None:
+    """--validate serves on this host: a profile measured here, and a checkpoint when one is named."""
+    if profile.kind != "measured":
+        _fail(f"--validate serves on this machine: --hardware must be a profile measured here by "
+              f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
+    if model_path and not (Path(model_path) / "config.json").is_file():
+        _fail(f"--model-path: {model_path} has no config.json (a shardserve checkpoint directory)")
+
+
 def _validate(ranked, k, m, profile, w, slos, objective, out, model_path, settings) -> None:
     from tuner.closed_loop import closed_loop
     from tuner.server import ServeError
     from tuner.validate import METRICS
 
-    if profile.kind != "measured":
-        _fail(f"--validate serves on this machine: --hardware must be a profile measured here by "
-              f"`shardserve tune profile`, got the {profile.kind} profile {profile.name!r}")
     try:
         rep = closed_loop(ranked, k, m, profile, w, slos, objective, out, model_path or None,
                           settings,
