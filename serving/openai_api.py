@@ -82,16 +82,7 @@ async def completions(request: Request):
     first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params, task=body.task,
                                                        stream=bool(body.stream)))
     view = _CompletionView(model, body, ids, texts, rid)
-    if body.stream:
-        return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    try:
-        async for chunk in _chunks(first, rest):
-            view.add(chunk)
-    finally:
-        await rest.aclose()
-    _record(request, view.usage)
-    return JSONResponse(view.response())
+    return await _respond(request, view, first, rest, bool(body.stream))
 
 
 def usage_dict(prompt: int, completion: int, virtual: int) -> dict:
@@ -230,6 +221,21 @@ def _finish(reason: str | None) -> str | None:
     return None if reason == "abort" else reason
 
 
+async def _respond(request: Request, view, first, rest, stream: bool):
+    """A generation's HTTP answer, completions and chat alike: server-sent events as the view renders
+    each chunk, or the whole response once the last chunk is in."""
+    if stream:
+        return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        async for chunk in _chunks(first, rest):
+            view.add(chunk)
+    finally:
+        await rest.aclose()
+    _record(request, view.usage)
+    return JSONResponse(view.response())
+
+
 async def _stream(request: Request, view: _CompletionView | _ChatView, first: GenerateChunk,
                   rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
     """The SSE events of either endpoint: one per chunk with choices (the view turns a chunk's
@@ -280,16 +286,7 @@ async def chat_completions(request: Request):
     first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, task=body.task,
                                                        stream=bool(body.stream)))
     view = _ChatView(model, body, request.state.request_id)
-    if body.stream:
-        return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    try:
-        async for chunk in _chunks(first, rest):
-            view.add(chunk)
-    finally:
-        await rest.aclose()
-    _record(request, view.usage)
-    return JSONResponse(view.response())
+    return await _respond(request, view, first, rest, bool(body.stream))
 
 
 class _ChatView:
