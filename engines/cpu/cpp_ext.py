@@ -82,14 +82,16 @@ def clear_stale_lock(name: str) -> bool:
     return True
 
 
-def bindings(functions: list[str]) -> str:
+def bindings(functions: list[str], namespaces: tuple[str, ...] = ()) -> str:
     """The module's Python bindings of `functions`, each called with the GIL released (as torch's own
     ops are): a kernel bound as load_inline's `functions=` would hold it for its whole run, and the
     serving process's event loop (HTTP, streaming, new requests) then stalls for each engine step
     that runs one (a whole fused decode step: BENCHMARKS.md, issue 15). The functions take and
-    return tensors and plain values only, and their shared state has its own locks."""
+    return tensors and plain values only, and their shared state has its own locks. `namespaces`:
+    where else the functions are looked up (engines/cpu/kernels.py: each kernel's source in its own)."""
+    uses = "".join(f"  using namespace {ns};\n" for ns in namespaces)
     defs = "".join(f'  m.def("{f}", &{f}, "{f}", py::call_guard<py::gil_scoped_release>());\n' for f in functions)
-    return f"\n{BINDING_HEADER}\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
+    return f"\n{BINDING_HEADER}\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{uses}{defs}}}\n"
 
 
 def load_built(name: str) -> object | None:
@@ -126,7 +128,8 @@ def load_built(name: str) -> object | None:
     return mod
 
 
-def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[object | None, str]:
+def build(prefix: str, source: str, functions: list[str], what: str, namespaces: tuple[str, ...] = ()
+          ) -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable): no compiler, no ninja or a build
     error all mean "not on this machine"; the caller decides whether that is an error."""
     try:
@@ -138,7 +141,7 @@ def build(prefix: str, source: str, functions: list[str], what: str) -> tuple[ob
         mod = load_built(name)
         if mod is None:
             find_ninja()
-            mod = load_inline(name=name, cpp_sources=source + bindings(functions), functions=None,
+            mod = load_inline(name=name, cpp_sources=source + bindings(functions, namespaces), functions=None,
                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False,
                               no_implicit_headers=True)
         why = f"{what} ready in {time.perf_counter() - t:.1f} s"
