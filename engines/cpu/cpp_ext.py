@@ -1,13 +1,13 @@
-"""Building the engine's small C++ CPU kernels (engines/cpu/paged_kernel.py, engines/cpu/panel_kernel.py).
+"""Building the engine's C++ CPU kernels (one module: engines/cpu/kernels.py).
 
-Each is compiled once per machine with torch.utils.cpp_extension (gcc, -O3 -march=native, OpenMP,
-so loops run on torch's intra-op threads) into torch's extension directory
-(~/.cache/torch_extensions), under a name that includes the CPU's model and flags, the torch
-version, the environment and a digest of the source: a -march=native binary must never load on
-another CPU, and two venvs or checkouts sharing one name would rebuild each other's copy at every
-first load.
+The module is compiled once per machine with torch.utils.cpp_extension (gcc, -O3 -march=native,
+OpenMP, so loops run on torch's intra-op threads) into torch's extension directory
+(~/.cache/torch_extensions), under a name that includes the CPU's model and flags, the compiler
+flags, the torch version, the environment and a digest of the source: a -march=native binary must
+never load on another CPU, and two venvs or checkouts sharing one name would rebuild each other's
+copy at every first load. Because the name says all that, a later start imports the built library
+directly (load_built) instead of running torch's builder again.
 """
-
 from __future__ import annotations
 
 import hashlib
