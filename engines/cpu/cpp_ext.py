@@ -8,6 +8,7 @@ never load on another CPU, and two venvs or checkouts sharing one name would reb
 copy at every first load. Because the name says all that, a later start imports the built library
 directly (load_built) instead of running torch's builder again.
 """
+
 from __future__ import annotations
 
 import hashlib
