@@ -40,8 +40,8 @@ product, F.linear without bias, exactly RowParallelLinear's local product), then
 all-reduce over the shard's communicator, the bias and the residual add, as RowParallelLinear and the
 block compute them: 2 calls and 2 all-reduces a layer instead of ~20 Python-entered ops. The
 source is the panel, FP8 and paged kernels' own source, each in a namespace of its own, plus the loop in
-csrc/fused_decode.cpp: one build (~40 s on 2 cores, once per machine, engines/cpu/cpp_ext.py);
-EngineConfig.fused_decode "off" never builds or uses it.
+csrc/fused_decode.cpp, built once per machine as the engine's one C++ module (engines/cpu/kernels.py,
+which binds the panel and paged kernels' functions too); EngineConfig.fused_decode "off" never uses it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import torch
 from torch import nn
 
 from engines.cpu import paged_kernel, panel_kernel
-from engines.cpu.cpp_ext import build
 
 CSRC = Path(__file__).parent / "csrc"
 """The C++ sources beside this package (package data of the installed package)."""
@@ -84,11 +83,17 @@ def combined_source() -> str:
     return head + "".join(parts) + loop
 
 
+FUNCTIONS = ["decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound"]
+"""The loop's bound functions."""
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
-    """(the built module, why) or (None, why it is unavailable); built on first use."""
-    return build("shardserve_fused_", combined_source(),
-                 ["decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound"], "CPU fused decode step")
+    """(the module with the loop, why) or (None, why it is unavailable): the engine's one C++ module
+    (engines/cpu/kernels.py), built on first use."""
+    from engines.cpu import kernels
+
+    return kernels.load()
 
 
 KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}

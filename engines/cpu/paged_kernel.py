@@ -28,17 +28,21 @@ from pathlib import Path
 
 import torch
 
-from engines.cpu.cpp_ext import build
-
 _SOURCE = (Path(__file__).parent / "csrc" / "paged_kernel.cpp").read_text()
 """The kernel's C++ source (package data beside this module)."""
 
 
+FUNCTIONS = ["paged_decode", "argmax_rows"]
+"""The kernel's bound functions."""
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
-    """(the built module, why) or (None, why it is unavailable). Builds on first use (~20 s on 2
-    cores), then loads from torch's extension cache."""
-    return build("shardserve_paged_", _SOURCE, ["paged_decode", "argmax_rows"], "CPU paged-attention kernel")
+    """(the module with this kernel, why) or (None, why it is unavailable): the engine's one C++ module
+    (engines/cpu/kernels.py), built on first use, then loaded from torch's extension cache."""
+    from engines.cpu import kernels
+
+    return kernels.load()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,

@@ -30,8 +30,6 @@ from pathlib import Path
 
 import torch
 
-from engines.cpu.cpp_ext import build
-
 PANEL = 16
 """Output features per panel (one AVX-512 register of fp32)."""
 
@@ -52,8 +50,11 @@ FUNCTIONS = ["pack_panels", "panel_linear", "panel_variant", "fp8_pack_panels", 
 
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
-    """(the built module, why) or (None, why it is unavailable); built on first use (~25 s on 2 cores)."""
-    return build("shardserve_panel_", _SOURCE + _FP8_SOURCE, FUNCTIONS, "CPU panel Linear kernels")
+    """(the module with these kernels, why) or (None, why it is unavailable): the engine's one C++ module
+    (engines/cpu/kernels.py), built on first use."""
+    from engines.cpu import kernels
+
+    return kernels.load()
 
 
 def available(dtype: torch.dtype) -> bool:

@@ -1,15 +1,12 @@
-"""Build the engine's three C++ CPU modules at once, one compiler per module, instead of one after
-another at first use.
+"""Build the engine's C++ CPU kernels once per machine, ahead of the first engine start.
 
     python -m engines.cpu.prebuild        # what `make setup` runs: the once-per-machine step
 
-Each module (panel Linears + FP8, paged attention, the fused decode step) is one g++ run of ~25-40 s
-on a 2-core host, mostly torch's headers; built lazily they came one after the other inside the first
-`make serve` (about 100 s of a cold start). The builds are separate processes (ninja, g++), so threads
-that wait on them run them side by side. The engine calls `start()` when it builds a CPU runner, so a
-start on a machine that never ran `make setup` builds them while it loads the weights; every
-`load()` keeps its own cache and lock, so a later call returns the built module (or why it is
-unavailable) whatever finished first.
+The kernels (panel Linears + FP8, paged attention, the fused decode step) are one module, one g++ run
+(engines/cpu/kernels.py; ~55 s of CPU on a 2-core host, where three modules took ~140 s). The engine
+calls `start()` when it builds a CPU runner, so a start on a machine that never ran `make setup`
+builds it while it loads the weights; the build holds torch's lock, so a kernel's first use waits for
+it and then returns the built module (or why it is unavailable).
 """
 
 from __future__ import annotations
@@ -18,21 +15,15 @@ import atexit
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from engines.cpu import fused_decode, paged_kernel, panel_kernel
-
-LOADERS = {"panel": panel_kernel.load, "paged": paged_kernel.load, "fused": fused_decode.load}
-"""Each module's cached loader: (module or None, why)."""
+from engines.cpu import kernels
 
 _started = threading.Event()
 
 
 def build_all() -> dict[str, str]:
-    """Build (or load) every module in parallel; {name: why} (ready in N s / unavailable: reason)."""
-    with ThreadPoolExecutor(max_workers=len(LOADERS), thread_name_prefix="cpp-build") as pool:
-        futures = {name: pool.submit(fn) for name, fn in LOADERS.items()}
-        return {name: f.result()[1] for name, f in futures.items()}
+    """Build (or load) the kernels' module; {name: why} (ready in N s / unavailable: reason)."""
+    return {"kernels": kernels.load()[1]}
 
 
 def start() -> None:

@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,6 +297,26 @@ def check_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
                                   f"{tuple(expected[name].shape)}")
 
 
+@contextmanager
+def meta_device():
+    """Build modules on the meta device, skipping nn.Embedding's normal_ init there: on meta it has
+    no values to fill, yet torch computes it through a Python decomposition whose first call imports
+    torch._dynamo (~3.5 s of a 2-core host's engine start, in every process that loads a model; nothing
+    else the engine runs needs it). Tensors off the meta device are initialised as before, so the
+    replaced function is harmless to any other thread that builds a module meanwhile."""
+    orig = torch.nn.init.normal_
+
+    def normal_(t, *args, **kwargs):
+        return t if t.is_meta else orig(t, *args, **kwargs)
+
+    torch.nn.init.normal_ = normal_
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.nn.init.normal_ = orig
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelConfig]:
     """Build engines.model.transformer.GPT from an HF directory; returns (model in eval mode, config)."""
@@ -311,7 +332,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     scheme = fp8_scheme(d)
     quantized = quantized_params(cfg, TensorReader(d), scheme)
     state = load_state_dict(d, cfg, dtype, quantized)
-    with torch.device("meta"):
+    with meta_device():  # every parameter is assigned from the checkpoint below
         model = GPT(cfg)
     if quantized:  # FP8 block Linears load as engines.transforms.fp8.Fp8Linear; apply_fp8 picks their kernel
         from engines.transforms.fp8 import convert_to_storage

@@ -14,11 +14,9 @@ FP8 values as TP=1.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from engines.core.config import ConfigError, ModelConfig
 from engines.loading.checkpoint import (
@@ -27,6 +25,7 @@ from engines.loading.checkpoint import (
     Source,
     TensorReader,
     fp8_scheme,
+    meta_device,
     quantized_params,
     read_float,
     scale_name,
@@ -80,23 +79,6 @@ def read_sharded(reader: TensorReader, name: str, sources: tuple[Source, ...], c
     if spec.pad_to and out.shape[0] < spec.pad_to:
         out = torch.cat([out, out.new_zeros((spec.pad_to - out.shape[0], *out.shape[1:]))], 0)
     return out
-
-
-@contextmanager
-def meta_device():
-    """Build modules on the meta device, skipping nn.Embedding's normal_ init there: on meta it
-    has no values to fill, yet its first call costs ~2 s of one-time imports in every worker."""
-    orig = nn.init.normal_
-
-    def normal_(t, *args, **kwargs):
-        return t if t.is_meta else orig(t, *args, **kwargs)
-
-    nn.init.normal_ = normal_
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        nn.init.normal_ = orig
 
 
 def _read_scales(reader: TensorReader, name: str, sources: tuple[Source, ...], cfg: ModelConfig,

@@ -19,7 +19,7 @@
 // (8 lanes, two registers a panel), 3 AVX-512F/DQ (16 lanes). Each is compiled for its own target whatever the
 // build host (function target attributes), and runs only where the CPU has it (checked per call). One row
 // (batch-1 decode) runs G panels at once: 2G independent FMA chains keep the loads streaming.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #if defined(__x86_64__)

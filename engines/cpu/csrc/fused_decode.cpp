@@ -1,7 +1,7 @@
 // The fused CPU decode step's loop (engines/cpu/fused_decode.py): a decode-only step's transformer blocks in
 // one call. engines/cpu/fused_decode.py compiles it after the panel kernel's and the paged kernel's sources,
 // each in a namespace of its own (panel_src::, paged_src::); the includes below go to the top.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <cstring>
 #include <memory>
 #include <mutex>

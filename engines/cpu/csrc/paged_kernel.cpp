@@ -1,5 +1,5 @@
 // The CPU paged decode-attention kernel: built and bound by engines/cpu/paged_kernel.py (see its docstring).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
 // The CPU panel Linear kernel: built and bound by engines/cpu/panel_kernel.py (see its docstring).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
