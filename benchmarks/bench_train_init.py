@@ -10,13 +10,14 @@ has 9 query / 3 key-value heads, so its TP size is 3 (2 does not divide the head
 to runs/bench_train_init/.
 
     nice -n 5 python benchmarks/bench_train_init.py --finetune --init MODEL_DIR --data DATA_DIR \
-        [--recipe recipes/smollm2-shakespeare.yaml] [--val-windows 96] [--set train.time_budget_s=600]
+        [--recipe recipes/smollm2-shakespeare.yaml] [--val-windows N] [--set train.time_budget_s=600]
 
 The ten-minute fine-tune point instead: `shardserve train --config RECIPE --init MODEL_DIR` as a user
 runs it (its progress bar shown), with the trainer's final evaluation off (train.final_eval=false), so
 the recipe's time budget is training alone; before and after it, outside the budget, the base and
 the exported model are scored on the same fixed subset of the validation split: --val-windows windows
-of the recipe's seq_len spread evenly over it (training.data.val_starts; 96 x 256 = 24,576 of the
+(default: the recipe's train.final_eval_windows) of the recipe's seq_len spread evenly over it
+(training.data.val_starts; the SmolLM2 recipe's 96 x 256 = 24,576 of the
 78,242 val tokens of SmolLM2's tokenizer: on the base its loss is within 0.01 nats of the whole
 split's), in fp32, through the trainer's own evaluation. Prints both perplexities (issue 39 target:
 the fine-tuned one >= 20 % below the base's), the CPU and the load average.
@@ -107,8 +108,9 @@ def finetune(a) -> None:
     out = Path(a.out) / "finetune"
     out.mkdir(parents=True, exist_ok=True)
     r = load_recipe(a.recipe, [f"data.dir={a.data}"], a.init)
-    starts = val_starts(json.loads((Path(a.data) / "meta.json").read_text())["val_tokens"], r.data.seq_len,
-                        a.val_windows)
+    val_tokens = json.loads((Path(a.data) / "meta.json").read_text())["val_tokens"]
+    windows = a.val_windows if a.val_windows is not None else r.train.final_eval_windows
+    starts = val_starts(val_tokens, r.data.seq_len, windows or val_tokens)  # 0: the whole split
     n_tok = len(starts) * r.data.seq_len
     print(f"validation subset: {len(starts)} windows of {r.data.seq_len} tokens spread evenly over the val split "
           f"({n_tok:,} tokens), the same for both models", flush=True)
@@ -159,8 +161,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seq-len", type=int, default=192, help="a multiple of --tp (sequence parallelism)")
     ap.add_argument("--out", default="runs/bench_train_init")
-    ap.add_argument("--val-windows", type=int, default=96,
-                    help="--finetune: validation windows (of the recipe's seq_len) spread evenly over the val split")
+    ap.add_argument("--val-windows", type=int, default=None,
+                    help="--finetune: validation windows (of the recipe's seq_len) spread evenly over the val split "
+                         "[default: the recipe's train.final_eval_windows; 0: the whole split]")
     ap.add_argument("--set", action="append", default=[], help="--finetune: a recipe override for the trainer")
     a = ap.parse_args()
     if a.finetune:
