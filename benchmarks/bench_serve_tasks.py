@@ -88,9 +88,10 @@ def train_task(url: str, model: str, task: str, rows: list[dict], val: list[dict
         job = httpx.get(f"{url}/v1/ptuning/jobs/{job_id}", timeout=30).json()
         if job["state"] in ("succeeded", "failed", "cancelled"):
             break
-        if job.get("progress") and job["progress"] != last:
-            last = job["progress"]
-            print(f"  [{task}] step {last['step']}/{last['total']}, loss {last['loss']:.3f}", flush=True)
+        p = job.get("progress") or {}
+        if p.get("step") and p != last:
+            last = p
+            print(f"  [{task}] step {p['step']}/{p['total']}, loss {p.get('loss')}", flush=True)
         time.sleep(2)
     if job["state"] != "succeeded":
         raise SystemExit(f"job {task}: {json.dumps(job)[:2000]}")
@@ -162,6 +163,7 @@ def main() -> None:
         together = asyncio.run(ask_all(url, asks, a.max_tokens, together=True))
         together_s = time.perf_counter() - t1
         # the steps of that phase, before the alone phase's steps push them out of the engine's window
+        time.sleep(3)  # replicas publish their step windows with their metrics, every second
         steps = httpx.get(f"{url}/v1/admin/steps", params={"model": host_name}, timeout=30).json()
         alone = asyncio.run(ask_all(url, asks, a.max_tokens, together=False))
     finally:
