@@ -57,3 +57,23 @@ def test_autocast_and_dropout_paths():
     torch.manual_seed(3)
     out = causal_attention(q, k, v, dropout_p=0.5)
     assert out.shape == q.shape and torch.isfinite(out).all() and not torch.allclose(out, _sdpa(q, k, v))
+
+
+@pytest.mark.parametrize("nkv", [4, 2])
+def test_a_key_prefix_every_query_sees_matches_sdpa(nkv):
+    """Tk > Tq (p-tuning of every layer): the first Tk - Tq keys are seen by every query, the rest
+    causally: forward and gradients against SDPA with that mask, and the same rows as attention over
+    the whole sequence."""
+    torch.manual_seed(2)
+    B, nh, T, P, hd = 2, 4, 9, 5, 16
+    q = torch.randn(B, nh, T, hd, dtype=torch.float64)
+    k, v = torch.randn(B, nkv, P + T, hd, dtype=torch.float64), torch.randn(B, nkv, P + T, hd, dtype=torch.float64)
+    g = torch.randn(B, nh, T, hd, dtype=torch.float64)
+    mask = torch.ones(T, P + T, dtype=torch.bool).tril(P)
+    ref = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+    for ours, want in zip(_grads(causal_attention, q, k, v, g, torch.float32), _grads(ref, q, k, v, g, torch.float64)):
+        torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    # the prefix form equals attention over the whole sequence, read at its last T rows
+    qf = torch.cat([torch.randn(B, nh, P, hd, dtype=torch.float64), q], 2)
+    whole = causal_attention(qf, k, v)[:, :, P:]
+    torch.testing.assert_close(causal_attention(q, k, v), whole, atol=1e-12, rtol=1e-12)

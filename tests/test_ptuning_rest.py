@@ -226,3 +226,50 @@ def test_hot_load_and_delete_while_requests_run(model_dir, tmp_path):
         r = c.post("/v1/completions", headers=USER, json={**long, "max_tokens": 5, "task": "hot"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "task_not_found"
         assert c.delete("/v1/ptuning/tasks/hot", headers=ADMIN).status_code == 404
+
+
+def test_one_server_a_model_its_two_tasks_and_another_model_answer_as_alone(llama_dir, gpt2_dir, tmp_path):
+    """Issue 39's serving point on tiny models: one server with two models, one of them with a task of
+    every layer and an input task in its ptuning/ folder (as a fine-tuned export and the tasks
+    trained on it); every (model, task) answers, in concurrent requests, the greedy tokens it gives
+    alone. (That mixed-task batches equal single requests is test_ptuning_engine's; here the routing
+    by model and task name through the gateway, with requests in flight together.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engines.core.config import ModelConfig
+    from engines.transforms.ptuning import ModelShape
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(llama_dir, tuned)
+    shape = ModelShape.of(ModelConfig.from_dir(tuned))
+    rng = np.random.default_rng(0)
+    write_task_dir(tuned / "ptuning" / "play", "play", rng.normal(0, 1, (4, shape.prefix_width)).astype(np.float32),
+                   peft_type="PREFIX_TUNING", shape=shape)
+    write_task_dir(tuned / "ptuning" / "speaker", "speaker", rng.normal(0, 1, (3, shape.hidden)).astype(np.float32))
+    cfg = validate_config({"models": [
+        {"name": "tuned", "path": str(tuned), "engine": {"num_kv_blocks": 128, "max_num_seqs": 8,
+                                                        "cpu_linear_autotune": False}},
+        {"name": "other", "path": str(gpt2_dir), "engine": {"num_kv_blocks": 64, "cpu_linear_autotune": False}}],
+        "server": {"log_requests": False}})
+    prompts = ["the king said", "love is a smoke raised with the fume of sighs"]
+    asks = [(m, t, p) for m, t in (("tuned", None), ("tuned", "play"), ("tuned", "speaker"), ("other", None))
+            for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = {}
+    for name, d in (("tuned", tuned), ("other", gpt2_dir)):
+        llm = LLM(d)
+        llm.engine.tasks.load_dir()  # the tasks under ptuning/, as the server loads them
+        for m, t, p in asks:
+            if m == name:  # one request at a time: each served alone
+                alone[m, t, p] = llm.generate([p], params, task=t)[0].outputs[0].text
+    assert len({alone["tuned", t, p] for t in (None, "play", "speaker") for p in prompts}) > 2  # tasks change answers
+
+    def ask(c, m, t, p):
+        body = {"model": m, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = c.post("/v1/completions", json=body if t is None else {**body, "task": t})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with TestClient(create_local_app(cfg), raise_server_exceptions=False) as c, ThreadPoolExecutor(len(asks)) as pool:
+        got = dict(zip(asks, pool.map(lambda a: ask(c, *a), asks)))
+    assert got == alone

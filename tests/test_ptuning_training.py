@@ -232,8 +232,8 @@ def test_every_layer_task_trains_and_is_served_as_trained(gpt2_dir, llama_dir, t
     ids = torch.tensor(tok.encode("fair lady night"))
     with torch.no_grad():
         want = model.logits(model(torch.cat([init, ids])[None]))[0, 5:]
-        with hooked(model, prefix.hook):
-            got = model.logits(model(torch.cat([torch.zeros(5, dtype=torch.long), ids])[None]))[0, 5:]
+        with hooked(model, prefix.hook):  # the real tokens alone, at positions 5..: the prefix is prepended
+            got = model.logits(model(ids[None], positions=torch.arange(5, 5 + len(ids))[None]))[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
     _dataset(tmp_path / "d.jsonl")
@@ -256,8 +256,8 @@ def test_every_layer_task_trains_and_is_served_as_trained(gpt2_dir, llama_dir, t
     saved = LayerPrefix(table.view(4, cfg.n_layer, 2, cfg.kv_heads, cfg.hd).permute(1, 0, 2, 3, 4))
     with torch.no_grad(), hooked(model, saved.hook):
         for p, t in zip(prompts, served):
-            ids = torch.tensor([[0] * 4 + llm.tokenizer.encode(p)])
-            assert model.logits(model(ids))[0, -1].argmax() == t
+            ids = torch.tensor([llm.tokenizer.encode(p)])
+            assert model.logits(model(ids, positions=torch.arange(4, 4 + ids.shape[1])[None]))[0, -1].argmax() == t
     assert [o.outputs[0].token_ids[0] for o in llm.generate(prompts, params)] != served
     with pytest.raises(ConfigError, match="encoder"):
         ptune_recipe_from_dict({"prompt_depth": "every_layer", "encoder": "mlp"})

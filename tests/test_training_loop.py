@@ -123,6 +123,29 @@ def test_time_budget_ends_the_run_annealed(data_dir, tmp_path):
     assert last["lr"] < 0.1 * recipe.optim.lr + recipe.optim.min_lr  # the cosine has run its course
 
 
+def test_final_evaluation_on_fixed_windows_or_off(data_dir, tmp_path):
+    """train.final_eval_windows scores the final model on that many evenly spread windows (the ones
+    val_starts gives, as a benchmark scores other models on); final_eval false: no validation at all."""
+    from training.data import TokenData, val_starts
+    from training.distributed import DistContext
+    from training.model_setup import build_model
+    from training.trainer import evaluate
+
+    train_spec = {"max_steps": 3, "eval_every": 0}
+    r = make_recipe(data_dir, tmp_path / "a", train={**train_spec, "final_eval_windows": 2},
+                    out={"export_dir": str(tmp_path / "a-model")})
+    got = train(r, progress=False, log=lambda *a: None).val_loss
+    data = TokenData(data_dir)
+    starts = val_starts(data.meta["val_tokens"], 32, 2)
+    model = build_model(r.model, 0, torch.device("cpu"), str(tmp_path / "a-model"))
+    assert len(starts) == 2 and got == pytest.approx(evaluate(model, data, starts, r, DistContext(), "fp32"), abs=1e-5)
+    whole = val_starts(data.meta["val_tokens"], 32, data.meta["val_tokens"])
+    assert len(whole) > 2 and got != pytest.approx(evaluate(model, data, whole, r, DistContext(), "fp32"), abs=1e-5)
+    r = make_recipe(data_dir, tmp_path / "b", train={**train_spec, "final_eval": False})
+    assert train(r, progress=False, log=lambda *a: None).val_loss is None
+    assert not [x for x in read_metrics(tmp_path / "b" / "metrics.jsonl") if "val_loss" in x]
+
+
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     """The training model's own greedy decode: full forward each step, argmax of the last logits."""
     idx = torch.tensor([ids])

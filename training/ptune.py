@@ -78,9 +78,11 @@ class LayerPrefix(nn.Module):
     """A task of every layer (P-tuning v2): each layer's keys/values of the N virtual tokens,
     (layers, N, 2, KV heads, head_dim), trained directly.
 
-    Inside `hooked(model, prefix.hook)`, every attention layer of the model takes these as the keys/values of
-    positions 0..N-1 (after rotary embedding, as the engine's backend injects them), so the
-    prompt's tokens attend to them in every layer."""
+    Inside `hooked(model, prefix.hook)`, every attention layer of the model prepends these to its
+    keys/values as those of positions 0..N-1 (after rotary embedding, as the engine's backend
+    injects them), so the prompt's tokens attend to them in every layer. The model then runs on the
+    real tokens alone, at positions N.. (`model(ids, positions=N + arange(T))`): the virtual
+    positions' hidden states would never be read, and skipping them halves a step at N ~ T."""
 
     def __init__(self, init: torch.Tensor):
         super().__init__()
@@ -100,9 +102,10 @@ class LayerPrefix(nn.Module):
         return cls(torch.stack([torch.stack(got[i]) for i in range(len(got))]).transpose(1, 2).contiguous())
 
     def hook(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, B = self.kv.shape[1], k.shape[0]
+        """k, v (B, T, nkv, hd) of the real tokens -> (B, N + T, nkv, hd) with the prefix in front."""
+        B = k.shape[0]
         pk, pv = (self.kv[layer, :, j].to(k.dtype)[None].expand(B, -1, -1, -1) for j in (0, 1))
-        return torch.cat([pk, k[:, n:]], 1), torch.cat([pv, v[:, n:]], 1)
+        return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
 
     def peft_table(self) -> torch.Tensor:
         """(N, layers * 2 * kv_width) in PEFT's PREFIX_TUNING row layout (layer 0 key, layer 0 value, ...)."""
@@ -150,19 +153,27 @@ def answer_choices(examples: list[Example], limit: int) -> torch.Tensor | None:
     return torch.tensor(firsts) if 2 <= len(firsts) <= limit else None
 
 
-def _batch_loss(model, table: torch.Tensor, batch: list[Example], choices: torch.Tensor | None = None,
-                choice_weight: float = 0.0) -> tuple[torch.Tensor, int, int]:
+def _batch_loss(model, table: torch.Tensor | None, batch: list[Example], choices: torch.Tensor | None = None,
+                choice_weight: float = 0.0, prefix: int = 0) -> tuple[torch.Tensor, int, int]:
     """Mean answer-token cross-entropy of a batch (plus choice_weight x the cross-entropy of the first
-    answer token among `choices` alone), and (answers fully right by argmax, count)."""
-    n = table.shape[0]
+    answer token among `choices` alone), and (answers fully right by argmax, count).
+
+    table: an input task's (N, C) virtual-token embeddings, run in front of each prompt; None: a task
+    of every layer, whose `prefix` = N keys/values the open `hooked` session prepends, so the model
+    runs on the real tokens alone at positions N.. (LayerPrefix)."""
     seqs = [e.input_ids + e.output_ids[:-1] for e in batch]  # the last answer token is only a target
     T = max(len(s) for s in seqs)
     ids = torch.zeros(len(batch), T, dtype=torch.long)
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.tensor(s)
-    embeds = torch.cat([table[None].expand(len(batch), -1, -1), model.wte(ids)], 1)  # (B, N+T, C)
     # right padding is harmless under causal attention: no real token attends to a later pad
-    hidden = model(torch.zeros(embeds.shape[:2], dtype=torch.long), inputs_embeds=embeds)  # (B, N+T, C)
+    if table is None:
+        n = 0  # hidden rows are the real tokens'
+        hidden = model(ids, positions=torch.arange(prefix, prefix + T).expand(len(batch), T))  # (B, T, C)
+    else:
+        n = table.shape[0]
+        embeds = torch.cat([table[None].expand(len(batch), -1, -1), model.wte(ids)], 1)  # (B, N+T, C)
+        hidden = model(torch.zeros(embeds.shape[:2], dtype=torch.long), inputs_embeds=embeds)  # (B, N+T, C)
     rows_b, rows_t, targets, firsts = [], [], [], []
     for b, e in enumerate(batch):
         first = n + len(e.input_ids) - 1  # the row that predicts the first answer token
@@ -200,14 +211,15 @@ def _autocast(precision: str):
 
 
 @torch.no_grad()
-def evaluate(model, table: torch.Tensor, examples: list[Example], batch_size: int,
-             precision: str = "fp32") -> tuple[float, float]:
-    """(mean answer loss, exact-match accuracy by teacher-forced argmax) over `examples`."""
+def evaluate(model, table: torch.Tensor | None, examples: list[Example], batch_size: int,
+             precision: str = "fp32", prefix: int = 0) -> tuple[float, float]:
+    """(mean answer loss, exact-match accuracy by teacher-forced argmax) over `examples` (table and
+    prefix as _batch_loss takes them)."""
     tot, exact = 0.0, 0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         with _autocast(precision):
-            loss, ex, _ = _batch_loss(model, table, chunk)
+            loss, ex, _ = _batch_loss(model, table, chunk, prefix=prefix)
         tot += loss.item() * len(chunk)
         exact += ex
     return tot / len(examples), exact / len(examples)
@@ -280,7 +292,6 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     every_layer = recipe.prompt_depth == "every_layer"
     if every_layer:
         enc = LayerPrefix.from_text(model, init_ids)
-        inputs = torch.zeros(n, cfg.n_embd)  # the virtual positions' inputs: never read (every layer's k/v replaced)
         table_of = enc.peft_table
         session = hooked(model, enc.hook)
     else:
@@ -314,7 +325,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
                 raise InterruptedError("cancelled")
             batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
             with _autocast(precision):
-                loss, _, _ = _batch_loss(model, inputs if every_layer else enc(), batch, choices, recipe.choice_loss)
+                loss, _, _ = _batch_loss(model, None if every_layer else enc(), batch, choices, recipe.choice_loss,
+                                         prefix=n)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -325,7 +337,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
             if step % recipe.eval_every == 0 or step == recipe.max_steps:
                 with torch.no_grad():
                     table = table_of()
-                vl, va = evaluate(model, inputs if every_layer else table, val, recipe.batch_size, precision)
+                vl, va = evaluate(model, None if every_layer else table, val, recipe.batch_size, precision, n)
                 rec.update(val_loss=vl, val_accuracy=va)
                 if vl < best[0]:
                     best, bad_evals = (vl, table, va), 0
@@ -346,7 +358,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
         if best[1] is None:  # ended before the first evaluation
             with torch.no_grad():
                 table = table_of()
-            vl, va = evaluate(model, inputs if every_layer else table, val, recipe.batch_size, precision)
+            vl, va = evaluate(model, None if every_layer else table, val, recipe.batch_size, precision, n)
             best = (vl, table, va)
             save_file(enc.state_dict(), str(enc_path))
     except BaseException:

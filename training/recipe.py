@@ -90,7 +90,7 @@ class TrainSpec:
     has it (training/precision.py)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     time_budget_s: float = 0.0
-    """If > 0, seconds for the training loop and the final evaluation: the schedule runs on
+    """If > 0, seconds for the training loop and the final evaluation (train.final_eval): the schedule runs on
     max(step / max_steps, (elapsed + expected final-evaluation time) / budget) and training stops
     when that reaches 1, so the run fits the budget on a slower or busier machine, its learning
     rate annealed (not bitwise reproducible then: the step count depends on the machine)."""
@@ -98,6 +98,13 @@ class TrainSpec:
     """Steps between validation evaluations; 0: only the final one (which covers the whole val split)."""
     eval_windows: int = 64
     """Validation windows of seq_len tokens per periodic evaluation (spread evenly over the val split)."""
+    final_eval: bool = True
+    """Evaluate once more after the last step (its expected time is kept inside time_budget_s). False:
+    no final evaluation, the run reports no validation loss and a time budget covers training alone
+    (a benchmark that scores the exported model itself, benchmarks/bench_train_init.py --finetune)."""
+    final_eval_windows: int = 0
+    """Windows of the final evaluation, spread evenly over the val split (the same ones every run);
+    0: the whole split (75k tokens of Shakespeare: minutes for a 135M model on a CPU)."""
     ckpt_every: int = 0
     """Steps between checkpoints (one is always written at the end and on SIGTERM / Ctrl-C); 0: none."""
     log_every: int = 1
@@ -130,7 +137,7 @@ class TrainSpec:
         _require(not (megatron and self.time_budget_s), "train.time_budget_s",
                  "is not supported on a Megatron layout (tensor / pipeline parallel or recompute) yet; set it to 0 "
                  "and bound the run with train.max_steps")
-        for name in ("eval_every", "ckpt_every", "num_threads", "seed", "recompute_layers"):
+        for name in ("eval_every", "ckpt_every", "num_threads", "seed", "recompute_layers", "final_eval_windows"):
             v = getattr(self, name)
             _require(v >= 0, f"train.{name}", f"must be >= 0, got {v}")
         _require(self.batch_size % self.micro_batch_size == 0, "train.batch_size",
@@ -179,7 +186,7 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataSpec, "optim": Op
 INIT_OVERRIDABLE = ("dropout",)
 """Model keys a recipe may set beside `init` (the rest is the checkpoint's shape)."""
 # fields that do not change what is computed: a resume may differ in these
-RESUMABLE = {"train.eval_every", "train.eval_windows", "train.ckpt_every", "train.log_every", "train.num_threads",
+RESUMABLE = {"train.eval_every", "train.eval_windows", "train.final_eval", "train.final_eval_windows", "train.ckpt_every", "train.log_every", "train.num_threads",
              "train.device", "out.dir", "out.export_dir", "data.dir"}
 
 

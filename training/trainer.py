@@ -101,7 +101,8 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     seq_len, mb = recipe.data.seq_len, t.micro_batch_size
     order = TrainOrder(data.meta["train_tokens"], seq_len, t.seed)
     eval_starts = val_starts(data.meta["val_tokens"], seq_len, t.eval_windows)
-    final_starts = val_starts(data.meta["val_tokens"], seq_len, data.meta["val_tokens"])  # the whole split
+    # train.final_eval_windows, 0: the whole split
+    final_starts = val_starts(data.meta["val_tokens"], seq_len, t.final_eval_windows or data.meta["val_tokens"])
 
     model = build_model(recipe.model, t.seed, ctx.device, recipe.init)
     optimizer = build_optimizer(model, recipe.optim)
@@ -139,7 +140,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
     load_start = load_average()
     clock = time.perf_counter()
     elapsed0, tokens0, start_step = state.elapsed_s, state.tokens, state.step
-    reserve_s = 0.0  # the final evaluation's expected time, kept inside a time budget
+    reserve_s = 0.0  # the final evaluation's expected time, kept inside a time budget (if there is one)
 
     def elapsed_now() -> float:
         return elapsed0 + time.perf_counter() - clock
@@ -194,7 +195,8 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
             # one all-reduce: the global mean loss, whether any rank was signalled, rank 0's clocks
             main = ctx.is_main
             shared = torch.tensor([loss_sum.item() / accum, float(stop.set), elapsed_now() if main else 0.0,
-                                   final_eval_estimate() if main and t.time_budget_s else 0.0], dtype=torch.float64)
+                                   final_eval_estimate() if main and t.time_budget_s and t.final_eval else 0.0],
+                                  dtype=torch.float64)
             ctx.all_reduce_sum(shared)
             loss_val, stopping = shared[0].item() / ctx.world_size, shared[1].item() > 0
             state.elapsed_s, reserve_s = shared[2].item(), shared[3].item()
@@ -229,7 +231,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         bar.close()
         if interrupted:
             log(f"stopped by signal at step {state.step}; saving {ckpt_path} (continue with --resume)")
-        else:
+        elif t.final_eval:
             val_loss = evaluate(model, data, final_starts, recipe, ctx, precision)
             state.best_val_loss = min(val_loss, state.best_val_loss or math.inf)
             if metrics:
@@ -253,6 +255,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
                       run_dir, export_dir)
     if not interrupted:
         log(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s ({precision}); "
-            f"val loss {val_loss:.4f}" + (f"; model exported to {export_dir}" if export_dir else ""))
+            + (f"val loss {val_loss:.4f}" if val_loss is not None else "no validation loss")
+            + (f"; model exported to {export_dir}" if export_dir else ""))
     ctx.barrier()
     return TrainResult(state, val_loss, interrupted, ckpt_path, export_dir, run_dir)

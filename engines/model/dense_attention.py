@@ -12,6 +12,10 @@ are bf16 (the softmax itself reduces in fp32), as the matmuls around them are.
 
 `causal_attention` chooses: this path on CPU when no attention dropout is asked for, SDPA
 otherwise (CUDA has fused flash kernels that beat it; dropout needs SDPA's masks).
+
+Keys may be longer than queries (Tk > Tq): the first Tk - Tq keys/values are a prefix every query
+sees (p-tuning of every layer trains its virtual tokens' keys/values without running the model on
+those positions, training/ptune.py); query i sees keys up to Tk - Tq + i.
 """
 
 from __future__ import annotations
@@ -23,17 +27,18 @@ import torch.nn.functional as F
 
 
 @functools.lru_cache(maxsize=16)
-def _causal_mask(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
-    return torch.full((t, t), float("-inf"), device=device).triu(1).to(dtype)
+def _causal_mask(tq: int, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(Tq, Tk) additive mask: 0 where query i may see key j (j <= Tk - Tq + i), -inf elsewhere."""
+    return torch.full((tq, tk), float("-inf"), device=device).triu(1 + tk - tq).to(dtype)
 
 
 class _CausalAttention(torch.autograd.Function):
-    """q, k, v (N, T, hd) with the same head count -> (N, T, hd)."""
+    """q (N, Tq, hd), k and v (N, Tk, hd) with the same head count -> (N, Tq, hd)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        scores = torch.baddbmm(_causal_mask(q.shape[1], q.dtype, q.device), q, k.transpose(1, 2), alpha=scale)
+        mask = _causal_mask(q.shape[1], k.shape[1], q.dtype, q.device)
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)  # (N, Tq, Tk)
         probs = torch.softmax(scores, dim=-1)
         ctx.save_for_backward(q, k, v, probs)
         ctx.scale = scale
@@ -53,14 +58,18 @@ class _CausalAttention(torch.autograd.Function):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """q (B, nh, T, hd), k and v (B, nkv, T, hd) with nh a multiple of nkv -> (B, nh, T, hd)."""
+    """q (B, nh, Tq, hd), k and v (B, nkv, Tk, hd) with nh a multiple of nkv and Tk >= Tq (a prefix of
+    Tk - Tq keys every query sees) -> (B, nh, Tq, hd)."""
     B, nh, T, hd = q.shape
-    nkv = k.shape[1]
+    nkv, tk = k.shape[1], k.shape[2]
     if q.device.type != "cpu" or dropout_p > 0.0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=nkv != nh)
+        # SDPA's is_causal aligns the diagonal top-left; with a prefix the mask is explicit
+        mask = None if tk == T else torch.ones(T, tk, dtype=torch.bool, device=q.device).tril(tk - T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
+                                              enable_gqa=nkv != nh)
     with torch.autocast("cpu", enabled=False):
         dtype = torch.promote_types(q.dtype, k.dtype)
         if nkv != nh:  # grouped-query: each kv head serves nh // nkv query heads (autograd sums them back)
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        q3, k3, v3 = (x.to(dtype).reshape(B * nh, T, hd) for x in (q, k, v))
+        q3, k3, v3 = (x.to(dtype).reshape(B * nh, -1, hd) for x in (q, k, v))
         return _CausalAttention.apply(q3, k3, v3, hd ** -0.5).view(B, nh, T, hd)

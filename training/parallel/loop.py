@@ -106,7 +106,7 @@ def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress
     seq_len, mb = recipe.data.seq_len, t.micro_batch_size
     order = TrainOrder(data.meta["train_tokens"], seq_len, t.seed)
     eval_starts = val_starts(data.meta["val_tokens"], seq_len, t.eval_windows)
-    final_starts = val_starts(data.meta["val_tokens"], seq_len, data.meta["val_tokens"])
+    final_starts = val_starts(data.meta["val_tokens"], seq_len, t.final_eval_windows or data.meta["val_tokens"])
     # the default stream draws the masks of replicated tensors: the same within a TP group
     torch.manual_seed(t.seed * 1_000_003 + groups.dp_rank)
     stage = build_stage(recipe.model, t.seed, groups, spec_of(recipe), ctx.device, recipe.init)
@@ -177,7 +177,7 @@ def train_parallel(recipe: Recipe, ctx: DistContext, resume: bool, show_progress
             if t.ckpt_every and state.step % t.ckpt_every == 0 and state.step < t.max_steps:
                 _save(run_dir, stage, optimizer, state, recipe, data, ctx)
         bar.close()
-        if not interrupted:
+        if not interrupted and t.final_eval:
             val_loss = _evaluate(stage, data, final_starts, recipe, ctx, groups.dp_rank, layout.dp, shape, amp)
             if metrics:
                 metrics.write({"step": state.step, "val_loss": round(val_loss, 6)})
