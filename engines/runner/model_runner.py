@@ -112,6 +112,10 @@ class ModelRunner:
         )
 
         self.fp8 = apply_fp8(model, engine_cfg.weight_dtype, self.device, self.dtype)
+        if engine_cfg.lm_head_dtype == "fp8":  # the logits through an e4m3 copy of the head
+            from engines.transforms.fp8 import apply_fp8_head
+
+            log.info("lm_head_dtype fp8: %s", apply_fp8_head(model, self.dtype, model_dir))
         if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
             from engines.cpu.fast_linear import apply_fast_linear
 
