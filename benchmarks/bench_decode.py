@@ -139,6 +139,8 @@ def read_bytes_per_token(model: torch.nn.Module) -> int:
         for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):
             if isinstance(lin, Fp8PanelLinear):
                 total += lin.panels.numel() + 4 * lin.scales.numel()
+            elif lin.weight is None:  # a FastLinear that kept only its panels (padded to 16 outputs)
+                total += lin.panels.numel() * lin.panels.element_size()
             else:
                 total += lin.weight.numel() * lin.weight.element_size()
         total += sum(p.numel() * p.element_size() for n in (b.norm1, b.norm2) for p in n.parameters())

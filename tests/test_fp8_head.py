@@ -43,7 +43,7 @@ def test_fp8_head_reads_the_quantizers_codes_and_refuses_a_wrong_shape(tied_dir,
     from engines.loading.checkpoint import load_model
     from engines.transforms.fp8 import apply_fp8_head
 
-    model, cfg = load_model(tied_dir)
+    model, _ = load_model(tied_dir)
     w = model.wte.weight.detach()
     q, s = quantize_rows(-w)  # codes unlike RTN's of w: the file's must be the ones used
     save_fp8_head(tmp_path, q, s)

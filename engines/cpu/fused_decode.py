@@ -251,12 +251,14 @@ class FusedDecode:
                 if isinstance(lin, Fp8PanelLinear):  # per-output scales, bias, the e4m3 panels
                     weights += [lin.scales, bias, lin.panels, empty, empty]
                     continue
-                weights += [lin.weight, bias, *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
+                weights += [given(lin.weight), bias,  # no weight: a FastLinear that dropped it (decode: panels)
+                            *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
         self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
         # this shard's query heads and MLP width (the whole model's on one device)
         self.n_head = blocks[0].attn.n_head
         down = blocks[0].mlp.down
-        self.ffn = down.in_features if isinstance(down, Fp8PanelLinear) else down.weight.shape[1]
+        dense = None if isinstance(down, Fp8PanelLinear) else down.weight  # None: no dense weight kept
+        self.ffn = down.in_features if dense is None else dense.shape[1]
         self.eps = cfg.norm_eps
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
 

@@ -120,8 +120,11 @@ class ModelRunner:
             from engines.cpu.fast_linear import apply_fast_linear
 
             # in-process steps may run on one thread (engines.cpu.cpu_threads.AdaptiveThreads): time that count too
+            # drop_dense: Linears whose decode kernels read their own copy keep no second one (prefill unpacks
+            # it per chunk); a compiled step's graph reads the dense weight
             apply_fast_linear(model, single_thread_too=(not sharded and engine_cfg.adaptive_threads
-                                                        and engine_cfg.worker_threads == 0))
+                                                        and engine_cfg.worker_threads == 0),
+                              drop_dense=engine_cfg.compile_decode != "on")
         self.model, self.cfg = model, cfg
         """The GPT (one device) or this shard's StageModel: forward(x, positions, backend), logits."""
         self.why_not: dict[str, str] = {}
