@@ -34,7 +34,8 @@ def quantize(
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
     embeddings, norms and the LM head keep the source dtype. With --calibration the e4m3 codes are
     chosen by GPTQ (engines/transforms/fp8_gptq.py) on that text: same scales and file layout,
-    smaller output error.
+    smaller output error; GPTQ codes of the LM head (per-row scales) are written beside, in fp8_head/,
+    for an engine run with lm_head_dtype fp8 (transformers and vLLM do not read that folder).
     """
     import torch
 
@@ -64,12 +65,17 @@ def quantize(
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         # GPTQ's calibration pass and Hessians run in fp32; the file keeps src_dtype either way
         net, cfg = load_model(model, dtype=torch.float32 if calibration is not None else src_dtype)
+        head = None
         if calibration is not None:
-            _gptq(net, model, calibration, calibration_windows, calibration_window)
+            head = _gptq(net, model, calibration, calibration_windows, calibration_window)
         before = _linear_bytes(reader, cfg)
         from engines.loading.checkpoint import save_checkpoint
 
         save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=True, tokenizer_dir=model)
+        if head is not None:  # GPTQ codes of the LM head, for lm_head_dtype fp8 (a sub-folder: HF / vLLM skip it)
+            from engines.transforms.fp8_format import save_fp8_head
+
+            save_fp8_head(out, *head)
     except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     after = _linear_bytes(TensorReader(out), cfg)
@@ -88,11 +94,12 @@ def quantize(
                    "See docs/fp8.md.")
 
 
-def _gptq(net, model: Path, calibration: Path, windows: int, window: int) -> None:
+def _gptq(net, model: Path, calibration: Path, windows: int, window: int):
     """Quantize net's block Linears in place with GPTQ on the calibration text (tokenized with the model's
-    tokenizer); raises ValueError naming --calibration for an unusable file."""
+    tokenizer) and return GPTQ codes and scales of its LM head (for lm_head_dtype fp8: the file keeps the
+    head in the source dtype); raises ValueError naming --calibration for an unusable file."""
     from engines.loading.tokenizer import Tokenizer
-    from engines.transforms.fp8_gptq import calibration_windows, gptq_quantize
+    from engines.transforms.fp8_gptq import calibration_windows, gptq_head, gptq_quantize
 
     if not calibration.is_file():
         raise ValueError(f"--calibration: {str(calibration)!r} is not a file")
@@ -108,6 +115,7 @@ def _gptq(net, model: Path, calibration: Path, windows: int, window: int) -> Non
     except ValueError as exc:
         raise ValueError(f"--calibration: {exc}") from exc
     gptq_quantize(net, wins)
+    return gptq_head(net, wins)
 
 
 def _linear_bytes(reader, cfg) -> int:

@@ -215,3 +215,45 @@ def test_timing_rounds_follow_the_budget():
     fns, clock = _scripted({"linear": [1.0] * 9, "panel": [0.5] * 9})
     chosen, _ = fl._fastest(fns, budget_s=6.0, min_rounds=2, max_rounds=9, clock=clock)
     assert chosen == "panel" and clock() == pytest.approx(4 * 1.5)  # 4 rounds (warm-ups take 0 here): 6 s spent
+
+
+@pytest.mark.skipif(not fl.panel_available(torch.float32), reason="the panel kernel cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_panels_only_linear_computes_the_same_and_keeps_one_copy(dtype):
+    """dense=False: decode rows through the panels, prefill rows on the weight unpacked from them, bitwise
+    the kernels of the layer that keeps its dense weight; the weight is gone, the panels are the one copy."""
+    from engines.cpu import panel_kernel
+
+    lin = nn.Linear(41, 37).to(dtype)  # no size a multiple of 16; bf16: an odd input padded to a pair
+    keep = FastLinear(lin, one="panel", many="panel", bulk="linear")
+    drop = FastLinear(lin, one="panel", many="panel", bulk="linear", dense=False)
+    assert drop.weight is None and torch.equal(
+        panel_kernel.unpack_panels(drop.panels, lin.out_features, lin.in_features), lin.weight.detach())
+    with torch.no_grad():
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, lin.in_features).to(dtype)
+            assert torch.equal(drop(x), keep(x)), rows
+    assert "dense weight dropped" in repr(drop)
+    with pytest.raises(ValueError, match="dense=False"):
+        FastLinear(lin, one="panel", many="linear", dense=False)  # a decode batch would read the dense weight
+
+
+@pytest.mark.skipif(not fl.panel_available(torch.float32), reason="the panel kernel cannot be built here")
+def test_apply_drops_dense_weights_but_never_a_tied_heads(monkeypatch, llama_dir):
+    from engines.loading.checkpoint import load_model
+
+    model, cfg = load_model(llama_dir)
+    tied, _ = load_model(llama_dir)
+    idx = torch.randint(0, cfg.vocab_size, (1, 9))
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("panel", "panel", "linear"))
+    with torch.no_grad():
+        before = model.logits(model(idx))
+        apply_fast_linear(model, drop_dense=True)
+        after = model.logits(model(idx))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert all(b.mlp.up.weight is None and b.attn.qkv.weight is None for b in model.blocks)
+    if cfg.tie_word_embeddings:  # the head's weight is the embedding's: kept
+        assert model.lm_head.weight is model.wte.weight
+    tied.lm_head.weight = tied.wte.weight  # tie it here whatever the fixture's config
+    apply_fast_linear(tied, drop_dense=True)
+    assert tied.lm_head.weight is tied.wte.weight and tied.blocks[0].mlp.down.weight is None

@@ -68,6 +68,15 @@ def test_quantize_cli_with_calibration_and_float_layers_named_in_ignore(llama_di
     rtn_q, rtn_s = quantize_rows(w)
     assert q.dtype == FP8_DTYPE and torch.equal(s, rtn_s)
     assert not torch.equal(q.view(torch.uint8), rtn_q.view(torch.uint8))
+    # GPTQ codes of the LM head beside the file, in a folder transformers and vLLM never read (lm_head_dtype fp8)
+    from engines.transforms.fp8_format import read_fp8_head
+
+    with safe_open(llama_dir / "model.safetensors", "pt") as src:
+        head = src.get_tensor("lm_head.weight" if "lm_head.weight" in src.keys() else "model.embed_tokens.weight")
+    hq, hs = read_fp8_head(tmp_path / "q", tuple(head.shape))
+    assert torch.equal(hs, quantize_rows(head)[1]) and not torch.equal(hq.view(torch.uint8),
+                                                                       quantize_rows(head)[0].view(torch.uint8))
+    assert not list((tmp_path / "q").glob("*head*.safetensors"))  # nothing new at the top level
     bad = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"),
                                    "--calibration", str(tmp_path / "missing.txt")])
     assert bad.exit_code == 2 and "--calibration" in bad.output

@@ -100,7 +100,8 @@ class FastLinear(nn.Module):
     (the timing probes run every candidate)."""
 
     def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
-                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None, prepare: tuple[str, ...] = ()):
+                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None, prepare: tuple[str, ...] = (),
+                 dense: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
@@ -121,15 +122,28 @@ class FastLinear(nn.Module):
                              persistent=False)  # [half, out)
         self.register_buffer("panels", _panels(w) if "panel" in kinds else None,
                              persistent=False)  # (ceil(out / 16), in, 16)
+        if not dense:  # see dense_droppable: the panels (and a packed copy) are the only copy kept
+            if not droppable(kinds_of(one, many, bulk, single)) or self.panels is None:
+                raise ValueError(f"FastLinear: dense=False needs decode kernels among {sorted(DENSE_FREE)} and the "
+                                 f"panels; got one={one}, many={many}, bulk={bulk}, single={single}")
+            self.register_parameter("weight", None)
 
     def extra_repr(self) -> str:
         one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
+        dense = "" if self.weight is not None else ", dense weight dropped (panels only)"
         return (f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
-                f"{one_thread}")
+                f"{one_thread}{dense}")
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (out, in) weight: the Parameter, or, where it was dropped (dense=False), a copy unpacked from the
+        panels for this call (a prefill chunk: compute-bound, the unpacking a few % of its time)."""
+        if self.weight is not None:
+            return self.weight
+        return panel_kernel.unpack_panels(self.panels, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the graph must not depend on this process's timings
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.dense_weight(), self.bias)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         m = x2.shape[0]
         one, many, bulk = (self.single if self.single is not None and torch.get_num_threads() == 1
@@ -139,9 +153,9 @@ class FastLinear(nn.Module):
 
     def run(self, kind: str, x2: torch.Tensor) -> torch.Tensor:
         """x2 (M, in) -> (M, out) through `kind`."""
-        w, b = self.weight, self.bias
+        b = self.bias
         if kind == "linear":
-            return F.linear(x2, w, b)
+            return F.linear(x2, self.dense_weight(), b)
         if kind == "pretransposed":
             return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
         if kind == "packed":
@@ -150,19 +164,43 @@ class FastLinear(nn.Module):
             return panel_kernel.panel_linear(x2, self.panels, self.out_features, b)
         if kind == "halves":
             if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
-                return self.run("packed", x2) if self.packed is not None else F.linear(x2, w, b)
+                return self.run("packed", x2) if self.packed is not None else F.linear(x2, self.dense_weight(), b)
             return _two_halves(x2, self.packed_lo, self.packed_hi, b, self.half)
         if kind == "gemv":
             if x2.shape[0] != 1:
                 raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
+            w = self.dense_weight()
             return (torch.mv(w, x2[0]) if b is None else torch.addmv(b, w, x2[0]))[None]
         if kind == "sliced":
-            out = x2.new_empty(x2.shape[0], self.out_features)  # (M, out)
+            out, w = x2.new_empty(x2.shape[0], self.out_features), self.dense_weight()  # (M, out)
             for s in range(0, self.out_features, self.chunk):
                 e = min(s + self.chunk, self.out_features)
                 out[:, s:e] = F.linear(x2, w[s:e], None if b is None else b[s:e])
             return out
         raise ValueError(f"unknown kernel {kind!r}; allowed: {sorted(set(ONE_ROW + MULTI_ROW))}")
+
+
+DENSE_FREE = ("panel", "packed")
+"""Decode kernels (one row, a decode batch, on any thread count) that read a copy of their own: a FastLinear
+whose decode kernels are all among these keeps no dense weight (dense=False), its prefill chunks ("linear")
+unpacking the panels per call. Before, a bf16 SmolLM2-135M engine held 583 MB of weights for 269 MB of
+model: each block Linear's Parameter beside its panel copy, the Parameter read by prefill chunks only."""
+
+
+def kinds_of(one: str, many: str, bulk: str, single: tuple[str, str, str] | None) -> tuple[set[str], set[str]]:
+    """(the decode kernels, the prefill kernels) of a FastLinear's choices."""
+    decode, prefill = {one, many}, {bulk}
+    if single is not None:
+        decode |= {single[0], single[1]}
+        prefill.add(single[2])
+    return decode, prefill
+
+
+def droppable(kinds: tuple[set[str], set[str]]) -> bool:
+    """Whether a FastLinear of these kernels can drop its dense weight: decode kernels among DENSE_FREE with
+    the panel kernel among them (its copy is what prefill unpacks), prefill by "linear" or "packed"."""
+    decode, prefill = kinds
+    return decode <= set(DENSE_FREE) and "panel" in decode and prefill <= {"linear", "packed"}
 
 
 _HELPER: ThreadPoolExecutor | None = None
@@ -347,11 +385,16 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     return _CHOSEN[key]
 
 
-def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
+def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_dense: bool = False
                       ) -> dict[tuple[int, int], tuple[str, str, str]]:
     """Swap each plain CPU nn.Linear (fp32 / bf16 / fp16) for a FastLinear with its shape's timed
     kernels (one row, decode batch, prefill chunk); returns the choices by (out, in). A shape whose
     three choices are all plain linear keeps its nn.Linear.
+
+    drop_dense: a Linear whose decode kernels all read their own copy (DENSE_FREE) and whose weight no other
+    module holds (a tied head's is the embedding's) keeps only that copy: the replica's weight memory is
+    then the model's bytes, not twice them. Not for a model that torch.compile traces (its graph reads the
+    dense weight) nor one that is trained.
 
     single_thread_too: when this runs on several threads, also time each shape on one thread and
     use those kernels in steps run on one thread (the engine's adaptive thread count). Timing on
@@ -361,6 +404,10 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
     from engines.cpu.cpu_threads import intra_op_threads
 
     choices: dict[tuple[int, int], tuple[str, str, str]] = {}
+    holders: dict[int, int] = {}  # id(parameter) -> modules holding it (a tied head's weight: 2)
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
@@ -372,7 +419,9 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False
                 with intra_op_threads(1):
                     single = choose_kernels(child.weight, child.bias)
             if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3):
-                setattr(parent, name, FastLinear(child, *choices[key], single=single))
+                dense = not (drop_dense and holders.get(id(child.weight)) == 1
+                             and droppable(kinds_of(*choices[key], single)))
+                setattr(parent, name, FastLinear(child, *choices[key], single=single, dense=dense))
     if choices:
         log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices

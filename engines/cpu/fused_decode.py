@@ -256,14 +256,20 @@ class FusedDecode:
                 if isinstance(lin, Fp8PanelLinear):  # per-output scales, bias, the e4m3 panels
                     weights += [lin.scales, bias, lin.panels, empty, empty]
                     continue
-                weights += [lin.weight, bias, *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
+                weights += [given(lin.weight), bias,  # no weight: a FastLinear that dropped it (decode: panels)
+                            *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
         self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
         # this shard's query heads and MLP width (the whole model's on one device)
         self.n_head = blocks[0].attn.n_head
         down = blocks[0].mlp.down
-        self.ffn = down.in_features if isinstance(down, Fp8PanelLinear) else down.weight.shape[1]
+        dense = None if isinstance(down, Fp8PanelLinear) else down.weight  # None: no dense weight kept
+        self.ffn = down.in_features if dense is None else dense.shape[1]
         self.eps = cfg.norm_eps
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
+        self._rope_table = (torch.empty(0), torch.empty(0))
+        """cos, sin (P, hd / 2) fp32 of positions [0, P), grown on demand: the model file's rope function run
+        once over the positions rather than each step (~0.1-0.2 ms a step of a dozen small ops); elementwise, so
+        each row has the bits of rope() on that position alone (the fused-vs-module tests check)."""
 
     def kinds(self, rows: int) -> list[int] | None:
         """The kernel code (KERNELS) of every block Linear at `rows` rows on this thread count, as
@@ -309,7 +315,7 @@ class FusedDecode:
             x = model.wte(x)  # (1, M, C)
             if not fam.rope:
                 x = x + model.wpe(positions)
-        cos, sin = rope(model, positions) if fam.rope else (torch.empty(0), torch.empty(0))
+        cos, sin = self._rope_rows(positions) if fam.rope else (torch.empty(0), torch.empty(0))
         kinds = self.kinds(positions.shape[1])
         args = (slots, table, lens, block_size, self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin)
         if not self.split:
@@ -323,6 +329,16 @@ class FusedDecode:
                     y = self.comm.all_reduce(part, "tp_layer")
                     h = h + (y + bias if bias is not None else y)
         return model.norm_f(h[None]) if self.last else h[None]
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (M, hd / 2) fp32 of positions (1, M), rows of the table (grown to a power of two past the
+        largest position asked)."""
+        top = int(positions.max()) + 1
+        if top > self._rope_table[0].shape[0]:
+            n = 1 << max(8, (top - 1).bit_length())
+            self._rope_table = rope(self.model, torch.arange(n, device=positions.device)[None])
+        idx = positions[0]
+        return self._rope_table[0].index_select(0, idx), self._rope_table[1].index_select(0, idx)
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)

@@ -69,6 +69,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return mod.pack_panels(weight.detach())
 
 
+def unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The (out_features, in_features) weight of pack_panels' panels (a copy; the inverse of pack_panels)."""
+    p = panels.shape[0]
+    if panels.dim() == 3:  # fp32 (P, K, 16)
+        w = panels.transpose(1, 2).reshape(p * PANEL, panels.shape[1])
+    else:  # bf16 (P, K2, 16, 2)
+        w = panels.permute(0, 2, 1, 3).reshape(p * PANEL, 2 * panels.shape[1])
+    return w[:out_features, :in_features].contiguous()
+
+
 PANEL_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2}
 """The panel kernel's one-row (batch-1 decode) variants: "portable" the GCC vector code (AVX-512 / AVX512-BF16
 where the build has them), "avx2" AVX2 + FMA intrinsics, the same bits; "auto" avx2 on an AVX2 host whose

@@ -112,12 +112,19 @@ class ModelRunner:
         )
 
         self.fp8 = apply_fp8(model, engine_cfg.weight_dtype, self.device, self.dtype)
+        if engine_cfg.lm_head_dtype == "fp8":  # the logits through an e4m3 copy of the head
+            from engines.transforms.fp8 import apply_fp8_head
+
+            log.info("lm_head_dtype fp8: %s", apply_fp8_head(model, self.dtype, model_dir))
         if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
             from engines.cpu.fast_linear import apply_fast_linear
 
             # in-process steps may run on one thread (engines.cpu.cpu_threads.AdaptiveThreads): time that count too
+            # drop_dense: Linears whose decode kernels read their own copy keep no second one (prefill unpacks
+            # it per chunk); a compiled step's graph reads the dense weight
             apply_fast_linear(model, single_thread_too=(not sharded and engine_cfg.adaptive_threads
-                                                        and engine_cfg.worker_threads == 0))
+                                                        and engine_cfg.worker_threads == 0),
+                              drop_dense=engine_cfg.compile_decode != "on")
         self.model, self.cfg = model, cfg
         """The GPT (one device) or this shard's StageModel: forward(x, positions, backend), logits."""
         self.why_not: dict[str, str] = {}

@@ -275,3 +275,41 @@ def _dequantized(mod: Fp8Linear, dtype: torch.dtype) -> nn.Module:
     if bias is not None:
         new.bias = nn.Parameter(bias, requires_grad=False)
     return new
+
+
+def apply_fp8_head(model: nn.Module, dtype: torch.dtype, model_dir=None) -> str:
+    """EngineConfig.lm_head_dtype "fp8": the logits through a per-row-scaled e4m3 copy of the LM head.
+
+    Each vocabulary row has its own scale (absmax / 448, as quantize_rows gives the block Linears' output
+    channels); the codes are the GPTQ ones `shardserve quantize --calibration` wrote in model_dir's
+    fp8_head/ folder (fp8_format.HEAD_FILE) where there is one, else rounded to nearest here (which costs
+    more perplexity: BENCHMARKS.md). The head is kept one byte a weight in an engines.cpu.fast_linear.Fp8PanelLinear,
+    whose CPU kernel widens it in registers: a batch-1 decode token reads the head's 1 byte a weight
+    instead of 2 (bf16) or 4. A tied head is untied first: the embedding keeps its `dtype` weight for the
+    lookups (one row a token), only the logits read the e4m3 copy. Returns what it did, for the log;
+    a head that is already FP8, absent (an earlier pipeline stage) or a tensor-parallel vocabulary shard
+    is left as it is (said in the return)."""
+    from engines.cpu.fast_linear import Fp8PanelLinear
+    from engines.cpu.panel_kernel import load_fp8
+
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return "no LM head on this stage"
+    if isinstance(head, Fp8PanelLinear):
+        return "the LM head is already FP8"
+    if type(head) is not nn.Linear:
+        return f"the LM head is a {type(head).__name__} (a tensor-parallel shard?): kept in {dtype}"
+    if head.weight.device.type != "cpu":
+        raise ValueError(f"lm_head_dtype: fp8 is a CPU kernel, the head is on {head.weight.device}")
+    mod, why = load_fp8()
+    if mod is None:
+        raise RuntimeError(f"lm_head_dtype: fp8 needs the CPU FP8 kernel: {why}")
+    from engines.transforms.fp8_format import read_fp8_head
+
+    shape = tuple(head.weight.shape)  # (V, C)
+    stored = read_fp8_head(model_dir, shape) if model_dir is not None else None
+    q, s = stored if stored is not None else quantize_rows(head.weight.detach(), "lm_head.weight")
+    bias = head.bias.detach().to(dtype) if head.bias is not None else None
+    model.lm_head = Fp8PanelLinear(q, s, bias)
+    how = "GPTQ codes from the checkpoint's fp8_head/" if stored is not None else "rounded to nearest at load"
+    return f"LM head {shape} e4m3 per row for the logits, {how} ({q.numel() / 1e6:.1f} MB a token)"

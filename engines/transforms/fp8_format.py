@@ -224,3 +224,39 @@ def check_weight(name: str, w: torch.Tensor, shape: tuple[int, int] | None = Non
         raise Fp8FormatError(f"tensor {name!r}: shape {tuple(w.shape)}, the config implies {tuple(shape)}")
     if torch.isnan(w.float()).any():
         raise Fp8FormatError(f"tensor {name!r}: holds NaN (e4m3 0x7f/0xff) values")
+
+
+HEAD_FILE = "fp8_head/lm_head.safetensors"
+"""Where `shardserve quantize --calibration` keeps GPTQ e4m3 codes of the LM head (per-row scales), relative to
+the checkpoint directory: read only by EngineConfig.lm_head_dtype "fp8". A sub-folder, so that transformers and
+vLLM, which read the directory's top-level *.safetensors (and whose configs keep `ignore: ["lm_head"]`), never
+see it: the file stays an ordinary compressed-tensors checkpoint for them."""
+
+
+def save_fp8_head(model_dir, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write the head's e4m3 codes (V, C) and fp32 per-row scales (V, 1) to model_dir / HEAD_FILE."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(model_dir) / HEAD_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"weight": q.contiguous(), "weight_scale": scale.float().reshape(-1, 1).contiguous()}, str(path),
+              metadata={"format": "pt", "scheme": "e4m3 per row (absmax / 448), GPTQ codes"})
+
+
+def read_fp8_head(model_dir, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(e4m3 (V, C), fp32 (V, 1)) from model_dir / HEAD_FILE, None when the directory has none; a file whose
+    tensors do not fit the head's `shape` raises Fp8FormatError naming it."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / HEAD_FILE
+    if not path.is_file():
+        return None
+    t = load_file(str(path))
+    if "weight" not in t or "weight_scale" not in t:
+        raise Fp8FormatError(f"{path}: needs tensors 'weight' and 'weight_scale', has {sorted(t)}")
+    check_weight(f"{HEAD_FILE}:weight", t["weight"], shape)
+    return t["weight"], check_scale(f"{HEAD_FILE}:weight_scale", t["weight_scale"], shape[0])

@@ -112,6 +112,25 @@ def gptq_quantize(model: torch.nn.Module, windows: torch.Tensor, keep: frozenset
     return len(names)
 
 
+def gptq_head(model: torch.nn.Module, windows: torch.Tensor, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ e4m3 codes (V, C) and per-row scales (V, 1) of `model`'s LM head (float), the Hessian taken from
+    the final hidden states (the head's input) of one pass over `windows` (n, T) token ids. Run after
+    gptq_quantize: the pass then goes through the blocks' FP8 codes, as a served model does. The head stays
+    in the model as it is (a tied head is the embedding): the codes are for EngineConfig.lm_head_dtype fp8."""
+    h = None
+    with torch.inference_mode():
+        for i in range(0, len(windows), batch):
+            x = model(windows[i:i + batch]).detach().float()
+            x = x.reshape(-1, x.shape[-1])  # (tokens, C)
+            h = x.t() @ x if h is None else h.addmm_(x.t(), x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see gptq_quantize
+    try:
+        return gptq_rows(model.lm_head.weight, h, name="lm_head.weight")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibration_windows(ids: list[int], n: int, length: int) -> torch.Tensor:
     """(n', length) token ids: up to `n` windows spread evenly over `ids` (a tokenized calibration
     text), so a long text is sampled from end to end rather than only its start."""
