@@ -85,9 +85,8 @@ def test_a_stale_build_lock_does_not_hang_the_load():
 
     from engines.cpu import kernels
     from engines.cpu.cpp_ext import STALE_LOCK_S, build_name, clear_stale_lock
-    from engines.cpu.fused_decode import combined_source
 
-    name = build_name("shardserve_cpu_", combined_source())
+    name = build_name("shardserve_cpu_", kernels.combined_source())
     lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
     open(lock, "w").close()
     try:

@@ -47,44 +47,12 @@ which binds the panel and paged kernels' functions too); EngineConfig.fused_deco
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from engines.cpu import paged_kernel, panel_kernel
-
-CSRC = Path(__file__).parent / "csrc"
-"""The C++ sources beside this package (package data of the installed package)."""
-
-
-def _split(source: str) -> tuple[list[str], str]:
-    """(its #include lines, the rest): the includes go to the top of the combined source, the rest
-    into a namespace (an #include inside a namespace would put the library in it)."""
-    includes = re.findall(r"^#include [<\"].*[>\"]$", source, flags=re.MULTILINE)
-    return includes, re.sub(r"^#include [<\"].*[>\"]$", "", source, flags=re.MULTILINE)
-
-
-def combined_source() -> str:
-    """The panel kernel's and the paged kernel's sources, each in a namespace, then the loop
-    (csrc/fused_decode.cpp)."""
-    parts, includes = [], []
-    loop_inc, loop = _split((CSRC / "fused_decode.cpp").read_text())
-    for name, src in (("panel_src", panel_kernel._SOURCE), ("fp8_src", panel_kernel._FP8_SOURCE),
-                      ("paged_src", paged_kernel._SOURCE)):
-        inc, body = _split(src)
-        includes += [i for i in inc if i not in includes and "immintrin" not in i]
-        parts.append(f"namespace {name} {{\n{body}\n}}  // namespace {name}\n")
-    includes += [i for i in loop_inc if i not in includes]
-    # immintrin.h on x86 (the panel and FP8 kernels' own guards, kept in their bodies, are now empty)
-    head = "\n".join(includes) + "\n#if defined(__x86_64__)\n#include <immintrin.h>\n#endif\n"
-    return head + "".join(parts) + loop
-
-
-FUNCTIONS = ["decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound"]
-"""The loop's bound functions."""
+from engines.cpu import panel_kernel
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,8 +1,8 @@
 """The engine's C++ CPU kernels as one module: the panel Linear and FP8 kernels, the paged-attention
 kernel and the fused decode step, compiled as one translation unit.
 
-The fused decode step calls the other kernels, so its source already holds all of them, each in a
-namespace of its own (engines/cpu/fused_decode.combined_source). Built as three modules, that code
+The fused decode step calls the other kernels, so its source holds all of them, each in a namespace
+of its own (`combined_source`). Built as three modules, that code
 was compiled twice and torch's headers three times (~140 s of g++ CPU a machine against ~55 s as
 one; a CI run builds them in `make setup`). This module binds every kernel's functions, and
 engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py `load()` all return it: built once
@@ -13,19 +13,55 @@ engine start, then imported in a fraction of a second.
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 from engines.cpu.cpp_ext import build
 
-NAMESPACES = ("panel_src", "fp8_src", "paged_src")
-"""The namespaces fused_decode.combined_source puts the kernels' sources in; the bindings look their
-functions up there (the fused step's own functions are at namespace scope)."""
+CSRC = Path(__file__).parent / "csrc"
+"""The C++ sources beside this package (package data of the installed package)."""
+
+SOURCES = (("panel_src", "panel_kernel.cpp"), ("fp8_src", "fp8_panel_kernel.cpp"), ("paged_src", "paged_kernel.cpp"))
+"""Each kernel's namespace in the combined source and its file; the fused step (fused_decode.cpp) comes
+last, at namespace scope, and calls into them."""
+
+NAMESPACES = tuple(ns for ns, _ in SOURCES)
+"""The namespaces the bindings look the kernels' functions up in."""
+
+FUNCTIONS = [
+    "pack_panels", "panel_linear", "panel_variant",                       # panel_kernel.cpp
+    "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
+    "paged_decode", "argmax_rows",                                        # paged_kernel.cpp
+    "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
+]
+"""Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
+call them)."""
+
+_INCLUDE = re.compile(r"^#include [<\"].*[>\"]$", flags=re.MULTILINE)
+
+
+def _split(source: str) -> tuple[list[str], str]:
+    """(its #include lines, the rest): the includes go to the top of the combined source, the rest
+    into a namespace (an #include inside a namespace would put the library in it)."""
+    return _INCLUDE.findall(source), _INCLUDE.sub("", source)
+
+
+def combined_source() -> str:
+    """The kernels' sources, each in its namespace, then the fused step (csrc/fused_decode.cpp)."""
+    parts, includes = [], []
+    loop_inc, loop = _split((CSRC / "fused_decode.cpp").read_text())
+    for name, filename in SOURCES:
+        inc, body = _split((CSRC / filename).read_text())
+        includes += [i for i in inc if i not in includes and "immintrin" not in i]
+        parts.append(f"namespace {name} {{\n{body}\n}}  // namespace {name}\n")
+    includes += [i for i in loop_inc if i not in includes]
+    # immintrin.h on x86 (the panel and FP8 kernels' own guards, kept in their bodies, are now empty)
+    head = "\n".join(includes) + "\n#if defined(__x86_64__)\n#include <immintrin.h>\n#endif\n"
+    return head + "".join(parts) + loop
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable); built on first use (~40-60 s on 2 cores)."""
-    from engines.cpu import fused_decode, paged_kernel, panel_kernel
-
-    functions = [*panel_kernel.FUNCTIONS, *paged_kernel.FUNCTIONS, *fused_decode.FUNCTIONS]
-    return build("shardserve_cpu_", fused_decode.combined_source(), functions,
+    return build("shardserve_cpu_", combined_source(), FUNCTIONS,
                  "CPU kernels (panel, FP8, paged attention, fused decode step)", NAMESPACES)

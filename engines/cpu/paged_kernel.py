@@ -24,16 +24,8 @@ uses the per-sequence loop and says why (EngineConfig.decode_attention).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
-
-_SOURCE = (Path(__file__).parent / "csrc" / "paged_kernel.cpp").read_text()
-"""The kernel's C++ source (package data beside this module)."""
-
-
-FUNCTIONS = ["paged_decode", "argmax_rows"]
-"""The kernel's bound functions."""
 
 
 @functools.lru_cache(maxsize=1)

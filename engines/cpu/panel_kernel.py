@@ -26,26 +26,14 @@ shape and row count and uses it only where it measured faster.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
 PANEL = 16
 """Output features per panel (one AVX-512 register of fp32)."""
 
-_SOURCE = (Path(__file__).parent / "csrc" / "panel_kernel.cpp").read_text()
-"""The kernel's C++ source (package data beside this module)."""
 
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-_FP8_SOURCE = (Path(__file__).parent / "csrc" / "fp8_panel_kernel.cpp").read_text()
-"""The FP8 weight-only kernel's source, built into the same module (one build: most of a build's time
-is torch's headers)."""
-
-
-FUNCTIONS = ["pack_panels", "panel_linear", "panel_variant", "fp8_pack_panels", "fp8_linear", "fp8_variant"]
-"""The module's bound functions."""
 
 
 @functools.lru_cache(maxsize=1)
