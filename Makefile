@@ -11,9 +11,8 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 # pytest-xdist processes for make test; each test file runs whole in one (its module fixtures once).
 # Four on two cores: the suite waits on servers (Ray start, HTTP) about half of its wall time
-# (a fresh clone on an idle 2-core EPYC: 18:11 with three, 15:58 with four, 2026-11-28; with four the
-# suite used 58 % of the two cores' time: the rest was waiting).
-TEST_WORKERS ?= 5
+# (a fresh clone on an idle 2-core EPYC: 18:11 with three, 15:58 with four, 2026-11-28).
+TEST_WORKERS ?= 4
 
 .PHONY: setup test test-fast bench bench-peer model serve serve-config lint clean
 
