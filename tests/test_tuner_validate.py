@@ -173,7 +173,7 @@ def test_search_validate_closed_loop(tmp_path):
     out = tmp_path / "out"
     run = CliRunner().invoke(app, ["tune", "search", "--recalibrate", "--model", str(cfg), "--hardware", str(tmp_path / "cpu.yaml"),
                                    "--input-len", "8", "--output-len", "24", "--num-prompts", "20",
-                                   "--slo", "ttft_p99_ms=500", "--slo", "tpot_p99_ms=500", "--tp", "1", "--pp", "1",
+                                   "--slo", "ttft_p99_ms=1500", "--slo", "tpot_p99_ms=500", "--tp", "1", "--pp", "1",
                                    "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
                                    "--weight-dtype", "float32", "--validate", "1", "--validate-prompts", "6",
                                    "--validate-min-step-s", "0.1", "--validate-sweep-tolerance", "0.3", "--out", str(out)])
