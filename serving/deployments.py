@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import pickle
+import time
 from typing import Any
 
 from ray import serve
@@ -72,6 +73,13 @@ def _configure_logging(server: ServerSpec) -> None:
         logger.addHandler(handler)
         logger.propagate = False  # Ray Serve's replica logger would prefix and duplicate the JSON lines
     logger.setLevel(logging.INFO if server.log_requests else logging.WARNING)
+
+
+def _process_started() -> float:
+    """This process's start, in time.monotonic() seconds (psutil comes with Ray)."""
+    import psutil
+
+    return time.monotonic() - (time.time() - psutil.Process().create_time())
 
 
 class _Publisher:
@@ -143,7 +151,12 @@ class MetricsHubDeployment:
 @serve.deployment
 class ModelServer:
     async def __init__(self, spec: dict, server: dict, hub: Any):
+        t0 = time.monotonic()
+        import torch  # noqa: F401 - timed on its own (the largest import)
+
         from serving.model_core import ModelCore
+
+        t_import = time.monotonic()
 
         self.spec = ModelSpec.model_validate(spec)
         self.server = ServerSpec.model_validate(server)
@@ -154,7 +167,12 @@ class ModelServer:
         self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
                                     self.server.metrics_push_interval_s, steps=self.core.step_window)
         self.core.ptuning.ensure_watch()  # every replica hot-loads task changes from ptuning/
-        log.info('{"event": "model_ready", "model": "%s", "replica": "%s"}', self.spec.name, replica)
+        # where a start's time went: the process before this constructor (Ray's worker start, Serve's
+        # replica set-up), then the model's load (imports, weights, kernels)
+        before = t0 - _process_started()
+        log.info('{"event": "model_ready", "model": "%s", "replica": "%s", "process_to_init_s": %.2f, '
+                 '"import_s": %.2f, "load_s": %.2f}', self.spec.name, replica, before, t_import - t0,
+                 time.monotonic() - t_import)
 
     async def generate(self, req):
         # chunks travel pre-pickled: Ray ships bytes on its fast path, where a dataclass would go

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,6 +25,10 @@ class Running:
     owns_ray: bool
     """True when start() called ray.init (stop() then shuts Ray down; else it only deletes the app)."""
     started_in_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each step of start() in order: "ray" (ray.init), "serve" (Ray Serve's controller),
+    "application" (the replicas, from creation to ready); a retried start counts its first try in
+    "retry"."""
 
 
 def check_config(cfg: DeploymentConfig) -> None:
@@ -100,10 +104,13 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
     # miss Ray's fixed 30 s registration wait, or Ray Serve's controller its name lookup (races
     # inside Ray, not problems of the config). A joined cluster gets one try (not ours to reset).
     attempts = 2 if owns_ray and cfg.ray.address is None else 1
+    phases: dict[str, float] = {}
     for attempt in range(1, attempts + 1):
+        t = time.monotonic()
         try:
             if owns_ray:
                 _init_ray(cfg, level)
+            phases["ray"], t = time.monotonic() - t, time.monotonic()
             _check_resources(cfg)
             if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
                 serve.start(proxy_location="Disabled", logging_config=logs)
@@ -111,8 +118,10 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
                 serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
                                                      request_timeout_s=None, keep_alive_timeout_s=30),
                             logging_config=logs)
+            phases["serve"], t = time.monotonic() - t, time.monotonic()
             app = build_application(cfg, [hash_key(k) for k in api_keys], [hash_key(k) for k in admin_keys])
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
+            phases["application"] = time.monotonic() - t
             break
         except Exception as exc:  # Ray's controller race is retried once on an embedded Ray
             if attempt == attempts or not _controller_race(exc):
@@ -121,9 +130,10 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
             ray.shutdown()
             if cfg.server.port:
                 wait_port_free(f"http://{cfg.server.host}:{cfg.server.port}")
+            phases = {"retry": time.monotonic() - t0}
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
-                   time.monotonic() - t0)
+                   time.monotonic() - t0, phases)
 
 
 def _controller_race(exc: BaseException) -> bool:
