@@ -91,7 +91,7 @@ def test_quantized_bytes_half_of_bf16(gpt2_dir, tmp_path):
     from engines.loading.checkpoint import save_checkpoint
 
     save_checkpoint(m, cfg, tmp_path / "bf16", dtype=torch.bfloat16, tokenizer_dir=gpt2_dir)
-    r = runner.invoke(app, ["quantize", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "q")])
+    r = runner.invoke(app, ["quantize", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "q"), "--rtn"])
     assert r.exit_code == 0, r.output
     ratio = float(r.output.split("quantized layers: ")[1].split("(")[1].split("x")[0])
     c, f = cfg.n_embd, cfg.ffn_dim
