@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ class Running:
 def check_config(cfg: DeploymentConfig) -> None:
     """Everything that can be checked before Ray starts; raises ConfigFileError naming the field."""
     from engines.core.config import ConfigError, EngineConfig
-    from serving.deployments import UnsupportedConfig, executor_factory, placement
+    from serving.placement import UnsupportedConfig, executor_factory, placement
 
     for i, m in enumerate(cfg.models):
         where = f"models.{i}"
@@ -84,21 +85,21 @@ def ray_num_cpus(cfg: DeploymentConfig) -> int:
 
 
 def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_keys: list[str] = ()) -> Running:
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-    from ray.serve.schema import LoggingConfig
+    import importlib
 
-    from serving.deployments import APP_NAME, build_application
+    import ray
 
     check_config(cfg)
     check_port(cfg)
     t0 = time.monotonic()
+    for name in RAY_INIT_IMPORTS:
+        importlib.import_module(name)
+    # Ray Serve's Python side and our deployments (1-2 s of imports on 2 cores) load on a thread while
+    # ray.init starts Ray's processes and mostly waits for them
+    preload = threading.Thread(target=_import_serve, name="shardserve-import-serve", daemon=True)
+    preload.start()
     level = logging.WARNING if quiet else logging.INFO
     owns_ray = not ray.is_initialized()
-    # quiet: Ray Serve's own replica logs only for errors (its router warns about slow queue-length
-    # probes on a busy machine); shardserve's request logs have their own logger and handler
-    logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
     logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
     # An embedded Ray that we start ourselves gets a second try: on a loaded host its raylet can
     # miss Ray's fixed 30 s registration wait, or Ray Serve's controller its name lookup (races
@@ -110,7 +111,17 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
         try:
             if owns_ray:
                 _init_ray(cfg, level)
+            preload.join()
+            from ray import serve
+            from ray.serve.config import HTTPOptions
+            from ray.serve.schema import LoggingConfig
+
+            from serving.deployments import APP_NAME, build_application
+
             phases["ray"], t = time.monotonic() - t, time.monotonic()
+            # quiet: Ray Serve's own replica logs only for errors (its router warns about slow queue-length
+            # probes on a busy machine); shardserve's request logs have their own logger and handler
+            logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
             _check_resources(cfg)
             if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
                 serve.start(proxy_location="Disabled", logging_config=logs)
@@ -134,6 +145,27 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
                    time.monotonic() - t0, phases)
+
+
+RAY_INIT_IMPORTS = ("ray._common.usage.usage_lib", "ray.dashboard.optional_deps", "ray.autoscaler._private.util",
+                    "ray.autoscaler.v2.utils", "ray._private.runtime_env.uv_runtime_env_hook",
+                    "ray._private.thirdparty.pynvml")
+"""What ray.init imports on first use (277 modules: aiohttp, grpc, opentelemetry, Ray's usage and
+autoscaler code), imported on the main thread before _import_serve's thread starts: with these loaded,
+ray.init (Ray 2.60) imports nothing more, so the two threads never import modules at once (a circular
+import met from two threads can end in Python's _DeadlockError)."""
+
+
+def _import_serve() -> None:
+    """Import Ray Serve and serving.deployments (the main thread imports them again after ray.init:
+    at no cost when this succeeded, with the real error where it failed)."""
+    try:
+        import ray.serve.config
+        import ray.serve.schema  # noqa: F401
+
+        import serving.deployments  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - raised where it matters, by the main thread's import
+        logging.getLogger(__name__).debug("background import of Ray Serve failed: %r", exc)
 
 
 def _controller_race(exc: BaseException) -> bool:
