@@ -57,7 +57,7 @@ def one_start(env: dict, model_dir: Path, port: int, log_path: Path, limit_s: fl
     tree: this source tree's code (PYTHONPATH) on a .venv that make must not reinstall."""
     cmd = ["make", "--no-print-directory", *(["-o", ".venv/.installed"] if tree else []), "serve",
            f"SERVE_MODEL={model_dir}", f"PORT={port}"]
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     load0 = os.getloadavg()[0]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -90,13 +90,14 @@ def one_start(env: dict, model_dir: Path, port: int, log_path: Path, limit_s: fl
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return {"first_answer_s": first, "load_at_start": load0, "answers": answers if first is not None else [],
-            "error": None if first is not None else err, "phases": phases_of(log_path.read_text(errors="replace"))}
+            "error": None if first is not None else err, "phases": phases_of(log_path.read_text(errors="replace"), wall0)}
 
 
-def phases_of(log: str) -> dict[str, float]:
+def phases_of(log: str, wall0: float) -> dict[str, float]:
     """Where a start's time went, from `shardserve serve`'s output: its ready line ("ready in T s (ray a s,
-    serve b s, application c s)", timed from Ray's start) and the model replica's model_ready event (the
-    replica process's age when its constructor ran, its imports, the model's load)."""
+    serve b s, application c s)", timed from Ray's start) and the model replica's model_ready event: when
+    its constructor began ("replica init at", seconds after the command, started at unix time wall0),
+    its imports and the model's load (and its process's age at init: a worker Ray started ahead idles)."""
     import re
 
     out: dict[str, float] = {}
@@ -109,6 +110,7 @@ def phases_of(log: str) -> dict[str, float]:
     m = re.search(r'\{"event": "model_ready".*?\}', log)
     if m:
         ev = json.loads(m.group(0))
+        out["replica init at"] = ev["init_at"] - wall0
         out.update({f"replica {k.removesuffix('_s')}": v for k, v in ev.items() if k.endswith("_s")})
     return out
 

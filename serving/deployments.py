@@ -139,12 +139,11 @@ class ModelServer:
         self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
                                     self.server.metrics_push_interval_s, steps=self.core.step_window)
         self.core.ptuning.ensure_watch()  # every replica hot-loads task changes from ptuning/
-        # where a start's time went: the process before this constructor (Ray's worker start, Serve's
-        # replica set-up), then the model's load (imports, weights, kernels)
-        before = t0 - _process_started()
-        log.info('{"event": "model_ready", "model": "%s", "replica": "%s", "process_to_init_s": %.2f, '
-                 '"import_s": %.2f, "load_s": %.2f}', self.spec.name, replica, before, t_import - t0,
-                 time.monotonic() - t_import)
+        # where a start's time went: when this constructor began (unix time), how old its process was
+        # then (a worker Ray started ahead waits in its pool), the imports, the model's load
+        log.info('{"event": "model_ready", "model": "%s", "replica": "%s", "init_at": %.3f, "process_age_s": %.2f, '
+                 '"import_s": %.2f, "load_s": %.2f}', self.spec.name, replica, time.time() - (time.monotonic() - t0),
+                 t0 - _process_started(), t_import - t0, time.monotonic() - t_import)
 
     async def generate(self, req):
         # chunks travel pre-pickled: Ray ships bytes on its fast path, where a dataclass would go

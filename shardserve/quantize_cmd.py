@@ -116,10 +116,17 @@ def quantize(
 def _gptq(net, wins):
     """Quantize net's block Linears in place with GPTQ on `wins` (n, T) token ids and return GPTQ codes and
     scales of its LM head (for lm_head_dtype fp8: the file keeps the head in the source dtype)."""
+    import torch
+
+    from engines.transforms.fp8 import BLOCK_LINEARS
     from engines.transforms.fp8_gptq import gptq_head, gptq_quantize
 
-    gptq_quantize(net, wins)
-    return gptq_head(net, wins)
+    n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear))
+    with _progress(n + 1, "GPTQ", "layer") as bar:  # the block Linears, then the LM head
+        gptq_quantize(net, wins, on_layer=lambda _name: bar.update(1))
+        head = gptq_head(net, wins)
+        bar.update(1)
+    return head
 
 
 def _text_windows(model: Path, calibration: Path, windows: int, window: int):
@@ -149,16 +156,21 @@ def _self_windows(model: Path, windows: int, window: int, seed: int):
 
     typer.echo(f"calibration: {windows} sequences of {window} tokens written by the model itself (seed {seed}); "
                "--calibration TEXT uses your text instead", err=True)
-    from tqdm import tqdm
-
-    class _Bar(tqdm):
-        monitor_interval = 0  # no monitor thread left behind after the bar closes
-
-    with _Bar(total=windows * window, desc="calibration text", unit="tok") as bar:
+    with _progress(windows * window, "calibration text", "tok") as bar:
         wins = self_generated_windows(model, windows, window, seed=seed, on_tokens=bar.update)
         bar.total = bar.n  # a window longer than the model's context was cut to it
         bar.refresh()
     return wins
+
+
+def _progress(total: int, desc: str, unit: str):
+    """A tqdm bar (on stderr) that leaves no monitor thread behind when it closes."""
+    from tqdm import tqdm
+
+    class _Bar(tqdm):
+        monitor_interval = 0
+
+    return _Bar(total=total, desc=desc, unit=unit)
 
 
 def _linear_bytes(reader, cfg) -> int:

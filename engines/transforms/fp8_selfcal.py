@@ -3,10 +3,10 @@
 `shardserve quantize` without --calibration still runs GPTQ (engines/transforms/fp8_gptq.py), on text
 sampled from the model being quantized, the data-free recipe of LLM-QAT (Liu et al., 2023, section
 2.1): each window starts from one token drawn uniformly from the vocabulary (special tokens
-excluded), the next GREEDY_TOKENS are the model's top-1 choices (a random start alone would leave the
-model off its own distribution), and the rest are sampled at temperature 1 from the full
-distribution, end-of-sequence included and ignored, so an instruct model goes on into new chat turns
-the way it is served. The text therefore follows what the model itself expects, needs no data from
+excluded), the next GREEDY_TOKENS are the model's top-1 choices, and the rest are sampled at
+temperature 1 from the full distribution (LLM-QAT's hybrid of greedy first tokens and sampling, the
+best of the variants it compared); end-of-sequence may be drawn and is ignored, so an instruct
+model goes on into new chat turns, the text it is served in. The text therefore follows what the model itself expects, needs no data from
 the user, and shares nothing with any evaluation text. A fixed seed makes the windows the same on
 every run on the same machine (the engine's seeded sampling is per request, independent of the
 batch).
@@ -60,7 +60,7 @@ def self_generated_windows(model_dir: str | Path, n: int, length: int, seed: int
         rest = length - len(heads[0])
         for i, head in enumerate(heads):
             eng.add_request(f"calibration-{i}", head, SamplingParams(
-                temperature=1.0, top_p=1.0, top_k=0, max_tokens=rest, min_tokens=rest, ignore_eos=True,
+                temperature=1.0, top_p=1.0, top_k=0, max_tokens=rest, ignore_eos=True,
                 seed=seed * 1_000_003 + i, skip_special_tokens=False))
         rows = list(heads)
         while eng.has_unfinished_requests():
