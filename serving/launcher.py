@@ -178,6 +178,14 @@ def _controller_race(exc: BaseException) -> bool:
             or (isinstance(exc, RayServeException) and "no Serve instance" in text))
 
 
+WORKER_PRELOAD = ("ray.serve._private.replica", "serving.deployments")
+"""Modules every worker of the embedded Ray imports as it starts, before it takes work: Ray starts a
+worker per CPU ahead (as its driver connects), which a Serve replica (ModelServer, Gateway, MetricsHub)
+then takes over; its Ray Serve and shardserve imports (~2 s on 2 cores) are then done while Ray Serve's
+controller starts, not between the replica's creation and the model's load. Never torch: the
+controller and the gateway run in such workers too."""
+
+
 def _init_ray(cfg: DeploymentConfig, level: int) -> None:
     import ray
 
@@ -188,7 +196,8 @@ def _init_ray(cfg: DeploymentConfig, level: int) -> None:
         # priority (RAY_worker_niceness set by the user wins; a cluster's own `ray start` decides
         # for itself).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
+        ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True,
+                 _system_config={"preload_python_modules": list(WORKER_PRELOAD)})
     else:
         ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
 
