@@ -23,27 +23,27 @@ def quantize(
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
     format: str = typer.Option("fp8", "--format", help="Quantization format: fp8 (e4m3, per-channel scales)."),
     calibration: Path | None = typer.Option(
-        None, "--calibration", help="UTF-8 text file of the model's domain (e.g. a training split) for GPTQ; "
-        "default: text the model writes itself (data-free, seeded by --seed)."),
+        None, "--calibration", help="UTF-8 text file of the model's domain (e.g. a training split) for GPTQ "
+        "error compensation; without it (and without --self-calibrate) each weight is rounded to nearest."),
+    self_calibrate: bool = typer.Option(
+        False, "--self-calibrate", help="GPTQ on text the model writes itself (data-free, seeded by --seed; "
+        "minutes). Measured worse than rounding to nearest on SmolLM2-135M (docs/fp8.md): check yours."),
     calibration_windows: int = typer.Option(
         16, help="Calibration windows: spread over the --calibration file, or sequences the model writes."),
     calibration_window: int = typer.Option(256, help="Tokens per calibration window (at most the model's context)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the self-written calibration text (without --calibration)."),
-    rtn: bool = typer.Option(False, "--rtn", help="Round each weight to nearest instead of GPTQ: no calibration "
-                             "(seconds, not minutes), a larger error (SmolLM2-135M: +1.2 % perplexity)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the self-written calibration text (--self-calibrate)."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
     fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
-    embeddings, norms and the LM head keep the source dtype. The e4m3 codes are chosen by GPTQ
-    (engines/transforms/fp8_gptq.py): same scales and file layout as rounding to nearest, smaller
-    output error. GPTQ needs calibration inputs: --calibration TEXT, or by default (data-free)
-    --calibration-windows sequences of --calibration-window tokens that the model writes itself
-    from a random first token, seeded by --seed (engines/transforms/fp8_selfcal.py; a progress bar
-    shows them; minutes on a small CPU). GPTQ codes of the LM head (per-row scales) are written
-    beside, in fp8_head/, for an engine run with lm_head_dtype fp8 (transformers and vLLM do not
-    read that folder). --rtn rounds to nearest instead: no calibration, no fp8_head/.
+    embeddings, norms and the LM head keep the source dtype. Each weight is rounded to nearest unless
+    GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
+    TEXT, or --self-calibrate (data-free: --calibration-windows sequences of --calibration-window tokens
+    the model writes itself from a random first token, seeded by --seed; engines/transforms/fp8_selfcal.py);
+    same scales and file layout, smaller output error on text like the calibration's. With GPTQ the codes
+    of the LM head (per-row scales) are written beside, in fp8_head/, for an engine run with
+    lm_head_dtype fp8 (transformers and vLLM do not read that folder). Progress bars show both steps.
     """
     import torch
 
@@ -63,8 +63,9 @@ def quantize(
         raise _fail(f"--format: {format!r} is not supported; supported: {', '.join(FORMATS)}")
     if out.resolve() == model.resolve():
         raise _fail("--out: must differ from --model (the source is read while the output is written)")
-    if rtn and calibration is not None:
-        raise _fail("--rtn: rounds to nearest without calibration; give --rtn or --calibration, not both")
+    if self_calibrate and calibration is not None:
+        raise _fail("--self-calibrate: the model writes its own calibration text; give --self-calibrate or "
+                    "--calibration, not both")
     if calibration_windows < 1:
         raise _fail(f"--calibration-windows: must be >= 1, got {calibration_windows}")
     if calibration_window < 8:
@@ -78,7 +79,7 @@ def quantize(
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         head = None
-        if rtn:
+        if calibration is None and not self_calibrate:  # round to nearest
             net, cfg = load_model(model, dtype=src_dtype)
         else:
             wins = (_text_windows(model, calibration, calibration_windows, calibration_window)
@@ -100,8 +101,9 @@ def quantize(
     n = sum(len(sources) for name, sources in weight_plan(cfg).items() if name.endswith(QUANTIZABLE))
     total_in = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    how = ("round to nearest" if rtn else f"GPTQ on {calibration}" if calibration is not None else
-           f"GPTQ on {calibration_windows} x {calibration_window} tokens the model wrote itself (seed {seed})")
+    how = (f"GPTQ on {calibration}" if calibration is not None else
+           f"GPTQ on {calibration_windows} x {calibration_window} tokens the model wrote itself (seed {seed})"
+           if self_calibrate else "round to nearest")
     typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales, {how}), the rest kept in "
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
@@ -155,7 +157,7 @@ def _self_windows(model: Path, windows: int, window: int, seed: int):
     from engines.transforms.fp8_selfcal import self_generated_windows
 
     typer.echo(f"calibration: {windows} sequences of {window} tokens written by the model itself (seed {seed}); "
-               "--calibration TEXT uses your text instead", err=True)
+               "(--self-calibrate)", err=True)
     with _progress(windows * window, "calibration text", "tok") as bar:
         wins = self_generated_windows(model, windows, window, seed=seed, on_tokens=bar.update)
         bar.total = bar.n  # a window longer than the model's context was cut to it

@@ -91,7 +91,7 @@ def test_quantized_bytes_half_of_bf16(gpt2_dir, tmp_path):
     from engines.loading.checkpoint import save_checkpoint
 
     save_checkpoint(m, cfg, tmp_path / "bf16", dtype=torch.bfloat16, tokenizer_dir=gpt2_dir)
-    r = runner.invoke(app, ["quantize", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "q"), "--rtn"])
+    r = runner.invoke(app, ["quantize", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "q")])
     assert r.exit_code == 0, r.output
     ratio = float(r.output.split("quantized layers: ")[1].split("(")[1].split("x")[0])
     c, f = cfg.n_embd, cfg.ffn_dim
@@ -336,12 +336,8 @@ BASE = EngineConfig(dtype="float32", num_kv_blocks=48, cpu_linear_autotune=False
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_engine_runs_fp8_and_online_quantization_matches(family, gpt2_dir, llama_dir, tmp_path):
-    """A `quantize --rtn` file and quantization at load hold the same values (round to nearest both)."""
-    src = gpt2_dir if family == "gpt2" else llama_dir
-    r = runner.invoke(app, ["quantize", "--model", str(src), "--out", str(tmp_path / "q"), "--rtn"])
-    assert r.exit_code == 0, r.output
-    q = tmp_path / "q"
+def test_engine_runs_fp8_and_online_quantization_matches(family, gpt2_dir, llama_dir, gpt2_fp8, llama_fp8):
+    src, q = (gpt2_dir, gpt2_fp8) if family == "gpt2" else (llama_dir, llama_fp8)
     offline = _generate(q, BASE)
     assert _generate(src, BASE.replace(weight_dtype="fp8")) == offline  # quantized at load: the same values
     eng = LLMEngine(q, BASE)

@@ -96,7 +96,7 @@ def test_gpt2_note_matches_what_transformers_does(gpt2_dir, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    r = runner.invoke(app, ["quantize", "--model", str(gpt2_dir), "--out", str(tmp_path / "q"), "--rtn"])
+    r = runner.invoke(app, ["quantize", "--model", str(gpt2_dir), "--out", str(tmp_path / "q")])
     assert r.exit_code == 0 and "transformers does not run it correctly" in r.output
     ids = torch.tensor([[5, 17, 42, 9, 77, 3, 150, 8]])
     with warnings.catch_warnings(), torch.no_grad():
