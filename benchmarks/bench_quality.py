@@ -6,9 +6,11 @@ Prints one table:
   - perplexity on the Shakespeare validation text (the last 5% of the corpus stream, as
     `shardserve data` splits it, decoded back to text and tokenized with SmolLM2's tokenizer):
     ours (engine prompt logprobs) vs transformers' own GGUF-loaded model, fp32 (target 0.1%) and
-    bf16 (target 1%); our TP=3 (its 9 heads refuse TP=2), PP=2 and FP8 (`shardserve quantize --calibration`:
-    GPTQ on the training split's text, never the validation text) vs our bf16 (target 1%); `--only fp8` also
-    scores round-to-nearest FP8 and prints each file's weight bytes;
+    bf16 (target 1%); our TP=3 (its 9 heads refuse TP=2), PP=2 and FP8 (`shardserve quantize` as a user
+    runs it: round to nearest) vs our bf16 (target 1%); `--only fp8` also scores GPTQ on text the model
+    writes itself (`--self-calibrate`, data-free) and on the training split's text (`--calibration`, never
+    the validation text), each with and without the GPTQ FP8 head, and prints each file's weight bytes
+    and how long `shardserve quantize` took;
   - greedy answers (fp32, 32 tokens) to 20 fixed chat prompts: ours equal to transformers' (count/20).
 
 Usage: PYTHONPATH=. python benchmarks/bench_quality.py [--windows 8 --window 256]
@@ -61,14 +63,15 @@ def training_text(texts: list[str], fraction: float = 0.05) -> str:
     return stream[:int(len(stream) * (1 - fraction))]
 
 
-def quantize(src: Path, out: Path, calibration: Path | None) -> None:
-    """`shardserve quantize` (a fresh file: the quantizer is what is measured), GPTQ when given text."""
+def quantize(src: Path, out: Path, *extra: str) -> float:
+    """`shardserve quantize` with `extra` options (a fresh file: the quantizer is what is measured); its seconds."""
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    extra = ["--calibration", str(calibration)] if calibration is not None else []
+    t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(src), "--out", str(out), *extra],
                    check=True, cwd=ROOT)
+    return time.monotonic() - t0
 
 
 def weight_bytes(d: Path) -> tuple[int, int]:
@@ -135,13 +138,11 @@ def main() -> None:
         dirs[dt] = args.work / f"smollm2-{dt}"
         if not (dirs[dt] / "config.json").is_file():
             import_gguf(gguf_path, dirs[dt], dtype=dt)
-    fp8 = args.work / "smollm2-fp8"  # GPTQ on the training split's text (the quantizer is re-run: never stale)
-    calibration = args.work / "calibration.txt"
-    calibration.write_text(training_text(shakespeare_texts()), encoding="utf-8")
-    quantize(dirs["bf16"], fp8, calibration)
+    fp8 = args.work / "smollm2-fp8"  # `shardserve quantize` as a user runs it (re-run: never stale)
+    fp8_seconds = quantize(dirs["bf16"], fp8)
     ours_tk = Tokenizer.from_dir(dirs["fp32"])
     if args.only == "fp8":
-        return fp8_only(args, dirs, fp8, ours_tk, t0)
+        return fp8_only(args, dirs, fp8, fp8_seconds, ours_tk, t0)
     hf_tk = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     rows: dict[str, object] = {}
 
@@ -173,7 +174,7 @@ def main() -> None:
     # SmolLM2-135M has 9 query / 3 KV heads: TP=2 does not divide them, TP=3 is the smallest TP it allows
     for label, d, opts in (("ours TP=3 bf16", dirs["fp32"], {"tensor_parallel_size": 3}),
                            ("ours PP=2 bf16", dirs["fp32"], {"pipeline_parallel_size": 2}),
-                           ("ours FP8 GPTQ (bf16 act)", fp8, {})):
+                           ("ours FP8 default (bf16 act)", fp8, {})):
         nll, n = engine_nll(d, windows, dtype="bfloat16", **opts)
         ppl[label] = math.exp(nll / n)
     rows["ppl_tokens"] = n
@@ -210,7 +211,7 @@ def main() -> None:
     print(f"{'model':28s} {'ppl':>9s} {'vs ref':>9s} {'target':>7s}")
     for label, ref, tgt in (("ours fp32", "transformers fp32", 0.1), ("ours bf16", "transformers bf16", 1.0),
                             ("ours TP=3 bf16", "ours bf16", 1.0), ("ours PP=2 bf16", "ours bf16", 1.0),
-                            ("ours FP8 GPTQ (bf16 act)", "ours bf16", 1.0)):
+                            ("ours FP8 default (bf16 act)", "ours bf16", 1.0)):
         for name in (ref, label) if ref.startswith("transformers") else (label,):
             d = 100 * (ppl[name] / ppl[ref] - 1)
             print(f"{name:28s} {ppl[name]:9.4f} {d:+8.3f}% {('<=' + str(tgt) + '%') if name == label else '':>7s}"
@@ -221,35 +222,44 @@ def main() -> None:
     print(f"({rows['seconds']} s)")
 
 
-def fp8_only(args, dirs: dict[str, Path], fp8: Path, ours_tk, t0: float) -> None:
-    """`--only fp8`: our bf16, FP8 round-to-nearest and FP8 GPTQ (bf16 activations) perplexity on the same
-    windows, their ratios, and the weight bytes of each file."""
+def fp8_only(args, dirs: dict[str, Path], fp8: Path, fp8_seconds: float, ours_tk, t0: float) -> None:
+    """`--only fp8`: our bf16 and FP8 perplexity on the same windows: the default file (round to nearest), GPTQ
+    on text the model wrote itself (--self-calibrate), GPTQ on the training split's text (--calibration), the
+    GPTQ files also with their FP8 head; their ratios, the weight bytes of each file and the quantizer's seconds."""
     val_ids = ours_tk.encode(validation_text(shakespeare_texts()))
     windows = [val_ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
-    rtn = args.work / "smollm2-fp8-rtn"
-    quantize(dirs["bf16"], rtn, None)
-    ppl, size = {}, {}
-    # the bf16 row runs the fp32 import in bf16 (as the full table does); its bytes are the bf16 file's
-    # the last row also runs the logits through the GPTQ e4m3 head the quantizer wrote (lm_head_dtype fp8)
-    for label, d, f, head in (("ours bf16", dirs["fp32"], dirs["bf16"], "auto"),
-                              ("ours FP8 RTN (bf16 act)", rtn, rtn, "auto"),
-                              ("ours FP8 GPTQ (bf16 act)", fp8, fp8, "auto"),
-                              ("ours FP8 GPTQ + FP8 head", fp8, fp8, "fp8")):
+    own, text = args.work / "smollm2-fp8-self", args.work / "smollm2-fp8-text"
+    calibration = args.work / "calibration.txt"
+    calibration.write_text(training_text(shakespeare_texts()), encoding="utf-8")
+    seconds = {"default": fp8_seconds, "self": quantize(dirs["bf16"], own, "--self-calibrate"),
+               "text": quantize(dirs["bf16"], text, "--calibration", str(calibration))}
+    ppl, size, secs = {}, {}, {}
+    # the bf16 row runs the fp32 import in bf16 (as the full table does); its bytes are the bf16 file's;
+    # "+ FP8 head" rows also run the logits through the GPTQ e4m3 head the quantizer wrote (lm_head_dtype fp8)
+    for label, d, f, head, q in (("ours bf16", dirs["fp32"], dirs["bf16"], "auto", None),
+                                 ("FP8 default (round to nearest)", fp8, fp8, "auto", "default"),
+                                 ("FP8 GPTQ --self-calibrate", own, own, "auto", "self"),
+                                 ("FP8 GPTQ self + FP8 head", own, own, "fp8", "self"),
+                                 ("FP8 GPTQ on training text", text, text, "auto", "text"),
+                                 ("FP8 GPTQ text + FP8 head", text, text, "fp8", "text")):
         nll, n = engine_nll(d, windows, dtype="bfloat16", lm_head_dtype=head)
-        ppl[label], size[label] = math.exp(nll / n), weight_bytes(f)
+        ppl[label], size[label], secs[label] = math.exp(nll / n), weight_bytes(f), seconds.get(q)
     delta = {k: 100 * (v / ppl["ours bf16"] - 1) for k, v in ppl.items()}
     (ROOT / "runs").mkdir(exist_ok=True)
     (ROOT / "runs" / "bench_quality_fp8.json").write_text(json.dumps(
-        {"ppl": ppl, "tokens": n, "delta_pct": delta, "bytes": size}, indent=2))
+        {"ppl": ppl, "tokens": n, "delta_pct": delta, "bytes": size, "quantize_s": seconds}, indent=2))
     print(f"perplexity on the Shakespeare validation text, {n:,} predicted tokens ({args.windows} windows of "
           f"{args.window}); FP8 files from `shardserve quantize` of {dirs['bf16'].name}:")
-    print(f"{'model':26s} {'ppl':>9s} {'vs bf16':>9s} {'block Linear bytes':>19s} {'all weight bytes':>17s}")
+    print(f"{'model':30s} {'ppl':>9s} {'vs bf16':>9s} {'block Linear bytes':>19s} {'all weight bytes':>17s} "
+          f"{'quantize':>9s}")
     lin0, tot0 = size["ours bf16"]
     for label, v in ppl.items():
         lin, tot = size[label]
-        print(f"{label:26s} {v:9.4f} {delta[label]:+8.3f}% {lin:>12,} {lin / lin0:5.3f}x {tot:>11,} {tot / tot0:5.3f}x")
-    print(f"FP8 GPTQ vs ours bf16: {delta['ours FP8 GPTQ (bf16 act)']:+.3f}%, with the FP8 head "
-          f"{delta['ours FP8 GPTQ + FP8 head']:+.3f}% (target <= 1%)  ({time.time() - t0:.1f} s)")
+        q = f"{secs[label]:7.1f} s" if secs[label] is not None else ""
+        print(f"{label:30s} {v:9.4f} {delta[label]:+8.3f}% {lin:>12,} {lin / lin0:5.3f}x {tot:>11,} {tot / tot0:5.3f}x "
+              f"{q:>9s}")
+    print(f"`shardserve quantize` (default) vs ours bf16: {delta['FP8 default (round to nearest)']:+.3f}%; "
+          f"--self-calibrate {delta['FP8 GPTQ --self-calibrate']:+.3f}% (target <= 1%)  ({time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ def ask(port: int, question: str, timeout_s: float) -> str:
     return r.choices[0].message.content or ""
 
 
-def one_start(env: dict, model_dir: Path, port: int, log_path: Path, limit_s: float) -> dict:
-    """Run `make serve` until the first chat answer (or limit_s); return the timings and answers."""
-    cmd = ["make", "--no-print-directory", "serve", f"SERVE_MODEL={model_dir}", f"PORT={port}"]
-    t0 = time.monotonic()
+def one_start(env: dict, model_dir: Path, port: int, log_path: Path, limit_s: float, tree: bool = False) -> dict:
+    """Run `make serve` until the first chat answer (or limit_s); return the timings and answers.
+    tree: this source tree's code (PYTHONPATH) on a .venv that make must not reinstall."""
+    cmd = ["make", "--no-print-directory", *(["-o", ".venv/.installed"] if tree else []), "serve",
+           f"SERVE_MODEL={model_dir}", f"PORT={port}"]
+    t0, wall0 = time.monotonic(), time.time()
     load0 = os.getloadavg()[0]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -88,7 +90,29 @@ def one_start(env: dict, model_dir: Path, port: int, log_path: Path, limit_s: fl
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return {"first_answer_s": first, "load_at_start": load0, "answers": answers if first is not None else [],
-            "error": None if first is not None else err}
+            "error": None if first is not None else err, "phases": phases_of(log_path.read_text(errors="replace"), wall0)}
+
+
+def phases_of(log: str, wall0: float) -> dict[str, float]:
+    """Where a start's time went, from `shardserve serve`'s output: its ready line ("ready in T s (ray a s,
+    serve b s, application c s)", timed from Ray's start) and the model replica's model_ready event: when
+    its constructor began ("replica init at", seconds after the command, started at unix time wall0),
+    its imports and the model's load (and its process's age at init: a worker Ray started ahead idles)."""
+    import re
+
+    out: dict[str, float] = {}
+    m = re.search(r"ready in ([0-9.]+) s \(([^)]*)\)", log)
+    if m:
+        out["ready"] = float(m.group(1))
+        for part in m.group(2).split(", "):
+            name, value, _unit = part.rsplit(" ", 2)
+            out[name] = float(value)
+    m = re.search(r'\{"event": "model_ready".*?\}', log)
+    if m:
+        ev = json.loads(m.group(0))
+        out["replica init at"] = ev["init_at"] - wall0
+        out.update({f"replica {k.removesuffix('_s')}": v for k, v in ev.items() if k.endswith("_s")})
+    return out
 
 
 def main() -> None:
@@ -98,15 +122,23 @@ def main() -> None:
                     help="only warm starts on this user's caches and models/smollm2 (no fresh directories)")
     ap.add_argument("--warm-starts", type=int, default=2, help="starts after the cold one")
     ap.add_argument("--limit-s", type=float, default=900.0, help="give up on a start after this long")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="with --warm-only: the imported model to serve (default models/smollm2)")
+    ap.add_argument("--tree", action="store_true",
+                    help="run this source tree (PYTHONPATH=its root) on the .venv as it is, never reinstalled "
+                         "(a git worktree whose .venv links to another checkout's)")
     args = ap.parse_args()
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = ROOT / "runs"
     runs.mkdir(exist_ok=True)
     env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # make serve runs the installed package, as a user's does
+    if args.tree:
+        env["PYTHONPATH"] = str(ROOT)
+    else:
+        env.pop("PYTHONPATH", None)  # make serve runs the installed package, as a user's does
     if args.warm_only:
-        model_dir = ROOT / "models" / "smollm2"
+        model_dir = args.model_dir or ROOT / "models" / "smollm2"
     else:
         scratch = Path(tempfile.mkdtemp(prefix="serve-start-"))
         env["XDG_CACHE_HOME"] = str(scratch / "cache")
@@ -118,13 +150,14 @@ def main() -> None:
     starts = []
     kinds = ([] if args.warm_only else ["cold"]) + ["warm"] * args.warm_starts
     for i, kind in enumerate(kinds):
-        res = one_start(env, model_dir, args.port, runs / f"serve_start-{stamp}-{i}.log", args.limit_s)
+        res = one_start(env, model_dir, args.port, runs / f"serve_start-{stamp}-{i}.log", args.limit_s, args.tree)
         res["kind"] = kind
         starts.append(res)
         right = sum(a["right"] for a in res["answers"])
         fig = f"{res['first_answer_s']:.1f} s" if res["first_answer_s"] is not None else f"none ({res['error']})"
         print(f"start {i + 1} ({kind}, load {res['load_at_start']:.1f}): first answer {fig}; "
               f"{right}/{len(QUESTIONS)} answers right", flush=True)
+        print("    " + ", ".join(f"{k} {v:.1f} s" for k, v in res["phases"].items()))
         for a in res["answers"]:
             print(f"    {a['question']} -> {a['answer']!r}")
     out = runs / f"serve_start-{stamp}.json"

@@ -58,7 +58,7 @@ def serve(
     try:
         running = launcher.start(cfg, keys, quiet=not verbose, admin_keys=admin_keys)
         _take_signals()  # again: ray.init installed its own SIGTERM handler (which exits at once)
-        _print_ready(running.url, cfg.models[0].name, bool(keys), running.started_in_s)
+        _print_ready(running.url, cfg.models[0].name, bool(keys), running.started_in_s, running.phases)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -126,10 +126,11 @@ def _stop(running) -> None:
         ray.shutdown()
 
 
-def _print_ready(url: str, model: str, auth: bool, seconds: float) -> None:
+def _print_ready(url: str, model: str, auth: bool, seconds: float, phases: dict[str, float] | None = None) -> None:
     body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 32})
     key = ' -H "Authorization: Bearer $SHARDSERVE_API_KEY"' if auth else ""
-    typer.echo(f"shardserve: ready in {seconds:.1f} s at {url}  (OpenAI: {url}/v1, KServe v2: {url}/v2, "
+    split = f" ({', '.join(f'{k} {v:.1f} s' for k, v in phases.items())})" if phases else ""
+    typer.echo(f"shardserve: ready in {seconds:.1f} s{split} at {url}  (OpenAI: {url}/v1, KServe v2: {url}/v2, "
                f"metrics: {url}/metrics; Ctrl-C stops)")
     typer.echo("try:")
     typer.echo(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'")

@@ -23,45 +23,18 @@ import asyncio
 import functools
 import logging
 import pickle
+import time
 from typing import Any
 
 from ray import serve
 
 from deploy.schema import DeploymentConfig, ModelSpec, ServerSpec
 from serving.metrics import MetricsHub
+from serving.placement import UnsupportedConfig, executor_factory, placement  # noqa: F401 - UnsupportedConfig: re-exported
 from serving.ptuning_ops import PtuningOp
 
 log = logging.getLogger("shardserve.deploy")
 APP_NAME = "shardserve"
-
-
-class UnsupportedConfig(ValueError):
-    """The config asks for something a later issue brings; the message names the field."""
-
-
-def placement(spec: ModelSpec) -> dict[str, Any]:
-    """Ray Serve deployment options that place one replica of `spec`: one actor, or, for a split
-    model (tensor x pipeline parallel), a placement group with the replica in bundle 0 and one
-    bundle per shard worker, so Ray reserves and co-schedules the whole model copy."""
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}}
-    if spec.world_size > 1:
-        from serving.ray_executor import placement_bundles
-
-        options["placement_group_bundles"] = placement_bundles(
-            spec.engine.tensor_parallel_size or 1, spec.engine.pipeline_parallel_size or 1,
-            replica_cpus=spec.num_cpus, replica_gpus=spec.num_gpus, cpus_per_worker=spec.shard_num_cpus,
-            gpus_per_worker=spec.shard_num_gpus)
-        options["placement_group_strategy"] = "PACK"
-    return options
-
-
-def executor_factory(spec: ModelSpec):
-    """The engine's executor factory for `spec` (None: the in-process executor)."""
-    if spec.world_size > 1:  # TP x PP shard-worker actors in the replica's placement group
-        from serving.ray_executor import ray_executor_factory
-
-        return ray_executor_factory(spec.shard_num_cpus, spec.shard_num_gpus)
-    return None
 
 
 def _configure_logging(server: ServerSpec) -> None:
@@ -72,6 +45,13 @@ def _configure_logging(server: ServerSpec) -> None:
         logger.addHandler(handler)
         logger.propagate = False  # Ray Serve's replica logger would prefix and duplicate the JSON lines
     logger.setLevel(logging.INFO if server.log_requests else logging.WARNING)
+
+
+def _process_started() -> float:
+    """This process's start, in time.monotonic() seconds (psutil comes with Ray)."""
+    import psutil
+
+    return time.monotonic() - (time.time() - psutil.Process().create_time())
 
 
 class _Publisher:
@@ -143,7 +123,12 @@ class MetricsHubDeployment:
 @serve.deployment
 class ModelServer:
     async def __init__(self, spec: dict, server: dict, hub: Any):
+        t0 = time.monotonic()
+        import torch  # noqa: F401 - timed on its own (the largest import)
+
         from serving.model_core import ModelCore
+
+        t_import = time.monotonic()
 
         self.spec = ModelSpec.model_validate(spec)
         self.server = ServerSpec.model_validate(server)
@@ -154,7 +139,11 @@ class ModelServer:
         self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
                                     self.server.metrics_push_interval_s, steps=self.core.step_window)
         self.core.ptuning.ensure_watch()  # every replica hot-loads task changes from ptuning/
-        log.info('{"event": "model_ready", "model": "%s", "replica": "%s"}', self.spec.name, replica)
+        # where a start's time went: when this constructor began (unix time), how old its process was
+        # then (a worker Ray started ahead waits in its pool), the imports, the model's load
+        log.info('{"event": "model_ready", "model": "%s", "replica": "%s", "init_at": %.3f, "process_age_s": %.2f, '
+                 '"import_s": %.2f, "load_s": %.2f}', self.spec.name, replica, time.time() - (time.monotonic() - t0),
+                 t0 - _process_started(), t_import - t0, time.monotonic() - t_import)
 
     async def generate(self, req):
         # chunks travel pre-pickled: Ray ships bytes on its fast path, where a dataclass would go

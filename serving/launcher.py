@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,12 +26,16 @@ class Running:
     owns_ray: bool
     """True when start() called ray.init (stop() then shuts Ray down; else it only deletes the app)."""
     started_in_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each step of start() in order: "ray" (ray.init), "serve" (Ray Serve's controller),
+    "application" (the replicas, from creation to ready); a retried start counts its first try in
+    "retry"."""
 
 
 def check_config(cfg: DeploymentConfig) -> None:
     """Everything that can be checked before Ray starts; raises ConfigFileError naming the field."""
     from engines.core.config import ConfigError, EngineConfig
-    from serving.deployments import UnsupportedConfig, executor_factory, placement
+    from serving.placement import UnsupportedConfig, executor_factory, placement
 
     for i, m in enumerate(cfg.models):
         where = f"models.{i}"
@@ -80,30 +85,43 @@ def ray_num_cpus(cfg: DeploymentConfig) -> int:
 
 
 def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_keys: list[str] = ()) -> Running:
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-    from ray.serve.schema import LoggingConfig
+    import importlib
 
-    from serving.deployments import APP_NAME, build_application
+    import ray
 
     check_config(cfg)
     check_port(cfg)
     t0 = time.monotonic()
+    for name in RAY_INIT_IMPORTS:
+        importlib.import_module(name)
+    # Ray Serve's Python side and our deployments (1-2 s of imports on 2 cores) load on a thread while
+    # ray.init starts Ray's processes and mostly waits for them
+    preload = threading.Thread(target=_import_serve, name="shardserve-import-serve", daemon=True)
+    preload.start()
     level = logging.WARNING if quiet else logging.INFO
     owns_ray = not ray.is_initialized()
-    # quiet: Ray Serve's own replica logs only for errors (its router warns about slow queue-length
-    # probes on a busy machine); shardserve's request logs have their own logger and handler
-    logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
     logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
     # An embedded Ray that we start ourselves gets a second try: on a loaded host its raylet can
     # miss Ray's fixed 30 s registration wait, or Ray Serve's controller its name lookup (races
     # inside Ray, not problems of the config). A joined cluster gets one try (not ours to reset).
     attempts = 2 if owns_ray and cfg.ray.address is None else 1
+    phases: dict[str, float] = {}
     for attempt in range(1, attempts + 1):
+        t = time.monotonic()
         try:
             if owns_ray:
                 _init_ray(cfg, level)
+            preload.join()
+            from ray import serve
+            from ray.serve.config import HTTPOptions
+            from ray.serve.schema import LoggingConfig
+
+            from serving.deployments import APP_NAME, build_application
+
+            phases["ray"], t = time.monotonic() - t, time.monotonic()
+            # quiet: Ray Serve's own replica logs only for errors (its router warns about slow queue-length
+            # probes on a busy machine); shardserve's request logs have their own logger and handler
+            logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
             _check_resources(cfg)
             if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
                 serve.start(proxy_location="Disabled", logging_config=logs)
@@ -111,8 +129,10 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
                 serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,
                                                      request_timeout_s=None, keep_alive_timeout_s=30),
                             logging_config=logs)
+            phases["serve"], t = time.monotonic() - t, time.monotonic()
             app = build_application(cfg, [hash_key(k) for k in api_keys], [hash_key(k) for k in admin_keys])
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
+            phases["application"] = time.monotonic() - t
             break
         except Exception as exc:  # Ray's controller race is retried once on an embedded Ray
             if attempt == attempts or not _controller_race(exc):
@@ -121,9 +141,31 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
             ray.shutdown()
             if cfg.server.port:
                 wait_port_free(f"http://{cfg.server.host}:{cfg.server.port}")
+            phases = {"retry": time.monotonic() - t0}
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
-                   time.monotonic() - t0)
+                   time.monotonic() - t0, phases)
+
+
+RAY_INIT_IMPORTS = ("ray._common.usage.usage_lib", "ray.dashboard.optional_deps", "ray.autoscaler._private.util",
+                    "ray.autoscaler.v2.utils", "ray._private.runtime_env.uv_runtime_env_hook",
+                    "ray._private.thirdparty.pynvml")
+"""What ray.init imports on first use (277 modules: aiohttp, grpc, opentelemetry, Ray's usage and
+autoscaler code), imported on the main thread before _import_serve's thread starts: with these loaded,
+ray.init (Ray 2.60) imports nothing more, so the two threads never import modules at once (a circular
+import met from two threads can end in Python's _DeadlockError)."""
+
+
+def _import_serve() -> None:
+    """Import Ray Serve and serving.deployments (the main thread imports them again after ray.init:
+    at no cost when this succeeded, with the real error where it failed)."""
+    try:
+        import ray.serve.config
+        import ray.serve.schema  # noqa: F401
+
+        import serving.deployments  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - raised where it matters, by the main thread's import
+        logging.getLogger(__name__).debug("background import of Ray Serve failed: %r", exc)
 
 
 def _controller_race(exc: BaseException) -> bool:
@@ -136,6 +178,14 @@ def _controller_race(exc: BaseException) -> bool:
             or (isinstance(exc, RayServeException) and "no Serve instance" in text))
 
 
+WORKER_PRELOAD = ("ray.serve._private.replica", "serving.deployments")
+"""Modules every worker of the embedded Ray imports as it starts, before it takes work: Ray starts a
+worker per CPU ahead (as its driver connects), which a Serve replica (ModelServer, Gateway, MetricsHub)
+then takes over; its Ray Serve and shardserve imports (~2 s on 2 cores) are then done while Ray Serve's
+controller starts, not between the replica's creation and the model's load. Never torch: the
+controller and the gateway run in such workers too."""
+
+
 def _init_ray(cfg: DeploymentConfig, level: int) -> None:
     import ray
 
@@ -146,7 +196,8 @@ def _init_ray(cfg: DeploymentConfig, level: int) -> None:
         # priority (RAY_worker_niceness set by the user wins; a cluster's own `ray start` decides
         # for itself).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True)
+        ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True,
+                 _system_config={"preload_python_modules": list(WORKER_PRELOAD)})
     else:
         ray.init(address=cfg.ray.address, logging_level=level, log_to_driver=True)
 

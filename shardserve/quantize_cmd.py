@@ -23,19 +23,27 @@ def quantize(
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
     format: str = typer.Option("fp8", "--format", help="Quantization format: fp8 (e4m3, per-channel scales)."),
     calibration: Path | None = typer.Option(
-        None, "--calibration", help="UTF-8 text file (e.g. the training split) for GPTQ error compensation; "
-        "without it each weight is rounded to nearest."),
-    calibration_windows: int = typer.Option(16, help="Windows of calibration text (spread over the file)."),
-    calibration_window: int = typer.Option(256, help="Tokens per calibration window."),
+        None, "--calibration", help="UTF-8 text file of the model's domain (e.g. a training split) for GPTQ "
+        "error compensation; without it (and without --self-calibrate) each weight is rounded to nearest."),
+    self_calibrate: bool = typer.Option(
+        False, "--self-calibrate", help="GPTQ on text the model writes itself (data-free, seeded by --seed; "
+        "minutes). Measured worse than rounding to nearest on SmolLM2-135M (docs/fp8.md): check yours."),
+    calibration_windows: int = typer.Option(
+        16, help="Calibration windows: spread over the --calibration file, or sequences the model writes."),
+    calibration_window: int = typer.Option(256, help="Tokens per calibration window (at most the model's context)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the self-written calibration text (--self-calibrate)."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
     fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
-    embeddings, norms and the LM head keep the source dtype. With --calibration the e4m3 codes are
-    chosen by GPTQ (engines/transforms/fp8_gptq.py) on that text: same scales and file layout,
-    smaller output error; GPTQ codes of the LM head (per-row scales) are written beside, in fp8_head/,
-    for an engine run with lm_head_dtype fp8 (transformers and vLLM do not read that folder).
+    embeddings, norms and the LM head keep the source dtype. Each weight is rounded to nearest unless
+    GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
+    TEXT, or --self-calibrate (data-free: --calibration-windows sequences of --calibration-window tokens
+    the model writes itself from a random first token, seeded by --seed; engines/transforms/fp8_selfcal.py);
+    same scales and file layout, smaller output error on text like the calibration's. With GPTQ the codes
+    of the LM head (per-row scales) are written beside, in fp8_head/, for an engine run with
+    lm_head_dtype fp8 (transformers and vLLM do not read that folder). Progress bars show both steps.
     """
     import torch
 
@@ -55,6 +63,13 @@ def quantize(
         raise _fail(f"--format: {format!r} is not supported; supported: {', '.join(FORMATS)}")
     if out.resolve() == model.resolve():
         raise _fail("--out: must differ from --model (the source is read while the output is written)")
+    if self_calibrate and calibration is not None:
+        raise _fail("--self-calibrate: the model writes its own calibration text; give --self-calibrate or "
+                    "--calibration, not both")
+    if calibration_windows < 1:
+        raise _fail(f"--calibration-windows: must be >= 1, got {calibration_windows}")
+    if calibration_window < 8:
+        raise _fail(f"--calibration-window: must be >= 8 tokens, got {calibration_window}")
     try:
         cfg = ModelConfig.from_dir(model)
         reader = TensorReader(model)
@@ -63,11 +78,15 @@ def quantize(
         src_dtype = reader.get(next(iter(weight_plan(cfg).values()))[0].name).dtype
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
-        # GPTQ's calibration pass and Hessians run in fp32; the file keeps src_dtype either way
-        net, cfg = load_model(model, dtype=torch.float32 if calibration is not None else src_dtype)
         head = None
-        if calibration is not None:
-            head = _gptq(net, model, calibration, calibration_windows, calibration_window)
+        if calibration is None and not self_calibrate:  # round to nearest
+            net, cfg = load_model(model, dtype=src_dtype)
+        else:
+            wins = (_text_windows(model, calibration, calibration_windows, calibration_window)
+                    if calibration is not None else _self_windows(model, calibration_windows, calibration_window, seed))
+            # GPTQ's calibration pass and Hessians run in fp32; the file keeps src_dtype either way
+            net, cfg = load_model(model, dtype=torch.float32)
+            head = _gptq(net, wins)
         before = _linear_bytes(reader, cfg)
         from engines.loading.checkpoint import save_checkpoint
 
@@ -82,7 +101,9 @@ def quantize(
     n = sum(len(sources) for name, sources in weight_plan(cfg).items() if name.endswith(QUANTIZABLE))
     total_in = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    how = f"GPTQ on {calibration}" if calibration is not None else "round to nearest"
+    how = (f"GPTQ on {calibration}" if calibration is not None else
+           f"GPTQ on {calibration_windows} x {calibration_window} tokens the model wrote itself (seed {seed})"
+           if self_calibrate else "round to nearest")
     typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales, {how}), the rest kept in "
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
@@ -94,12 +115,27 @@ def quantize(
                    "See docs/fp8.md.")
 
 
-def _gptq(net, model: Path, calibration: Path, windows: int, window: int):
-    """Quantize net's block Linears in place with GPTQ on the calibration text (tokenized with the model's
-    tokenizer) and return GPTQ codes and scales of its LM head (for lm_head_dtype fp8: the file keeps the
-    head in the source dtype); raises ValueError naming --calibration for an unusable file."""
+def _gptq(net, wins):
+    """Quantize net's block Linears in place with GPTQ on `wins` (n, T) token ids and return GPTQ codes and
+    scales of its LM head (for lm_head_dtype fp8: the file keeps the head in the source dtype)."""
+    import torch
+
+    from engines.transforms.fp8 import BLOCK_LINEARS
+    from engines.transforms.fp8_gptq import gptq_head, gptq_quantize
+
+    n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear))
+    with _progress(n + 1, "GPTQ", "layer") as bar:  # the block Linears, then the LM head
+        gptq_quantize(net, wins, on_layer=lambda _name: bar.update(1))
+        head = gptq_head(net, wins)
+        bar.update(1)
+    return head
+
+
+def _text_windows(model: Path, calibration: Path, windows: int, window: int):
+    """(n, T) token ids spread over the calibration text, tokenized with the model's tokenizer; raises
+    ValueError naming --calibration for an unusable file."""
     from engines.loading.tokenizer import Tokenizer
-    from engines.transforms.fp8_gptq import calibration_windows, gptq_head, gptq_quantize
+    from engines.transforms.fp8_gptq import calibration_windows
 
     if not calibration.is_file():
         raise ValueError(f"--calibration: {str(calibration)!r} is not a file")
@@ -111,11 +147,32 @@ def _gptq(net, model: Path, calibration: Path, windows: int, window: int):
     except UnicodeDecodeError as exc:
         raise ValueError(f"--calibration: {str(calibration)!r} is not UTF-8 text ({exc})") from exc
     try:
-        wins = calibration_windows(tk.encode(text), windows, window)
+        return calibration_windows(tk.encode(text), windows, window)
     except ValueError as exc:
         raise ValueError(f"--calibration: {exc}") from exc
-    gptq_quantize(net, wins)
-    return gptq_head(net, wins)
+
+
+def _self_windows(model: Path, windows: int, window: int, seed: int):
+    """(n, T) token ids the model writes itself (data-free calibration, engines/transforms/fp8_selfcal.py)."""
+    from engines.transforms.fp8_selfcal import self_generated_windows
+
+    typer.echo(f"calibration: {windows} sequences of {window} tokens written by the model itself (seed {seed}); "
+               "(--self-calibrate)", err=True)
+    with _progress(windows * window, "calibration text", "tok") as bar:
+        wins = self_generated_windows(model, windows, window, seed=seed, on_tokens=bar.update)
+        bar.total = bar.n  # a window longer than the model's context was cut to it
+        bar.refresh()
+    return wins
+
+
+def _progress(total: int, desc: str, unit: str):
+    """A tqdm bar (on stderr) that leaves no monitor thread behind when it closes."""
+    from tqdm import tqdm
+
+    class _Bar(tqdm):
+        monitor_interval = 0
+
+    return _Bar(total=total, desc=desc, unit=unit)
 
 
 def _linear_bytes(reader, cfg) -> int:

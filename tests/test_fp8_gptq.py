@@ -89,3 +89,55 @@ def test_quantize_cli_with_calibration_and_float_layers_named_in_ignore(llama_di
     assert ignore == ["lm_head", "model.layers.0.mlp.down_proj"]
     back, _ = load_model(tmp_path / "mixed")
     assert not isinstance(back.blocks[0].mlp.down, Fp8Linear) and isinstance(back.blocks[1].mlp.down, Fp8Linear)
+
+
+def test_self_generated_calibration_is_seeded_and_starts_from_ordinary_tokens(llama_dir):
+    """Data-free calibration (engines/transforms/fp8_selfcal.py): windows the model writes itself, full
+    length, the same for a seed and different for another, never starting at a special token."""
+    import pytest
+
+    from engines.loading.tokenizer import Tokenizer
+    from engines.transforms.fp8_selfcal import GREEDY_TOKENS, self_generated_windows, start_tokens
+
+    seen = []
+    a = self_generated_windows(llama_dir, 3, 20, seed=1, on_tokens=seen.append)
+    assert sum(seen) == 3 * 20
+    assert a.shape == (3, 20) and a.dtype == torch.long
+    assert torch.equal(a, self_generated_windows(llama_dir, 3, 20, seed=1))
+    assert not torch.equal(a, self_generated_windows(llama_dir, 3, 20, seed=2))
+    special = {i for i, t in Tokenizer.from_dir(llama_dir).tk.get_added_tokens_decoder().items() if t.special}
+    assert special and not set(a[:, 0].tolist()) & special
+    assert set(start_tokens(4, {0, 1, 2}, 50, seed=0)) == {3}
+    with pytest.raises(ValueError, match="calibration: need n >= 1"):
+        self_generated_windows(llama_dir, 0, 20)
+    with pytest.raises(ValueError, match=f"length >= {GREEDY_TOKENS + 2}"):
+        self_generated_windows(llama_dir, 2, GREEDY_TOKENS + 1)
+
+
+def test_quantize_cli_self_calibrate_is_gptq_on_self_written_text_and_the_default_rtn(llama_dir, tmp_path):
+    """--self-calibrate: GPTQ codes (on text the model wrote) with the LM head's beside; no calibration option:
+    round-to-nearest codes and no head folder; contradictory or empty options are refused by name."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from shardserve.cli import app
+
+    small = ["--self-calibrate", "--calibration-windows", "2", "--calibration-window", "32"]
+    r = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), *small])
+    assert r.exit_code == 0 and "GPTQ on 2 x 32 tokens the model wrote itself (seed 0)" in r.output, r.output
+    r = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0 and "round to nearest" in r.output, r.output
+    k = "model.layers.0.self_attn.o_proj.weight"
+    with safe_open(tmp_path / "g" / "model.safetensors", "pt") as g, \
+            safe_open(tmp_path / "r" / "model.safetensors", "pt") as rt, \
+            safe_open(llama_dir / "model.safetensors", "pt") as src:
+        rtn_q = quantize_rows(src.get_tensor(k))[0].view(torch.uint8)
+        assert torch.equal(rt.get_tensor(k).view(torch.uint8), rtn_q)
+        assert not torch.equal(g.get_tensor(k).view(torch.uint8), rtn_q)
+    assert (tmp_path / "g" / "fp8_head").is_dir() and not (tmp_path / "r" / "fp8_head").exists()
+    for args, field in ((["--self-calibrate", "--calibration", str(tmp_path / "t.txt")], "--self-calibrate"),
+                        (["--calibration-windows", "0"], "--calibration-windows"),
+                        (["--calibration-window", "4"], "--calibration-window")):
+        bad = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), *args])
+        assert bad.exit_code == 2 and f"error: {field}:" in bad.output, bad.output
+    assert not (tmp_path / "b").exists()

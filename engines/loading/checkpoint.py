@@ -281,10 +281,23 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype 
             continue
         parts = []
         for src in sources:
-            t = read_float(reader, src, dtype)
+            t = reader.get(src.name)  # a view of the file's pages (safetensors maps it): nothing read yet
+            if t.dtype == FP8_DTYPE:  # a quantized tensor kept in float: dequantized (its scale checked)
+                t = read_float(reader, src, dtype)
             parts.append(t.t() if src.transpose else t)
-        out[ours] = (torch.cat(parts, 0) if len(parts) > 1 else parts[0]).contiguous()
+        out[ours] = assemble(parts, dtype)
     return out
+
+
+def assemble(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """`parts` stacked along dim 0 as one contiguous `dtype` tensor, converted and copied in one pass:
+    a fused qkv or gate-up weight of an fp32 file served in bf16 is read once and written once (not
+    converted, then concatenated). One part already in `dtype` and contiguous is returned as it is."""
+    if len(parts) == 1:
+        p = parts[0]
+        return p if p.dtype == dtype and p.is_contiguous() else torch.empty(p.shape, dtype=dtype).copy_(p)
+    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype)
+    return torch.cat(parts, 0, out=out)
 
 
 def check_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

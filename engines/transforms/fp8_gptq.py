@@ -15,6 +15,8 @@ scale per output channel the order leaves no trace in the file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, Fp8FormatError, quantize_rows
@@ -86,11 +88,13 @@ def input_hessians(model: torch.nn.Module, windows: torch.Tensor, names: set[str
     return hs
 
 
-def gptq_quantize(model: torch.nn.Module, windows: torch.Tensor, keep: frozenset[str] = frozenset()) -> int:
+def gptq_quantize(model: torch.nn.Module, windows: torch.Tensor, keep: frozenset[str] = frozenset(),
+                  on_layer: Callable[[str], None] | None = None) -> int:
     """Replace the block Linears of `model` (float) by engines.transforms.fp8.Fp8Linear holding GPTQ
     codes, the Hessians taken from one pass of the float model over `windows` (n, T) token ids of
     calibration text; layers named in `keep` stay float. save_checkpoint writes the result as a
-    standard FP8 file. Returns how many layers were quantized."""
+    standard FP8 file. `on_layer(name)` is called as each layer is done (a progress bar). Returns how
+    many layers were quantized."""
     from engines.transforms.fp8 import BLOCK_LINEARS, Fp8Linear
 
     names = {n for n, m in model.named_modules() if n.endswith(BLOCK_LINEARS) and n not in keep
@@ -107,6 +111,8 @@ def gptq_quantize(model: torch.nn.Module, windows: torch.Tensor, keep: frozenset
             fp8.weight.data, fp8.weight_scale.data = gptq_rows(lin.weight, hs.pop(name), name=name)
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, fp8)
+            if on_layer is not None:
+                on_layer(name)
     finally:
         torch.set_num_threads(threads)
     return len(names)
