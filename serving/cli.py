@@ -97,6 +97,12 @@ def deployment_config(config: Path | None, model: Path | None, name: str | None 
     models = cfg.model_dump()["models"]
     for m in models:
         m["path"] = str(resolve_model(m["path"]))
+    if model is not None and address is None:
+        # one model on the embedded Ray of this host: its replica reserves every core, so Ray's
+        # OMP_NUM_THREADS (the replica's reserved CPUs, 1 by default) gives its engine all of them
+        from engines.cpu.cpu_threads import host_cores
+
+        models[0]["num_cpus"] = float(host_cores())
     if no_prefix_caching:
         for m in models:
             m["engine"]["enable_prefix_caching"] = False

@@ -43,6 +43,16 @@ def test_invalid_config_names_the_field(tmp_path, gpt2_dir):
     assert out.returncode == 2 and "server.port" in out.stderr
 
 
+def test_one_model_on_the_embedded_ray_reserves_every_core(gpt2_dir):
+    """Ray gives a replica OMP_NUM_THREADS = its reserved CPUs: `serve --model` on this host reserves all
+    of them (the engine would otherwise decode on one thread); a cluster (--address) keeps the default."""
+    from engines.cpu.cpu_threads import host_cores
+    from serving.cli import deployment_config
+
+    assert deployment_config(None, gpt2_dir).models[0].num_cpus == host_cores()
+    assert deployment_config(None, gpt2_dir, address="ray://head:10001").models[0].num_cpus == 1.0
+
+
 def test_ctrl_c_and_sigterm_take_the_same_drain_path():
     """Both signals raise KeyboardInterrupt in the serve loop (the drain), SIGINT included when the
     process inherited it ignored (started in the background by a non-interactive shell); the
