@@ -35,20 +35,20 @@ def _case(seed: int) -> tuple[list[list[int]], list[int]]:
     return [tables[i] for i in order], [lens[i] for i in order]
 
 
-def _reference(q, kc, vc, tables, lens):
+def _reference(q, kc, vc, tables, lens, bs=BS):
     """Per row: gather its slots and run SDPA in fp32."""
     out = []
     for i, (t, n) in enumerate(zip(tables, lens)):
-        slots = torch.tensor([t[p // BS] * BS + p % BS for p in range(n)])
+        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n)])
         ks, vs = kc[slots].float().transpose(0, 1)[None], vc[slots].float().transpose(0, 1)[None]
         out.append(F.scaled_dot_product_attention(q[i:i + 1, :, None].float(), ks, vs, enable_gqa=True)[0, :, 0])
     return torch.stack(out)
 
 
-def _run(q, kc, vc, tables, lens):
+def _run(q, kc, vc, tables, lens, bs=BS):
     mb = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (mb - len(t)) for t in tables])
-    return paged_decode(q, kc, vc, table, torch.tensor(lens), BS)
+    return paged_decode(q, kc, vc, table, torch.tensor(lens), bs)
 
 
 @pytest.mark.parametrize("dtype,threads", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 2)])
@@ -73,13 +73,17 @@ def test_cascade_equals_per_row_attention(dtype, threads, nh, nkv):
     torch.testing.assert_close(got.float(), alone.float(), **tol)
 
 
-def test_a_whole_batch_shares_one_prefix():
-    """The prefix-caching burst's shape: every row shares the same leading blocks."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,hd", [(4, 16), (16, 64), (16, 24)])
+def test_a_whole_batch_shares_one_prefix(bs, hd, dtype):
+    """The prefix-caching burst's shape: every row shares the same leading blocks (block size 16 and
+    head size a multiple of 16: the tiled shared-part loops; otherwise the per-key ones)."""
     torch.manual_seed(2)
     prefix = list(range(10, 18))
     tables = [prefix + [40 + i] for i in range(9)]
-    lens = [8 * BS + 1 + i % BS for i in range(9)]
-    kc, vc = (torch.randn(64 * BS, 3, HD) for _ in range(2))
-    q = torch.randn(9, 9, HD)
-    torch.testing.assert_close(_run(q, kc, vc, tables, lens), _reference(q, kc, vc, tables, lens),
-                               rtol=1e-5, atol=1e-5)
+    lens = [8 * bs + 1 + i % bs for i in range(9)]
+    kc, vc = (torch.randn(64 * bs, 3, hd).to(dtype) for _ in range(2))
+    q = torch.randn(9, 9, hd).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(_run(q, kc, vc, tables, lens, bs).float(), _reference(q, kc, vc, tables, lens, bs),
+                               **tol)
