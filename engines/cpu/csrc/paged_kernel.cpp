@@ -2,8 +2,10 @@
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -87,40 +89,167 @@ inline void ahead(const void* p, int64_t nbytes) {
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs,
             int64_t row, int64_t hd, int64_t nq, int64_t group, float scale, float* qf, float* scores,
-            float* acc, T* out, int64_t lpad) {
+            float* acc, T* out, int64_t lpad, int64_t t0 = 0, const float* pm = nullptr, const float* pl = nullptr,
+            const float* pacc = nullptr) {
+  // slots [t0, len) only (t0 a multiple of bs); with a partial (pm, pl, pacc: per head max, sum of
+  // exponentials, unnormalised sum of values of slots [0, t0), cascade_part) the two merge exactly
   for (int64_t i = 0; i < nq * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   const int64_t nbytes = nq / group * hd * static_cast<int64_t>(sizeof(T));  // this task's part of a slot's row
-  for (int64_t b = 0, t = 0; t < len; ++b) {
+  const int64_t m = len - t0;  // scores index t - t0
+  for (int64_t b = t0 / bs, t = t0; t < len; ++b) {
     const int64_t n = std::min(bs, len - t);
     const T* k = kc + table[b] * bs * row;
     for (int64_t i = 0; i < n; ++i, ++t, k += row) {
       if (i + AHEAD < n) ahead(k + AHEAD * row, nbytes);
-      for (int64_t h = 0; h < nq; ++h) scores[h * lpad + t] = dot(qf + h * hd, k + h / group * hd, hd);
+      for (int64_t h = 0; h < nq; ++h) scores[h * lpad + t - t0] = dot(qf + h * hd, k + h / group * hd, hd);
     }
   }
   for (int64_t h = 0; h < nq; ++h) {
     float* sc = scores + h * lpad;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) mx = sc[t] > mx ? sc[t] : mx;
-    for (int64_t t = 0; t < len; ++t) sc[t] -= mx;
-    exp_nonpos(sc, len);
+    float mx = pm ? pm[h] : -INFINITY;
+    for (int64_t t = 0; t < m; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    for (int64_t t = 0; t < m; ++t) sc[t] -= mx;
+    exp_nonpos(sc, m);
     float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) sum += sc[t];
-    sc[len] = 1.f / sum;  // lpad > len: the normaliser rides in the padding
+    for (int64_t t = 0; t < m; ++t) sum += sc[t];
+    float alpha = 0.f;  // the partial's weight after rescaling to the common max
+    if (pm) {
+      alpha = std::exp(pm[h] - mx);
+      sum += alpha * pl[h];
+    }
+    sc[m] = 1.f / sum;  // lpad > m: the normaliser rides in the padding
+    if (pm) for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] = alpha * pacc[h * hd + d];
+    else std::fill(acc + h * hd, acc + (h + 1) * hd, 0.f);
   }
-  std::fill(acc, acc + nq * hd, 0.f);
-  for (int64_t b = 0, t = 0; t < len; ++b) {
+  for (int64_t b = t0 / bs, t = t0; t < len; ++b) {
     const int64_t n = std::min(bs, len - t);
     const T* v = vc + table[b] * bs * row;
     for (int64_t i = 0; i < n; ++i, ++t, v += row) {
       if (i + AHEAD < n) ahead(v + AHEAD * row, nbytes);
-      for (int64_t h = 0; h < nq; ++h) axpy(acc + h * hd, scores[h * lpad + t], v + h / group * hd, hd);
+      for (int64_t h = 0; h < nq; ++h) axpy(acc + h * hd, scores[h * lpad + t - t0], v + h / group * hd, hd);
     }
   }
   for (int64_t h = 0; h < nq; ++h) {
-    const float inv = scores[h * lpad + len];
+    const float inv = scores[h * lpad + m];
     for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[h * hd + d] * inv);
   }
+}
+
+// cascade (shared-prefix) decode: rows whose block tables begin with the same block ids read those
+// slots' keys/values once for the whole group. One task: R rows of a group, one kv head g, the
+// first lp slots of the shared table; its R x group queries score every shared key as it passes
+// (one read of a key row for all of them, instead of one per row), then write per query the
+// partial (max, sum of exponentials, unnormalised sum of values) that attend() merges with the
+// row's own suffix. pm / pl are (S, nh), pacc (S, nh, hd)
+template <typename T>
+void cascade_part(const T* qp, const T* kc, const T* vc, const int64_t* table, int64_t lp, int64_t bs, int64_t row,
+                  int64_t hd, int64_t nh, int64_t group, int64_t g, const int64_t* rows, int64_t R, float scale,
+                  float* pm, float* pl, float* pacc) {
+  const int64_t nq = R * group;
+  std::vector<float> qf(nq * hd), scores(nq * lp);
+  std::vector<float*> accs(nq);
+  std::vector<int64_t> idx(nq);  // (row, head) -> index into pm / pl
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t i = r * group + j, h = g * group + j;
+      idx[i] = rows[r] * nh + h;
+      accs[i] = pacc + idx[i] * hd;
+      for (int64_t d = 0; d < hd; ++d) qf[i * hd + d] = static_cast<float>(qp[idx[i] * hd + d]) * scale;
+    }
+  const int64_t nbytes = hd * static_cast<int64_t>(sizeof(T));
+  // many queries a key: a block's keys transposed to (hd, bs) fp32 give W scores of a query per
+  // hd broadcast multiply-adds (one dot product a query and key with its horizontal sum measured
+  // no faster than reading the keys per row: 32 against 31 ms a layer, 64 rows x 1,100 keys)
+  const bool tiled = bs % W == 0;
+  std::vector<float> kt(tiled ? hd * bs : 0);
+  for (int64_t b = 0, t = 0; t < lp; ++b, t += bs) {
+    const T* k = kc + table[b] * bs * row + g * hd;
+    if (tiled) {
+      if (b + 1 < lp / bs) ahead(kc + table[b + 1] * bs * row + g * hd, nbytes);
+      for (int64_t i = 0; i < bs; ++i)
+        for (int64_t d = 0; d < hd; ++d) kt[d * bs + i] = static_cast<float>(k[i * row + d]);
+      for (int64_t q = 0; q < nq; ++q) {
+        const float* qq = qf.data() + q * hd;
+        for (int64_t i0 = 0; i0 < bs; i0 += W) {
+          // plain arrays of W lanes, vectorised by the compiler (a vf here went through the stack)
+          float acc[W] = {};
+          for (int64_t d = 0; d < hd; ++d) {
+            const float qd = qq[d];
+            const float* kr = kt.data() + d * bs + i0;
+            for (int64_t j = 0; j < W; ++j) acc[j] += qd * kr[j];
+          }
+          std::memcpy(scores.data() + q * lp + t + i0, acc, sizeof(acc));
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < bs; ++i)
+        for (int64_t q = 0; q < nq; ++q) scores[q * lp + t + i] = dot(qf.data() + q * hd, k + i * row, hd);
+    }
+  }
+  for (int64_t q = 0; q < nq; ++q) {
+    float* sc = scores.data() + q * lp;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < lp; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    for (int64_t t = 0; t < lp; ++t) sc[t] -= mx;
+    exp_nonpos(sc, lp);
+    float sum = 0.f;
+    for (int64_t t = 0; t < lp; ++t) sum += sc[t];
+    pm[idx[q]] = mx;
+    pl[idx[q]] = sum;
+    std::fill(accs[q], accs[q] + hd, 0.f);
+  }
+  // a block's values for every query: W lanes of a query's sums stay in a register over the block
+  for (int64_t b = 0, t = 0; t < lp; ++b, t += bs) {
+    const T* v = vc + table[b] * bs * row + g * hd;
+    if (b + 1 < lp / bs) ahead(vc + table[b + 1] * bs * row + g * hd, nbytes);
+    for (int64_t q = 0; q < nq; ++q) {
+      const float* p = scores.data() + q * lp + t;
+      if (hd % W == 0 && std::is_same<T, float>::value) {
+        for (int64_t d0 = 0; d0 < hd; d0 += W) {
+          float acc[W];
+          std::memcpy(acc, accs[q] + d0, sizeof(acc));
+          for (int64_t i = 0; i < bs; ++i) {
+            const float pi = p[i];
+            const float* vr = reinterpret_cast<const float*>(v + i * row + d0);
+            for (int64_t j = 0; j < W; ++j) acc[j] += pi * vr[j];
+          }
+          std::memcpy(accs[q] + d0, acc, sizeof(acc));
+        }
+      } else {
+        for (int64_t i = 0; i < bs; ++i) axpy(accs[q], p[i], v + i * row, hd);
+      }
+    }
+  }
+}
+
+constexpr int64_t CASCADE_MIN_BLOCKS = 2;  // shorter shared runs are read per row
+constexpr int64_t CASCADE_ROWS = 16;       // rows of a group per task: reads of the shared part / rows
+
+// groups of >= 2 rows that share >= CASCADE_MIN_BLOCKS leading block ids, and shared[s] the slots
+// row s takes from its group's partial (whole blocks, and fewer than its length: its own token is
+// always in the suffix); rows that share with nobody get 0. O(S^2 + S x shared blocks) on the host
+std::vector<std::vector<int64_t>> cascade_groups(const int64_t* tab, const int64_t* ln, int64_t S, int64_t mb,
+                                                 int64_t bs, std::vector<int64_t>& shared) {
+  std::vector<std::vector<int64_t>> groups;
+  std::vector<char> done(S, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    if (done[s]) continue;
+    std::vector<int64_t> rows{s};
+    int64_t nb = (ln[s] - 1) / bs;
+    for (int64_t t = s + 1; t < S; ++t) {
+      if (done[t] || tab[t * mb] != tab[s * mb] || ln[t] <= bs) continue;
+      int64_t c = 0;
+      const int64_t lim = std::min(nb, (ln[t] - 1) / bs);
+      while (c < lim && tab[t * mb + c] == tab[s * mb + c]) ++c;
+      if (c < CASCADE_MIN_BLOCKS) continue;
+      rows.push_back(t);
+      nb = c;
+    }
+    if (rows.size() < 2 || nb < CASCADE_MIN_BLOCKS) continue;
+    for (int64_t r : rows) done[r] = 1, shared[r] = nb * bs;
+    groups.push_back(std::move(rows));
+  }
+  return groups;
 }
 
 }  // namespace
@@ -156,12 +285,34 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t per = (nkv + chunks - 1) / chunks;
   auto out = torch::empty_like(q);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  std::vector<int64_t> shared(S, 0);
+  const auto groups = cascade_groups(tab, ln, S, mb, block_size, shared);
+  // partials of the shared parts: (S, nh) max and sum, (S, nh, hd) values; tasks (group, kv head, rows)
+  std::vector<float> pm, pl, pacc;
+  std::vector<std::array<int64_t, 4>> ctasks;  // group, kv head, first row in the group, rows
+  if (!groups.empty()) {
+    pm.resize(S * nh), pl.resize(S * nh), pacc.resize(S * nh * hd);
+    for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+      const int64_t R = groups[gi].size();
+      const int64_t pieces = (R + CASCADE_ROWS - 1) / CASCADE_ROWS, per_piece = (R + pieces - 1) / pieces;
+      for (int64_t g = 0; g < nkv; ++g)
+        for (int64_t r0 = 0; r0 < R; r0 += per_piece) ctasks.push_back({gi, g, r0, std::min(per_piece, R - r0)});
+    }
+  }
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* qp = q.data_ptr<T>();
     const T* kp = k_cache.data_ptr<T>();
     const T* vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    at::parallel_for(0, static_cast<int64_t>(ctasks.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto& c = ctasks[i];
+        const auto& rows = groups[c[0]];
+        cascade_part<T>(qp, kp, vp, tab + rows[0] * mb, shared[rows[0]], block_size, row, hd, nh, group, c[1],
+                        rows.data() + c[2], c[3], scale, pm.data(), pl.data(), pacc.data());
+      }
+    });
     at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
       // scores (heads x lpad), scaled queries and accumulators (heads x hd each)
       const int64_t nq_max = per * group;
@@ -173,8 +324,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         const int64_t s = i / chunks, g0 = i % chunks * per, g1 = std::min(nkv, g0 + per);
         if (g0 >= g1) continue;
         const int64_t h0 = g0 * group;
+        const bool part = shared[s] > 0;
         attend<T>(qp + (s * nh + h0) * hd, kp + g0 * hd, vp + g0 * hd, tab + s * mb, ln[s], block_size, row, hd,
-                  (g1 - g0) * group, group, scale, qf, scores, acc, op + (s * nh + h0) * hd, lpad);
+                  (g1 - g0) * group, group, scale, qf, scores, acc, op + (s * nh + h0) * hd, lpad, shared[s],
+                  part ? pm.data() + s * nh + h0 : nullptr, part ? pl.data() + s * nh + h0 : nullptr,
+                  part ? pacc.data() + (s * nh + h0) * hd : nullptr);
       }
     });
   };

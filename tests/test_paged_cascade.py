@@ -1,0 +1,89 @@
+"""Shared-prefix (cascade) decode in the paged kernel: rows whose block tables start with the same
+block ids read those keys/values once per group; the result must equal plain per-row attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.cpu.paged_kernel import load, paged_decode
+
+pytestmark = pytest.mark.skipif(load()[0] is None, reason="the C++ kernel cannot be built here")
+
+BS, HD = 4, 16
+
+
+def _case(seed: int) -> tuple[list[list[int]], list[int]]:
+    """Tables and lengths: two groups with random shared prefixes (3 and 5 blocks), ragged suffixes,
+    a row sharing only one block (below the minimum), and rows that share with nobody."""
+    g = torch.Generator().manual_seed(seed)
+    free = iter(torch.randperm(200, generator=g).tolist())
+    tables, lens = [], []
+    for shared, rows in ((3, 4), (5, 3)):
+        prefix = [next(free) for _ in range(shared)]
+        for _ in range(rows):
+            own = int(torch.randint(1, 4, (1,), generator=g))
+            tables.append(prefix + [next(free) for _ in range(own)])
+            lens.append(shared * BS + int(torch.randint(1, own * BS + 1, (1,), generator=g)))
+    tables.append(tables[0][:1] + [next(free) for _ in range(3)])  # shares one block with group 1
+    lens.append(3 * BS + 2)
+    for n in (1, 6):  # alone
+        tables.append([next(free) for _ in range(-(-n // BS))])
+        lens.append(n)
+    order = torch.randperm(len(tables), generator=g).tolist()  # groups interleaved in the batch
+    return [tables[i] for i in order], [lens[i] for i in order]
+
+
+def _reference(q, kc, vc, tables, lens, bs=BS):
+    """Per row: gather its slots and run SDPA in fp32."""
+    out = []
+    for i, (t, n) in enumerate(zip(tables, lens)):
+        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n)])
+        ks, vs = kc[slots].float().transpose(0, 1)[None], vc[slots].float().transpose(0, 1)[None]
+        out.append(F.scaled_dot_product_attention(q[i:i + 1, :, None].float(), ks, vs, enable_gqa=True)[0, :, 0])
+    return torch.stack(out)
+
+
+def _run(q, kc, vc, tables, lens, bs=BS):
+    mb = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (mb - len(t)) for t in tables])
+    return paged_decode(q, kc, vc, table, torch.tensor(lens), bs)
+
+
+@pytest.mark.parametrize("dtype,threads", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 4)], ids=["gqa", "mha"])
+def test_cascade_equals_per_row_attention(dtype, threads, nh, nkv):
+    tables, lens = _case(seed=nh + threads)
+    torch.manual_seed(1)
+    kc, vc = (torch.randn(200 * BS, nkv, HD).to(dtype) for _ in range(2))
+    q = torch.randn(len(tables), nh, HD).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = _run(q, kc, vc, tables, lens)
+        # each row alone (no group): the same result up to float rounding
+        alone = torch.cat([_run(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1]) for i in range(len(tables))])
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(q, kc, vc, tables, lens)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, **tol)
+    torch.testing.assert_close(got.float(), alone.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,hd", [(4, 16), (16, 64), (16, 24)])
+def test_a_whole_batch_shares_one_prefix(bs, hd, dtype):
+    """The prefix-caching burst's shape: every row shares the same leading blocks (block size 16 and
+    head size a multiple of 16: the tiled shared-part loops; otherwise the per-key ones)."""
+    torch.manual_seed(2)
+    prefix = list(range(10, 18))
+    tables = [prefix + [40 + i] for i in range(9)]
+    lens = [8 * bs + 1 + i % bs for i in range(9)]
+    kc, vc = (torch.randn(64 * bs, 3, hd).to(dtype) for _ in range(2))
+    q = torch.randn(9, 9, hd).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(_run(q, kc, vc, tables, lens, bs).float(), _reference(q, kc, vc, tables, lens, bs),
+                               **tol)
