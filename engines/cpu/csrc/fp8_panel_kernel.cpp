@@ -186,39 +186,47 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
   }
 }
 
-// x (M, ldx) fp32, scaled by X_UP for the vector variants; the sums' scale back: 2^8 (portable), 2^30 (vector)
+// panels [p0, p1) of the Linear: x (M, ldx) fp32, scaled by X_UP for the vector variants; the sums' scale back:
+// 2^8 (portable), 2^30 (vector). Each panel's sums do not depend on the split (one row: groups of F8_G panels,
+// the rest one at a time, in the same order), so any split over threads gives the same bits; res may be out
+template <typename T>
+void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
+               const float* s, const float* bias, const T* res, T* out, int64_t p0, int64_t p1) {
+  const float back = v == 1 ? 0x1p8f : 1.f / (X_UP * W_DOWN);
+  float acc[F8_MR * F8_NR > F8_G * F8_NR ? F8_MR * F8_NR : F8_G * F8_NR];
+  // rows [m0, m0 + r) of panel p from acc (r, F8_NR)
+  auto store = [&](int64_t p, int64_t m0, int r, const float* a) {
+    const int64_t n0 = p * F8_NR, nn = std::min(F8_NR, N - n0);
+    for (int m = 0; m < r; ++m)
+      for (int64_t j = 0; j < nn; ++j) {
+        const int64_t i = (m0 + m) * N + n0 + j;
+        const T y = static_cast<T>(a[m * F8_NR + j] * (s[n0 + j] * back) + (bias ? bias[n0 + j] : 0.f));
+        out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
+      }
+  };
+  for (int64_t p = p0; p < p1;) {
+    if (M == 1) {
+      const int g = p + F8_G <= p1 ? F8_G : 1;
+      sums(v, x, ldx, K2, 0, 1, g, w + p * K2 * 32, acc);
+      for (int i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * F8_NR);
+      p += g;
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += F8_MR) {
+      const int r = static_cast<int>(std::min<int64_t>(F8_MR, M - m0));
+      sums(v, x, ldx, K2, m0, r, 1, w + p * K2 * 32, acc);
+      store(p, m0, r, acc);
+    }
+    ++p;
+  }
+}
+
+// all panels (fp8_range) over torch's intra-op threads
 template <typename T>
 void run_fp8(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
              const float* s, const float* bias, const T* res, T* out) {
-  const int64_t P = (N + F8_NR - 1) / F8_NR;
-  const float back = v == 1 ? 0x1p8f : 1.f / (X_UP * W_DOWN);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float acc[F8_MR * F8_NR > F8_G * F8_NR ? F8_MR * F8_NR : F8_G * F8_NR];
-    // rows [m0, m0 + r) of panel p from acc (r, F8_NR)
-    auto store = [&](int64_t p, int64_t m0, int r, const float* a) {
-      const int64_t n0 = p * F8_NR, nn = std::min(F8_NR, N - n0);
-      for (int m = 0; m < r; ++m)
-        for (int64_t j = 0; j < nn; ++j) {
-          const int64_t i = (m0 + m) * N + n0 + j;
-          const T y = static_cast<T>(a[m * F8_NR + j] * (s[n0 + j] * back) + (bias ? bias[n0 + j] : 0.f));
-          out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
-        }
-    };
-    for (int64_t p = p0; p < p1;) {
-      if (M == 1) {
-        const int g = p + F8_G <= p1 ? F8_G : 1;
-        sums(v, x, ldx, K2, 0, 1, g, w + p * K2 * 32, acc);
-        for (int i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * F8_NR);
-        p += g;
-        continue;
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += F8_MR) {
-        const int r = static_cast<int>(std::min<int64_t>(F8_MR, M - m0));
-        sums(v, x, ldx, K2, m0, r, 1, w + p * K2 * 32, acc);
-        store(p, m0, r, acc);
-      }
-      ++p;
-    }
+  at::parallel_for(0, (N + F8_NR - 1) / F8_NR, 1, [&](int64_t p0, int64_t p1) {
+    fp8_range<T>(v, x, M, ldx, K2, w, N, s, bias, res, out, p0, p1);
   });
 }
 
