@@ -100,6 +100,14 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
   }
 }
 
+// bytes ahead of the chunk being read that the one-row AVX2 loop asks for: each of its G panels is a stream of
+// only K2 * 32 bytes (9 KB on SmolLM2's width), too short for the hardware prefetchers to ramp up on before it
+// ends, so the loop requests its lines itself, running on into the next group's panel of the same slot (G
+// panels on) near a panel's end (a request past the share or the tensor is dropped: prefetches never fault).
+// Measured on the 2-core AVX2 EPYC, SmolLM2's block Linears streamed from memory on one thread: 13.7 ms -> 12.6
+// ms a token's worth (512 B: 12.7, 2048 B: 12.7)
+constexpr int64_t F8_AHEAD = 1024;
+
 // one row (scaled) through G panels (panel bytes apart): acc (G, F8_NR)
 template <int G>
 __attribute__((target("avx2,fma"))) void row_avx2(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
@@ -108,7 +116,9 @@ __attribute__((target("avx2,fma"))) void row_avx2(const float* x, const uint8_t*
   for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const __m256 xa = _mm256_broadcast_ss(x + 2 * k2), xb = _mm256_broadcast_ss(x + 2 * k2 + 1);
+    const int64_t ahead = k2 * 32 + F8_AHEAD, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
     for (int g = 0; g < G; ++g) {
+      if ((k2 & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);  // a line / 2 chunks
       __m256 a0, b0, a1, b1;
       decode32_avx2(w + g * panel + k2 * 32, a0, b0, a1, b1);
       c[2 * g] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, c[2 * g]));
