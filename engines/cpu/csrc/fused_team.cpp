@@ -47,8 +47,12 @@ class SpinBarrier {
 };
 
 // One block Linear prepared by thread 0 for the team: its input rows laid out as its kernel reads them, its
-// panels, bias, scales, residual and output (raw pointers into tensors the step keeps alive)
+// panels, bias, scales, residual and output (raw pointers into tensors the step keeps alive). Its panels are
+// handed out in groups of GROUP from both ends: thread 0 takes them from the front, the others from the back,
+// where they warmed their caches while thread 0 ran the phase before (warm); a group's sums do not depend on
+// which thread computes them, so the bits do not either
 struct TeamLinear {
+  static constexpr int64_t GROUP = 4;  // panels a claim: the one-row kernels' G
   int64_t kind = 0;     // block_linear's code: 0 panel, 5 + v FP8
   int64_t variant = 0;  // the kernel's variant, resolved
   bool bf16 = false;
@@ -58,11 +62,23 @@ struct TeamLinear {
   const float *bias = nullptr, *scales = nullptr;
   const void* res = nullptr;
   void* out = nullptr;
+  std::atomic<int64_t> left{0}, front{0}, back{0};  // groups not yet claimed; the next from each end
 
-  // this thread's share of the panels: ceil(P / nt) each, as at::parallel_for splits them
-  void run(int tid, int nt) const {
-    const int64_t per = (P + nt - 1) / nt, p0 = std::min(P, tid * per), p1 = std::min(P, p0 + per);
-    if (p0 >= p1) return;
+  void reset() {
+    const int64_t groups = (P + GROUP - 1) / GROUP;
+    left.store(groups), front.store(0), back.store(groups);
+  }
+
+  // claim groups until none is left: a claim first takes one of `left`, so the two ends never meet twice
+  void run(int tid) {
+    while (left.fetch_sub(1, std::memory_order_relaxed) > 0) {
+      const int64_t g = tid == 0 ? front.fetch_add(1, std::memory_order_relaxed)
+                                 : back.fetch_sub(1, std::memory_order_relaxed) - 1;
+      range(g * GROUP, std::min(P, (g + 1) * GROUP));
+    }
+  }
+
+  void range(int64_t p0, int64_t p1) const {
     using BF = c10::BFloat16;
     if (kind == 0 && bf16)
       panel_src::run_range(static_cast<const uint32_t*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
@@ -79,6 +95,26 @@ struct TeamLinear {
   }
 };
 
+// bytes of a Linear's panels (from its end) the threads other than 0 pull into their caches while thread 0 runs
+// the small ops before it: at batch 1 the weights are read from memory once a token, and those threads would
+// otherwise only wait
+constexpr int64_t WARM_BYTES = 256 << 10;
+
+// thread w of the nw others than 0: request its slice of the last WARM_BYTES of `panels` (the back end's first
+// claims), from the top down, until thread 0 ends the phase (done moves past k)
+void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>& done, int64_t k) {
+#if defined(__x86_64__)
+  const char* base = static_cast<const char*>(panels.data_ptr());
+  const int64_t bytes = static_cast<int64_t>(panels.nbytes()), region = std::min(bytes, WARM_BYTES);
+  const int64_t slice = (region / nw + 63) / 64 * 64, hi = bytes - w * slice, lo = std::max(bytes - region, hi - slice);
+  int64_t lines = 0;
+  for (int64_t o = hi - 64; o >= lo; o -= 64) {
+    if (++lines % 32 == 0 && done.load(std::memory_order_relaxed) != k) return;
+    _mm_prefetch(base + o, _MM_HINT_T1);
+  }
+#endif
+}
+
 // Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
 // N outputs into out (M, N), plus res (M, N) where given (res may be out). The rows are laid out in buf as the
 // per-op kernels lay them out (panel: transposed, bf16 in pairs; FP8: fp32 rows of 2 K2, scaled by X_UP for the
@@ -93,6 +129,8 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
   j.kind = kind, j.bf16 = bf16, j.M = M, j.N = N, j.out = out.data_ptr();
   j.res = res ? res->data_ptr() : nullptr;
   j.bias = nullptr, j.scales = nullptr;
+  j.P = (N + 15) / 16;
+  j.reset();
   if (t[1].numel()) {
     bias_keep = t[1].scalar_type() == at::kFloat ? t[1].contiguous() : t[1].to(at::kFloat).contiguous();
     TORCH_CHECK(bias_keep.numel() == N, "decode_blocks: a bias of N outputs");
@@ -173,6 +211,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
   std::exception_ptr error;
   std::atomic<bool> failed{false};
+  std::atomic<int64_t> done{0};  // thread 0's phases ended (the others warm the next Linear until it moves)
   SpinBarrier bar;
   const bool split_attention = M > 1;  // by sequence over the team; one sequence: thread 0
   const int threads = at::get_num_threads();
@@ -181,9 +220,9 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
     at::ThreadLocalStateGuard guard(tls);
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     bool sense = false;
-    // f on the thread(s) `who` says, then every thread waits for the phase to end; an error stops the work
-    // (every thread still meets every barrier) and is raised after the region
-    auto phase = [&](bool who, auto&& f) {
+    // f on the thread(s) `who` says; an error stops the work (every thread still meets every barrier) and is
+    // raised after the region
+    auto guarded = [&](bool who, auto&& f) {
       if (who && !failed.load(std::memory_order_relaxed)) {
         try {
           f();
@@ -193,19 +232,36 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           failed.store(true);
         }
       }
+    };
+    // f on the thread(s) `who` says, then every thread waits for the phase to end
+    auto phase = [&](bool who, auto&& f) {
+      guarded(who, f);
       bar.wait(nt, sense);
     };
-    auto linear = [&] { phase(true, [&] { job.run(tid, nt); }); };
+    int64_t serials = 0;  // thread 0's phases this thread has passed
+    // thread 0 runs f (the small ops, then lays out the next Linear's input); the others warm their caches with
+    // the last bytes of that Linear's panels `next` meanwhile
+    auto serial = [&](const torch::Tensor& next, auto&& f) {
+      if (tid == 0) {
+        guarded(true, f);
+        done.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        warm(next, tid - 1, nt - 1, done, serials);
+      }
+      bar.wait(nt, sense);
+      ++serials;
+    };
+    auto linear = [&] { phase(true, [&] { job.run(tid); }); };
     for (int64_t l = 0; l < L; ++l) {
       const torch::Tensor* p = w.data() + PER_LAYER * l;
       const int64_t* kind = kinds.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
-      phase(tid == 0, [&] {
+      serial(p[8], [&] {
         h = norm(x, p[0], p[1], a.rms, a.eps).contiguous();
         prepare(job, kind[0], h, p + 6, qn + 2 * kn, nullptr, qkv, buf, bias_keep, panel_variant);
       });
       linear();  // qkv (M, qn + 2 kn)
-      phase(tid == 0, [&] {
+      serial(p[13], [&] {
         q = qkv.narrow(1, 0, qn).view({M, a.n_head, hd});  // (M, nh, hd)
         auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});  // (M, nkv, hd)
         if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);
@@ -227,14 +283,14 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
                       n * qn * y.element_size());
         });
-      phase(tid == 0, [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
+      serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       linear();  // x + proj(y)
-      phase(tid == 0, [&] {
+      serial(p[18], [&] {
         h = norm(x, p[2], p[3], a.rms, a.eps).contiguous();
         prepare(job, kind[2], h, p + 16, up_n, nullptr, u, buf, bias_keep, panel_variant);
       });
       linear();  // u (M, up_n)
-      phase(tid == 0, [&] {
+      serial(p[23], [&] {
         const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
         act = a.act == 2 ? at::silu(u.narrow(1, 0, a.ffn)) * u.narrow(1, a.ffn, a.ffn) : at::gelu(u, approximate);
         act = act.contiguous();
