@@ -207,7 +207,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   std::vector<float> buf(M * (widest + 1));
   const int64_t panel_variant = panel_src::row_variant(0);
   TeamLinear job;
-  torch::Tensor h, q, act, bias_keep;  // thread 0's tensors between phases
+  torch::Tensor h, q, att, act, bias_keep;  // thread 0's tensors between phases
   const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
   std::exception_ptr error;
   std::atomic<bool> failed{false};
@@ -272,9 +272,11 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         }
         write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
         write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
-        if (!split_attention) y.copy_(paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn}));
+        if (split_attention) return;
+        att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
+        prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
       });
-      if (split_attention)  // each thread its sequences (none for a thread past the last)
+      if (split_attention) {  // each thread its sequences (none for a thread past the last)
         phase(true, [&] {
           const int64_t per = (M + nt - 1) / nt, s0 = std::min(M, tid * per), n = std::min(M, s0 + per) - s0;
           if (n <= 0) return;
@@ -283,7 +285,8 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
                       n * qn * y.element_size());
         });
-      serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
+        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
+      }
       linear();  // x + proj(y)
       serial(p[18], [&] {
         h = norm(x, p[2], p[3], a.rms, a.eps).contiguous();
