@@ -177,6 +177,33 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
 
 namespace {
 
+// The block's norm of x (M, C) into out (M, C), as norm() computes it with fewer ATen calls for RMSNorm: the same
+// at::rms_norm of the fp32 rows, then the rounding to T and the weight's product in one loop (torch's T * T:
+// the product of the two values in fp32, rounded once to T); LayerNorm, or a weight of another dtype: norm()
+template <typename T>
+void rms_into(const torch::Tensor& r, const torch::Tensor& weight, torch::Tensor& out) {
+  const int64_t M = out.size(0), C = out.size(1);
+  const float* rp = r.data_ptr<float>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c)
+      op[m * C + c] = static_cast<T>(static_cast<float>(wp[c]) * static_cast<float>(static_cast<T>(rp[m * C + c])));
+}
+
+void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
+               torch::Tensor& out) {
+  const int64_t C = x.size(1);
+  if (!rms || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.numel() != C) {
+    out = norm(x, weight, bias, rms, eps).contiguous();
+    return;
+  }
+  if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
+  const auto r = at::rms_norm(x.to(at::kFloat), {C}, c10::nullopt, eps).contiguous();  // (M, C) fp32
+  if (x.scalar_type() == at::kFloat) rms_into<float>(r, weight, out);
+  else rms_into<c10::BFloat16>(r, weight, out);
+}
+
 // Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows, and
 // attention the team can share (several sequences, split by sequence) or short enough for thread 0 alone
 // (one sequence: paged_decode splits its heads over threads only when entered outside a parallel region)
@@ -257,7 +284,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       const int64_t* kind = kinds.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
       serial(p[8], [&] {
-        h = norm(x, p[0], p[1], a.rms, a.eps).contiguous();
+        norm_into(x, p[0], p[1], a.rms, a.eps, h);
         prepare(job, kind[0], h, p + 6, qn + 2 * kn, nullptr, qkv, buf, bias_keep, panel_variant);
       });
       linear();  // qkv (M, qn + 2 kn)
@@ -289,7 +316,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       }
       linear();  // x + proj(y)
       serial(p[18], [&] {
-        h = norm(x, p[2], p[3], a.rms, a.eps).contiguous();
+        norm_into(x, p[2], p[3], a.rms, a.eps, h);
         prepare(job, kind[2], h, p + 16, up_n, nullptr, u, buf, bias_keep, panel_variant);
       });
       linear();  // u (M, up_n)
