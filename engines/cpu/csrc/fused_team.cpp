@@ -204,6 +204,21 @@ void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch:
   else rms_into<c10::BFloat16>(r, weight, out);
 }
 
+// SwiGLU's silu(gate) * up into out (M, ffn): at::silu as the per-op loop, the product in one loop (torch's T * T);
+// u (M, 2 ffn) the up Linear's rows, gate first
+template <typename T>
+void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
+  const int64_t M = u.size(0);
+  if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
+  const auto g = at::silu(u.narrow(1, 0, ffn)).contiguous();  // (M, ffn)
+  const T* gp = g.data_ptr<T>();
+  const T* up = u.data_ptr<T>() + ffn;
+  T* op = out.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < ffn; ++i)
+      op[m * ffn + i] = static_cast<T>(static_cast<float>(gp[m * ffn + i]) * static_cast<float>(up[m * 2 * ffn + i]));
+}
+
 // Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows, and
 // attention the team can share (several sequences, split by sequence) or short enough for thread 0 alone
 // (one sequence: paged_decode splits its heads over threads only when entered outside a parallel region)
@@ -322,8 +337,9 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       linear();  // u (M, up_n)
       serial(p[23], [&] {
         const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
-        act = a.act == 2 ? at::silu(u.narrow(1, 0, a.ffn)) * u.narrow(1, a.ffn, a.ffn) : at::gelu(u, approximate);
-        act = act.contiguous();
+        if (a.act != 2) act = at::gelu(u, approximate).contiguous();
+        else if (u.scalar_type() == at::kFloat) swiglu_into<float>(u, a.ffn, act);
+        else swiglu_into<c10::BFloat16>(u, a.ffn, act);
         prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant);
       });
       linear();  // x + down(act)
