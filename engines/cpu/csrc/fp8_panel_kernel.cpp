@@ -104,9 +104,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
 // only K2 * 32 bytes (9 KB on SmolLM2's width), too short for the hardware prefetchers to ramp up on before it
 // ends, so the loop requests its lines itself, running on into the next group's panel of the same slot (G
 // panels on) near a panel's end (a request past the share or the tensor is dropped: prefetches never fault).
-// Measured on the 2-core AVX2 EPYC, SmolLM2's block Linears streamed from memory on one thread: 13.7 ms -> 12.6
-// ms a token's worth (512 B: 12.7, 2048 B: 12.7)
-constexpr int64_t F8_AHEAD = 1024;
+// Measured on the 2-core AVX2 EPYC (quiet), SmolLM2's 120 block Linears from memory, one row, 2 threads: 5.85
+// ms a token's worth without (18 GB/s of FP8 bytes; bf16 panels 9.4 ms, 22.6 GB/s), 5.2-5.3 ms at 512 and 1024
+// bytes ahead, 4.7-5.1 ms at 2048 (21-22 GB/s)
+constexpr int64_t F8_AHEAD = 2048;
 
 // one row (scaled) through G panels (panel bytes apart): acc (G, F8_NR)
 template <int G>
