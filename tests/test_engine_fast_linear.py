@@ -200,13 +200,19 @@ def _scripted(times: dict[str, list[float]]):
 
 def test_a_single_lucky_round_does_not_choose_a_kernel():
     """Timing decides on repeated rounds: a kernel with one lucky round (its best is 4x linear's) but a
-    slower median stays unchosen; one faster on its median and best round wins; a 5 % gain is no win."""
+    slower median stays unchosen; one faster on its median and best round wins; a 5 % gain is no win (but
+    enough for the fused step's team kernel)."""
     fns, clock = _scripted({"linear": [1.0] * 5, "panel": [0.25, 1.2, 1.1, 1.3, 1.2]})
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
     fns, clock = _scripted({"linear": [1.0, 3.0, 1.0, 1.1, 1.0], "panel": [0.6, 0.7, 2.5, 0.6, 0.65]})
     chosen, med = fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)
     assert chosen == "panel" and med == pytest.approx({"linear": 1.0, "panel": 0.65})
     fns, clock = _scripted({"linear": [1.0] * 5, "packed": [0.95] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
+    # the fused step's team kernel needs no margin: no slower on its median and best round is enough
+    fns, clock = _scripted({"linear": [1.0] * 5, "packed": [0.95] * 5, "panel": [0.97] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "panel"
+    fns, clock = _scripted({"linear": [1.0] * 5, "panel": [0.9, 1.02, 1.01, 1.03, 1.02]})
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
 
 

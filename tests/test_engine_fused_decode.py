@@ -209,3 +209,17 @@ def _assert_fused_equals_module_path(off, fused, monkeypatch) -> None:
     expect, got = (run_staggered(e, PARAMS, _tokens_and_logprobs) for e in (off, fused))
     assert got == expect
     assert len(calls) > 20 and max(calls) > 1
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_step_team_at_any_thread_count(llama_dir, monkeypatch, threads):
+    """The step as one parallel region (csrc/fused_team.cpp) on one thread, and on more threads than a step has
+    sequences or some Linears have panels (a thread with no share still meets every barrier): FP8 blocks in
+    bf16, bit for bit the module path's tokens and logprobs."""
+    _force(monkeypatch, dtype="bfloat16")
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": "bfloat16",
+            "max_num_batched_tokens": 16, "weight_dtype": "fp8", "worker_threads": threads}
+    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
+    assert fused.executor.runner.fused is not None, fused.executor.runner.why_not
+    _assert_fused_equals_module_path(off, fused, monkeypatch)

@@ -49,9 +49,10 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 5
+KERNEL_SET = 6
 """Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
-agree, see _fastest; 5: the panel kernel's AVX2 one-row code, 2-3x faster on AVX2 hosts), part of the saved
+agree, see _fastest; 5: the panel kernel's AVX2 one-row code, 2-3x faster on AVX2 hosts; 6: a TEAM_KERNELS
+kernel replaces linear when no slower), part of the saved
 choices' key: a choice saved before a kernel was added or changed never competed with it, so a new set
 times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128
@@ -250,6 +251,12 @@ class _Weights(nn.Module):
 MARGIN = 0.9
 """A kernel replaces plain F.linear only when both its median and its best time are under this fraction
 of linear's (the two statistics must agree: a lucky round alone, or a disturbed one, decides nothing)."""
+TEAM_KERNELS = ("panel",)
+"""Kernels the fused decode step runs inside its one parallel region (engines/cpu/csrc/fused_team.cpp): timed
+alone each call pays a fork and a join of the thread pool that the fused step does not (and a Linear on any
+other kernel sends the whole step to the per-op loop), so one replaces linear when it is no slower on its
+median and best round, rather than MARGIN faster (on the AVX2 EPYC, SmolLM2's bf16 576 x 576 at one row: panel
+0.084 ms, linear 0.090 kept linear, and every bf16 step off the one-region path)."""
 
 
 def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
@@ -258,7 +265,8 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     call each), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
     interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet
     moments. The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on
-    its best round; "linear" otherwise. `clock` is injectable (tests)."""
+    its best round; else a TEAM_KERNELS one no slower than "linear" on both; "linear" otherwise. `clock` is
+    injectable (tests)."""
     from engines.cpu.cpu_threads import median
 
     for fn in fns.values():
@@ -275,8 +283,10 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
         rounds += 1
     med = {k: median(v) for k, v in times.items()}
     winner = min(med, key=med.get)
-    beats = med[winner] < MARGIN * med["linear"] and min(times[winner]) < MARGIN * min(times["linear"])
-    return (winner if beats else "linear"), med
+    if med[winner] < MARGIN * med["linear"] and min(times[winner]) < MARGIN * min(times["linear"]):
+        return winner, med
+    team = [k for k in TEAM_KERNELS if k in med and med[k] <= med["linear"] and min(times[k]) <= min(times["linear"])]
+    return (team[0] if team else "linear"), med
 
 
 _CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}

@@ -14,6 +14,16 @@ plus the residual. The same arithmetic on the same inputs: the hidden states are
 module path (tests). The blocks' weight, kernel-copy and cache tensors are handed to C++ once
 (`bind`); a step passes a handle and the Linears' kernel codes.
 
+Where every block Linear runs the panel or the FP8 kernel (fp32 or bf16 rows), the step is ONE OpenMP
+parallel region (csrc/fused_team.cpp) instead of one a Linear and one an attention (~150 a token on
+SmolLM2, each a fork and a join of the thread pool): the team walks the layers together with a spin barrier
+between phases; thread 0 runs the small ops (the same ATen calls as above, so the same bits) while the
+others pull the back of the next Linear's panels into their caches; then each Linear's panels are claimed
+in groups from both ends (thread 0 the front, the others the back) and each group computed exactly as
+the kernel computes it alone. Several sequences split the attention by sequence; one sequence's attention
+runs on thread 0 (up to 1,024 tokens of context: longer runs the per-op loop, whose paged kernel splits
+the heads over the threads).
+
 The same loop computes the Llama family (engines/fused_decode.Family): RMSNorm in place of
 LayerNorm (normalised in fp32, rounded, then scaled, as engines/model/transformer.py RMSNorm), the rotary embedding
 of q and k in place (rotate-half; cos / sin computed per step in Python by the model file's own rope

@@ -25,6 +25,9 @@ SOURCES = (("panel_src", "panel_kernel.cpp"), ("fp8_src", "fp8_panel_kernel.cpp"
 """Each kernel's namespace in the combined source and its file; the fused step (fused_decode.cpp) comes
 last, at namespace scope, and calls into them."""
 
+LOOP = ("fused_decode.cpp", "fused_team.cpp")
+"""The fused step's sources, last, at namespace scope: the per-op loop, then the step as one parallel region."""
+
 NAMESPACES = tuple(ns for ns, _ in SOURCES)
 """The namespaces the bindings look the kernels' functions up in."""
 
@@ -47,9 +50,9 @@ def _split(source: str) -> tuple[list[str], str]:
 
 
 def combined_source() -> str:
-    """The kernels' sources, each in its namespace, then the fused step (csrc/fused_decode.cpp)."""
+    """The kernels' sources, each in its namespace, then the fused step (LOOP)."""
     parts, includes = [], []
-    loop_inc, loop = _split((CSRC / "fused_decode.cpp").read_text())
+    loop_inc, loop = _split("".join((CSRC / f).read_text() for f in LOOP))
     for name, filename in SOURCES:
         inc, body = _split((CSRC / filename).read_text())
         includes += [i for i in inc if i not in includes and "immintrin" not in i]

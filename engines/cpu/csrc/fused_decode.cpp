@@ -137,6 +137,12 @@ struct StepArgs {
   double qk_eps;
 };
 
+// the step as one parallel region (csrc/fused_team.cpp, compiled after this file) and where it applies
+bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, const StepArgs& a);
+torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+                          const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                          const StepArgs& a);
+
 // Half 0 of layer l (norm1, the QKV Linear, q / k norms, rotary, KV writes, paged attention, the output
 // projection) or half 1 (norm2, the up Linear, the activation, the down projection) on x (M, C): with a
 // residual, residual + the closing Linear's output (the next x); without, the closing Linear's output alone
@@ -196,6 +202,7 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w
   TORCH_CHECK(act >= 0 && act <= 2, "decode_blocks: act 0 (gelu), 1 (gelu tanh) or 2 (swiglu), got ", act);
   const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
   x = x.contiguous();
+  if (team_applies(x, kinds, a)) return decode_team(x, w, kinds, k_caches, v_caches, a);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* p = w.data() + PER_LAYER * l;
     const int64_t* kind = kinds.data() + 4 * l;

@@ -197,12 +197,14 @@ void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* a
   }
 }
 
-// xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N); with res
-// (M, N), out = res + (the Linear's output rounded to T), rounded to T: what `res + linear(x)` gives
+// panels [p0, p1) of xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N);
+// with res (M, N), out = res + (the Linear's output rounded to T), rounded to T: what `res + linear(x)` gives
+// (res may be out: each element is read, then written, by the thread that owns its panel). Each panel's sums
+// do not depend on how the panels are split (one row: groups of G panels, the rest one at a time, the same
+// sums in the same order), so any split over threads gives the same bits (the fused step's team splits them)
 template <typename X, typename T>
-void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out,
-         int64_t variant) {
-  const int64_t P = (N + NR - 1) / NR;
+void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out,
+               int64_t variant, int64_t p0, int64_t p1) {
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
   auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
@@ -214,26 +216,33 @@ void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float*
         out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
       }
   };
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float acc[MR * NR];
-    int64_t p = p0;
-    if (M == 1) {  // G = 4 panels a pass (the same sums, in the same order, as one panel at a time)
-      constexpr int G = 4;
-      for (; p + G <= p1; p += G) {
+  float acc[MR * NR];
+  int64_t p = p0;
+  if (M == 1) {  // G = 4 panels a pass (the same sums, in the same order, as one panel at a time)
+    constexpr int G = 4;
+    for (; p + G <= p1; p += G) {
 #if PANEL_X86
-        if (variant == 2) row_avx2<G>(xt, w + p * panel, panel, Kp, acc);
-        else
+      if (variant == 2) row_avx2<G>(xt, w + p * panel, panel, Kp, acc);
+      else
 #endif
-          row_panels<G>(xt, w + p * panel, panel, Kp, acc);
-        for (int g = 0; g < G; ++g) store(p + g, 0, 1, acc + g * NR);
-      }
+        row_panels<G>(xt, w + p * panel, panel, Kp, acc);
+      for (int g = 0; g < G; ++g) store(p + g, 0, 1, acc + g * NR);
     }
-    for (; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
-        rows_block(r, xt + m0, M, w + p * panel, Kp, acc);
-        store(p, m0, r, acc);
-      }
+  }
+  for (; p < p1; ++p)
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
+      rows_block(r, xt + m0, M, w + p * panel, Kp, acc);
+      store(p, m0, r, acc);
+    }
+}
+
+// all panels of the Linear (run_range) over torch's intra-op threads
+template <typename X, typename T>
+void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out,
+         int64_t variant) {
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
+    run_range(xt, M, Kp, w, N, bias, res, out, variant, p0, p1);
   });
 }
 

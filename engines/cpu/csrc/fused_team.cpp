@@ -1,0 +1,354 @@
+// The fused decode step as ONE parallel region a step (engines/cpu/fused_decode.py; compiled after
+// csrc/fused_decode.cpp, whose helpers it calls): a team of torch's intra-op thread count enters once and
+// walks the layers together, phase by phase, with a spin barrier between phases. Thread 0 runs the small ops
+// (the norms, q / k norms, rotary, KV writes, the attention of one sequence, the activation: the per-op loop's
+// ATen calls, or loops that round as they do, so the same bits) and lays out the next Linear's input rows,
+// while the others pull the back of that Linear's panels into their caches; then every thread claims groups
+// of its panels (the panel and FP8 kernels' run_range / fp8_range: a panel's sums do not depend on the split,
+// so the bits are the per-op loop's). The per-op loop entered ~150 OpenMP regions a token on SmolLM2 (4
+// Linears and the attention a layer, 30 layers), each a fork and a join of the thread pool, with the weights'
+// stream stopped in between.
+#include <torch/types.h>
+#include <ATen/ThreadLocalState.h>
+#include <omp.h>
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// A sense-reversing spin barrier for one step's team: the last of n arrivals resets the count and flips the
+// shared sense; the others spin on it (a pause a probe), yielding the core after a while so a preempted
+// teammate on a shared host gets it back
+class SpinBarrier {
+ public:
+  void wait(int n, bool& local) {
+    if (n == 1) return;
+    local = !local;
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      sense_.store(local, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; sense_.load(std::memory_order_acquire) != local; ++spins) {
+      if (spins < 20000) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<bool> sense_{false};
+};
+
+// One block Linear prepared by thread 0 for the team: its input rows laid out as its kernel reads them, its
+// panels, bias, scales, residual and output (raw pointers into tensors the step keeps alive). Its panels are
+// handed out in groups of GROUP from both ends: thread 0 takes them from the front, the others from the back,
+// where they warmed their caches while thread 0 ran the phase before (warm); a group's sums do not depend on
+// which thread computes them, so the bits do not either
+struct TeamLinear {
+  static constexpr int64_t GROUP = 4;  // panels a claim: the one-row kernels' G
+  int64_t kind = 0;     // block_linear's code: 0 panel, 5 + v FP8
+  int64_t variant = 0;  // the kernel's variant, resolved
+  bool bf16 = false;
+  int64_t M = 0, N = 0, Kp = 0, P = 0;  // Kp: the panel's inputs (fp32 panel: K; bf16 panel and FP8: K2)
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const float *bias = nullptr, *scales = nullptr;
+  const void* res = nullptr;
+  void* out = nullptr;
+  std::atomic<int64_t> left{0}, front{0}, back{0};  // groups not yet claimed; the next from each end
+
+  void reset() {
+    const int64_t groups = (P + GROUP - 1) / GROUP;
+    left.store(groups), front.store(0), back.store(groups);
+  }
+
+  // claim groups until none is left: a claim first takes one of `left`, so the two ends never meet twice
+  void run(int tid) {
+    while (left.fetch_sub(1, std::memory_order_relaxed) > 0) {
+      const int64_t g = tid == 0 ? front.fetch_add(1, std::memory_order_relaxed)
+                                 : back.fetch_sub(1, std::memory_order_relaxed) - 1;
+      range(g * GROUP, std::min(P, (g + 1) * GROUP));
+    }
+  }
+
+  void range(int64_t p0, int64_t p1) const {
+    using BF = c10::BFloat16;
+    if (kind == 0 && bf16)
+      panel_src::run_range(static_cast<const uint32_t*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
+                           static_cast<const BF*>(res), static_cast<BF*>(out), variant, p0, p1);
+    else if (kind == 0)
+      panel_src::run_range(static_cast<const float*>(x), M, Kp, static_cast<const float*>(w), N, bias,
+                           static_cast<const float*>(res), static_cast<float*>(out), variant, p0, p1);
+    else if (bf16)
+      fp8_src::fp8_range<BF>(variant, static_cast<const float*>(x), M, 2 * Kp, Kp, static_cast<const uint8_t*>(w), N,
+                             scales, bias, static_cast<const BF*>(res), static_cast<BF*>(out), p0, p1);
+    else
+      fp8_src::fp8_range<float>(variant, static_cast<const float*>(x), M, 2 * Kp, Kp, static_cast<const uint8_t*>(w),
+                                N, scales, bias, static_cast<const float*>(res), static_cast<float*>(out), p0, p1);
+  }
+};
+
+// bytes of a Linear's panels (from its end) the threads other than 0 pull into their caches while thread 0 runs
+// the small ops before it: at batch 1 the weights are read from memory once a token, and those threads would
+// otherwise only wait
+constexpr int64_t WARM_BYTES = 256 << 10;
+
+// thread w of the nw others than 0: request its slice of the last WARM_BYTES of `panels` (the back end's first
+// claims), from the top down, until thread 0 ends the phase (done moves past k)
+void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>& done, int64_t k) {
+#if defined(__x86_64__)
+  const char* base = static_cast<const char*>(panels.data_ptr());
+  const int64_t bytes = static_cast<int64_t>(panels.nbytes()), region = std::min(bytes, WARM_BYTES);
+  const int64_t slice = (region / nw + 63) / 64 * 64, hi = bytes - w * slice, lo = std::max(bytes - region, hi - slice);
+  int64_t lines = 0;
+  for (int64_t o = hi - 64; o >= lo; o -= 64) {
+    if (++lines % 32 == 0 && done.load(std::memory_order_relaxed) != k) return;
+    _mm_prefetch(base + o, _MM_HINT_T1);
+  }
+#endif
+}
+
+// Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
+// N outputs into out (M, N), plus res (M, N) where given (res may be out). The rows are laid out in buf as the
+// per-op kernels lay them out (panel: transposed, bf16 in pairs; FP8: fp32 rows of 2 K2, scaled by X_UP for the
+// vector variants); bias_keep holds a converted bias alive
+void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
+             const torch::Tensor* res, const torch::Tensor& out, std::vector<float>& buf, torch::Tensor& bias_keep,
+             int64_t panel_variant) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == out.scalar_type(),
+              "decode_blocks: a Linear's input rows (M, K) contiguous, of the step's dtype");
+  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  j.kind = kind, j.bf16 = bf16, j.M = M, j.N = N, j.out = out.data_ptr();
+  j.res = res ? res->data_ptr() : nullptr;
+  j.bias = nullptr, j.scales = nullptr;
+  j.P = (N + 15) / 16;
+  j.reset();
+  if (t[1].numel()) {
+    bias_keep = t[1].scalar_type() == at::kFloat ? t[1].contiguous() : t[1].to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_keep.numel() == N, "decode_blocks: a bias of N outputs");
+    j.bias = bias_keep.data_ptr<float>();
+  }
+  const torch::Tensor& panels = t[2];
+  if (kind == 0) {
+    j.variant = panel_variant, j.Kp = bf16 ? K2 : K, j.P = panels.size(0);
+    TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
+                panels.size(1) == j.Kp, "decode_blocks: panels of the Linear's shape and the step's dtype");
+    j.w = panels.data_ptr();
+    if (M == 1 && (!bf16 || K % 2 == 0)) {  // one row: already laid out (a bf16 pair is 32 bits)
+      j.x = x.data_ptr();
+      return;
+    }
+    buf.assign(M * 2 * K2, 0.f);
+    if (bf16) {  // (K2, M) pairs: input 2 k2 in the low half
+      auto* xp = reinterpret_cast<uint32_t*>(buf.data());
+      const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xp[(k / 2) * M + m] |= static_cast<uint32_t>(src[m * K + k]) << (16 * (k % 2));
+    } else {  // (K, M)
+      const float* src = x.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) buf[k * M + m] = src[m * K + k];
+    }
+    j.x = buf.data();
+    return;
+  }
+  j.variant = fp8_src::fp8_variant(kind - 5), j.Kp = K2, j.P = panels.size(0);
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
+              panels.size(1) == K2 && t[0].scalar_type() == at::kFloat && t[0].is_contiguous() && t[0].numel() == N,
+              "decode_blocks: FP8 panels and float32 scales of the Linear's shape");
+  j.w = panels.data_ptr(), j.scales = t[0].data_ptr<float>();
+  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  buf.assign(M * 2 * K2, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      buf[m * 2 * K2 + k] = up * (bf16 ? static_cast<float>(x.data_ptr<c10::BFloat16>()[m * K + k]) : x.data_ptr<float>()[m * K + k]);
+  j.x = buf.data();
+}
+
+}  // namespace
+
+namespace {
+
+// The block's norm of x (M, C) into out (M, C), as norm() computes it with fewer ATen calls for RMSNorm: the same
+// at::rms_norm of the fp32 rows, then the rounding to T and the weight's product in one loop (torch's T * T:
+// the product of the two values in fp32, rounded once to T); LayerNorm, or a weight of another dtype: norm()
+template <typename T>
+void rms_into(const torch::Tensor& r, const torch::Tensor& weight, torch::Tensor& out) {
+  const int64_t M = out.size(0), C = out.size(1);
+  const float* rp = r.data_ptr<float>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c)
+      op[m * C + c] = static_cast<T>(static_cast<float>(wp[c]) * static_cast<float>(static_cast<T>(rp[m * C + c])));
+}
+
+void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
+               torch::Tensor& out) {
+  const int64_t C = x.size(1);
+  if (!rms || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.numel() != C) {
+    out = norm(x, weight, bias, rms, eps).contiguous();
+    return;
+  }
+  if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
+  const auto r = at::rms_norm(x.to(at::kFloat), {C}, c10::nullopt, eps).contiguous();  // (M, C) fp32
+  if (x.scalar_type() == at::kFloat) rms_into<float>(r, weight, out);
+  else rms_into<c10::BFloat16>(r, weight, out);
+}
+
+// SwiGLU's silu(gate) * up into out (M, ffn): at::silu as the per-op loop, the product in one loop (torch's T * T);
+// u (M, 2 ffn) the up Linear's rows, gate first
+template <typename T>
+void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
+  const int64_t M = u.size(0);
+  if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
+  const auto g = at::silu(u.narrow(1, 0, ffn)).contiguous();  // (M, ffn)
+  const T* gp = g.data_ptr<T>();
+  const T* up = u.data_ptr<T>() + ffn;
+  T* op = out.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < ffn; ++i)
+      op[m * ffn + i] = static_cast<T>(static_cast<float>(gp[m * ffn + i]) * static_cast<float>(up[m * 2 * ffn + i]));
+}
+
+// Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows, and
+// attention the team can share (several sequences, split by sequence) or short enough for thread 0 alone
+// (one sequence: paged_decode splits its heads over threads only when entered outside a parallel region)
+bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, const StepArgs& a) {
+  constexpr int64_t ONE_THREAD_CONTEXT = 1024;  // tokens: one sequence's attention on one thread below this
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return false;
+  for (const int64_t k : kinds)
+    if (k != 0 && k < 5) return false;
+  if (x.size(0) == 1 && at::get_num_threads() > 1) {
+    TORCH_CHECK(a.lens.numel() == 1 && a.lens.scalar_type() == at::kLong, "decode_blocks: lens (M) int64");
+    if (a.lens.data_ptr<int64_t>()[0] > ONE_THREAD_CONTEXT) return false;
+  }
+  return true;
+}
+
+// decode_blocks (csrc/fused_decode.cpp) as one parallel region: the same ops as run_half, in the same order
+torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+                          const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                          const StepArgs& a) {
+  const int64_t L = static_cast<int64_t>(k_caches.size()), M = x.size(0), C = x.size(1);
+  const int64_t nkv = k_caches[0].size(1), hd = k_caches[0].size(2), qn = a.n_head * hd, kn = nkv * hd;
+  const int64_t up_n = a.act == 2 ? 2 * a.ffn : a.ffn;
+  x = x.clone(at::MemoryFormat::Contiguous);  // the residual stream, updated in place by the closing Linears
+  auto qkv = torch::empty({M, qn + 2 * kn}, x.options());
+  auto y = torch::empty({M, qn}, x.options());  // the attention's output
+  auto u = torch::empty({M, up_n}, x.options());
+  const int64_t widest = std::max({C, qn, a.ffn});
+  std::vector<float> buf(M * (widest + 1));
+  const int64_t panel_variant = panel_src::row_variant(0);
+  TeamLinear job;
+  torch::Tensor h, q, att, act, bias_keep;  // thread 0's tensors between phases
+  const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  std::atomic<int64_t> done{0};  // thread 0's phases ended (the others warm the next Linear until it moves)
+  SpinBarrier bar;
+  const bool split_attention = M > 1;  // by sequence over the team; one sequence: thread 0
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    at::ThreadLocalStateGuard guard(tls);
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    bool sense = false;
+    // f on the thread(s) `who` says; an error stops the work (every thread still meets every barrier) and is
+    // raised after the region
+    auto guarded = [&](bool who, auto&& f) {
+      if (who && !failed.load(std::memory_order_relaxed)) {
+        try {
+          f();
+        } catch (...) {
+#pragma omp critical(shardserve_team_error)
+          if (!error) error = std::current_exception();
+          failed.store(true);
+        }
+      }
+    };
+    // f on the thread(s) `who` says, then every thread waits for the phase to end
+    auto phase = [&](bool who, auto&& f) {
+      guarded(who, f);
+      bar.wait(nt, sense);
+    };
+    int64_t serials = 0;  // thread 0's phases this thread has passed
+    // thread 0 runs f (the small ops, then lays out the next Linear's input); the others warm their caches with
+    // the last bytes of that Linear's panels `next` meanwhile
+    auto serial = [&](const torch::Tensor& next, auto&& f) {
+      if (tid == 0) {
+        guarded(true, f);
+        done.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        warm(next, tid - 1, nt - 1, done, serials);
+      }
+      bar.wait(nt, sense);
+      ++serials;
+    };
+    auto linear = [&] { phase(true, [&] { job.run(tid); }); };
+    for (int64_t l = 0; l < L; ++l) {
+      const torch::Tensor* p = w.data() + PER_LAYER * l;
+      const int64_t* kind = kinds.data() + 4 * l;
+      const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
+      serial(p[8], [&] {
+        norm_into(x, p[0], p[1], a.rms, a.eps, h);
+        prepare(job, kind[0], h, p + 6, qn + 2 * kn, nullptr, qkv, buf, bias_keep, panel_variant);
+      });
+      linear();  // qkv (M, qn + 2 kn)
+      serial(p[13], [&] {
+        q = qkv.narrow(1, 0, qn).view({M, a.n_head, hd});  // (M, nh, hd)
+        auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});  // (M, nkv, hd)
+        if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);
+        if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
+        if (a.cos.numel() > 0) {
+          rope_(q, a.cos, a.sin);
+          rope_(k, a.cos, a.sin);
+        }
+        write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
+        write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
+        if (split_attention) return;
+        att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
+        prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
+      });
+      if (split_attention) {  // each thread its sequences (none for a thread past the last)
+        phase(true, [&] {
+          const int64_t per = (M + nt - 1) / nt, s0 = std::min(M, tid * per), n = std::min(M, s0 + per) - s0;
+          if (n <= 0) return;
+          auto part = paged_src::paged_decode(q.narrow(0, s0, n), k_cache, v_cache, a.table.narrow(0, s0, n),
+                                              a.lens.narrow(0, s0, n), a.block_size);  // (n, nh, hd) contiguous
+          std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
+                      n * qn * y.element_size());
+        });
+        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
+      }
+      linear();  // x + proj(y)
+      serial(p[18], [&] {
+        norm_into(x, p[2], p[3], a.rms, a.eps, h);
+        prepare(job, kind[2], h, p + 16, up_n, nullptr, u, buf, bias_keep, panel_variant);
+      });
+      linear();  // u (M, up_n)
+      serial(p[23], [&] {
+        const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
+        if (a.act != 2) act = at::gelu(u, approximate).contiguous();
+        else if (u.scalar_type() == at::kFloat) swiglu_into<float>(u, a.ffn, act);
+        else swiglu_into<c10::BFloat16>(u, a.ffn, act);
+        prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant);
+      });
+      linear();  // x + down(act)
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return x;
+}
+
+}  // namespace
