@@ -23,9 +23,6 @@ needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler: 
 @pytest.fixture(autouse=True)
 def _inductor_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
-    # compile in this process: a pool of compile workers (each importing torch) buys nothing when four test
-    # workers already share the two cores
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
 
 
 @needs_cxx
