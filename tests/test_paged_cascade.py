@@ -67,7 +67,7 @@ def test_cascade_equals_per_row_attention(dtype, threads, nh, nkv):
     finally:
         torch.set_num_threads(before)
     ref = _reference(q, kc, vc, tables, lens)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, **tol)
     torch.testing.assert_close(got.float(), alone.float(), **tol)
@@ -84,6 +84,6 @@ def test_a_whole_batch_shares_one_prefix(bs, hd, dtype):
     lens = [8 * bs + 1 + i % bs for i in range(9)]
     kc, vc = (torch.randn(64 * bs, 3, hd).to(dtype) for _ in range(2))
     q = torch.randn(9, 9, hd).to(dtype)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(_run(q, kc, vc, tables, lens, bs).float(), _reference(q, kc, vc, tables, lens, bs),
                                **tol)
