@@ -26,19 +26,18 @@ def _inductor_cache(tmp_path_factory, monkeypatch):
 
 
 @needs_cxx
-@pytest.mark.parametrize("model,max_num_seqs", [("llama", 64), ("gpt2", 1)], ids=["llama", "gpt2-batch1"])
-def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, max_num_seqs, gpt2_dir, llama_dir):
+def test_compiled_equals_eager_through_joins_leaves_and_preemption(llama_dir):
     """Greedy and seeded tokens identical to the eager path (fp32; the compiled attention sums in a
     different order than SDPA, ~1e-6 apart, which these tiny random models never turn into another
     argmax), with batches of 1-3 (buckets 1, 2, 4) that join, leave and are preempted; the engine's
-    warm-up compiled every graph, so no step compiles another. GPT-2 runs the same requests one at a
-    time (one graph: each inductor build costs about a minute of a 2-core test budget; the batch
-    buckets are the same code for both families)."""
+    warm-up compiled every graph, so no step compiles another. The Llama family (RoPE, RMSNorm, GQA,
+    SwiGLU: what the real models run); a GPT-2 variant cost 140 s of a 2-core CI run for the same
+    compile path (the families differ only in modules both the eager and the fused paths test)."""
     import torch._dynamo.utils as dutils
 
-    path = gpt2_dir if model == "gpt2" else llama_dir
+    path = llama_dir
     base = {"num_kv_blocks": 20, "block_size": 4, "admission_reserves_growth": False, "cpu_linear_autotune": False,
-            "dtype": "float32", "max_num_seqs": max_num_seqs}
+            "dtype": "float32", "max_num_seqs": 64}
     expect = [run_staggered(LLMEngine(path, EngineConfig(static_decode="off", **base)), p) for p in (GREEDY, SEEDED)]
     engine = LLMEngine(path, EngineConfig(compile_decode="on", **base))
     runner = engine.executor.runner
@@ -51,11 +50,8 @@ def test_compiled_equals_eager_through_joins_leaves_and_preemption(model, max_nu
     dutils.counters.clear()
     assert [run_staggered(engine, p) for p in (GREEDY, SEEDED)] == expect
     assert not dutils.counters["stats"].get("unique_graphs"), dict(dutils.counters["stats"])  # warmed up
-    if max_num_seqs == 1:
-        assert set(sizes) == {1}, sorted(set(sizes))
-    else:
-        assert engine.scheduler.num_preemptions > 0
-        assert {1, 2, 3} <= set(sizes), f"the compiled step ran batches {sorted(set(sizes))}, not 1, 2 and 3"
+    assert engine.scheduler.num_preemptions > 0
+    assert {1, 2, 3} <= set(sizes), f"the compiled step ran batches {sorted(set(sizes))}, not 1, 2 and 3"
     assert len(rows) == len(sizes) and 1 in rows  # batch 1 runs its own graph
 
 

@@ -171,9 +171,11 @@ def test_search_validate_closed_loop(tmp_path):
     # the host's state now (tuner.hostref)
     _cpu_profile(host_reference={"decode_us": 600.0, "read_gb_s": 30.0}).save(tmp_path / "cpu.yaml")
     out = tmp_path / "out"
+    # SLOs with room for a CI host whose 2 cores four test workers share: at a 1.5 s TTFT bound every
+    # one of the accuracy run's 6 requests missed it once (CI on a9d6bbf) and its measured goodput was 0
     run = CliRunner().invoke(app, ["tune", "search", "--recalibrate", "--model", str(cfg), "--hardware", str(tmp_path / "cpu.yaml"),
                                    "--input-len", "8", "--output-len", "24", "--num-prompts", "20",
-                                   "--slo", "ttft_p99_ms=1500", "--slo", "tpot_p99_ms=500", "--tp", "1", "--pp", "1",
+                                   "--slo", "ttft_p99_ms=3000", "--slo", "tpot_p99_ms=1000", "--tp", "1", "--pp", "1",
                                    "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
                                    "--weight-dtype", "float32", "--validate", "1", "--validate-prompts", "6",
                                    "--validate-min-step-s", "0.1", "--validate-sweep-tolerance", "0.3", "--out", str(out)])
