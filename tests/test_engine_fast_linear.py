@@ -263,3 +263,24 @@ def test_apply_drops_dense_weights_but_never_a_tied_heads(monkeypatch, llama_dir
     tied.lm_head.weight = tied.wte.weight  # tie it here whatever the fixture's config
     apply_fast_linear(tied, drop_dense=True)
     assert tied.lm_head.weight is tied.wte.weight and tied.blocks[0].mlp.down.weight is None
+
+
+def test_a_timing_on_a_busy_host_is_taken_again_and_never_saved(monkeypatch, tmp_path):
+    """Threads that wait a scheduler slice for each other make every kernel's time the scheduler's: a shape timed
+    while the fork-join probe says so is timed again (TIMING_TRIES in all), used, and not saved; a quiet probe
+    saves at the first try."""
+    from engines.cpu import cpu_threads
+
+    tries = []
+    real = fl._fastest
+    monkeypatch.setattr(fl, "_fastest", lambda *a, **k: tries.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_threads, "fork_join_s", lambda: 1.0)  # 1 s a fork and join: busy
+    w = torch.randn(24, 16)
+    choice = fl.choose_kernels(w, None, budget_s=0.0)
+    assert len(tries) == 3 * fl.TIMING_TRIES and set(choice) <= set(fl.ONE_ROW + fl.MULTI_ROW)
+    assert not (tmp_path / "fast_linear.json").exists()
+    monkeypatch.setattr(fl, "_CHOSEN", {})
+    monkeypatch.setattr(cpu_threads, "fork_join_s", lambda: 0.0)
+    tries.clear()
+    assert fl.choose_kernels(w, None, budget_s=0.0) and len(tries) == 3
+    assert "24x16 float32" in json.loads((tmp_path / "fast_linear.json").read_text())[fl.machine_key()]

@@ -49,10 +49,11 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 6
+KERNEL_SET = 7
 """Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
 agree, see _fastest; 5: the panel kernel's AVX2 one-row code, 2-3x faster on AVX2 hosts; 6: a TEAM_KERNELS
-kernel replaces linear when no slower), part of the saved
+kernel replaces linear when no slower; 7: a timing on a disturbed host is taken again and never saved,
+FORK_JOIN_QUIET_S), part of the saved
 choices' key: a choice saved before a kernel was added or changed never competed with it, so a new set
 times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128
@@ -289,6 +290,11 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     return (team[0] if team else "linear"), med
 
 
+TIMING_TRIES = 3
+"""Timings of a shape on a disturbed host (engines/cpu/cpu_threads.FORK_JOIN_QUIET_S) before its choice is used
+unsaved (the next process times again)."""
+
+
 _CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}
 """Choices already made in this process: every engine built here uses the same kernels for a
 shape (the same rounding, hence the same tokens) and pays for the timing once."""
@@ -377,19 +383,30 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
         return probes[next(turn) % copies].run(kind, x)
 
-    runs = []
-    with torch.no_grad():
-        for rows, kinds, min_rounds in (
-                (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)
-                     and (k != "panel" or panels)], 5),
-                (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
-                             and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
-                (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 3)):  # compute-bound
-            x = torch.randn(rows, in_f).to(dtype)
-            runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))
+    from engines.cpu.cpu_threads import FORK_JOIN_QUIET_S, fork_join_s
+
+    for attempt in range(TIMING_TRIES):
+        quiet = fork_join_s() < FORK_JOIN_QUIET_S
+        runs = []
+        with torch.no_grad():
+            for rows, kinds, min_rounds in (
+                    (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)
+                         and (k != "panel" or panels)], 5),
+                    (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
+                                 and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
+                    (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 3)):  # compute-bound
+                x = torch.randn(rows, in_f).to(dtype)
+                runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))
+        quiet = quiet and fork_join_s() < FORK_JOIN_QUIET_S
+        if quiet:
+            break
+        log.info("fast_linear %s: the host was busy while timing (try %d of %d)", key, attempt + 1, TIMING_TRIES)
     probes.clear()  # the copies (up to COLD_BYTES in three layouts) go now
     _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0])
-    _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
+    if quiet:
+        _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
+    else:  # used by this process only: the next one times again
+        log.warning("fast_linear %s: timed on a busy host %d times; %s used unsaved", key, TIMING_TRIES, _CHOSEN[key])
     log.debug("fast_linear %s: %s; ms %s", key, _CHOSEN[key],
               [{k: round(v * 1e3, 3) for k, v in t.items()} for _, t in runs])
     return _CHOSEN[key]
