@@ -49,11 +49,11 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 7
+KERNEL_SET = 8
 """Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
 agree, see _fastest; 5: the panel kernel's AVX2 one-row code, 2-3x faster on AVX2 hosts; 6: a TEAM_KERNELS
 kernel replaces linear when no slower; 7: a timing on a disturbed host is taken again and never saved,
-FORK_JOIN_QUIET_S, and a team kernel is kept unless linear is MARGIN faster), part of the saved
+FORK_JOIN_QUIET_S; 8: a team kernel is kept unless linear is MARGIN faster), part of the saved
 choices' key: a choice saved before a kernel was added or changed never competed with it, so a new set
 times every shape again."""
 MANY_ROWS, BULK_ROWS = 32, 128
