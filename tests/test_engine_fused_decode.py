@@ -178,7 +178,8 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
     torch.testing.assert_close(torch.cat(got)[:, :, :].transpose(0, 1), expect, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("dtype", "variant"), [("float32", "portable"), ("bfloat16", "auto")])
+@pytest.mark.parametrize(("dtype", "variant"), [("float32", "portable"), ("bfloat16", "auto"),
+                                              ("bfloat16", "avx512_on_avx2")])
 def test_fp8_fused_step_equals_the_module_path(llama_dir, monkeypatch, dtype, variant):
     """FP8 weight-only blocks (quantized at load, kept one byte a weight in Fp8PanelLinear panels): the fused
     step runs them through the same FP8 kernel variant as the module path, bit for bit (tokens and logprobs)."""

@@ -242,3 +242,30 @@ class AdaptiveThreads:
         return {f"{'prefill' if p else 'decode'}<={1 << b}": f"{st.current} (" + ", ".join(
             f"{n}: {median(t) * 1e3:.1f} ms" for n, t in sorted(st.samples.items(), reverse=True) if t) + ")"
             for (p, b), st in sorted(self._states.items())}
+
+
+FORK_JOIN_QUIET_S = 5e-4
+"""Several threads' timings are trusted only when torch's threads fork and join around a small parallel fill
+in less than this (median of 15 calls, before and after the timing; ~20-40 us on the quiet 2-core EPYC): on
+2 cores shared with a busy process each multi-thread call waits a scheduler slice for its partner thread and
+the times are the scheduler's. Seen there: SmolLM2's bf16 576 x 576 at one row timed panel 11.9 ms, linear
+12.0, pretransposed 0.73 (the one kernel not waiting on a partner); pretransposed was saved, and every later
+bf16 decode step left the fused team path (12.6 tok/s against 57)."""
+
+
+def fork_join_s() -> float:
+    """Median seconds of a parallel fill of 512 KB on torch's intra-op threads (0 on one thread: nothing
+    to wait for)."""
+    import time
+
+    import torch
+
+    if torch.get_num_threads() < 2:
+        return 0.0
+    x = torch.empty(1 << 17)  # 4 grains of at::parallel_for: every thread takes part
+    times = []
+    for _ in range(15):
+        t = time.perf_counter()
+        x.fill_(1.0)
+        times.append(time.perf_counter() - t)
+    return median(times)

@@ -99,9 +99,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     return mod.panel_linear(x, panels, out_features, bias, PANEL_VARIANTS[variant])
 
 
-FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512_on_avx2": 4}
 """The FP8 kernel's variants (csrc/fp8_panel_kernel.cpp): "auto" the best this CPU runs; the others forced
-(tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere)."""
+(tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere). "avx512_on_avx2"
+is the "avx512" variant's source built for AVX2 + FMA: never chosen by "auto", it lets every AVX2 host test
+the body the AVX-512 build runs."""
 
 
 def load_fp8() -> tuple[object | None, str]:

@@ -16,8 +16,10 @@
 // sum_k x[m, k] w[n, k] + bias[n], rounded to x's dtype (+ a residual, rounded again, as torch's `res + y`).
 //
 // Variants, chosen at run time (variant 0) or forced: 1 portable (scalar C++, the reference), 2 AVX2 + FMA
-// (8 lanes, two registers a panel), 3 AVX-512F/DQ (16 lanes). Each is compiled for its own target whatever the
-// build host (function target attributes), and runs only where the CPU has it (checked per call). One row
+// (8 lanes, two registers a panel), 3 AVX-512F/DQ (16 lanes, GCC vector code), 4 variant 3's source built for
+// AVX2 + FMA (never chosen: it exists so variant 3's body is tested on hosts without AVX-512). Each is compiled
+// for its own target whatever the build host (function target attributes), and runs only where the CPU has it
+// (checked per call). One row
 // (batch-1 decode) runs G panels at once: 2G independent FMA chains keep the loads streaming.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
@@ -132,43 +134,82 @@ __attribute__((target("avx2,fma"))) void row_avx2(const float* x, const uint8_t*
   }
 }
 
-// AVX-512: the same decoding, the halves joined into 16-lane vectors (a: input 2 k2, b: 2 k2 + 1). Compiled
-// on every x86 build; runs only where the CPU has AVX-512F (not on the AVX2 host this was written on)
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline void decode32_avx512(const uint8_t* p, __m512& a, __m512& b) {
-  __m256 a0, b0, a1, b1;
-  decode32_avx2(p, a0, b0, a1, b1);
-  a = _mm512_insertf32x8(_mm512_castps256_ps512(a0), a1, 1);
-  b = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
+// The wide (16-lane) variant, written once with GCC vector extensions (no intrinsics) so the same body builds
+// for any x86 target: variant 3 compiles it for AVX-512F (one zmm a 16-lane vector) and runs where the CPU has
+// it; variant 4 compiles it for AVX2 + FMA (GCC splits each 16-lane vector into two ymm), so the body the
+// AVX-512 build runs is checked on every AVX2 host too (tests/test_cpu_fp8_kernel.py forces both). The
+// multiply-adds are written `x * w + c` and contracted to one fused multiply-add each (GCC's default
+// -ffp-contract=fast with FMA in the target; the tests compare the bits with the portable std::fma)
+typedef uint16_t f8_u16x16 __attribute__((vector_size(32)));  // one 32-byte chunk: lane p = position p's pair
+typedef uint32_t f8_u32x16 __attribute__((vector_size(64)));
+typedef int32_t f8_i32x16 __attribute__((vector_size(64)));
+typedef float f8_f32x16 __attribute__((vector_size(64)));
+
+// 32 bytes -> the weights of inputs 2 k2 (a) and 2 k2 + 1 (b) for the 16 outputs, times 2^-120, exactly; lane
+// p holds output ORDER[p]. Each byte moved to the top of a 32-bit lane, shifted right by 4 arithmetically and
+// masked (s 0000 eeee mmm 0^20): an fp32 with the e4m3 exponent under bias 127 (subnormals as fp32 denormals)
+__attribute__((always_inline)) inline void decode32_wide(const uint8_t* p, f8_f32x16& a, f8_f32x16& b) {
+  f8_u16x16 z;
+  std::memcpy(&z, p, 32);
+  const f8_u32x16 u = __builtin_convertvector(z, f8_u32x16);  // byte 2p in bits 0-7, byte 2p + 1 in 8-15
+  const f8_i32x16 keep = f8_i32x16{} + static_cast<int32_t>(0x87F00000u);
+  a = reinterpret_cast<f8_f32x16>((reinterpret_cast<f8_i32x16>(u << 24) >> 4) & keep);
+  b = reinterpret_cast<f8_f32x16>((reinterpret_cast<f8_i32x16>(u << 16) >> 4) & keep);
 }
 
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void block_avx512(const float* x, int64_t ldx, int r,
-                                                                        const uint8_t* w, int64_t K2, float* acc) {
-  __m512 c[F8_MR];
-  for (int i = 0; i < F8_MR; ++i) c[i] = _mm512_setzero_ps();
+// the 16 sums of lane order into acc (F8_NR) in output order
+__attribute__((always_inline)) inline void store_wide(const f8_f32x16& c, float* acc) {
+  for (int q = 0; q < F8_NR; ++q) acc[ORDER[q]] = c[q];
+}
+
+// block_avx2's loop on 16-lane vectors (x: rows scaled by X_UP)
+__attribute__((always_inline)) inline void block_wide(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2,
+                                                      float* acc) {
+  f8_f32x16 c[F8_MR] = {};
   for (int64_t k2 = 0; k2 < K2; ++k2) {
-    __m512 a, b;
-    decode32_avx512(w + k2 * 32, a, b);
-    for (int m = 0; m < r; ++m)
-      c[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + 2 * k2 + 1]), b,
-                             _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + 2 * k2]), a, c[m]));
+    f8_f32x16 a, b;
+    decode32_wide(w + k2 * 32, a, b);
+    for (int m = 0; m < r; ++m) c[m] = x[m * ldx + 2 * k2 + 1] * b + (x[m * ldx + 2 * k2] * a + c[m]);
   }
-  for (int m = 0; m < r; ++m) _mm512_storeu_ps(acc + m * F8_NR, c[m]);
+  for (int m = 0; m < r; ++m) store_wide(c[m], acc + m * F8_NR);
 }
 
+// row_avx2's loop (prefetch included) on 16-lane vectors: one row through G panels
 template <int G>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void row_avx512(const float* x, const uint8_t* w,
-                                                                      int64_t panel, int64_t K2, float* acc) {
-  __m512 c[G];
-  for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
+__attribute__((always_inline)) inline void row_wide(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
+                                                    float* acc) {
+  f8_f32x16 c[G] = {};
   for (int64_t k2 = 0; k2 < K2; ++k2) {
-    const __m512 xa = _mm512_set1_ps(x[2 * k2]), xb = _mm512_set1_ps(x[2 * k2 + 1]);
+    const float xa = x[2 * k2], xb = x[2 * k2 + 1];
+    const int64_t ahead = k2 * 32 + F8_AHEAD, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
     for (int g = 0; g < G; ++g) {
-      __m512 a, b;
-      decode32_avx512(w + g * panel + k2 * 32, a, b);
-      c[g] = _mm512_fmadd_ps(xb, b, _mm512_fmadd_ps(xa, a, c[g]));
+      if ((k2 & 1) == 0) __builtin_prefetch(w + g * panel + line, 0, 3);
+      f8_f32x16 a, b;
+      decode32_wide(w + g * panel + k2 * 32, a, b);
+      c[g] = xb * b + (xa * a + c[g]);
     }
   }
-  for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * F8_NR, c[g]);
+  for (int g = 0; g < G; ++g) store_wide(c[g], acc + g * F8_NR);
+}
+
+// variant 3: the wide body on AVX-512 (zmm)
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void block_avx512(const float* x, int64_t ldx, int r,
+                                                                        const uint8_t* w, int64_t K2, float* acc) {
+  block_wide(x, ldx, r, w, K2, acc);
+}
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void row4_avx512(const float* x, const uint8_t* w, int64_t panel,
+                                                                       int64_t K2, float* acc) {
+  row_wide<F8_G>(x, w, panel, K2, acc);
+}
+// variant 4: the same body on AVX2 + FMA (each 16-lane vector in two ymm); on a host whose -march=native has
+// AVX-512 the build may still use zmm here (the target only adds to the native one), and variant 3 runs there
+__attribute__((target("avx2,fma"))) void block_wide_avx2(const float* x, int64_t ldx, int r, const uint8_t* w,
+                                                         int64_t K2, float* acc) {
+  block_wide(x, ldx, r, w, K2, acc);
+}
+__attribute__((target("avx2,fma"))) void row4_wide_avx2(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
+                                                        float* acc) {
+  row_wide<F8_G>(x, w, panel, K2, acc);
 }
 
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
@@ -183,7 +224,8 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
           float* acc) {
   const int64_t panel = K2 * 32;
 #if F8_X86
-  if (r == 1 && g == F8_G && v == 3) return row_avx512<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
+  if (r == 1 && g == F8_G && v == 3) return row4_avx512(x + m0 * ldx, wp, panel, K2, acc);
+  if (r == 1 && g == F8_G && v == 4) return row4_wide_avx2(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 2) return row_avx2<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
 #endif
   for (int i = 0; i < g; ++i) {  // (g == 1 unless one row)
@@ -191,6 +233,7 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
     const uint8_t* w = wp + i * panel;
 #if F8_X86
     if (v == 3) { block_avx512(x + m0 * ldx, ldx, r, w, K2, a); continue; }
+    if (v == 4) { block_wide_avx2(x + m0 * ldx, ldx, r, w, K2, a); continue; }
     if (v == 2) { block_avx2(x + m0 * ldx, ldx, r, w, K2, a); continue; }
 #endif
     block_portable(x + m0 * ldx, ldx, r, w, K2, a);
@@ -245,10 +288,11 @@ void run_fp8(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, cons
 
 // the variant `variant` resolves to on this CPU (0: the best it has), or an error naming what it lacks
 int64_t fp8_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 3, "fp8 kernel: variant 0 (auto), 1 (portable), 2 (avx2), 3 (avx512), got ",
-              variant);
+  TORCH_CHECK(variant >= 0 && variant <= 4, "fp8 kernel: variant 0 (auto), 1 (portable), 2 (avx2), 3 (avx512), "
+              "4 (avx512_on_avx2: variant 3's body built for AVX2), got ", variant);
   if (variant == 0) return has_avx512() ? 3 : has_avx2() ? 2 : 1;
-  TORCH_CHECK(variant != 2 || has_avx2(), "fp8 kernel: the avx2 variant needs AVX2 and FMA, which this CPU lacks");
+  TORCH_CHECK((variant != 2 && variant != 4) || has_avx2(), "fp8 kernel: the avx2 and avx512_on_avx2 variants need "
+              "AVX2 and FMA, which this CPU lacks");
   TORCH_CHECK(variant != 3 || has_avx512(), "fp8 kernel: the avx512 variant needs AVX-512F and AVX-512DQ, which this "
               "CPU lacks");
   return variant;
