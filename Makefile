@@ -19,9 +19,7 @@ TEST_WORKERS ?= 4
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# --no-compile: pip byte-compiles every installed file (94 s of a 152 s install here); Python
-	# compiles the modules a run imports on first import instead
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/python -m engines.cpu.prebuild
 	touch $(STAMP)
 
