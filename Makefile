@@ -25,7 +25,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create .venv, install shardserve with its test extras, build the CPU kernels (once per machine)
 
+# compileall: this host sets PYTHONDONTWRITEBYTECODE=1, so without these .pyc files every process the suite
+# starts (Ray actors, shard workers, CLIs) compiled our ~48k lines again (~1 s of CPU each)
 test: $(STAMP)   ## run the whole test suite
+	$(BIN)/python -m compileall -q engines serving training tuner loadtest shardserve deploy > /dev/null
 	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: $(STAMP)  ## the unit and parity tier (tests/conftest.py FAST_TIER); target: under 2 minutes on 2 idle cores
