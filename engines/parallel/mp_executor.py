@@ -25,6 +25,9 @@ from engines.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 
+# how long a rank's error waits for a peer's exit to show, so that the peer that died is the one blamed
+PEER_EXIT_GRACE_S = 1.0
+
 
 def default_threads(engine_cfg: EngineConfig, world: int) -> int:
     return engine_cfg.worker_threads or max(1, (os.cpu_count() or 1) // world)
@@ -143,7 +146,7 @@ class MultiprocExecutor(Executor):
                         self._fail(f"{what}: shard worker {rank} (pid {self.procs[rank].pid}) died "
                                    f"(exit code {self.procs[rank].exitcode})")
                     if kind == "error":
-                        self._fail(f"{what}: shard worker {src} failed: {payload}")
+                        self._fail(self._blame(what, src, payload))
                     if kind != expect:
                         self._fail(f"{what}: unexpected {kind!r} from shard worker {src}")
                     got[src] = payload
@@ -153,6 +156,19 @@ class MultiprocExecutor(Executor):
                     p.join(timeout=0.1)
                     self._fail(f"{what}: shard worker {rank} (pid {p.pid}) died (exit code {p.exitcode})")
         return got
+
+    def _blame(self, what: str, src: int, payload) -> str:
+        """A rank's collective fails when a peer dies (gloo: "connection reset by peer"): wait briefly for the
+        peers' exits, so that the message names the worker that died rather than its first victim."""
+        peers = {p.sentinel: r for r, p in enumerate(self.procs) if r != src}
+        dead = sorted(peers[s] for s in mp_wait(list(peers), timeout=PEER_EXIT_GRACE_S))
+        if not dead:
+            return f"{what}: shard worker {src} failed: {payload}"
+        rank = dead[0]
+        p = self.procs[rank]
+        p.join(timeout=0.1)
+        return (f"{what}: shard worker {rank} (pid {p.pid}) died (exit code {p.exitcode}); "
+                f"as a result shard worker {src} failed: {payload}")
 
     def _fail(self, message: str):
         if self._dead is None:
