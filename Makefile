@@ -19,8 +19,10 @@ TEST_WORKERS ?= 4
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/python -m engines.cpu.prebuild
+	$(BIN)/pip install -q "$$(grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')" "$$(grep -o '"ninja[^"]*"' pyproject.toml | tr -d '"')"
+	@# the CPU kernels' build (one g++ run, ~50 s of a core; engines/ needs only torch) runs while pip installs the rest
+	$(BIN)/python -m engines.cpu.prebuild > $(VENV)/prebuild.log 2>&1 & build=$$!; \
+	  $(BIN)/pip install -q -e '.[test]'; status=$$?; wait $$build; cat $(VENV)/prebuild.log; exit $$status
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv, install shardserve with its test extras, build the CPU kernels (once per machine)
@@ -28,7 +30,7 @@ setup: $(STAMP)  ## create .venv, install shardserve with its test extras, build
 # compileall: this host sets PYTHONDONTWRITEBYTECODE=1, so without these .pyc files every process the suite
 # starts (Ray actors, shard workers, CLIs) compiled our ~48k lines again (~1 s of CPU each)
 test: $(STAMP)   ## run the whole test suite
-	$(BIN)/python -m compileall -q engines serving training tuner loadtest shardserve deploy > /dev/null
+	$(BIN)/python -m compileall -q -j 0 engines serving training tuner loadtest shardserve deploy > /dev/null
 	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: $(STAMP)  ## the unit and parity tier (tests/conftest.py FAST_TIER); target: under 2 minutes on 2 idle cores
