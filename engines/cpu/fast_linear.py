@@ -1,20 +1,15 @@
 """A runtime transformation for CPU inference: each Linear gets the fastest kernel for its shape,
 chosen by timing at load, separately for one row, a decode batch and a prefill chunk.
 
-On CPU a matrix-vector product (decode at batch 1) is memory-bound, and the kernels a torch build
-ships stream memory at very different rates depending on the CPU, the dtype and the shape. Measured
-on a 2-core AMD EPYC with AVX512-BF16 (BENCHMARKS.md, issue 12): the bf16 GPT-2 head (50,257 x 768,
-77 MB) took 12-24 ms per row through `F.linear` / `mm` / `mv` and 5-6 ms through oneDNN's linear on
-a weight reordered once into its blocked layout (`packed`); fp32 `F.linear` was up to 3x slower
-than `mm` on a pre-transposed weight on some shapes. Which kernel wins flips between machines
+A decode matrix-vector product is memory-bound, and torch's kernels stream memory at very different rates
+by CPU, dtype and shape (2-core EPYC, AVX512-BF16: the bf16 GPT-2 head took 12-24 ms a row through
+`F.linear` / `mm` / `mv`, 5-6 ms through oneDNN on a once-reordered weight, `packed`). Which kernel wins flips between machines
 (AVX2-only, AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
 (out, in, dtype, threads) shape is timed all ways once per process, on one row, on MANY_ROWS rows
 (a decode batch) and on BULK_ROWS rows (a prefill chunk), and `FastLinear` dispatches on the row
 count, on repeated interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its
-best round to replace it (a single lucky or disturbed round decides nothing). The choices persist in
-~/.cache/shardserve/fast_linear.json keyed by the machine (CPU model and flags, torch build,
-threads), so a later start on the same machine skips the timing (~5-10 s on 2 cores) and computes
-with the same kernels, hence the same rounding; delete the file to time again.
+best round to replace it (a single lucky or disturbed round decides nothing). Choices persist per machine
+(~/.cache/shardserve/fast_linear.json): a later start skips the timing and rounds the same way.
 
 The weight stays the module's `weight` Parameter (a tied LM head stays tied, state_dict keys are
 unchanged); pre-transposed and packed copies are extra, non-persistent buffers, built only for the
@@ -40,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.cpu import panel_kernel
+from engines.cpu.host_memory import huge_page_copy
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +79,6 @@ def panel_available(dtype: torch.dtype) -> bool:
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
     """The panel kernel's copy of a weight, in 2 MB pages (a decode step streams it whole)."""
-    from engines.cpu.host_memory import huge_page_copy
-
     return huge_page_copy(panel_kernel.pack_panels(weight))
 
 
@@ -131,18 +125,11 @@ class FastLinear(nn.Module):
             self.register_parameter("weight", None)
 
     def probe_copy(self) -> FastLinear:
-        """Another FastLinear on copies of this one's weight and layouts (the timing's ring of cold
-        copies): the layouts are copied, not made again; oneDNN's reorder of a 192 x 64 weight took
-        ~17 ms against ~2 ms for a copy on a loaded 2-core host, and the ring has up to 256 copies."""
-        other = FastLinear(_Weights(self.weight.detach().clone(), self.bias))  # plain: no layout built
-        other.one, other.many, other.bulk, other.chunk, other.single = self.one, self.many, self.bulk, self.chunk, self.single
-        for name in ("weight_t", "packed", "packed_lo", "packed_hi"):
+        """A copy for a timing's ring of cold copies: layouts copied, not reordered (~2 vs ~17 ms a tiny weight)."""
+        other = FastLinear(_Weights(self.weight.detach().clone(), self.bias))  # "linear": builds no layout
+        for name in ("weight_t", "packed", "packed_lo", "packed_hi", "panels"):
             t = getattr(self, name)
-            setattr(other, name, None if t is None else t.clone())
-        if self.panels is not None:
-            from engines.cpu.host_memory import huge_page_copy
-
-            other.panels = huge_page_copy(self.panels.clone())
+            setattr(other, name, None if t is None else t.clone() if name != "panels" else huge_page_copy(t.clone()))
         return other
 
     def extra_repr(self) -> str:
@@ -395,10 +382,8 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                        "halves" if halves else "linear", prepare=("panel",) if panels else ())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small copies: a parallel one waits a scheduler slice for its partner on a busy host
-    try:
-        probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
-    finally:
-        torch.set_num_threads(threads)
+    probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
+    torch.set_num_threads(threads)
     turn = iter(range(1 << 62))
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
