@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 
 FORMATS = ("fp8",)
+SCALES = ("search", "absmax")
+"""--scales: how the data-free default picks each output channel's scale (engines/transforms/fp8_scales.py)."""
 
 eval_app = typer.Typer(help="Evaluate a checkpoint.", no_args_is_help=True)
 
@@ -32,13 +34,19 @@ def quantize(
         16, help="Calibration windows: spread over the --calibration file, or sequences the model writes."),
     calibration_window: int = typer.Option(256, help="Tokens per calibration window (at most the model's context)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-written calibration text (--self-calibrate)."),
+    scales: str | None = typer.Option(
+        None, "--scales", help="Without calibration: search (default: per output channel, the scale in "
+        "absmax/448 x [1, 2) whose nearest e4m3 codes give the least squared error; data-free) | absmax "
+        "(absmax/448, plain round to nearest). GPTQ (--calibration, --self-calibrate) keeps absmax scales."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
     fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
-    embeddings, norms and the LM head keep the source dtype. Each weight is rounded to nearest unless
-    GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
+    embeddings, norms and the LM head keep the source dtype. By default (data-free) each output channel's
+    scale is searched (engines/transforms/fp8_scales.py: the one of 24 in absmax/448 x [1, 2) whose
+    nearest codes reconstruct the row best) and each weight rounded to nearest on it; --scales absmax
+    keeps absmax / 448. GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
     TEXT, or --self-calibrate (data-free: --calibration-windows sequences of --calibration-window tokens
     the model writes itself from a random first token, seeded by --seed; engines/transforms/fp8_selfcal.py);
     same scales and file layout, smaller output error on text like the calibration's. With GPTQ the codes
@@ -66,6 +74,12 @@ def quantize(
     if self_calibrate and calibration is not None:
         raise _fail("--self-calibrate: the model writes its own calibration text; give --self-calibrate or "
                     "--calibration, not both")
+    if scales is not None and (calibration is not None or self_calibrate):
+        raise _fail("--scales: applies without calibration; GPTQ (--calibration, --self-calibrate) keeps absmax "
+                    "scales")
+    scales = scales or "search"
+    if scales not in SCALES:
+        raise _fail(f"--scales: {scales!r} is not supported; supported: {', '.join(SCALES)}")
     if calibration_windows < 1:
         raise _fail(f"--calibration-windows: must be >= 1, got {calibration_windows}")
     if calibration_window < 8:
@@ -79,8 +93,10 @@ def quantize(
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         head = None
-        if calibration is None and not self_calibrate:  # round to nearest
+        if calibration is None and not self_calibrate:  # data-free: searched (or absmax) scales, nearest codes
             net, cfg = load_model(model, dtype=src_dtype)
+            if scales == "search":
+                _search(net)
         else:
             wins = (_text_windows(model, calibration, calibration_windows, calibration_window)
                     if calibration is not None else _self_windows(model, calibration_windows, calibration_window, seed))
@@ -103,7 +119,8 @@ def quantize(
     total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     how = (f"GPTQ on {calibration}" if calibration is not None else
            f"GPTQ on {calibration_windows} x {calibration_window} tokens the model wrote itself (seed {seed})"
-           if self_calibrate else "round to nearest")
+           if self_calibrate else "searched scales, round to nearest" if scales == "search" else
+           "absmax scales, round to nearest")
     typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales, {how}), the rest kept in "
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
@@ -113,6 +130,18 @@ def quantize(
                    "correctly (its GPT-2 layers are Conv1D, which compressed-tensors does not quantize, so it "
                    "loads the e4m3 values without their scales). Llama-family files load in all three. "
                    "See docs/fp8.md.")
+
+
+def _search(net) -> None:
+    """Quantize net's block Linears in place with searched per-channel scales (fp8_scales.search_quantize)."""
+    import torch
+
+    from engines.transforms.fp8 import BLOCK_LINEARS
+    from engines.transforms.fp8_scales import search_quantize
+
+    n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear))
+    with _progress(n, "scale search", "layer") as bar:
+        search_quantize(net, on_layer=lambda _name: bar.update(1))
 
 
 def _gptq(net, wins):
