@@ -1,0 +1,69 @@
+"""The data-free FP8 default (engines/transforms/fp8_scales.py): searched per-channel scales reconstruct each
+row no worse than round-to-nearest's absmax / 448, and `shardserve quantize` writes them in the same format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from engines.loading.checkpoint import load_model
+from engines.transforms.fp8 import Fp8Linear
+from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, dequantize, quantize_rows
+from engines.transforms.fp8_scales import search_rows
+from shardserve.cli import app
+
+
+def _row_err(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return (dequantize(q, s, torch.float32) - w.float()).square().sum(1)  # (out,)
+
+
+def test_searched_scales_never_reconstruct_worse_than_rtn():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) * 0.05
+    w[:, 3] *= 8  # a loud input column, as real Linears have
+    w[7] = 0.0  # an all-zero row keeps a positive scale and zero codes
+    q, s = search_rows(w.bfloat16())
+    q0, s0 = quantize_rows(w.bfloat16())
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape and s.shape == (64, 1) and s.dtype == torch.float32
+    assert (s > 0).all() and (s >= s0).all() and (s < 2 * s0).all()  # absmax / 448 x [1, 2): nothing clipped
+    assert torch.equal(q.view(torch.uint8), (w.bfloat16().float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+                       .view(torch.uint8))  # each code is the nearest on its row's scale
+    e, e0 = _row_err(w.bfloat16(), q, s), _row_err(w.bfloat16(), q0, s0)
+    assert (e <= e0).all() and e.sum() < 0.95 * e0.sum(), (e.sum(), e0.sum())
+    assert torch.equal(q[7].float(), torch.zeros(96))
+    with pytest.raises(ValueError, match="importance has 5 entries for 96 input features"):
+        search_rows(w, "blocks.0.w", importance=torch.ones(5))
+
+
+def test_quantize_cli_default_writes_searched_scales_that_load(llama_dir, tmp_path):
+    """The default file: compressed-tensors FP8 (e4m3 + fp32 (out, 1) per channel), loads as Fp8Linear, and
+    each tensor's reconstruction error is at most --scales absmax's (plain round to nearest)."""
+    runner = CliRunner()
+    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0 and "searched scales, round to nearest" in r.output, r.output
+    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "a"), "--scales", "absmax"])
+    assert r.exit_code == 0 and "absmax scales, round to nearest" in r.output, r.output
+    qc = json.loads((tmp_path / "s" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel" and qc["ignore"] == ["lm_head"]
+    less = 0
+    with safe_open(tmp_path / "s" / "model.safetensors", "pt") as s, \
+            safe_open(tmp_path / "a" / "model.safetensors", "pt") as a, \
+            safe_open(llama_dir / "model.safetensors", "pt") as src:
+        names = [k for k in s.keys() if k.endswith("_proj.weight")]
+        assert names
+        for k in names:
+            w, q, sc = src.get_tensor(k), s.get_tensor(k), s.get_tensor(f"{k}_scale")
+            assert q.dtype == FP8_DTYPE and sc.dtype == torch.float32 and sc.shape == (w.shape[0], 1)
+            e, e0 = _row_err(w, q, sc), _row_err(w, a.get_tensor(k), a.get_tensor(f"{k}_scale"))
+            assert (e <= e0 * (1 + 1e-6)).all(), k
+            less += int(e.sum() < e0.sum())
+    assert less == len(names)  # every Linear strictly better than round to nearest on this random model
+    model, _ = load_model(tmp_path / "s")
+    assert all(isinstance(b.attn.qkv, Fp8Linear) and isinstance(b.mlp.down, Fp8Linear) for b in model.blocks)
+    bad = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), "--scales", "x"])
+    assert bad.exit_code == 2 and "error: --scales: 'x' is not supported; supported: search, absmax" in bad.output
+    assert not (tmp_path / "b").exists()
