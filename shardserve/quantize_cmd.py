@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 FORMATS = ("fp8",)
-SCALES = ("search", "absmax")
+SCALES = ("absmax", "search")
 """--scales: how the data-free default picks each output channel's scale (engines/transforms/fp8_scales.py)."""
 
 eval_app = typer.Typer(help="Evaluate a checkpoint.", no_args_is_help=True)
@@ -35,18 +35,19 @@ def quantize(
     calibration_window: int = typer.Option(256, help="Tokens per calibration window (at most the model's context)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-written calibration text (--self-calibrate)."),
     scales: str | None = typer.Option(
-        None, "--scales", help="Without calibration: search (default: per output channel, the scale in "
-        "absmax/448 x [1, 2) whose nearest e4m3 codes give the least squared error; data-free) | absmax "
-        "(absmax/448, plain round to nearest). GPTQ (--calibration, --self-calibrate) keeps absmax scales."),
+        None, "--scales", help="Without calibration: absmax (default: absmax/448, round to nearest) | search "
+        "(per output channel, the scale in absmax/448 x [1, 2) whose nearest e4m3 codes give the least squared "
+        "error; data-free; measured worse than absmax on SmolLM2-135M, docs/fp8.md). GPTQ (--calibration, "
+        "--self-calibrate) keeps absmax scales."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
     fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
-    embeddings, norms and the LM head keep the source dtype. By default (data-free) each output channel's
-    scale is searched (engines/transforms/fp8_scales.py: the one of 24 in absmax/448 x [1, 2) whose
-    nearest codes reconstruct the row best) and each weight rounded to nearest on it; --scales absmax
-    keeps absmax / 448. GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
+    embeddings, norms and the LM head keep the source dtype. By default each weight is rounded to nearest
+    on its row's absmax / 448; --scales search (data-free) picks each output channel's scale instead
+    (engines/transforms/fp8_scales.py: the one of 24 in absmax/448 x [1, 2) whose nearest codes
+    reconstruct the row best). GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
     TEXT, or --self-calibrate (data-free: --calibration-windows sequences of --calibration-window tokens
     the model writes itself from a random first token, seeded by --seed; engines/transforms/fp8_selfcal.py);
     same scales and file layout, smaller output error on text like the calibration's. With GPTQ the codes
@@ -77,7 +78,7 @@ def quantize(
     if scales is not None and (calibration is not None or self_calibrate):
         raise _fail("--scales: applies without calibration; GPTQ (--calibration, --self-calibrate) keeps absmax "
                     "scales")
-    scales = scales or "search"
+    scales = scales or "absmax"
     if scales not in SCALES:
         raise _fail(f"--scales: {scales!r} is not supported; supported: {', '.join(SCALES)}")
     if calibration_windows < 1:
@@ -93,7 +94,7 @@ def quantize(
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         head = None
-        if calibration is None and not self_calibrate:  # data-free: searched (or absmax) scales, nearest codes
+        if calibration is None and not self_calibrate:  # data-free: absmax (or searched) scales, nearest codes
             net, cfg = load_model(model, dtype=src_dtype)
             if scales == "search":
                 _search(net)

@@ -336,14 +336,11 @@ BASE = EngineConfig(dtype="float32", num_kv_blocks=48, cpu_linear_autotune=False
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_engine_runs_fp8_and_online_quantization_matches(family, gpt2_dir, llama_dir, gpt2_fp8, llama_fp8, tmp_path):
+def test_engine_runs_fp8_and_online_quantization_matches(family, gpt2_dir, llama_dir, gpt2_fp8, llama_fp8):
     src, q = (gpt2_dir, gpt2_fp8) if family == "gpt2" else (llama_dir, llama_fp8)
-    rtn = tmp_path / "rtn"  # weight_dtype="fp8" quantizes at load with absmax scales, as --scales absmax does
-    r = CliRunner().invoke(app, ["quantize", "--model", str(src), "--out", str(rtn), "--scales", "absmax"])
-    assert r.exit_code == 0, r.output
-    offline = _generate(rtn, BASE)
+    offline = _generate(q, BASE)
     assert _generate(src, BASE.replace(weight_dtype="fp8")) == offline  # quantized at load: the same values
-    eng = LLMEngine(q, BASE)  # the default file (searched scales) runs through the same kernels
+    eng = LLMEngine(q, BASE)
     assert eng.executor.runner.fp8.dequant == 8 and eng.executor.runner.fp8.quantized_at_load == 0
     assert all(type(b.attn.qkv) is Fp8PanelLinear for b in eng.executor.runner.model.blocks)  # CPU: 1 byte a weight
 

@@ -1,5 +1,5 @@
-"""The data-free FP8 default (engines/transforms/fp8_scales.py): searched per-channel scales reconstruct each
-row no worse than round-to-nearest's absmax / 448, and `shardserve quantize` writes them in the same format."""
+"""Searched FP8 scales (engines/transforms/fp8_scales.py, `shardserve quantize --scales search`): each row
+reconstructed no worse than with round-to-nearest's absmax / 448, written in the same format."""
 
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ def test_searched_scales_never_reconstruct_worse_than_rtn():
         search_rows(w, "blocks.0.w", importance=torch.ones(5))
 
 
-def test_quantize_cli_default_writes_searched_scales_that_load(llama_dir, tmp_path):
-    """The default file: compressed-tensors FP8 (e4m3 + fp32 (out, 1) per channel), loads as Fp8Linear, and
-    each tensor's reconstruction error is at most --scales absmax's (plain round to nearest)."""
+def test_quantize_cli_scales_search_writes_searched_scales_that_load(llama_dir, tmp_path):
+    """--scales search: compressed-tensors FP8 (e4m3 + fp32 (out, 1) per channel), loads as Fp8Linear, and
+    each tensor's reconstruction error is at most the default's (absmax scales, round to nearest)."""
     runner = CliRunner()
-    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "s")])
+    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "s"), "--scales", "search"])
     assert r.exit_code == 0 and "searched scales, round to nearest" in r.output, r.output
-    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "a"), "--scales", "absmax"])
+    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "a")])
     assert r.exit_code == 0 and "absmax scales, round to nearest" in r.output, r.output
     qc = json.loads((tmp_path / "s" / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel" and qc["ignore"] == ["lm_head"]
@@ -65,5 +65,5 @@ def test_quantize_cli_default_writes_searched_scales_that_load(llama_dir, tmp_pa
     model, _ = load_model(tmp_path / "s")
     assert all(isinstance(b.attn.qkv, Fp8Linear) and isinstance(b.mlp.down, Fp8Linear) for b in model.blocks)
     bad = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), "--scales", "x"])
-    assert bad.exit_code == 2 and "error: --scales: 'x' is not supported; supported: search, absmax" in bad.output
+    assert bad.exit_code == 2 and "error: --scales: 'x' is not supported; supported: absmax, search" in bad.output
     assert not (tmp_path / "b").exists()
