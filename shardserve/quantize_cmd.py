@@ -39,6 +39,9 @@ def quantize(
         "(per output channel, the scale in absmax/448 x [1, 2) whose nearest e4m3 codes give the least squared "
         "error; data-free; measured worse than absmax on SmolLM2-135M, docs/fp8.md). GPTQ (--calibration, "
         "--self-calibrate) keeps absmax scales."),
+    keep_float: str = typer.Option(
+        "", "--keep-float", help="Comma-separated block indices (e.g. 0,2,29) whose Linears stay in the source "
+        "dtype (named in quantization_config.ignore); the rest FP8. More bytes a token, less error."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
@@ -81,6 +84,10 @@ def quantize(
     scales = scales or "absmax"
     if scales not in SCALES:
         raise _fail(f"--scales: {scales!r} is not supported; supported: {', '.join(SCALES)}")
+    try:
+        kept = sorted({int(i) for i in keep_float.split(",") if i.strip()})
+    except ValueError:
+        raise _fail(f"--keep-float: expected comma-separated block indices, got {keep_float!r}") from None
     if calibration_windows < 1:
         raise _fail(f"--calibration-windows: must be >= 1, got {calibration_windows}")
     if calibration_window < 8:
@@ -94,20 +101,24 @@ def quantize(
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         head = None
+        bad = [i for i in kept if not 0 <= i < cfg.n_layer]
+        if bad:
+            raise _fail(f"--keep-float: block indices must be in [0, {cfg.n_layer}), got {bad}")
+        keep = frozenset(f"blocks.{i}.{p}" for i in kept for p in ("attn.qkv", "attn.proj", "mlp.up", "mlp.down"))
         if calibration is None and not self_calibrate:  # data-free: absmax (or searched) scales, nearest codes
             net, cfg = load_model(model, dtype=src_dtype)
-            if scales == "search":
-                _search(net)
+            if scales == "search" or keep:
+                _search(net, keep, scales == "search")
         else:
             wins = (_text_windows(model, calibration, calibration_windows, calibration_window)
                     if calibration is not None else _self_windows(model, calibration_windows, calibration_window, seed))
             # GPTQ's calibration pass and Hessians run in fp32; the file keeps src_dtype either way
             net, cfg = load_model(model, dtype=torch.float32)
-            head = _gptq(net, wins)
+            head = _gptq(net, wins, keep)
         before = _linear_bytes(reader, cfg)
         from engines.loading.checkpoint import save_checkpoint
 
-        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=True, tokenizer_dir=model)
+        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=not keep, tokenizer_dir=model)
         if head is not None:  # GPTQ codes of the LM head, for lm_head_dtype fp8 (a sub-folder: HF / vLLM skip it)
             from engines.transforms.fp8_format import save_fp8_head
 
@@ -133,19 +144,21 @@ def quantize(
                    "See docs/fp8.md.")
 
 
-def _search(net) -> None:
-    """Quantize net's block Linears in place with searched per-channel scales (fp8_scales.search_quantize)."""
+def _search(net, keep: frozenset[str], search: bool) -> None:
+    """Quantize net's block Linears not in `keep` in place: searched per-channel scales
+    (fp8_scales.search_quantize) or, search False, absmax ones (round to nearest)."""
     import torch
 
     from engines.transforms.fp8 import BLOCK_LINEARS
     from engines.transforms.fp8_scales import search_quantize
 
-    n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear))
-    with _progress(n, "scale search", "layer") as bar:
-        search_quantize(net, on_layer=lambda _name: bar.update(1))
+    n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear)
+            and name not in keep)
+    with _progress(n, "scale search" if search else "quantize", "layer") as bar:
+        search_quantize(net, keep, on_layer=lambda _name: bar.update(1), coarse=16 if search else 1)
 
 
-def _gptq(net, wins):
+def _gptq(net, wins, keep: frozenset[str] = frozenset()):
     """Quantize net's block Linears in place with GPTQ on `wins` (n, T) token ids and return GPTQ codes and
     scales of its LM head (for lm_head_dtype fp8: the file keeps the head in the source dtype)."""
     import torch
@@ -155,7 +168,7 @@ def _gptq(net, wins):
 
     n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear))
     with _progress(n + 1, "GPTQ", "layer") as bar:  # the block Linears, then the LM head
-        gptq_quantize(net, wins, on_layer=lambda _name: bar.update(1))
+        gptq_quantize(net, wins, keep, on_layer=lambda _name: bar.update(1))
         head = gptq_head(net, wins)
         bar.update(1)
     return head

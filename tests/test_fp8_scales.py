@@ -67,3 +67,25 @@ def test_quantize_cli_scales_search_writes_searched_scales_that_load(llama_dir, 
     bad = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), "--scales", "x"])
     assert bad.exit_code == 2 and "error: --scales: 'x' is not supported; supported: absmax, search" in bad.output
     assert not (tmp_path / "b").exists()
+
+
+def test_quantize_cli_keep_float_leaves_those_blocks_float_and_names_them(llama_dir, tmp_path):
+    """--keep-float 0: block 0's Linears stay float (in `ignore`, as vLLM needs), the rest are the default's
+    round-to-nearest codes; the file loads; an index out of range is refused by name."""
+    runner = CliRunner()
+    r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "k"), "--keep-float", "0"])
+    assert r.exit_code == 0, r.output
+    qc = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.q_proj" in qc["ignore"] and "model.layers.0.mlp.down_proj" in qc["ignore"]
+    assert not any(".layers.1." in i for i in qc["ignore"])
+    with safe_open(tmp_path / "k" / "model.safetensors", "pt") as k, \
+            safe_open(llama_dir / "model.safetensors", "pt") as src:
+        assert k.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == src.get_tensor(
+            "model.layers.0.mlp.down_proj.weight").dtype
+        name = "model.layers.1.mlp.down_proj.weight"
+        assert torch.equal(k.get_tensor(name).view(torch.uint8), quantize_rows(src.get_tensor(name))[0].view(torch.uint8))
+    model, _ = load_model(tmp_path / "k")
+    assert type(model.blocks[0].mlp.down) is torch.nn.Linear and isinstance(model.blocks[1].mlp.down, Fp8Linear)
+    bad = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), "--keep-float", "9"])
+    assert bad.exit_code == 2 and "error: --keep-float: block indices must be in [0, " in bad.output, bad.output
+    assert not (tmp_path / "b").exists()

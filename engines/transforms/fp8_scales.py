@@ -74,10 +74,11 @@ def search_rows(w: torch.Tensor, name: str = "weight", importance: torch.Tensor 
 
 
 def search_quantize(model: torch.nn.Module, keep: frozenset[str] = frozenset(),
-                    on_layer: Callable[[str], None] | None = None) -> int:
+                    on_layer: Callable[[str], None] | None = None, coarse: int = COARSE_STEPS) -> int:
     """Replace the block Linears of `model` (float) by engines.transforms.fp8.Fp8Linear holding
     search_rows' codes and scales (layers named in `keep` stay float); save_checkpoint then writes a
-    standard FP8 file. `on_layer(name)` is called as each layer is done. Returns the layers quantized."""
+    standard FP8 file. `on_layer(name)` is called as each layer is done; coarse=1 is round-to-nearest's absmax
+    scales. Returns the layers quantized."""
     from engines.transforms.fp8 import BLOCK_LINEARS, Fp8Linear
 
     names = sorted(n for n, m in model.named_modules() if n.endswith(BLOCK_LINEARS) and n not in keep
@@ -85,7 +86,7 @@ def search_quantize(model: torch.nn.Module, keep: frozenset[str] = frozenset(),
     for name in names:
         lin = model.get_submodule(name)
         fp8 = Fp8Linear.quantize(lin, getattr(lin, "comm", None))
-        fp8.weight.data, fp8.weight_scale.data = search_rows(lin.weight, name)
+        fp8.weight.data, fp8.weight_scale.data = search_rows(lin.weight, name, coarse=coarse, fine=0 if coarse == 1 else FINE_STEPS)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, fp8)
         if on_layer is not None:
