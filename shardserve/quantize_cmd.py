@@ -126,13 +126,16 @@ def quantize(
     except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     after = _linear_bytes(TensorReader(out), cfg)
-    n = sum(len(sources) for name, sources in weight_plan(cfg).items() if name.endswith(QUANTIZABLE))
+    n = sum(len(sources) for name, sources in weight_plan(cfg).items()
+            if name.endswith(QUANTIZABLE) and name.removesuffix(".weight") not in keep)
     total_in = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     how = (f"GPTQ on {calibration}" if calibration is not None else
            f"GPTQ on {calibration_windows} x {calibration_window} tokens the model wrote itself (seed {seed})"
            if self_calibrate else "searched scales, round to nearest" if scales == "search" else
            "absmax scales, round to nearest")
+    if keep:
+        how += f"; blocks {','.join(map(str, kept))} kept float"
     typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales, {how}), the rest kept in "
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "

@@ -74,7 +74,8 @@ def test_quantize_cli_keep_float_leaves_those_blocks_float_and_names_them(llama_
     round-to-nearest codes; the file loads; an index out of range is refused by name."""
     runner = CliRunner()
     r = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "k"), "--keep-float", "0"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 0 and "blocks 0 kept float" in r.output, r.output
+    assert "quantized 7 Linear layers" in r.output, r.output  # 2 blocks x 7 HF Linears, block 0 kept
     qc = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.self_attn.q_proj" in qc["ignore"] and "model.layers.0.mlp.down_proj" in qc["ignore"]
     assert not any(".layers.1." in i for i in qc["ignore"])
