@@ -7,7 +7,8 @@ Prints one table:
     `shardserve data` splits it, decoded back to text and tokenized with SmolLM2's tokenizer):
     ours (engine prompt logprobs) vs transformers' own GGUF-loaded model, fp32 (target 0.1%) and
     bf16 (target 1%); our TP=3 (its 9 heads refuse TP=2), PP=2 and FP8 (`shardserve quantize` as a user
-    runs it: round to nearest) vs our bf16 (target 1%); `--only fp8` also scores GPTQ on text the model
+    runs it: round to nearest) vs our bf16 (target 1%); `--only fp8` also scores `--scales search` (searched
+    per-channel scales, data-free) and, unless --no-gptq, GPTQ on text the model
     writes itself (`--self-calibrate`, data-free) and on the training split's text (`--calibration`, never
     the validation text), each with and without the GPTQ FP8 head, and prints each file's weight bytes
     and how long `shardserve quantize` took;
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_quality")
     ap.add_argument("--only", choices=("all", "fp8"), default="all",
                     help="fp8: only our bf16 and FP8 perplexity rows (the quantizer's cost), re-quantizing")
+    ap.add_argument("--no-gptq", action="store_true",
+                    help="with --only fp8: only the data-free rows (default, --scales search), no GPTQ files")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -223,25 +226,30 @@ def main() -> None:
 
 
 def fp8_only(args, dirs: dict[str, Path], fp8: Path, fp8_seconds: float, ours_tk, t0: float) -> None:
-    """`--only fp8`: our bf16 and FP8 perplexity on the same windows: the default file (round to nearest), GPTQ
+    """`--only fp8`: our bf16 and FP8 perplexity on the same windows: the default file (round to nearest), searched
+    per-channel scales (--scales search), and (unless --no-gptq) GPTQ
     on text the model wrote itself (--self-calibrate), GPTQ on the training split's text (--calibration), the
     GPTQ files also with their FP8 head; their ratios, the weight bytes of each file and the quantizer's seconds."""
     val_ids = ours_tk.encode(validation_text(shakespeare_texts()))
     windows = [val_ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
-    own, text = args.work / "smollm2-fp8-self", args.work / "smollm2-fp8-text"
+    own, text, srch = (args.work / f"smollm2-fp8-{k}" for k in ("self", "text", "search"))
     calibration = args.work / "calibration.txt"
     calibration.write_text(training_text(shakespeare_texts()), encoding="utf-8")
-    seconds = {"default": fp8_seconds, "self": quantize(dirs["bf16"], own, "--self-calibrate"),
-               "text": quantize(dirs["bf16"], text, "--calibration", str(calibration))}
+    seconds = {"default": fp8_seconds, "search": quantize(dirs["bf16"], srch, "--scales", "search")}
+    rows = [("ours bf16", dirs["fp32"], dirs["bf16"], "auto", None),
+            ("FP8 default (round to nearest)", fp8, fp8, "auto", "default"),
+            ("FP8 --scales search", srch, srch, "auto", "search")]
+    if not args.no_gptq:
+        seconds |= {"self": quantize(dirs["bf16"], own, "--self-calibrate"),
+                    "text": quantize(dirs["bf16"], text, "--calibration", str(calibration))}
+        rows += [("FP8 GPTQ --self-calibrate", own, own, "auto", "self"),
+                 ("FP8 GPTQ self + FP8 head", own, own, "fp8", "self"),
+                 ("FP8 GPTQ on training text", text, text, "auto", "text"),
+                 ("FP8 GPTQ text + FP8 head", text, text, "fp8", "text")]
     ppl, size, secs = {}, {}, {}
     # the bf16 row runs the fp32 import in bf16 (as the full table does); its bytes are the bf16 file's;
     # "+ FP8 head" rows also run the logits through the GPTQ e4m3 head the quantizer wrote (lm_head_dtype fp8)
-    for label, d, f, head, q in (("ours bf16", dirs["fp32"], dirs["bf16"], "auto", None),
-                                 ("FP8 default (round to nearest)", fp8, fp8, "auto", "default"),
-                                 ("FP8 GPTQ --self-calibrate", own, own, "auto", "self"),
-                                 ("FP8 GPTQ self + FP8 head", own, own, "fp8", "self"),
-                                 ("FP8 GPTQ on training text", text, text, "auto", "text"),
-                                 ("FP8 GPTQ text + FP8 head", text, text, "fp8", "text")):
+    for label, d, f, head, q in rows:
         nll, n = engine_nll(d, windows, dtype="bfloat16", lm_head_dtype=head)
         ppl[label], size[label], secs[label] = math.exp(nll / n), weight_bytes(f), seconds.get(q)
     delta = {k: 100 * (v / ppl["ours bf16"] - 1) for k, v in ppl.items()}
@@ -258,8 +266,8 @@ def fp8_only(args, dirs: dict[str, Path], fp8: Path, fp8_seconds: float, ours_tk
         q = f"{secs[label]:7.1f} s" if secs[label] is not None else ""
         print(f"{label:30s} {v:9.4f} {delta[label]:+8.3f}% {lin:>12,} {lin / lin0:5.3f}x {tot:>11,} {tot / tot0:5.3f}x "
               f"{q:>9s}")
-    print(f"`shardserve quantize` (default) vs ours bf16: {delta['FP8 default (round to nearest)']:+.3f}%; "
-          f"--self-calibrate {delta['FP8 GPTQ --self-calibrate']:+.3f}% (target <= 1%)  ({time.time() - t0:.1f} s)")
+    print(f"`shardserve quantize` (default) vs ours bf16: {delta['FP8 default (round to nearest)']:+.3f}% "
+          f"(target <= 1%); --scales search {delta['FP8 --scales search']:+.3f}%  ({time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

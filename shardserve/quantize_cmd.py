@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 
 FORMATS = ("fp8",)
+SCALES = ("absmax", "search")
+"""--scales: how the data-free default picks each output channel's scale (engines/transforms/fp8_scales.py)."""
 
 eval_app = typer.Typer(help="Evaluate a checkpoint.", no_args_is_help=True)
 
@@ -32,13 +34,23 @@ def quantize(
         16, help="Calibration windows: spread over the --calibration file, or sequences the model writes."),
     calibration_window: int = typer.Option(256, help="Tokens per calibration window (at most the model's context)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-written calibration text (--self-calibrate)."),
+    scales: str | None = typer.Option(
+        None, "--scales", help="Without calibration: absmax (default: absmax/448, round to nearest) | search "
+        "(per output channel, the scale in absmax/448 x [1, 2) whose nearest e4m3 codes give the least squared "
+        "error; data-free; measured worse than absmax on SmolLM2-135M, docs/fp8.md). GPTQ (--calibration, "
+        "--self-calibrate) keeps absmax scales."),
+    keep_float: str = typer.Option(
+        "", "--keep-float", help="Comma-separated block indices (e.g. 0,2,29) whose Linears stay in the source "
+        "dtype (named in quantization_config.ignore); the rest FP8. More bytes a token, less error."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
     fp8: e4m3 weights with one fp32 scale per output channel (absmax / 448), stored in the
     compressed-tensors "float-quantized" layout with dynamic per-token activations (FP8 dynamic);
-    embeddings, norms and the LM head keep the source dtype. Each weight is rounded to nearest unless
-    GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
+    embeddings, norms and the LM head keep the source dtype. By default each weight is rounded to nearest
+    on its row's absmax / 448; --scales search (data-free) picks each output channel's scale instead
+    (engines/transforms/fp8_scales.py: the one of 24 in absmax/448 x [1, 2) whose nearest codes
+    reconstruct the row best). GPTQ (engines/transforms/fp8_gptq.py) chooses the e4m3 codes on calibration inputs: --calibration
     TEXT, or --self-calibrate (data-free: --calibration-windows sequences of --calibration-window tokens
     the model writes itself from a random first token, seeded by --seed; engines/transforms/fp8_selfcal.py);
     same scales and file layout, smaller output error on text like the calibration's. With GPTQ the codes
@@ -66,6 +78,16 @@ def quantize(
     if self_calibrate and calibration is not None:
         raise _fail("--self-calibrate: the model writes its own calibration text; give --self-calibrate or "
                     "--calibration, not both")
+    if scales is not None and (calibration is not None or self_calibrate):
+        raise _fail("--scales: applies without calibration; GPTQ (--calibration, --self-calibrate) keeps absmax "
+                    "scales")
+    scales = scales or "absmax"
+    if scales not in SCALES:
+        raise _fail(f"--scales: {scales!r} is not supported; supported: {', '.join(SCALES)}")
+    try:
+        kept = sorted({int(i) for i in keep_float.split(",") if i.strip()})
+    except ValueError:
+        raise _fail(f"--keep-float: expected comma-separated block indices, got {keep_float!r}") from None
     if calibration_windows < 1:
         raise _fail(f"--calibration-windows: must be >= 1, got {calibration_windows}")
     if calibration_window < 8:
@@ -79,18 +101,24 @@ def quantize(
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         head = None
-        if calibration is None and not self_calibrate:  # round to nearest
+        bad = [i for i in kept if not 0 <= i < cfg.n_layer]
+        if bad:
+            raise _fail(f"--keep-float: block indices must be in [0, {cfg.n_layer}), got {bad}")
+        keep = frozenset(f"blocks.{i}.{p}" for i in kept for p in ("attn.qkv", "attn.proj", "mlp.up", "mlp.down"))
+        if calibration is None and not self_calibrate:  # data-free: absmax (or searched) scales, nearest codes
             net, cfg = load_model(model, dtype=src_dtype)
+            if scales == "search" or keep:
+                _search(net, keep, scales == "search")
         else:
             wins = (_text_windows(model, calibration, calibration_windows, calibration_window)
                     if calibration is not None else _self_windows(model, calibration_windows, calibration_window, seed))
             # GPTQ's calibration pass and Hessians run in fp32; the file keeps src_dtype either way
             net, cfg = load_model(model, dtype=torch.float32)
-            head = _gptq(net, wins)
+            head = _gptq(net, wins, keep)
         before = _linear_bytes(reader, cfg)
         from engines.loading.checkpoint import save_checkpoint
 
-        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=True, tokenizer_dir=model)
+        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=not keep, tokenizer_dir=model)
         if head is not None:  # GPTQ codes of the LM head, for lm_head_dtype fp8 (a sub-folder: HF / vLLM skip it)
             from engines.transforms.fp8_format import save_fp8_head
 
@@ -98,12 +126,16 @@ def quantize(
     except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     after = _linear_bytes(TensorReader(out), cfg)
-    n = sum(len(sources) for name, sources in weight_plan(cfg).items() if name.endswith(QUANTIZABLE))
+    n = sum(len(sources) for name, sources in weight_plan(cfg).items()
+            if name.endswith(QUANTIZABLE) and name.removesuffix(".weight") not in keep)
     total_in = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     total_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     how = (f"GPTQ on {calibration}" if calibration is not None else
            f"GPTQ on {calibration_windows} x {calibration_window} tokens the model wrote itself (seed {seed})"
-           if self_calibrate else "round to nearest")
+           if self_calibrate else "searched scales, round to nearest" if scales == "search" else
+           "absmax scales, round to nearest")
+    if keep:
+        how += f"; blocks {','.join(map(str, kept))} kept float"
     typer.echo(f"quantized {n} Linear layers to FP8 e4m3 (per-channel fp32 scales, {how}), the rest kept in "
                f"{str(src_dtype).removeprefix('torch.')} -> {out}")
     typer.echo(f"quantized layers: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x); "
@@ -115,7 +147,21 @@ def quantize(
                    "See docs/fp8.md.")
 
 
-def _gptq(net, wins):
+def _search(net, keep: frozenset[str], search: bool) -> None:
+    """Quantize net's block Linears not in `keep` in place: searched per-channel scales
+    (fp8_scales.search_quantize) or, search False, absmax ones (round to nearest)."""
+    import torch
+
+    from engines.transforms.fp8 import BLOCK_LINEARS
+    from engines.transforms.fp8_scales import search_quantize
+
+    n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear)
+            and name not in keep)
+    with _progress(n, "scale search" if search else "quantize", "layer") as bar:
+        search_quantize(net, keep, on_layer=lambda _name: bar.update(1), coarse=16 if search else 1)
+
+
+def _gptq(net, wins, keep: frozenset[str] = frozenset()):
     """Quantize net's block Linears in place with GPTQ on `wins` (n, T) token ids and return GPTQ codes and
     scales of its LM head (for lm_head_dtype fp8: the file keeps the head in the source dtype)."""
     import torch
@@ -125,7 +171,7 @@ def _gptq(net, wins):
 
     n = sum(1 for name, m in net.named_modules() if name.endswith(BLOCK_LINEARS) and isinstance(m, torch.nn.Linear))
     with _progress(n + 1, "GPTQ", "layer") as bar:  # the block Linears, then the LM head
-        gptq_quantize(net, wins, on_layer=lambda _name: bar.update(1))
+        gptq_quantize(net, wins, keep, on_layer=lambda _name: bar.update(1))
         head = gptq_head(net, wins)
         bar.update(1)
     return head

@@ -116,7 +116,8 @@ def test_self_generated_calibration_is_seeded_and_starts_from_ordinary_tokens(ll
 
 def test_quantize_cli_self_calibrate_is_gptq_on_self_written_text_and_the_default_rtn(llama_dir, tmp_path):
     """--self-calibrate: GPTQ codes (on text the model wrote) with the LM head's beside; no calibration option:
-    round-to-nearest codes and no head folder; contradictory or empty options are refused by name."""
+    round-to-nearest codes on absmax scales and no head folder; contradictory or empty options are refused by
+    name."""
     from safetensors import safe_open
     from typer.testing import CliRunner
 
@@ -126,7 +127,7 @@ def test_quantize_cli_self_calibrate_is_gptq_on_self_written_text_and_the_defaul
     r = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), *small])
     assert r.exit_code == 0 and "GPTQ on 2 x 32 tokens the model wrote itself (seed 0)" in r.output, r.output
     r = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "r")])
-    assert r.exit_code == 0 and "round to nearest" in r.output, r.output
+    assert r.exit_code == 0 and "absmax scales, round to nearest" in r.output, r.output
     k = "model.layers.0.self_attn.o_proj.weight"
     with safe_open(tmp_path / "g" / "model.safetensors", "pt") as g, \
             safe_open(tmp_path / "r" / "model.safetensors", "pt") as rt, \
@@ -136,6 +137,7 @@ def test_quantize_cli_self_calibrate_is_gptq_on_self_written_text_and_the_defaul
         assert not torch.equal(g.get_tensor(k).view(torch.uint8), rtn_q)
     assert (tmp_path / "g" / "fp8_head").is_dir() and not (tmp_path / "r" / "fp8_head").exists()
     for args, field in ((["--self-calibrate", "--calibration", str(tmp_path / "t.txt")], "--self-calibrate"),
+                        (["--self-calibrate", "--scales", "search"], "--scales"),
                         (["--calibration-windows", "0"], "--calibration-windows"),
                         (["--calibration-window", "4"], "--calibration-window")):
         bad = CliRunner().invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), *args])

@@ -16,7 +16,8 @@ step), how each layer runs:
   and re-reads 2 per weight, so it is always slower than reading the 2 bytes once.
 
 `weight_dtype="fp8"` on a checkpoint that is not quantized quantizes the same layers at load
-(per-channel absmax, as `shardserve quantize` does), so a bf16 file can be served as FP8.
+(per-channel absmax / 448, as `shardserve quantize` does by default), so a bf16 file can be served as
+FP8.
 Tensor parallel shards carry their slices: a column-parallel layer keeps the scales of its rows,
 a row-parallel one keeps all its output channels' scales and all-reduces after the matmul.
 """

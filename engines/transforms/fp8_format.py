@@ -3,7 +3,9 @@
 The scheme is the one transformers (with the `compressed-tensors` package) and vLLM read as
 "FP8 dynamic": every Linear of the blocks stores `<name>.weight` as F8_E4M3 (out, in) and
 `<name>.weight_scale` as fp32 (out, 1), one scale per output channel, with
-    weight ~= weight_fp8.float() * weight_scale,   weight_scale = absmax(row) / 448.
+    weight ~= weight_fp8.float() * weight_scale,   weight_scale = absmax(row) / 448 (quantize_rows)
+or, with `shardserve quantize --scales search`, the scale in absmax(row) / 448 x [1, 2) whose nearest codes
+reconstruct the row best (engines/transforms/fp8_scales.py); readers take any positive fp32 scale.
 Activations are quantized on the fly, one scale per token, by the engine that runs the file.
 Embeddings, norms and the LM head stay in the source dtype (`ignore: ["lm_head"]`, plus any block
 Linear a model keeps in float). `shardserve quantize --calibration TEXT` keeps these scales and this
