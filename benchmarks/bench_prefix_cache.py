@@ -17,6 +17,15 @@ blocks); the configurations alternate (off, on, off, on, ...) so that a noisy ne
 both alike; the best repeat of each is reported. Prints a markdown table with the ratios; the raw
 figures go to runs/bench_prefix_cache.json.
 
+--lockstep runs workload (b) differently: both configurations as two engines in one process, fed
+the same requests and stepped alternately (one step of each, which goes first swapped every step),
+so a load that drifts hits both alike; each repeat is one more burst on the same two engines (from
+the second on, the caching engine's free blocks are mostly cached ones: a server whose cache has
+filled, still with no hit). It reports, per burst, each engine's output tok/s over its own step
+time and the median of the per-step on/off time ratios (the two engines take the same steps), and
+the on/off ratio of the CPU time the stepping thread used: with --threads 1 that is the whole step's
+work, and it does not count the time the thread waited for a core (on a loaded host, most of it).
+
 --model smollm2 runs the real default model (models/smollm2, `shardserve fetch-default`), whose
 2,048+ positions fit the chat prompts as they are. --vllm also runs workload (a) on vLLM's CPU
 build (.vllm-venv, made by bench_peer_vllm.py) with its prefix caching on, `VLLM_CPU_OMP_THREADS_BIND`
@@ -143,6 +152,48 @@ def run_config(model_dir: Path, cfg: EngineConfig, workloads: dict, repeat: int,
         engine.shutdown()
 
 
+def lockstep(model_dir: Path, cfg: EngineConfig, prompts_of, max_tokens: int, bursts: int, vocab: int) -> list[dict]:
+    """Workload (b) on a caching-off and a caching-on engine stepped alternately in one process (--lockstep)."""
+    from engines.core.llm_engine import LLMEngine
+
+    engines = {c: LLMEngine(model_dir, cfg.replace(enable_prefix_caching=c)) for c in (False, True)}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out, k = [], 0
+    for b in range(-1, bursts):  # burst -1: the warm-up (load-time work out of the way)
+        prompts = distinct_prompts(999, 4, 64, vocab) if b < 0 else prompts_of(b)
+        for c, e in engines.items():
+            for i, p in enumerate(prompts):
+                e.add_request(f"d{b}-{i}", p, params if b >= 0 else params.replace(max_tokens=8))
+        steps: dict[bool, list[float]] = {False: [], True: []}
+        cpu: dict[bool, float] = {False: 0.0, True: 0.0}  # this thread's CPU seconds: all of a step at --threads 1
+        load0 = os.getloadavg()[0]
+        while any(e.has_unfinished_requests() for e in engines.values()):
+            for c in ((False, True) if k % 2 == 0 else (True, False)):
+                if engines[c].has_unfinished_requests():
+                    t, tc = time.perf_counter(), time.thread_time()
+                    engines[c].step()
+                    steps[c].append(time.perf_counter() - t)
+                    cpu[c] += time.thread_time() - tc
+            k += 1
+        if b < 0:
+            continue
+        tokens = len(prompts) * max_tokens
+        pair = [on / off for off, on in zip(steps[False], steps[True])]
+        q = statistics.quantiles(pair, n=4)
+        res = {"burst": b, "steps_off": len(steps[False]), "steps_on": len(steps[True]),
+               "off_tok_s": tokens / sum(steps[False]), "on_tok_s": tokens / sum(steps[True]),
+               "step_ratio_median": statistics.median(pair), "step_ratio_q1": q[0], "step_ratio_q3": q[2],
+               "cpu_on_off": cpu[True] / cpu[False], "load": (load0, os.getloadavg()[0]),
+               "hit_tokens": engines[True].scheduler.blocks.hit_tokens}
+        res["on_off"] = res["on_tok_s"] / res["off_tok_s"]
+        print("  lockstep " + ", ".join(f"{k_}={v}" if not isinstance(v, float) else f"{k_}={v:.3f}"
+                                        for k_, v in res.items()), flush=True)
+        out.append(res)
+    for e in engines.values():
+        e.shutdown()
+    return out
+
+
 def best(runs: list[dict]) -> dict:
     return {"ttft_p50_s": min(r["ttft_p50_s"] for r in runs), "ttft_p90_s": min(r["ttft_p90_s"] for r in runs),
             "output_tok_s": max(r["output_tok_s"] for r in runs), "hit_rate": runs[-1]["hit_rate"]}
@@ -156,6 +207,10 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2", help="gpt2 (the GPT-2-124M shape, 2,048 positions), smollm2, or a dir")
     ap.add_argument("--workloads", default="chat,distinct", help="comma list of chat (a), distinct (b)")
     ap.add_argument("--vllm", action="store_true", help="also run workload (a) on vLLM with its prefix caching on")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="workload (b) only, off and on stepped alternately in one process, a burst per repeat")
+    ap.add_argument("--threads", type=int, default=0, help="EngineConfig.worker_threads (0: the engine's adaptive choice)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens of workload (b)")
     args = ap.parse_args()
     n = 16 if args.quick else 64
     model_dir = {"gpt2": gpt2_124m_2k_dir, "smollm2": lambda: ROOT / "models" / "smollm2"}.get(
@@ -166,16 +221,31 @@ def main() -> None:
     vocab = min(VOCAB, model.vocab_size)
     workloads = {
         "chat": (lambda r: chat_prompts(r, n, 1000, 40, vocab), 64),
-        "distinct": (lambda r: distinct_prompts(1000 + r, n, 512, vocab), 64),
+        "distinct": (lambda r: distinct_prompts(1000 + r, n, 512, vocab), args.max_tokens),
     }
     chosen = args.workloads.split(",")
     if not chosen or any(w not in workloads for w in chosen):
         ap.error(f"--workloads: a comma list of chat, distinct; got {args.workloads!r}")
     workloads = {w: workloads[w] for w in chosen}
     # KV for every uncached token of the larger burst, so both configurations run all at once
-    base = EngineConfig(dtype=args.dtype, max_num_seqs=64)
+    base = EngineConfig(dtype=args.dtype, max_num_seqs=64, worker_threads=args.threads)
     per_block = kv_bytes_per_block(model, base)
     blocks = n * -(-(1040 + 64) // base.block_size) + 64
+    if args.lockstep:
+        host = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores"
+        runs = lockstep(model_dir, base.replace(kv_cache_bytes=blocks * per_block), workloads["distinct"][0],
+                        args.max_tokens, args.repeats, vocab)
+        print(f"\n{model_dir.name}, {host}, threads {args.threads or 'adaptive'}; {n} distinct 512-token prompts, "
+              f"{args.max_tokens} out, lockstep\n\n| burst | off tok/s | on tok/s | on/off | per-step on/off median (IQR) "
+              "| CPU time on/off | load (1 min) |\n|---|---|---|---|---|---|---|")
+        for r in runs:
+            print(f"| {r['burst']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['on_off']:.3f}x | "
+                  f"{r['step_ratio_median']:.3f} ({r['step_ratio_q1']:.3f}-{r['step_ratio_q3']:.3f}) | "
+                  f"{r['cpu_on_off']:.3f}x | "
+                  f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
+        (ROOT / "runs").mkdir(exist_ok=True)
+        (ROOT / "runs" / "bench_prefix_lockstep.json").write_text(json.dumps(runs, indent=1))
+        return
     results: dict = {}
     dtype = base.dtype
     for r in range(args.repeats):

@@ -89,15 +89,33 @@ def test_eviction_is_least_recently_released_first_and_tail_first():
     assert c.block_ids[0] == b_blocks[0]
     bm.free(c)
     assert list(bm._evictable)[-1] == b_blocks[0]
-    # empty blocks go before any cached one: 8 blocks, 5 cached + c's own released one (uncached)
+    # no empty run holds d (it expects 4 blocks; the 3 empty ones are scattered): one run instead, the
+    # least recently released cached block (a's deepest) and the unheld blocks before it, in order
     d = seq(3, [9] * 10)
-    bm.allocate(d, 10)  # needs 3: the 3 empty blocks (c's second block among them)
-    assert bm.num_cached == 5 and not set(d.block_ids) & set(a_blocks + b_blocks)
-    e = seq(4, [8] * 7)
-    bm.allocate(e, 7)  # needs 2: the two least recently released, a's last two blocks
-    assert e.block_ids == [a_blocks[2], a_blocks[1]]
-    assert bm.num_cached == 3
-    assert bm.match(seq(5, list(range(100, 113)))) == a_blocks[:1]  # a's first block survived
+    bm.allocate(d, 10)
+    assert d.block_ids == sorted(a_blocks) and bm.num_cached == 2
+    assert bm.match(seq(5, list(range(200, 209)))) == b_blocks  # b's blocks, released later, survived
+    # an empty run that holds a sequence is taken before any cached block
+    e = seq(4, [8] * 3)
+    bm.allocate(e, 3)
+    assert bm.num_cached == 2 and not set(e.block_ids) & set(b_blocks)
+
+
+def test_a_full_cache_still_places_each_sequence_in_one_run():
+    # rounds of distinct prompts (nothing hits): from the third round no block is empty, every
+    # free one is cached; taking the least recently released one at a time split each sequence
+    # into one run per block (descending ids), which attention reads piece by piece
+    bm = BlockManager(num_blocks=40, block_size=BS)
+    for r in range(5):
+        seqs = [computed(bm, seq(10 * r + i, [1000 * r + 100 * i + t for t in range(12)])) for i in range(3)]
+        for s in seqs:
+            bm.allocate(s, 16)  # grows by its 4 output tokens
+            assert s.block_ids == list(range(s.block_ids[0], s.block_ids[0] + 4)), (r, s.block_ids)
+        for s in seqs:
+            s.num_computed = 16
+            bm.cache_computed(s)
+            bm.free(s)
+    assert bm.num_cached == 40 and bm.num_free == 40
 
 
 def _tokens(plan) -> StepResult:
