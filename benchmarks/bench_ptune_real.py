@@ -35,7 +35,8 @@ optimizer update, for both; validation passes are outside it (reported apart as 
 Time to accuracy: both trainers are validated after the same steps (every --eval-every). The target
 is PEFT's best validation accuracy in the final run, a_P. For each trainer, T = its training
 seconds at the first validation pass with accuracy >= a_P; the ratio is T_ours / T_PEFT (target
-<= 0.5x). Undefined when a_P = 0; "never" when ours does not reach a_P. The best state (lowest
+<= 0.5x). Undefined when a_P = 0; "never" when ours does not reach a_P. Secondary (defined when a_P = 0 too):
+the same with PEFT's best validation loss L_P as the target (first pass with loss <= L_P). The best state (lowest
 validation loss) of each trainer is the one scored on the test split.
 
 Test accuracy: all three through the same serving engine (engines.LLM, greedy, <= 16 tokens; ours and
@@ -268,6 +269,11 @@ def time_to(evals: list[dict], acc: float) -> float | None:
     return next((e["train_s"] for e in evals if e["val_accuracy"] >= acc - 1e-9), None)
 
 
+def time_to_loss(evals: list[dict], loss: float) -> float | None:
+    """Training seconds at the first validation pass with loss <= loss (None: never)."""
+    return next((e["train_s"] for e in evals if e["val_loss"] <= loss + 1e-9), None)
+
+
 def pick(runs: dict[float, list[dict]]) -> float:
     """The rate whose run reached the highest validation accuracy (ties: the lower validation loss)."""
     return max(runs, key=lambda lr: max((e["val_accuracy"], -e["val_loss"]) for e in runs[lr]))
@@ -361,6 +367,8 @@ def main() -> None:
         ours.close()
         a_p = max(e["val_accuracy"] for e in ev["peft"])
         t_o, t_p = time_to(ev["ours"], a_p), time_to(ev["peft"], a_p)
+        l_p = min(e["val_loss"] for e in ev["peft"])  # the secondary target: PEFT's best validation loss
+        tl_o, tl_p = time_to_loss(ev["ours"], l_p), time_to_loss(ev["peft"], l_p)
         # the test split, once: each trainer's best state (lowest validation loss) through the engine
         write_task_dir(work / "ours" / task, task, ours.best[1], base_model=str(model), peft_type="PREFIX_TUNING",
                        shape=ModelShape.of(td.cfg), meta={**base_model_hashes(model), "template": CHATML})
@@ -378,6 +386,7 @@ def main() -> None:
         results[task] = {"lr": {"ours": lr_o, "peft": lr_p}, "sweep": {k: {str(lr): e for lr, e in v.items()}
                                                                      for k, v in sweep.items()},
                          "final": ev, "peft_best_val_acc": a_p, "time_to": {"ours": t_o, "peft": t_p},
+                         "peft_best_val_loss": l_p, "time_to_loss": {"ours": tl_o, "peft": tl_p},
                          "test": test_scores, "n": {"train": len(train), "val": len(val), "test": len(test)},
                          "in_context_examples": n_examples, "in_context_tokens": len(prefix),
                          "load_end": os.getloadavg()}
@@ -387,8 +396,9 @@ def main() -> None:
              (f"model: {model}; N = {args.virtual_tokens}; final {args.steps} steps of batch {args.batch}, "
               f"validation every {args.eval_every} on {args.n_val}; sweep {args.sweep_steps} steps a rate"), "",
              ("| task | test n | ours | PEFT | in-context (examples) | ours - PEFT (>= 0) | ours - in-context (>= +20) "
-              "| lr ours / PEFT | PEFT best val acc | train s to it, ours / PEFT (<= 0.5x) |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+              "| lr ours / PEFT | PEFT best val acc | train s to it, ours / PEFT (<= 0.5x) "
+              "| train s to PEFT's best val loss, ours / PEFT |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ok = lambda c: "met" if c else "MISSED"
     for task, r in results.items():
         t = {k: v["named"] for k, v in r["test"].items()}
@@ -397,12 +407,15 @@ def main() -> None:
         ratio = ("n/a: PEFT's val acc stayed 0" if r["peft_best_val_acc"] <= 0 else
                  f"ours never reached it (PEFT {tp:.0f} s)" if to is None else
                  f"{to:.0f} / {tp:.0f} s = **{to / tp:.2f}x** ({ok(to / tp <= 0.5)})")
+        lo, lp = r["time_to_loss"]["ours"], r["time_to_loss"]["peft"]
+        lratio = (f"{r['peft_best_val_loss']:.2f}: ours never" if lo is None else
+                  f"{r['peft_best_val_loss']:.2f}: {lo:.0f} / {lp:.0f} s = {lo / lp:.2f}x")
         lines.append(
             f"| {task} | {r['n']['test']} | {t['ours']:.1%} ({ex['ours']:.1%}) | {t['peft']:.1%} ({ex['peft']:.1%}) "
             f"| {t['in_context']:.1%} ({ex['in_context']:.1%}; {r['in_context_examples']}) "
             f"| {100 * (t['ours'] - t['peft']):+.1f} ({ok(t['ours'] >= t['peft'])}) "
             f"| {100 * (t['ours'] - t['in_context']):+.1f} ({ok(t['ours'] - t['in_context'] >= 0.2)}) "
-            f"| {r['lr']['ours']:g} / {r['lr']['peft']:g} | {r['peft_best_val_acc']:.1%} | {ratio} |")
+            f"| {r['lr']['ours']:g} / {r['lr']['peft']:g} | {r['peft_best_val_acc']:.1%} | {ratio} | {lratio} |")
     log("\n" + "\n".join(lines))
     (work / "table.md").write_text("\n".join(lines) + "\n")
     log(f"raw output: {work}")
