@@ -1,47 +1,57 @@
 """P-tuning on a real base against the anchors (issue 39): ours vs PEFT's own trainer vs in-context.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_ptune_real.py [--model models/smollm2] [--tasks play] [--steps 12]
+    PYTHONPATH=$PWD nice -n 5 .venv/bin/python benchmarks/bench_ptune_real.py --model models/smollm2 \
+        [--tasks play,next_speaker] [--sweep-steps 20] [--steps 60] [--ours-lrs 0.01,0.03,0.1] \
+        [--peft-lrs 1e-3,3e-3,1e-2]
 
 Tasks: training/ptune_tasks.py's "which play" (5 plays) and "who speaks next" (2 named candidates),
-with its fixed hash split (80/10/10 by SHA-256 of each example). Every trainer sees the whole train
-split; validation (model selection, time-to-accuracy) uses a fixed stride subset of the val split
-(--n-val); the test split's fixed stride subset (--n-test, every k-th example, so every play is in it)
-is scored once, at the end.
+with its fixed hash split (80/10/10 by SHA-256 of each example). Every trainer draws its batches
+from the whole train split; validation (lr choice, best-state selection, time to accuracy) uses a
+fixed stride subset of the val split (--n-val); the test split's stride subset (--n-test, every k-th
+example, so every play is in it) is scored ONCE, after the final run.
 
-    ours       training.ptune.train_task (the code a REST job runs) with the recipe's defaults
-               (P-tuning v2: the N virtual tokens' keys/values in every layer, started from the
-               instruction's text; choice loss) but a peak rate of 0.03 (--ours-lr), the same N,
-               step budget, batch and precision.
-    PEFT       peft.get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), PromptEncoderConfig(
-               P_TUNING, MLP encoder)), PEFT's usual loop (AdamW, linear warm-up/decay, loss on the
-               answer tokens), the same batches in the same order, best state by validation loss.
+    ours       training.ptune.Trainer, the step train_task (and so a REST job) runs: P-tuning v2 (the
+               N virtual tokens' keys/values in every layer, started from the task instruction's text),
+               the choice loss, warm-up then cosine decay.
+    PEFT       peft.get_peft_model(AutoModelForCausalLM, PromptEncoderConfig(P_TUNING, MLP encoder)),
+               PEFT's usual loop: AdamW, linear warm-up then linear decay, loss on the answer tokens
+               (its examples tokenized once, as a datasets.map would; each step pads its batch).
     in-context the frozen model, a hand-written instruction plus as many training examples (as chat
                turns) as fit in N tokens: the same prompt budget as the N virtual tokens.
 
-Accuracy (test): all three through the same serving engine (engines.LLM, greedy, <= 16 tokens; ours
-and PEFT's selected prompt loaded as tasks, PEFT's as its P_TUNING table): the answer names the right
-candidate and no other (in brackets: exactly the label, then EOS). results.json also holds PEFT's
-teacher-forced exact match in its own forward, a check of the engine path. Validation accuracy (both
-trainers): teacher-forced exact match of label + EOS. Time to accuracy: training seconds (evaluations
-included, model load excluded) until the first validation pass at or above PEFT's selected validation
-accuracy. Both trainers run in this process, one after the other, with the same torch thread count
-and dtype (fp32 by default: this CPU lacks native bf16).
-Raw output (per-step logs, the table) goes to runs/bench_ptune_real/.
+Fairness: one process, one torch thread count, fp32; the same N, batch, step budget and warm-up
+length; both trainers take turns step by step on THE SAME batches (train[rng.randrange], seed 0), so
+a load change on the shared host hits both alike.
 
-Budget: the defaults (N = 32, 12 steps of batch 8, validation every 4 steps on 24 examples, 80 test
-examples) were sized for ~15 min on 2 cores; one training step of batch 8 on SmolLM2-135M in fp32
-measured 4-7 s at load ~7 and ~60 s at load 15-18 on the shared 2-core host, so timings there are noisy.
-`--tasks play` and `--tasks next_speaker` may run as two processes (each writes its own table).
+Learning rates: for each trainer, --sweep-steps steps at each rate of its grid (ours' rate i and
+PEFT's rate i run interleaved), validation every --eval-every steps; the rate with the highest best
+validation accuracy wins (ties: the lower validation loss). The test split is not touched.
+--random-init-arm adds a sweep run of ours at its middle rate from random vocabulary embeddings
+instead of the text (PEFT's SAMPLE_VOCAB): what the text init buys.
+
+Clock ("training seconds"): the sum over optimizer steps of collation + forward + backward +
+optimizer update, for both; validation passes are outside it (reported apart as eval s).
+
+Time to accuracy: both trainers are validated after the same steps (every --eval-every). The target
+is PEFT's best validation accuracy in the final run, a_P. For each trainer, T = its training
+seconds at the first validation pass with accuracy >= a_P; the ratio is T_ours / T_PEFT (target
+<= 0.5x). Undefined when a_P = 0; "never" when ours does not reach a_P. Secondary (defined when a_P = 0 too):
+the same with PEFT's best validation loss L_P as the target (first pass with loss <= L_P). The best state (lowest
+validation loss) of each trainer is the one scored on the test split.
+
+Test accuracy: all three through the same serving engine (engines.LLM, greedy, <= 16 tokens; ours and
+PEFT's selected prompts loaded as tasks, PEFT's as its P_TUNING table): the answer names the right
+candidate and no other (in brackets: exactly the label, then EOS). Raw output: runs/bench_ptune_real/.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import platform
+import os
 import random
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -68,18 +78,12 @@ def stride(rows: list[dict], n: int) -> list[dict]:
     return [rows[int(i * k)] for i in range(n)]
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def in_context_prefix(tok, task: str, train: list[dict], budget: int) -> tuple[list[int], int]:
     """(token ids of a system turn with the instruction + as many example turns as fit in `budget`, examples)."""
     ids = tok.encode(f"<|im_start|>system\n{INSTRUCTIONS[task]}<|im_end|>\n", add_special_tokens=False)
     if len(ids) > budget:  # the instruction alone, cut to the budget
         return ids[:budget], 0
-    # one example per answer first (play: each title once), then in split order
-    seen, order = set(), []
+    seen, order = set(), []  # one example per answer first (play: each title once), then in split order
     for r in train:
         if r["output"] not in seen:
             seen.add(r["output"])
@@ -122,114 +126,157 @@ def engine_accuracy(llm, tok, task: str, rows: list[dict], prefix: list[int], na
             "samples": [[r["output"], o.text] for o, r in zip(outs[:8], rows)]}
 
 
-def train_ours(model: Path, task: str, train: list[dict], val: list[dict], args, work: Path) -> dict:
-    from training.ptune import train_task
-    from training.ptune_recipe import parse_overrides, ptune_recipe_from_dict
-
-    recipe = ptune_recipe_from_dict({
-        "num_virtual_tokens": args.virtual_tokens, "max_steps": args.steps, "batch_size": args.batch,
-        "eval_every": args.eval_every, "template": CHATML, "init_text": INSTRUCTIONS[task],
-        "precision": args.precision, "patience": 0, "seed": 0, "lr": args.ours_lr, **parse_overrides(args.ours_set)})
-    data = write_jsonl(work / f"{task}.jsonl", train + [{**r, "split": "val"} for r in val])
-    t0 = time.perf_counter()
-    m = train_task(model, task, data, recipe, out_dir=work / "ours" / task, progress=False)
-    wall = time.perf_counter() - t0
-    evals = [r for r in map(json.loads, (work / "ours" / task / "metrics.jsonl").read_text().splitlines())
-             if "val_accuracy" in r]
-    return {"metrics": m, "wall_s": wall, "train_s": m["train_seconds"], "recipe": recipe.to_dict(),
-            "evals": [{"step": r["step"], "elapsed_s": r["elapsed_s"], "val_loss": r["val_loss"],
-                       "val_accuracy": r["val_accuracy"]} for r in evals]}
+def _encode(tok, row: dict, eos: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids + EOS) of a row in PEFT's loop (the prompt as our trainer templates it)."""
+    return tok.encode(CHATML.replace("{input}", row["input"])), tok.encode(row["output"], add_special_tokens=False) + [eos]
 
 
-def _peft_batch(tok, rows: list[dict], eos: int, pad: int):
+def _pad(pairs: list[tuple[list[int], list[int]]], pad: int):
     """(input_ids, attention_mask, labels): right-padded; labels -100 on the prompt and padding."""
-    seqs, labels = [], []
-    for r in rows:
-        p = tok.encode(CHATML.replace("{input}", r["input"]))
-        a = tok.encode(r["output"], add_special_tokens=False) + [eos]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    T = max(map(len, seqs))
-    ids = torch.full((len(rows), T), pad, dtype=torch.long)
-    lab = torch.full((len(rows), T), -100, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for b, (s, lb) in enumerate(zip(seqs, labels)):
-        ids[b, :len(s)], lab[b, :len(s)], mask[b, :len(s)] = torch.tensor(s), torch.tensor(lb), 1
+    T = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), T), pad, dtype=torch.long)
+    lab = torch.full((len(pairs), T), -100, dtype=torch.long)
+    mask = torch.zeros(len(pairs), T, dtype=torch.long)
+    for b, (p, a) in enumerate(pairs):
+        s = p + a
+        ids[b, :len(s)], lab[b, len(p):len(s)], mask[b, :len(s)] = torch.tensor(s), torch.tensor(a), 1
     return ids, mask, lab
 
 
-@torch.no_grad()
-def peft_eval(pm, tok, rows: list[dict], eos: int, pad: int, batch: int) -> tuple[float, float]:
-    """(mean answer loss, share of rows whose teacher-forced argmax is the label + EOS) in PEFT's forward."""
-    pm.eval()
-    tot, right, n = 0.0, 0, pm.peft_config["default"].num_virtual_tokens
-    for i in range(0, len(rows), batch):
-        ids, mask, lab = _peft_batch(tok, rows[i:i + batch], eos, pad)
-        out = pm(input_ids=ids, attention_mask=mask, labels=lab)
-        tot += out.loss.item() * len(rows[i:i + batch])
-        pred = out.logits[:, n:-1].argmax(-1)  # (B, T-1): the prediction of token t+1
-        tgt = lab[:, 1:]
-        right += ((pred == tgt) | (tgt == -100)).all(-1).sum().item()
-    pm.train()
-    return tot / len(rows), right / len(rows)
+def _peft_batch(tok, rows: list[dict], eos: int, pad: int):
+    """_pad of rows tokenized now (benchmarks/bench_ptune_step.py's PEFT step)."""
+    return _pad([_encode(tok, r, eos) for r in rows], pad)
 
 
-def train_peft(model: Path, train: list[dict], val: list[dict], args) -> tuple[object, dict]:
-    from peft import PromptEncoderConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+class Ours:
+    """training.ptune.Trainer on prepared task data; rows are looked up by their input text."""
 
-    from engines.loading.tokenizer import Tokenizer
+    def __init__(self, td, recipe, by_text: dict):
+        from training.ptune import Trainer
 
-    tok = Tokenizer.from_dir(model)
-    t_load = time.perf_counter()
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-    cfg = PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.virtual_tokens,
-                              encoder_hidden_size=base.config.hidden_size)
-    torch.manual_seed(0)
-    pm = get_peft_model(base, cfg)
-    eos = base.config.eos_token_id if isinstance(base.config.eos_token_id, int) else base.config.eos_token_id[0]
-    pad = base.config.pad_token_id if base.config.pad_token_id is not None else eos
-    params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.peft_lr)
-    sched = get_linear_schedule_with_warmup(opt, min(10, args.steps), args.steps)
-    rng = random.Random(0)  # the batches ours draws: train[rng.randrange(len(train))], B at a time
-    pm.train()
-    evals, best, t0 = [], (float("inf"), None, 0.0), time.perf_counter()
-    load_s = t0 - t_load
-    for step in range(1, args.steps + 1):
-        rows = [train[rng.randrange(len(train))] for _ in range(min(args.batch, len(train)))]
-        ids, mask, lab = _peft_batch(tok, rows, eos, pad)
-        loss = pm(input_ids=ids, attention_mask=mask, labels=lab).loss
+        self.tr, self.by_text, self.best = Trainer(td, recipe).__enter__(), by_text, (float("inf"), None, 0.0)
+
+    def step(self, rows: list[dict]) -> float:
+        return self.tr.step([self.by_text[r["input"]] for r in rows])
+
+    def evaluate(self, rows: list[dict]) -> tuple[float, float]:
+        vl, va = self.tr.evaluate([self.by_text[r["input"]] for r in rows])
+        if vl < self.best[0]:
+            self.best = (vl, self.tr.table(), va)
+        return vl, va
+
+    @property
+    def train_s(self) -> float:
+        return self.tr.train_s
+
+    def close(self) -> None:
+        self.tr.__exit__(None, None, None)
+
+
+class Peft:
+    """PEFT's P-tuning (MLP PromptEncoder) on transformers, its usual loop, on pre-tokenized rows."""
+
+    def __init__(self, model: Path, n: int, lr: float, steps: int, warmup: int, cache: dict):
+        from peft import PromptEncoderConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+        from engines.loading.tokenizer import Tokenizer
+
+        self.tok = Tokenizer.from_dir(model)
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        torch.manual_seed(0)
+        self.pm = get_peft_model(base, PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=n,
+                                                           encoder_hidden_size=base.config.hidden_size))
+        e = base.config.eos_token_id
+        self.eos = e if isinstance(e, int) else e[0]
+        self.pad = base.config.pad_token_id if base.config.pad_token_id is not None else self.eos
+        self.opt = torch.optim.AdamW([p for p in self.pm.parameters() if p.requires_grad], lr=lr)
+        self.sched = get_linear_schedule_with_warmup(self.opt, warmup, steps)
+        self.cache, self.n, self.train_s, self.eval_s = cache, n, 0.0, 0.0
+        self.best = (float("inf"), None, 0.0)
+        self.pm.train()
+
+    def _enc(self, rows: list[dict]):
+        return [self.cache.setdefault(r["input"], _encode(self.tok, r, self.eos)) for r in rows]
+
+    def step(self, rows: list[dict]) -> float:
+        pairs = self._enc(rows)  # tokenized once (the first sight is before the clock)
+        t0 = time.perf_counter()
+        ids, mask, lab = _pad(pairs, self.pad)
+        loss = self.pm(input_ids=ids, attention_mask=mask, labels=lab).loss
         loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        if step % args.eval_every == 0 or step == args.steps:
-            vl, va = peft_eval(pm, tok, val, eos, pad, args.batch)
-            evals.append({"step": step, "elapsed_s": time.perf_counter() - t0, "val_loss": vl, "val_accuracy": va})
-            if vl < best[0]:
-                best = (vl, {k: v.detach().clone() for k, v in pm.prompt_encoder.state_dict().items()}, va)
-    train_s = time.perf_counter() - t0
-    pm.prompt_encoder.load_state_dict(best[1])
-    return pm, {"train_s": train_s, "load_s": load_s, "best_val_loss": best[0], "val_accuracy": best[2],
-                "evals": evals, "lr": args.peft_lr, "encoder_hidden_size": base.config.hidden_size}
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad()
+        value = loss.item()
+        self.train_s += time.perf_counter() - t0
+        return value
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict], batch: int = 8) -> tuple[float, float]:
+        """(mean answer loss, share whose teacher-forced argmax is the label + EOS) in PEFT's forward."""
+        t0, tot, right = time.perf_counter(), 0.0, 0
+        self.pm.eval()
+        for i in range(0, len(rows), batch):
+            ids, mask, lab = _pad(self._enc(rows[i:i + batch]), self.pad)
+            out = self.pm(input_ids=ids, attention_mask=mask, labels=lab)
+            tot += out.loss.item() * ids.shape[0]
+            pred, tgt = out.logits[:, self.n:-1].argmax(-1), lab[:, 1:]  # (B, T-1): the prediction of token t+1
+            right += ((pred == tgt) | (tgt == -100)).all(-1).sum().item()
+        self.pm.train()
+        self.eval_s += time.perf_counter() - t0
+        vl, va = tot / len(rows), right / len(rows)
+        if vl < self.best[0]:
+            self.best = (vl, {k: v.detach().clone() for k, v in self.pm.prompt_encoder.state_dict().items()}, va)
+        return vl, va
+
+    def best_table(self) -> torch.Tensor:
+        self.pm.prompt_encoder.load_state_dict(self.best[1])
+        with torch.no_grad():
+            return self.pm.get_prompt_embedding_to_save("default")  # (N, hidden): the encoder's output
+
+    def close(self) -> None:
+        pass
 
 
-def tok_eos(pm) -> int:
-    e = pm.base_model.config.eos_token_id
-    return e if isinstance(e, int) else e[0]
+def interleaved(trainers: dict, batches: list[list[dict]], val: list[dict], every: int, log) -> dict:
+    """Each batch: every trainer's step in turn; every `every` steps (and the last) a validation pass
+    of each. Returns {name: [{"step", "train_s", "loss", "val_loss", "val_accuracy"}]}."""
+    evals: dict[str, list[dict]] = {k: [] for k in trainers}
+    losses: dict[str, float] = {}
+    for i, rows in enumerate(batches, 1):
+        for name, t in trainers.items():
+            losses[name] = t.step(rows)
+        if i % every == 0 or i == len(batches):
+            for name, t in trainers.items():
+                vl, va = t.evaluate(val)
+                evals[name].append({"step": i, "train_s": t.train_s, "loss": losses[name], "val_loss": vl,
+                                    "val_accuracy": va})
+            log(f"  step {i}: " + "; ".join(f"{k} loss {losses[k]:.3f} val {e[-1]['val_loss']:.3f} "
+                                           f"acc {e[-1]['val_accuracy']:.3f} train {e[-1]['train_s']:.0f} s"
+                                           for k, e in evals.items()) + f"; load {os.getloadavg()[0]:.1f}")
+    return evals
+
+
+def batches(train: list[dict], batch: int, steps: int) -> list[list[dict]]:
+    """The batches train_task draws with seed 0: train[rng.randrange(len(train))], `batch` at a time."""
+    rng = random.Random(0)
+    return [[train[rng.randrange(len(train))] for _ in range(batch)] for _ in range(steps)]
 
 
 def time_to(evals: list[dict], acc: float) -> float | None:
     """Training seconds at the first validation pass with accuracy >= acc (None: never)."""
-    return next((e["elapsed_s"] for e in evals if e["val_accuracy"] >= acc - 1e-9), None)
+    return next((e["train_s"] for e in evals if e["val_accuracy"] >= acc - 1e-9), None)
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
-                         text=True).stdout.strip()
-    return out or platform.processor()
+def time_to_loss(evals: list[dict], loss: float) -> float | None:
+    """Training seconds at the first validation pass with loss <= loss (None: never)."""
+    return next((e["train_s"] for e in evals if e["val_loss"] <= loss + 1e-9), None)
+
+
+def pick(runs: dict[float, list[dict]]) -> float:
+    """The rate whose run reached the highest validation accuracy (ties: the lower validation loss)."""
+    return max(runs, key=lambda lr: max((e["val_accuracy"], -e["val_loss"]) for e in runs[lr]))
 
 
 def main() -> None:
@@ -237,100 +284,141 @@ def main() -> None:
     ap.add_argument("--model", default="models/smollm2")
     ap.add_argument("--tasks", default="play,next_speaker")
     ap.add_argument("--virtual-tokens", type=int, default=32, help="N, and the in-context prompt budget")
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps, both trainers")
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps of the final run, both trainers")
+    ap.add_argument("--sweep-steps", type=int, default=20, help="steps of each sweep run (0: no sweep)")
+    ap.add_argument("--ours-lrs", default="0.01,0.03,0.1", help="our sweep grid (the first alone: no sweep)")
+    ap.add_argument("--peft-lrs", default="1e-3,3e-3,1e-2", help="PEFT's sweep grid (its examples: 1e-3..1e-2)")
+    ap.add_argument("--random-init-arm", action="store_true",
+                    help="sweep also ours at its middle rate from random vocabulary embeddings (what the text init buys)")
+    ap.add_argument("--warmup", type=int, default=5, help="warm-up steps, both trainers")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=4)
-    ap.add_argument("--n-val", type=int, default=24)
-    ap.add_argument("--n-test", type=int, default=80)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--n-val", type=int, default=40)
+    ap.add_argument("--n-test", type=int, default=100)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    ap.add_argument("--peft-lr", type=float, default=3e-3, help="PEFT's AdamW peak rate (its p-tuning examples: 1e-3..3e-3)")
-    ap.add_argument("--ours-lr", type=float, default=0.03,
-                    help="our peak rate; the recipe's default for every_layer (0.3, fitted on the 10M default model) "
-                         "diverged on SmolLM2 (answer loss 12 -> 16 in 4 steps), 0.03 descended")
-    ap.add_argument("--ours-set", action="append", default=[], help="our recipe override, e.g. lr=0.1 (repeatable)")
     ap.add_argument("--out", default="runs/bench_ptune_real")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from benchmarks.common import cpu_line
     from engines import LLM
-    from engines.loading.tokenizer import Tokenizer
-    from engines.transforms.ptuning import base_model_hashes, write_task_dir
+    from engines.transforms.ptuning import ModelShape, base_model_hashes, write_task_dir
+    from training.ptune import prepare
+    from training.ptune_recipe import ptune_recipe_from_dict
     from training.ptune_tasks import build_tasks
     from training.shakespeare import shakespeare_files
 
-    model, out = Path(args.model).resolve(), Path(args.out)
-    work = out / time.strftime("%Y%m%d-%H%M%S")
+    model, work = Path(args.model).resolve(), Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_dir(model)
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        with open(work / "log.txt", "a") as f:
+            f.write(msg + "\n")
+
+    def recipe(task: str, lr: float, steps: int, **kw):
+        return ptune_recipe_from_dict({
+            "num_virtual_tokens": args.virtual_tokens, "max_steps": steps, "batch_size": args.batch,
+            "warmup_steps": args.warmup, "template": CHATML, "init_text": INSTRUCTIONS[task], "precision": "fp32",
+            "patience": 0, "seed": 0, "lr": lr, **kw})
+
+    log(f"CPU: {cpu_line()}; torch threads {args.threads}; fp32; load {os.getloadavg()}")
     splits = build_tasks(shakespeare_files())
-    t_start, results = time.perf_counter(), {}
+    results: dict[str, dict] = {}
     for task in args.tasks.split(","):
         train, val = splits[task]["train"], stride(splits[task]["val"], args.n_val)
         test = stride(splits[task]["test"], args.n_test)
-        print(f"[{task}] train {len(train)}, val {len(val)} of {len(splits[task]['val'])}, "
-              f"test {len(test)} of {len(splits[task]['test'])}", flush=True)
-        ours = train_ours(model, task, train, val, args, work)
-        print(f"[{task}] ours: {ours['train_s']:.0f} s, val acc {ours['metrics']['val_accuracy']:.3f}", flush=True)
-        pm, peft = train_peft(model, train, val, args)
-        print(f"[{task}] PEFT: {peft['train_s']:.0f} s, val acc {peft['val_accuracy']:.3f}", flush=True)
-        # test split: once, at the end of each task's training. PEFT's selected prompt is scored in its
-        # own forward (teacher-forced label + EOS) and, as a table, through the same engine as ours
-        eos = tok_eos(pm)
-        peft_tf = peft_eval(pm, tok, test, eos, pm.base_model.config.pad_token_id or eos, args.batch)[1]
-        with torch.no_grad():
-            table = pm.get_prompt_embedding_to_save("default")  # (N, hidden): the encoder's output
-        write_task_dir(work / "peft" / task, task, table, base_model=str(model), peft_type="P_TUNING",
+        log(f"[{task}] train {len(train)}, val {len(val)} of {len(splits[task]['val'])}, "
+            f"test {len(test)} of {len(splits[task]['test'])}")
+        data = work / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in train + [{**r, "split": "val"} for r in val]))
+        td = prepare(model, data, recipe(task, 0.03, 1))
+        by_text = {r["input"]: e for r, e in zip(train + val, td.train + td.val)}
+        cache: dict = {}
+
+        ours_lrs = [float(x) for x in args.ours_lrs.split(",")]
+        peft_lrs = [float(x) for x in args.peft_lrs.split(",")]
+        sweep: dict[str, dict] = {"ours": {}, "peft": {}, "ours_random_init": {}}
+        if args.sweep_steps and (len(ours_lrs) > 1 or len(peft_lrs) > 1):
+            for i in range(max(len(ours_lrs), len(peft_lrs))):
+                t: dict = {}
+                if i < len(ours_lrs):
+                    t["ours"] = Ours(td, recipe(task, ours_lrs[i], args.sweep_steps), by_text)
+                if i < len(peft_lrs):
+                    t["peft"] = Peft(model, args.virtual_tokens, peft_lrs[i], args.sweep_steps, args.warmup, cache)
+                log(f"[{task}] sweep {i}: ours lr {ours_lrs[i] if 'ours' in t else '-'}, "
+                    f"PEFT lr {peft_lrs[i] if 'peft' in t else '-'}")
+                ev = interleaved(t, batches(train, args.batch, args.sweep_steps), val, args.eval_every, log)
+                for k, tr in t.items():
+                    sweep[k][(ours_lrs if k == "ours" else peft_lrs)[i]] = ev[k]
+                    tr.close()
+        if args.sweep_steps and args.random_init_arm:
+            mid = ours_lrs[len(ours_lrs) // 2]
+            log(f"[{task}] sweep: ours lr {mid} from random vocabulary embeddings (no init text)")
+            rand = torch.randint(0, td.cfg.vocab_size, (args.virtual_tokens,), generator=torch.Generator().manual_seed(0))
+            r = Ours(dataclasses.replace(td, init_ids=rand), recipe(task, mid, args.sweep_steps, init_text=""), by_text)
+            sweep["ours_random_init"][mid] = interleaved({"ours": r}, batches(train, args.batch, args.sweep_steps), val,
+                                                         args.eval_every, log)["ours"]
+            r.close()
+        lr_o = pick(sweep["ours"]) if sweep["ours"] else ours_lrs[0]
+        lr_p = pick(sweep["peft"]) if sweep["peft"] else peft_lrs[0]
+        log(f"[{task}] final: ours lr {lr_o}, PEFT lr {lr_p}, {args.steps} steps, interleaved")
+        ours = Ours(td, recipe(task, lr_o, args.steps), by_text)
+        peft = Peft(model, args.virtual_tokens, lr_p, args.steps, args.warmup, cache)
+        ev = interleaved({"ours": ours, "peft": peft}, batches(train, args.batch, args.steps), val, args.eval_every, log)
+        ours.close()
+        a_p = max(e["val_accuracy"] for e in ev["peft"])
+        t_o, t_p = time_to(ev["ours"], a_p), time_to(ev["peft"], a_p)
+        l_p = min(e["val_loss"] for e in ev["peft"])  # the secondary target: PEFT's best validation loss
+        tl_o, tl_p = time_to_loss(ev["ours"], l_p), time_to_loss(ev["peft"], l_p)
+        # the test split, once: each trainer's best state (lowest validation loss) through the engine
+        write_task_dir(work / "ours" / task, task, ours.best[1], base_model=str(model), peft_type="PREFIX_TUNING",
+                       shape=ModelShape.of(td.cfg), meta={**base_model_hashes(model), "template": CHATML})
+        write_task_dir(work / "peft" / task, task, peft.best_table(), base_model=str(model), peft_type="P_TUNING",
                        meta=base_model_hashes(model))
-        del pm
+        del peft, ours
         llm = LLM(str(model))
         llm.load_task(task, work / "ours" / task)
         llm.load_task(f"peft-{task}", work / "peft" / task)
-        prefix, n_examples = in_context_prefix(tok, task, train, args.virtual_tokens)
-        test_scores = {"ours": engine_accuracy(llm, tok, task, test, [], task),
-                       "peft": engine_accuracy(llm, tok, task, test, [], f"peft-{task}"),
-                       "in_context": engine_accuracy(llm, tok, task, test, prefix, None)}
-        test_scores["peft"]["teacher_forced_exact_in_peft"] = peft_tf
-        results[task] = {"ours": ours, "peft": peft, "n_train": len(train), "n_val": len(val), "n_test": len(test),
-                         "test": test_scores, "in_context_examples": n_examples, "in_context_tokens": len(prefix)}
-        del llm
-        print(f"[{task}] test: {json.dumps(test_scores)}", flush=True)
-    total = time.perf_counter() - t_start
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    lines = [f"CPU: {cpu_name()}; torch threads {args.threads}; {args.precision}; {load}",
-             (f"model: {model}; N = {args.virtual_tokens} virtual tokens (= the in-context budget); "
-             f"{args.steps} steps of batch {args.batch}, validation every {args.eval_every}; whole run {total:.0f} s"),
-             "",
-             ("Accuracy: the greedy answer (engine, <= 16 tokens) names the right candidate and no other; "
-             "in brackets: exactly the label then EOS."),
-             "",
-             ("| task | test n | ours | PEFT P-tuning | in-context (examples) | ours - PEFT (>= 0) "
-             "| ours - in-context (>= +20 pts) | train s ours / PEFT | time to PEFT's val acc, ours / PEFT (<= 0.5x) |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+        prefix, n_examples = in_context_prefix(td.tok, task, train, args.virtual_tokens)
+        test_scores = {"ours": engine_accuracy(llm, td.tok, task, test, [], task),
+                       "peft": engine_accuracy(llm, td.tok, task, test, [], f"peft-{task}"),
+                       "in_context": engine_accuracy(llm, td.tok, task, test, prefix, None)}
+        del llm, td
+        results[task] = {"lr": {"ours": lr_o, "peft": lr_p}, "sweep": {k: {str(lr): e for lr, e in v.items()}
+                                                                     for k, v in sweep.items()},
+                         "final": ev, "peft_best_val_acc": a_p, "time_to": {"ours": t_o, "peft": t_p},
+                         "peft_best_val_loss": l_p, "time_to_loss": {"ours": tl_o, "peft": tl_p},
+                         "test": test_scores, "n": {"train": len(train), "val": len(val), "test": len(test)},
+                         "in_context_examples": n_examples, "in_context_tokens": len(prefix),
+                         "load_end": os.getloadavg()}
+        log(f"[{task}] test: " + json.dumps({k: {m: v[m] for m in ("named", "exact")} for k, v in test_scores.items()}))
+        (work / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    lines = [f"CPU: {cpu_line()}; torch threads {args.threads}; fp32; load at the end {os.getloadavg()}",
+             (f"model: {model}; N = {args.virtual_tokens}; final {args.steps} steps of batch {args.batch}, "
+              f"validation every {args.eval_every} on {args.n_val}; sweep {args.sweep_steps} steps a rate"), "",
+             ("| task | test n | ours | PEFT | in-context (examples) | ours - PEFT (>= 0) | ours - in-context (>= +20) "
+              "| lr ours / PEFT | PEFT best val acc | train s to it, ours / PEFT (<= 0.5x) "
+              "| train s to PEFT's best val loss, ours / PEFT |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ok = lambda c: "met" if c else "MISSED"
     for task, r in results.items():
         t = {k: v["named"] for k, v in r["test"].items()}
         ex = {k: v["exact"] for k, v in r["test"].items()}
-        target = r["peft"]["val_accuracy"]
-        to, tp = time_to(r["ours"]["evals"], target), time_to(r["peft"]["evals"], target)
-        if target <= 0:  # PEFT never answered a validation example: no accuracy to reach, no ratio
-            to = tp = None
-            ratio = "n/a: PEFT's val acc stayed 0"
-        else:
-            ratio = f"{to:.0f} / {tp:.0f} s = {to / tp:.2f}x" if to is not None and tp else \
-                f"ours never reached {target:.1%}" if to is None else "n/a"
-        r["time_ratio"] = None if to is None or not tp else to / tp
+        to, tp = r["time_to"]["ours"], r["time_to"]["peft"]
+        ratio = ("n/a: PEFT's val acc stayed 0" if r["peft_best_val_acc"] <= 0 else
+                 f"ours never reached it (PEFT {tp:.0f} s)" if to is None else
+                 f"{to:.0f} / {tp:.0f} s = **{to / tp:.2f}x** ({ok(to / tp <= 0.5)})")
+        lo, lp = r["time_to_loss"]["ours"], r["time_to_loss"]["peft"]
+        lratio = (f"{r['peft_best_val_loss']:.2f}: ours never" if lo is None else
+                  f"{r['peft_best_val_loss']:.2f}: {lo:.0f} / {lp:.0f} s = {lo / lp:.2f}x")
         lines.append(
-            f"| {task} | {r['n_test']} | {t['ours']:.1%} ({ex['ours']:.1%}) | {t['peft']:.1%} ({ex['peft']:.1%}) "
+            f"| {task} | {r['n']['test']} | {t['ours']:.1%} ({ex['ours']:.1%}) | {t['peft']:.1%} ({ex['peft']:.1%}) "
             f"| {t['in_context']:.1%} ({ex['in_context']:.1%}; {r['in_context_examples']}) "
-            f"| {100 * (t['ours'] - t['peft']):+.1f} pts ({ok(t['ours'] >= t['peft'])}) "
-            f"| {100 * (t['ours'] - t['in_context']):+.1f} pts ({ok(t['ours'] - t['in_context'] >= 0.2)}) "
-            f"| {r['ours']['train_s']:.0f} / {r['peft']['train_s']:.0f} "
-            f"| {ratio} ({ok(r['time_ratio'] is not None and r['time_ratio'] <= 0.5)}) |")
-    text = "\n".join(lines)
-    print("\n" + text)
-    (work / "table.md").write_text(text + "\n")
-    (work / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))
-    print(f"\nraw output: {work}")
+            f"| {100 * (t['ours'] - t['peft']):+.1f} ({ok(t['ours'] >= t['peft'])}) "
+            f"| {100 * (t['ours'] - t['in_context']):+.1f} ({ok(t['ours'] - t['in_context'] >= 0.2)}) "
+            f"| {r['lr']['ours']:g} / {r['lr']['peft']:g} | {r['peft_best_val_acc']:.1%} | {ratio} | {lratio} |")
+    log("\n" + "\n".join(lines))
+    (work / "table.md").write_text("\n".join(lines) + "\n")
+    log(f"raw output: {work}")
 
 
 if __name__ == "__main__":

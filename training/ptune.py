@@ -34,95 +34,11 @@ from engines.transforms.ptuning import (
     write_task_dir,
 )
 from training.metrics import MetricsLog, Progress, plot_loss_curve
+from training.ptune_prompt import LayerPrefix, PromptEncoder, hooked
 from training.ptune_recipe import PtuneRecipe
 
-
-class PromptEncoder(nn.Module):
-    """N learned inputs -> (N, hidden) virtual-token embeddings (PEFT's PromptEncoder layouts).
-
-    residual=True adds the input to the mlp/lstm output and zero-initialises the last layer, so
-    training starts exactly at the init embeddings (a text init then means its text) and the
-    reparameterisation learns a correction; PEFT's layout (residual=False) starts from the
-    encoder's random output whatever the init."""
-
-    def __init__(self, kind: str, n: int, hidden: int, enc_hidden: int, init: torch.Tensor | None = None,
-                 residual: bool = False):
-        super().__init__()
-        self.kind, self.residual = kind, residual and kind != "embedding"
-        self.embedding = nn.Embedding(n, hidden)
-        if init is not None:
-            with torch.no_grad():
-                self.embedding.weight.copy_(init)
-        h = enc_hidden or hidden
-        if kind == "mlp":
-            self.mlp = nn.Sequential(nn.Linear(hidden, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, hidden))
-        elif kind == "lstm":
-            self.lstm = nn.LSTM(hidden, h, num_layers=2, bidirectional=True, batch_first=True)
-            self.mlp = nn.Sequential(nn.Linear(2 * h, 2 * h), nn.ReLU(), nn.Linear(2 * h, hidden))
-        if self.residual:
-            nn.init.zeros_(self.mlp[-1].weight)
-            nn.init.zeros_(self.mlp[-1].bias)
-
-    def forward(self) -> torch.Tensor:
-        e = self.embedding.weight  # (N, C)
-        if self.kind == "lstm":
-            x = self.mlp(self.lstm(e[None])[0][0])  # (1, N, 2h) -> (N, C)
-        elif self.kind == "mlp":
-            x = self.mlp(e)
-        else:
-            return e
-        return e + x if self.residual else x
-
-
-class LayerPrefix(nn.Module):
-    """A task of every layer (P-tuning v2): each layer's keys/values of the N virtual tokens,
-    (layers, N, 2, KV heads, head_dim), trained directly.
-
-    Inside `hooked(model, prefix.hook)`, every attention layer of the model prepends these to its
-    keys/values as those of positions 0..N-1 (after rotary embedding, as the engine's backend
-    injects them), so the prompt's tokens attend to them in every layer. The model then runs on the
-    real tokens alone, at positions N.. (`model(ids, positions=N + arange(T))`): the virtual
-    positions' hidden states would never be read, and skipping them halves a step at N ~ T."""
-
-    def __init__(self, init: torch.Tensor):
-        super().__init__()
-        self.kv = nn.Parameter(init.clone())
-
-    @classmethod
-    def from_text(cls, model, ids: torch.Tensor) -> LayerPrefix:
-        """Start from the keys/values the frozen model computes for these N tokens at positions 0..N-1."""
-        got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def keep(layer, k, v):
-            got[layer] = (k[0].detach().float(), v[0].detach().float())
-            return k, v
-
-        with hooked(model, keep), torch.no_grad():
-            model(ids[None])
-        return cls(torch.stack([torch.stack(got[i]) for i in range(len(got))]).transpose(1, 2).contiguous())
-
-    def hook(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (B, T, nkv, hd) of the real tokens -> (B, N + T, nkv, hd) with the prefix in front."""
-        B = k.shape[0]
-        pk, pv = (self.kv[layer, :, j].to(k.dtype)[None].expand(B, -1, -1, -1) for j in (0, 1))
-        return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
-
-    def peft_table(self) -> torch.Tensor:
-        """(N, layers * 2 * kv_width) in PEFT's PREFIX_TUNING row layout (layer 0 key, layer 0 value, ...)."""
-        return self.kv.detach().permute(1, 0, 2, 3, 4).reshape(self.kv.shape[1], -1).clone()
-
-
-@contextlib.contextmanager
-def hooked(model, fn):
-    """While open, every attention layer of `model` calls fn(layer, k, v) -> (k, v)."""
-    attns = [b.attn for b in model.blocks]
-    for a in attns:
-        a.kv_hook = fn
-    try:
-        yield
-    finally:
-        for a in attns:
-            a.kv_hook = None
+__all__ = ["DatasetError", "Example", "LayerPrefix", "PromptEncoder", "Trainer", "evaluate", "hooked",
+           "prepare", "train_task"]
 
 
 @dataclass(frozen=True)
@@ -250,27 +166,31 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 ProgressFn = Callable[[dict], None]
 
 
-def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: PtuneRecipe | None = None,
-               out_dir: str | Path | None = None, progress: bool = True, resume: bool = False,
-               on_progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
-    """Train `task` on `data` (JSONL path or inline JSONL); returns the final metrics.
+@dataclass(frozen=True)
+class TaskData:
+    """A task's frozen base, tokenizer and tokenized split, ready for a Trainer."""
+    model: nn.Module
+    cfg: object
+    tok: Tokenizer
+    train: list[Example]
+    val: list[Example]
+    choices: torch.Tensor | None
+    """(K,) label ids for the choice loss, or None."""
+    init_ids: torch.Tensor
+    """(N,) token ids the virtual tokens start from."""
+    rng: random.Random
+    """Draws the training batches (seeded by the recipe; the random hold-out, if any, drew first)."""
 
-    on_progress gets {"step", "total", "loss", "elapsed_s", "eta_s"} after every step;
-    should_stop() -> True cancels (nothing is written then). The task lands in out_dir,
-    by default <model_dir>/ptuning/<task>/."""
-    recipe = recipe or PtuneRecipe()
-    check_task_name(task)
-    model_dir = Path(model_dir)
-    out = Path(out_dir) if out_dir is not None else model_dir / "ptuning" / task
+
+def prepare(model_dir: str | Path, data: str | Path, recipe: PtuneRecipe) -> TaskData:
+    """Load the frozen base and tokenizer, read and tokenize `data`, split train / validation."""
     torch.manual_seed(recipe.seed)
-    model, cfg = load_model(model_dir)
+    model, cfg = load_model(Path(model_dir))
     model.eval().requires_grad_(False)  # frozen: autograd keeps no gradient for the base
     tok = Tokenizer.from_dir(model_dir)
     if tok is None:
         raise DatasetError(f"model: {str(model_dir)!r} has no tokenizer.json; p-tuning needs text")
-    n = recipe.num_virtual_tokens
-    precision = resolve_precision(recipe.precision)
-    ctx = cfg.max_position_embeddings
+    n, ctx = recipe.num_virtual_tokens, cfg.max_position_embeddings
     if n >= ctx:
         raise DatasetError(f"num_virtual_tokens: {n} leaves no room in the {ctx}-token context")
     records = read_dataset(data, recipe.max_examples)
@@ -287,94 +207,148 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
         n_val = min(len(examples) - 1, max(1, round(len(examples) * recipe.val_fraction)))
         val = [examples[i] for i in order[:n_val]]
         train = [examples[i] for i in order[n_val:]]
-    init_ids = init_token_ids(recipe, tok, cfg.vocab_size)
     choices = answer_choices(examples, recipe.choice_limit) if recipe.choice_loss else None
-    every_layer = recipe.prompt_depth == "every_layer"
-    if every_layer:
-        enc = LayerPrefix.from_text(model, init_ids)
-        table_of = enc.peft_table
-        session = hooked(model, enc.hook)
-    else:
-        init = model.wte.weight[init_ids].detach().clone()  # (N, C)
-        enc = PromptEncoder(recipe.encoder, n, cfg.n_embd, recipe.encoder_hidden_size, init, recipe.encoder_residual)
-        table_of = lambda: enc().detach().clone()
-        session = contextlib.nullcontext()
+    return TaskData(model, cfg, tok, train, val, choices, init_token_ids(recipe, tok, cfg.vocab_size), rng)
+
+
+class Trainer:
+    """One run's trainable prompt, AdamW and schedule on a frozen base; use as a context manager
+    (every_layer's hooks are open inside it).
+
+    step() is one optimizer step (forward, backward, update): its seconds add up in train_s, the
+    training clock; evaluate() is a validation pass, its seconds in eval_s. Benchmarks drive step()
+    batch by batch, so another trainer can take turns on the same batches."""
+
+    def __init__(self, data: TaskData, recipe: PtuneRecipe):
+        self.data, self.recipe = data, recipe
+        self.n, self.precision = recipe.num_virtual_tokens, resolve_precision(recipe.precision)
+        self.every_layer = recipe.prompt_depth == "every_layer"
+        if self.every_layer:
+            self.enc = LayerPrefix.from_text(data.model, data.init_ids)
+        else:
+            init = data.model.wte.weight[data.init_ids].detach().clone()  # (N, C)
+            self.enc = PromptEncoder(recipe.encoder, self.n, data.cfg.n_embd, recipe.encoder_hidden_size, init,
+                                     recipe.encoder_residual)
+        self.opt = torch.optim.AdamW(self.enc.parameters(), lr=recipe.peak_lr, weight_decay=0.0)
+        warmup = min(recipe.warmup_steps, recipe.max_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: lr_factor(i, warmup, recipe.max_steps))
+        self.steps, self.train_s, self.eval_s = 0, 0.0, 0.0
+        self._hooks = contextlib.ExitStack()
+
+    def __enter__(self) -> Trainer:
+        if self.every_layer:
+            self._hooks.enter_context(hooked(self.data.model, self.enc.hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.close()
+
+    def step(self, batch: list[Example]) -> float:
+        """One optimizer step on `batch`; returns its loss."""
+        t0 = time.perf_counter()
+        with _autocast(self.precision):
+            loss, _, _ = _batch_loss(self.data.model, None if self.every_layer else self.enc(), batch,
+                                     self.data.choices, self.recipe.choice_loss, prefix=self.n)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        value = loss.item()
+        self.steps += 1
+        self.train_s += time.perf_counter() - t0
+        return value
+
+    @torch.no_grad()
+    def table(self) -> torch.Tensor:
+        """The task's table as written: (N, C) input embeddings, or every_layer's (N, layers*2*kv) rows."""
+        return self.enc.peft_table() if self.every_layer else self.enc().detach().clone()
+
+    def evaluate(self, examples: list[Example]) -> tuple[float, float]:
+        """(mean answer loss, teacher-forced exact-match accuracy) on `examples` (not on the training clock)."""
+        t0 = time.perf_counter()
+        out = evaluate(self.data.model, None if self.every_layer else self.table(), examples, self.recipe.batch_size,
+                       self.precision, self.n)
+        self.eval_s += time.perf_counter() - t0
+        return out
+
+
+def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: PtuneRecipe | None = None,
+               out_dir: str | Path | None = None, progress: bool = True, resume: bool = False,
+               on_progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
+    """Train `task` on `data` (JSONL path or inline JSONL); returns the final metrics.
+
+    on_progress gets {"step", "total", "loss", "elapsed_s", "eta_s"} after every step;
+    should_stop() -> True cancels (nothing is written then). The task lands in out_dir,
+    by default <model_dir>/ptuning/<task>/. metrics: train_seconds is the training clock (the
+    optimizer steps alone), eval_seconds the validation passes, wall_seconds both and the rest."""
+    recipe = recipe or PtuneRecipe()
+    check_task_name(task)
+    model_dir = Path(model_dir)
+    out = Path(out_dir) if out_dir is not None else model_dir / "ptuning" / task
+    td = prepare(model_dir, data, recipe)
+    model, cfg, train, val, rng = td.model, td.cfg, td.train, td.val, td.rng
+    tr = Trainer(td, recipe)
     if resume and (out / "prompt_encoder.safetensors").is_file():
-        enc.load_state_dict(load_file(out / "prompt_encoder.safetensors"))
+        tr.enc.load_state_dict(load_file(out / "prompt_encoder.safetensors"))
     # everything is written to a hidden staging folder first: a cancelled or failed run leaves the
     # served task (and the registry's load_dir) untouched
     final, out = out, out.with_name(f".{out.name}.partial")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     enc_path = out / "prompt_encoder.safetensors"
-    opt = torch.optim.AdamW(enc.parameters(), lr=recipe.peak_lr, weight_decay=0.0)
-    warmup = min(recipe.warmup_steps, recipe.max_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup, recipe.max_steps))
     log = MetricsLog(out / "metrics.jsonl")
     bar = Progress(recipe.max_steps, 0, progress, desc=f"ptune {task}")
     best = (math.inf, None, 0.0)  # (val loss, table, val accuracy)
-    bad_evals, step, t0 = 0, 0, time.perf_counter()
+    bad_evals, t0 = 0, time.perf_counter()
     stopped = "max_steps"
-    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    enc_bytes = sum(p.numel() * p.element_size() for p in enc.parameters())
-    hooks = contextlib.ExitStack()
     try:
-        hooks.enter_context(session)
-        while step < recipe.max_steps:
-            if should_stop is not None and should_stop():
-                raise InterruptedError("cancelled")
-            batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
-            with _autocast(precision):
-                loss, _, _ = _batch_loss(model, None if every_layer else enc(), batch, choices, recipe.choice_loss,
-                                         prefix=n)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            step += 1
-            elapsed = time.perf_counter() - t0
-            rec = {"step": step, "loss": loss.item(), "elapsed_s": elapsed}
-            if step % recipe.eval_every == 0 or step == recipe.max_steps:
-                with torch.no_grad():
-                    table = table_of()
-                vl, va = evaluate(model, None if every_layer else table, val, recipe.batch_size, precision, n)
-                rec.update(val_loss=vl, val_accuracy=va)
-                if vl < best[0]:
-                    best, bad_evals = (vl, table, va), 0
-                    save_file(enc.state_dict(), str(enc_path))
-                else:
-                    bad_evals += 1
-            log.write(rec)
-            bar.update(1, loss=rec["loss"], val=rec.get("val_loss"))
-            if on_progress is not None:
-                on_progress({"step": step, "total": recipe.max_steps, "loss": rec["loss"], "elapsed_s": elapsed,
-                             "eta_s": elapsed / step * (recipe.max_steps - step)})
-            if recipe.patience and bad_evals >= recipe.patience:
-                stopped = "early_stopping"
-                break
-            if recipe.time_budget_s and elapsed >= recipe.time_budget_s:
-                stopped = "time_budget"
-                break
-        if best[1] is None:  # ended before the first evaluation
-            with torch.no_grad():
-                table = table_of()
-            vl, va = evaluate(model, None if every_layer else table, val, recipe.batch_size, precision, n)
-            best = (vl, table, va)
-            save_file(enc.state_dict(), str(enc_path))
+        with tr:
+            while tr.steps < recipe.max_steps:
+                if should_stop is not None and should_stop():
+                    raise InterruptedError("cancelled")
+                batch = [train[rng.randrange(len(train))] for _ in range(min(recipe.batch_size, len(train)))]
+                loss = tr.step(batch)
+                step, elapsed = tr.steps, time.perf_counter() - t0
+                rec = {"step": step, "loss": loss, "elapsed_s": elapsed, "train_s": tr.train_s}
+                if step % recipe.eval_every == 0 or step == recipe.max_steps:
+                    vl, va = tr.evaluate(val)
+                    rec.update(val_loss=vl, val_accuracy=va)
+                    if vl < best[0]:
+                        best, bad_evals = (vl, tr.table(), va), 0
+                        save_file(tr.enc.state_dict(), str(enc_path))
+                    else:
+                        bad_evals += 1
+                log.write(rec)
+                bar.update(1, loss=loss, val=rec.get("val_loss"))
+                if on_progress is not None:
+                    on_progress({"step": step, "total": recipe.max_steps, "loss": loss, "elapsed_s": elapsed,
+                                 "eta_s": elapsed / step * (recipe.max_steps - step)})
+                if recipe.patience and bad_evals >= recipe.patience:
+                    stopped = "early_stopping"
+                    break
+                if recipe.time_budget_s and elapsed >= recipe.time_budget_s:
+                    stopped = "time_budget"
+                    break
+            if best[1] is None:  # ended before the first evaluation
+                vl, va = tr.evaluate(val)
+                best = (vl, tr.table(), va)
+                save_file(tr.enc.state_dict(), str(enc_path))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     finally:
-        hooks.close()
         bar.close()
         log.close()
-    metrics = {"steps": step, "stopped": stopped, "precision": precision, "train_seconds": round(time.perf_counter() - t0, 2),
+    metrics = {"steps": tr.steps, "stopped": stopped, "precision": tr.precision,
+               "train_seconds": round(tr.train_s, 3), "eval_seconds": round(tr.eval_s, 3),
+               "wall_seconds": round(time.perf_counter() - t0, 3),
                "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
-               "val_examples": len(val), "answer_choices": 0 if choices is None else len(choices),
-               "base_param_bytes": base_bytes, "trainable_param_bytes": enc_bytes,
+               "val_examples": len(val), "answer_choices": 0 if td.choices is None else len(td.choices),
+               "base_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+               "trainable_param_bytes": sum(p.numel() * p.element_size() for p in tr.enc.parameters()),
                "base_grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                                       if p.grad is not None)}
-    peft_type = ("PREFIX_TUNING" if every_layer else "PROMPT_TUNING" if recipe.encoder == "embedding"
+    peft_type = ("PREFIX_TUNING" if tr.every_layer else "PROMPT_TUNING" if recipe.encoder == "embedding"
                  else "P_TUNING")
     write_task_dir(out, task, best[1], base_model=str(model_dir), peft_type=peft_type, shape=ModelShape.of(cfg),
                    encoder_hidden_size=recipe.encoder_hidden_size or cfg.n_embd,
