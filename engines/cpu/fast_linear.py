@@ -380,16 +380,14 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     panels = panel_available(dtype)
     first = FastLinear(_Weights(weight, bias), "pretransposed", "packed" if packs else "linear",
                        "halves" if halves else "linear", prepare=("panel",) if panels else ())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small copies: a parallel one waits a scheduler slice for its partner on a busy host
-    probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
-    torch.set_num_threads(threads)
+    from engines.cpu.cpu_threads import FORK_JOIN_QUIET_S, fork_join_s, intra_op_threads
+
+    with intra_op_threads(1):  # small copies: a parallel one waits a scheduler slice for its partner on a busy host
+        probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
     turn = iter(range(1 << 62))
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
         return probes[next(turn) % copies].run(kind, x)
-
-    from engines.cpu.cpu_threads import FORK_JOIN_QUIET_S, fork_join_s
 
     for attempt in range(TIMING_TRIES):
         quiet = fork_join_s() < FORK_JOIN_QUIET_S
