@@ -17,9 +17,12 @@ median pair reported, with the range):
 
 Reported: the 24 plain requests' tokens per second in each run, mixed32 / fill32 (what the
 grammars cost them: target >= 0.95) and mixed32 / plain24 (also the 8 extra rows' model work),
-and per step of mixed32: the host thread's bitmask fill (overlapped with the forward) and the
-step's critical-path mask cost (waiting for the fill + applying the mask), as fractions of the
-step (target <= 10 %).
+and per step of mixed32: the host thread's bitmask fill (overlapped with the forward; masked-first
+rows only) and the step's critical-path grammar cost (waiting for that fill + applying masks +
+testing checked-first rows' tokens + filling and applying the masks of refused rows and drawing
+them again), as fractions of the step (target <= 10 %), and how many checked-first rows the grammar
+refused. --masks masked-first is the reference mode (every constrained row's mask filled on the
+host thread while the model runs).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class MaskClock:
         from engines.runner import grammar
 
         self.fill = self.path = 0.0
-        fill, masks, apply = sampler._fill_masks, sampler._masks, grammar.apply_bitmask
+        self._depth = 0  # path time is counted by the outermost timed call only
+        fill, masks, check, apply = sampler._fill_masks, sampler._masks, sampler._check_first, grammar.apply_bitmask
 
         def timed_fill(*a):
             t = time.perf_counter()
@@ -87,14 +91,72 @@ class MaskClock:
         def timed(fn):
             def run(*a):
                 t = time.perf_counter()
+                self._depth += 1
                 try:
                     return fn(*a)
                 finally:
-                    self.path += time.perf_counter() - t
+                    self._depth -= 1
+                    if not self._depth:
+                        self.path += time.perf_counter() - t
             return run
 
-        sampler._fill_masks, sampler._masks = timed_fill, timed(masks)
+        sampler._fill_masks, sampler._masks, sampler._check_first = timed_fill, timed(masks), timed(check)
         grammar.apply_bitmask = timed(apply)
+
+
+def lockstep(d: Path, args, plain, shaped, prompts: list[str]) -> None:
+    """fill32 and mixed32 as two engines in one process, stepped alternately (which goes first swapped
+    every step), so a load that drifts hits both alike: --repeats bursts of the same requests."""
+    import os
+    import statistics
+
+    from engines.core.config import EngineConfig
+    from engines.core.llm_engine import LLMEngine
+
+    cfg = EngineConfig(max_num_seqs=32, max_model_len=256, worker_threads=args.threads)
+    engines = {"fill32": LLMEngine(d, cfg), "mixed32": LLMEngine(d, cfg)}
+    for e in engines.values():
+        e.executor.runner.sampler.check_first = args.masks == "check-first"
+    sampler = engines["mixed32"].executor.runner.sampler
+    clock = None
+    ratios, k = [], 0
+    for b in range(-1, args.repeats):  # burst -1: the warm-up (grammar compiled, kernels loaded)
+        n_tok = 8 if b < 0 else args.tokens
+        for name, e in engines.items():
+            for i, p in enumerate(prompts):
+                extra = shaped if (name == "mixed32" and i >= 24) else plain
+                e.add_request(f"b{b}-{i}", p, (plain if i < 24 else extra).replace(max_tokens=n_tok))
+        if b == 0:
+            clock = MaskClock(sampler)
+        if clock is not None:
+            clock.fill = clock.path = 0.0
+        checked, refused = sampler.grammar_checked, sampler.grammar_refused
+        steps: dict[str, list[float]] = {n: [] for n in engines}
+        load0 = os.getloadavg()[0]
+        while any(e.has_unfinished_requests() for e in engines.values()):
+            for name in (("fill32", "mixed32") if k % 2 == 0 else ("mixed32", "fill32")):
+                e = engines[name]
+                if e.has_unfinished_requests():
+                    t = time.perf_counter()
+                    e.step()
+                    steps[name].append(time.perf_counter() - t)
+            k += 1
+        if b < 0:
+            continue
+        pair = [m / f for f, m in zip(steps["fill32"], steps["mixed32"])]
+        ratio = sum(steps["fill32"]) / sum(steps["mixed32"])  # the plain rows' tok/s, mixed32 / fill32
+        ratios.append(ratio)
+        busy = sum(steps["mixed32"])
+        print(f"  burst {b}: fill32 {24 * n_tok / sum(steps['fill32']):6.1f} plain tok/s | mixed32 "
+              f"{24 * n_tok / busy:6.1f} | mixed32 / fill32 {ratio:.3f} (per-step median "
+              f"{1 / statistics.median(pair):.3f}) | step {1000 * busy / len(steps['mixed32']):.1f} ms, fill "
+              f"{clock.fill / busy:.1%}, on the path {clock.path / busy:.1%}, refused "
+              f"{sampler.grammar_refused - refused}/{sampler.grammar_checked - checked} rows checked first | "
+              f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"mixed32 / fill32 = {statistics.median(ratios):.3f} median of {len(ratios)} lockstep bursts "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}; target >= 0.95)")
+    for e in engines.values():
+        e.shutdown()
 
 
 def main() -> None:
@@ -103,17 +165,30 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--model", type=Path, default=None, help="a model directory (default: the random GPT-2 shape)")
     ap.add_argument("--repeats", type=int, default=3, help="fill32 / mixed32 pairs, interleaved")
+    ap.add_argument("--masks", choices=("check-first", "masked-first"), default="check-first",
+                    help="the sampler's mode for the constrained (greedy) rows: the default tests each row's own "
+                         "choice and masks only refused rows; masked-first fills every row's mask on the host thread")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="fill32 and mixed32 as two engines stepped alternately in one process (drift-proof)")
+    ap.add_argument("--threads", type=int, default=0, help="EngineConfig.worker_threads (0: adaptive)")
     args = ap.parse_args()
     from engines import LLM, SamplingParams
     from engines.runner.grammar import StructuredOutput
 
     d = args.model or checkpoint(args.vocab)
-    llm = LLM(d, max_num_seqs=32, max_model_len=256)
-    sampler = llm.engine.executor.runner.sampler
     prompts = [f"request {i}: the story of {i * 7} words" for i in range(32)]
     plain = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     shaped = SamplingParams(max_tokens=args.tokens, temperature=0,
                             structured=StructuredOutput.json_schema(SCHEMA, "bench"))
+    if args.lockstep:
+        from engines.core.hardware import cpu_name
+
+        print(f"{d.name}, 24 plain + 8 others, {args.tokens} tokens each, greedy, masks {args.masks}, threads "
+              f"{args.threads or 'adaptive'}, lockstep; CPU {cpu_name()}")
+        return lockstep(d, args, plain, shaped, prompts)
+    llm = LLM(d, max_num_seqs=32, max_model_len=256)
+    sampler = llm.engine.executor.runner.sampler
+    sampler.check_first = args.masks == "check-first"
     llm.generate(prompts[:8], [shaped] * 4 + [plain] * 4)  # warm-up: grammar compiled, kernels loaded
     clock = MaskClock(sampler)
 
@@ -132,27 +207,31 @@ def main() -> None:
 
     cpu = cpu_name()
     name = d.name if args.model else "GPT-2-124M shape (random)"
-    print(f"{name}, vocab {sampler.vocab_size}, 24 plain + 8 others, {args.tokens} tokens each, greedy; "
+    print(f"{name}, vocab {sampler.vocab_size}, 24 plain + 8 others, {args.tokens} tokens each, greedy, masks "
+          f"{args.masks}; "
           f"{args.repeats} interleaved pairs; CPU {cpu}")
     tps_plain, *_ = run([plain] * 24)
     ratios, fills, paths, steps_ms = [], [], [], []
     for _ in range(args.repeats):
         tps_fill, *_ = run([plain] * 32)
         clock.fill = clock.path = 0.0
+        checked, refused = sampler.grammar_checked, sampler.grammar_refused
         tps_mixed, steps, busy, outs = run([plain] * 24 + [shaped] * 8)
+        checked, refused = sampler.grammar_checked - checked, sampler.grammar_refused - refused
         assert all(o.outputs[0].text.startswith('{"log": [') for o in outs[24:]), outs[24].outputs[0].text[:40]
         ratios.append(tps_mixed / tps_fill)
         fills.append(clock.fill / busy)
         paths.append(clock.path / busy)
         steps_ms.append(1000 * busy / steps)
         print(f"  pair: fill32 {tps_fill:7.1f} tok/s | mixed32 {tps_mixed:7.1f} | ratio {ratios[-1]:.3f} | "
-              f"step {steps_ms[-1]:.1f} ms, fill {fills[-1]:.1%}, on the path {paths[-1]:.1%}")
+              f"step {steps_ms[-1]:.1f} ms, fill {fills[-1]:.1%}, on the path {paths[-1]:.1%}"
+              + (f", refused {refused}/{checked} rows checked first" if checked else ""))
     med = statistics.median
     print(f"plain24 alone: {tps_plain:.1f} tok/s (the 24 plain requests)")
     print(f"mixed32 / fill32 = {med(ratios):.3f} median (range {min(ratios):.3f}-{max(ratios):.3f}; "
           "target >= 0.95: the grammars' cost to the others)")
     print(f"mixed32 per step ({med(steps_ms):.1f} ms): bitmask fill on the host thread {med(fills):.1%} of the step "
-          f"(overlapped); on the step's path (wait + apply) {med(paths):.1%} (range {min(paths):.1%}-{max(paths):.1%}; "
+          f"(overlapped); on the step's path (wait, apply, check, refused rows) {med(paths):.1%} (range {min(paths):.1%}-{max(paths):.1%}; "
           "target <= 10 %)")
 
 

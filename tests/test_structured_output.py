@@ -174,3 +174,98 @@ def test_engine_batch_mixes_constrained_and_plain(gpt2_dir):
     text = both[0].outputs[0].text
     assert both[0].outputs[0].finish_reason == "stop" and text != free
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def _sampler_pair(gpt2_dir):
+    """Two samplers over the tiny model's vocabulary: one checks a constrained row's own choice first
+    (the default), one masks every constrained row first (the reference)."""
+    import torch
+
+    from engines.loading.tokenizer import Tokenizer
+    from engines.runner.grammar import Grammars, tokenizer_bytes
+    from engines.runner.sampler import Sampler
+
+    vocab = Tokenizer.from_dir(gpt2_dir).vocab_size
+    grammars = Grammars(tokenizer_bytes(gpt2_dir), vocab)
+    first, masked = (Sampler(vocab, 0, torch.device("cpu"), grammars=grammars) for _ in range(2))
+    masked.check_first = False
+    return vocab, grammars, first, masked
+
+
+def _init(seq_id: int, params):
+    from engines.core.plan import SeqInit
+
+    return SeqInit(seq_id, 0, params, [1, 2, 3], (0,))
+
+
+def test_check_first_greedy_equals_masked_first(gpt2_dir):
+    """Greedy constrained rows: testing the model's own choice first (and masking only a refused row)
+    gives the tokens that masking every row first gives, step by step; both paths are taken (the
+    logits favour an allowed token in about half the rows, a random one otherwise)."""
+    import torch
+
+    from engines import SamplingParams
+    from engines.runner.grammar import StructuredOutput
+
+    vocab, grammars, first, masked = _sampler_pair(gpt2_dir)
+    params = SamplingParams(max_tokens=80, temperature=0, structured=StructuredOutput.json_schema(PERSON, "x"))
+    plain = SamplingParams(max_tokens=80, temperature=0)
+    ids = [1, 2, 3, 4]
+    for s in (first, masked):
+        for i in ids:
+            s.add(_init(i, plain if i == 4 else params))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        live = [i for i in ids if i == 4 or not masked.states[i].matcher.is_terminated()]
+        logits = torch.randn(len(live), vocab, generator=gen) * 3
+        for row, i in enumerate(live):
+            if i != 4 and torch.rand(1, generator=gen).item() < 0.5:  # favour a random allowed token
+                bm = grammars.bitmask(1)
+                masked.states[i].matcher.fill_next_token_bitmask(bm, 0)
+                allowed = [t for t in range(vocab) if (bm[0, t // 32] >> (t % 32)) & 1]
+                logits[row, allowed[int(torch.randint(len(allowed), (1,), generator=gen))]] += 50
+        masked.prepare(live)
+        want = masked.sample(live, logits.clone())
+        first.prepare(live)
+        assert first.sample(live, logits.clone()) == want
+    assert first.grammar_checked > first.grammar_refused > 0 and masked.grammar_checked == 0
+
+
+def test_check_first_sampling_follows_the_masked_law(gpt2_dir):
+    """Temperature sampling with a grammar: drawing from the model's distribution, keeping an allowed
+    token and drawing again from the masked distribution after a refusal, is exactly the masked
+    distribution. Mass on 3 allowed and 3 refused tokens; 3,000 draws from the start of a grammar;
+    every frequency within 0.04 of softmax over the allowed ones (about 4 standard errors; keeping
+    the refused draws' mass on the best allowed token, for one, would be off by 0.2)."""
+    import torch
+
+    from engines import SamplingParams
+    from engines.runner.grammar import StructuredOutput
+
+    vocab, grammars, first, _ = _sampler_pair(gpt2_dir)
+    params = SamplingParams(max_tokens=8, temperature=1.0, structured=StructuredOutput.json_schema(WEATHER, "x"))
+    from engines.loading.tokenizer import Tokenizer
+
+    head = Tokenizer.from_dir(gpt2_dir).tk.encode('{"city": "', add_special_tokens=False).ids  # inside a string
+    probe = grammars.matcher(params.structured, (0,))
+    assert all(probe.accept_token(t) for t in head)
+    bm = grammars.bitmask(1)
+    probe.fill_next_token_bitmask(bm, 0)
+    ok = [t for t in range(vocab) if (bm[0, t // 32] >> (t % 32)) & 1]
+    bad = [t for t in range(vocab) if not (bm[0, t // 32] >> (t % 32)) & 1]
+    allowed, refused = ok[:3], bad[:3]
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, allowed] = torch.tensor([2.0, 1.0, 0.0])
+    logits[0, refused] = torch.tensor([3.0, 2.5, 1.0])
+    counts = dict.fromkeys(allowed, 0)
+    n = 3000
+    for k in range(n):
+        first.add(_init(k, params))
+        assert all(first.states[k].matcher.accept_token(t) for t in head)
+        ((tok, _),) = first.sample([k], logits)
+        first.release(k)
+        counts[tok] += 1  # a refused token would raise KeyError
+    want = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), 0).tolist()
+    got = [counts[t] / n for t in allowed]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 0.04, (got, want)
+    assert 0 < first.grammar_refused < first.grammar_checked == n

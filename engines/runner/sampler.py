@@ -10,11 +10,20 @@ needs a random number per vocabulary entry and was about 10x slower on CPU, a fi
 decode step (benchmarks/bench_sampler.py). A seeded sequence draws its u from its own
 generator, so its tokens do not depend on what else is in the batch.
 
-Structured output (engines/runner/grammar.py): a sequence with a grammar has a matcher; `prepare` starts
-filling the batch's token bitmask for the constrained rows on a host thread (called before the
-forward, so it overlaps the model), `sample` waits for it and sets the forbidden logits of those
-rows to -inf before the penalties' output is sampled, then advances each matcher by its token. A
-batch without a constrained row does none of this.
+Structured output (engines/runner/grammar.py): a sequence with a grammar has a matcher. Filling a row's
+token bitmask costs milliseconds (the grammar walks the vocabulary: ~2.4 ms for SmolLM2's 49,152
+tokens inside a length-bounded JSON string), testing one token costs microseconds. So a constrained
+row whose draw the mask would not reshape (greedy, or temperature alone: no top-k / top-p) is
+*checked first*: it takes its own choice, the matcher tests it, and only a refused choice fills that
+row's mask and draws again from the masked logits. Greedy, the argmax of the allowed tokens is the
+unmasked argmax whenever that one is allowed; sampled, drawing from p and keeping an allowed token,
+else drawing from p restricted to the allowed set, is exactly p restricted to the allowed set (the
+rejection step of rejection sampling). Rows with top-k / top-p are *masked first*, because those
+cuts are taken on the masked distribution: `prepare` starts their bitmask on a host thread before
+the forward, so it overlaps the model, and `sample` waits for it and sets their forbidden logits to
+-inf before drawing. Either way each matcher then advances by its token. On 2 cores that host
+thread is not free (it takes CPU from the forward's threads), which is why checking first is the
+default (`check_first`). A batch without a constrained row does none of this.
 """
 
 from __future__ import annotations
@@ -74,6 +83,13 @@ class Sampler:
         self._mask_thread: ThreadPoolExecutor | None = None
         self._pending: tuple[tuple[int, ...], Future] | None = None
         """(seq ids, future of the bitmask) started by prepare() for the step now running."""
+        self.check_first = True
+        """Constrained greedy / temperature-only rows test their own choice before any mask (see the
+        module's docstring); False: every constrained row is masked first (the reference behaviour)."""
+        self.grammar_checked = 0
+        """Constrained rows whose own choice was tested against the grammar, since the start."""
+        self.grammar_refused = 0
+        """Of those, the rows the grammar refused (each filled its mask and drew again)."""
 
     def add(self, init: SeqInit) -> None:
         gen = None
@@ -95,11 +111,19 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
 
+    def _masked_first(self, st: SeqSamplerState) -> bool:
+        """A constrained row whose mask must come before its draw: top-k / top-p cut the masked
+        distribution, so a draw tested afterwards would not follow the same law."""
+        if st.matcher is None or st.matcher.is_terminated():
+            return False
+        p = st.init.params
+        return not (self.check_first and (p.greedy or (not p.uses_top_k and p.top_p >= 1.0)))
+
     def prepare(self, seq_ids: list[int]) -> None:
-        """Start the token bitmask of the constrained rows among seq_ids (the rows sample() will get)
-        on the mask thread, to overlap the forward; nothing when no row has a grammar."""
+        """Start the token bitmask of the masked-first rows among seq_ids (the rows sample() will get)
+        on the mask thread, to overlap the forward; nothing when no row needs it."""
         self._pending = None
-        if not any(self.states[s].matcher is not None for s in seq_ids if s in self.states):
+        if not any(self._masked_first(self.states[s]) for s in seq_ids if s in self.states):
             return
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
@@ -107,18 +131,18 @@ class Sampler:
         self._pending = (key, self._mask_thread.submit(self._fill_masks, key))
 
     def _fill_masks(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
-        """((S, ceil(V / 32)) int32 bitmask, constrained row indices); rows not listed stay all-allowed."""
-        rows = [i for i, s in enumerate(seq_ids) if self.states[s].matcher is not None]
+        """((S, ceil(V / 32)) int32 bitmask, masked-first row indices); rows not listed stay all-allowed."""
+        rows = [i for i, s in enumerate(seq_ids) if self._masked_first(self.states[s])]
         bitmask = self.grammars.bitmask(len(seq_ids))
         for i in rows:
-            m = self.states[seq_ids[i]].matcher
-            if not m.is_terminated():
-                m.fill_next_token_bitmask(bitmask, i)
+            self.states[seq_ids[i]].matcher.fill_next_token_bitmask(bitmask, i)
         return bitmask, rows
 
     def _masks(self, seq_ids: list[int]) -> tuple[torch.Tensor, list[int]] | None:
         pending, self._pending = self._pending, None
-        if not any(self.states[s].matcher is not None for s in seq_ids):
+        if not any(self._masked_first(self.states[s]) for s in seq_ids):
+            if pending is not None:
+                pending[1].result()
             return None
         if pending is not None and pending[0] == tuple(seq_ids):
             return pending[1].result()
@@ -154,12 +178,14 @@ class Sampler:
             rows = [i for i, x in enumerate(greedy) if not x]
             tokens[rows] = self._draw([states[i] for i in rows], logits[rows])
         tok_list = tokens.tolist()
+        checked = self._check_first(states, masks[1] if masks is not None else [], tok_list, logits)
         out: list[tuple[int, TokenLogprob | None]] = []
         for i, (st, tok) in enumerate(zip(states, tok_list)):
             st.num_output += 1
             if st.counts is not None:
                 st.counts[tok] += 1
-            if st.matcher is not None and not st.matcher.is_terminated() and not st.matcher.accept_token(tok):
+            if (st.matcher is not None and i not in checked and not st.matcher.is_terminated()
+                    and not st.matcher.accept_token(tok)):
                 # cannot happen when the mask was applied; logged, not raised: the engine must go on
                 log.error("structured output: token %d refused by the grammar of sequence %d", tok,
                           st.init.seq_id)
@@ -168,6 +194,41 @@ class Sampler:
                 entry = self.logprob_entry(raw_lp[i], tok, params[i].logprobs)
             out.append((tok, entry))
         return out
+
+    def _check_first(self, states: list[SeqSamplerState], masked: list[int], tokens: list[int],
+                     logits: torch.Tensor) -> set[int]:
+        """Test each checked-first row's token against its matcher (advancing it when allowed); a
+        refused row fills its own mask and draws again from its masked logits: `tokens` is updated in
+        place. -> the rows whose matcher has advanced."""
+        rows = [i for i, st in enumerate(states)
+                if i not in masked and st.matcher is not None and not st.matcher.is_terminated()]
+        refused = [i for i in rows if not states[i].matcher.accept_token(tokens[i])]  # refused: state kept
+        self.grammar_checked += len(rows)
+        self.grammar_refused += len(refused)
+        if refused:
+            for i, tok in zip(refused, self._redraw([states[i] for i in refused], logits[refused])):
+                tokens[i] = tok
+        return set(rows) - set(refused)
+
+    def _redraw(self, states: list[SeqSamplerState], logits: torch.Tensor) -> list[int]:
+        """The tokens of refused rows: their masks filled now, on the step's path, and applied to their
+        logits (R, V) (a copy, taken by the caller's indexing), then argmax or a fresh draw."""
+        from engines.runner.grammar import apply_bitmask
+
+        bitmask = self.grammars.bitmask(len(states))
+        for j, st in enumerate(states):
+            st.matcher.fill_next_token_bitmask(bitmask, j)
+        logits = logits.float()
+        apply_bitmask(logits, bitmask, list(range(len(states))))
+        greedy = [st.init.params.greedy for st in states]
+        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        g = [j for j, x in enumerate(greedy) if x]
+        if g:
+            tokens[g] = self.argmax(logits[g])
+        d = [j for j, x in enumerate(greedy) if not x]
+        if d:
+            tokens[d] = self._draw([states[j] for j in d], logits[d])
+        return tokens.tolist()
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (S, V) -> (S) greedy tokens: the first index of each row's maximum."""
