@@ -105,8 +105,8 @@ class MaskClock:
 
 
 def lockstep(d: Path, args, plain, shaped, prompts: list[str]) -> None:
-    """fill32 and mixed32 as two engines in one process, stepped alternately (which goes first swapped
-    every step), so a load that drifts hits both alike: --repeats bursts of the same requests."""
+    """fill32 and mixed32 (one engine per --masks mode) in one process, stepped in turn (who goes first
+    rotates every step), so a load that drifts hits all alike: --repeats bursts of the same requests."""
     import os
     import statistics
 
@@ -114,27 +114,30 @@ def lockstep(d: Path, args, plain, shaped, prompts: list[str]) -> None:
     from engines.core.llm_engine import LLMEngine
 
     cfg = EngineConfig(max_num_seqs=32, max_model_len=256, worker_threads=args.threads)
-    engines = {"fill32": LLMEngine(d, cfg), "mixed32": LLMEngine(d, cfg)}
-    for e in engines.values():
-        e.executor.runner.sampler.check_first = args.masks == "check-first"
-    sampler = engines["mixed32"].executor.runner.sampler
-    clock = None
-    ratios, k = [], 0
+    modes = ("check-first", "masked-first") if args.masks == "both" else (args.masks,)
+    engines = {"fill32": LLMEngine(d, cfg)} | {m: LLMEngine(d, cfg) for m in modes}
+    clocks = {}
+    for m in modes:
+        engines[m].executor.runner.sampler.check_first = m == "check-first"
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    k = 0
     for b in range(-1, args.repeats):  # burst -1: the warm-up (grammar compiled, kernels loaded)
         n_tok = 8 if b < 0 else args.tokens
         for name, e in engines.items():
             for i, p in enumerate(prompts):
-                extra = shaped if (name == "mixed32" and i >= 24) else plain
-                e.add_request(f"b{b}-{i}", p, (plain if i < 24 else extra).replace(max_tokens=n_tok))
+                e.add_request(f"b{b}-{i}", p, (shaped if name != "fill32" and i >= 24 else plain).replace(
+                    max_tokens=n_tok))
         if b == 0:
-            clock = MaskClock(sampler)
-        if clock is not None:
-            clock.fill = clock.path = 0.0
-        checked, refused = sampler.grammar_checked, sampler.grammar_refused
+            clocks = {m: MaskClock(engines[m].executor.runner.sampler) for m in modes}
+        for c in clocks.values():
+            c.fill = c.path = 0.0
+        counts = {m: (engines[m].executor.runner.sampler.grammar_checked,
+                      engines[m].executor.runner.sampler.grammar_refused) for m in modes}
         steps: dict[str, list[float]] = {n: [] for n in engines}
         load0 = os.getloadavg()[0]
+        names = list(engines)
         while any(e.has_unfinished_requests() for e in engines.values()):
-            for name in (("fill32", "mixed32") if k % 2 == 0 else ("mixed32", "fill32")):
+            for name in names[k % len(names):] + names[:k % len(names)]:  # who goes first rotates
                 e = engines[name]
                 if e.has_unfinished_requests():
                     t = time.perf_counter()
@@ -143,18 +146,21 @@ def lockstep(d: Path, args, plain, shaped, prompts: list[str]) -> None:
             k += 1
         if b < 0:
             continue
-        pair = [m / f for f, m in zip(steps["fill32"], steps["mixed32"])]
-        ratio = sum(steps["fill32"]) / sum(steps["mixed32"])  # the plain rows' tok/s, mixed32 / fill32
-        ratios.append(ratio)
-        busy = sum(steps["mixed32"])
-        print(f"  burst {b}: fill32 {24 * n_tok / sum(steps['fill32']):6.1f} plain tok/s | mixed32 "
-              f"{24 * n_tok / busy:6.1f} | mixed32 / fill32 {ratio:.3f} (per-step median "
-              f"{1 / statistics.median(pair):.3f}) | step {1000 * busy / len(steps['mixed32']):.1f} ms, fill "
-              f"{clock.fill / busy:.1%}, on the path {clock.path / busy:.1%}, refused "
-              f"{sampler.grammar_refused - refused}/{sampler.grammar_checked - checked} rows checked first | "
-              f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"mixed32 / fill32 = {statistics.median(ratios):.3f} median of {len(ratios)} lockstep bursts "
-          f"(range {min(ratios):.3f}-{max(ratios):.3f}; target >= 0.95)")
+        line = f"  burst {b}: fill32 {24 * n_tok / sum(steps['fill32']):6.1f} plain tok/s"
+        for m in modes:
+            s = engines[m].executor.runner.sampler
+            pair = [x / f for f, x in zip(steps["fill32"], steps[m])]
+            ratios[m].append(sum(steps["fill32"]) / sum(steps[m]))  # the plain rows' tok/s, mixed32 / fill32
+            busy = sum(steps[m])
+            line += (f" | mixed32 {m} {24 * n_tok / busy:6.1f}, / fill32 {ratios[m][-1]:.3f} (per-step median "
+                     f"{1 / statistics.median(pair):.3f}), step {1000 * busy / len(steps[m]):.1f} ms, fill "
+                     f"{clocks[m].fill / busy:.1%}, on the path {clocks[m].path / busy:.1%}, refused "
+                     f"{s.grammar_refused - counts[m][1]}/{s.grammar_checked - counts[m][0]} checked")
+        print(line + f" | load {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    for m in modes:
+        r = ratios[m]
+        print(f"mixed32 ({m}) / fill32 = {statistics.median(r):.3f} median of {len(r)} lockstep bursts "
+              f"(range {min(r):.3f}-{max(r):.3f}; target >= 0.95)")
     for e in engines.values():
         e.shutdown()
 
@@ -165,13 +171,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--model", type=Path, default=None, help="a model directory (default: the random GPT-2 shape)")
     ap.add_argument("--repeats", type=int, default=3, help="fill32 / mixed32 pairs, interleaved")
-    ap.add_argument("--masks", choices=("check-first", "masked-first"), default="check-first",
+    ap.add_argument("--masks", choices=("check-first", "masked-first", "both"), default="check-first",
                     help="the sampler's mode for the constrained (greedy) rows: the default tests each row's own "
-                         "choice and masks only refused rows; masked-first fills every row's mask on the host thread")
+                         "choice and masks only refused rows; masked-first fills every row's mask on the host thread; both (with --lockstep): one engine each")
     ap.add_argument("--lockstep", action="store_true",
                     help="fill32 and mixed32 as two engines stepped alternately in one process (drift-proof)")
     ap.add_argument("--threads", type=int, default=0, help="EngineConfig.worker_threads (0: adaptive)")
     args = ap.parse_args()
+    if args.masks == "both" and not args.lockstep:
+        ap.error("--masks both needs --lockstep (one engine per mode)")
     from engines import LLM, SamplingParams
     from engines.runner.grammar import StructuredOutput
 
