@@ -20,6 +20,23 @@ def _fail(msg: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+ENDS_MIN_BLOCKS = 8
+"""--keep-float ends keeps the first and last block float only in a model of at least this many blocks."""
+
+
+def _kept_blocks(spec: str, n_layer: int) -> list[int]:
+    """--keep-float's block indices: 'none', 'ends' or comma-separated integers (range checked by the caller)."""
+    spec = spec.strip()
+    if spec == "none":
+        return []
+    if spec == "ends":
+        return [0, n_layer - 1] if n_layer >= ENDS_MIN_BLOCKS else []
+    try:
+        return sorted({int(i) for i in spec.split(",") if i.strip()})
+    except ValueError:
+        raise _fail(f"--keep-float: expected 'ends', 'none' or comma-separated block indices, got {spec!r}") from None
+
+
 def quantize(
     model: Path = typer.Option(..., "--model", help="Source checkpoint directory (float weights)."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
@@ -39,9 +56,12 @@ def quantize(
         "(per output channel, the scale in absmax/448 x [1, 2) whose nearest e4m3 codes give the least squared "
         "error; data-free; measured worse than absmax on SmolLM2-135M, docs/fp8.md). GPTQ (--calibration, "
         "--self-calibrate) keeps absmax scales."),
-    keep_float: str = typer.Option(
-        "", "--keep-float", help="Comma-separated block indices (e.g. 0,2,29) whose Linears stay in the source "
-        "dtype (named in quantization_config.ignore); the rest FP8. More bytes a token, less error."),
+    keep_float: str | None = typer.Option(
+        None, "--keep-float", help="Blocks whose Linears stay in the source dtype (named in "
+        "quantization_config.ignore), the rest FP8: comma-separated indices (e.g. 0,2,29), 'ends' (the first "
+        "and the last block, in a model of at least 8 blocks; fewer: none) or 'none'. Default: ends when "
+        "rounding to nearest (SmolLM2-135M: +0.58 % perplexity against +1.16 % with none, for 4 % more weight "
+        "bytes; docs/fp8.md), none with GPTQ (it compensates the error itself)."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
@@ -84,10 +104,8 @@ def quantize(
     scales = scales or "absmax"
     if scales not in SCALES:
         raise _fail(f"--scales: {scales!r} is not supported; supported: {', '.join(SCALES)}")
-    try:
-        kept = sorted({int(i) for i in keep_float.split(",") if i.strip()})
-    except ValueError:
-        raise _fail(f"--keep-float: expected comma-separated block indices, got {keep_float!r}") from None
+    if keep_float is None:
+        keep_float = "none" if calibration is not None or self_calibrate else "ends"
     if calibration_windows < 1:
         raise _fail(f"--calibration-windows: must be >= 1, got {calibration_windows}")
     if calibration_window < 8:
@@ -101,6 +119,7 @@ def quantize(
         if not src_dtype.is_floating_point:
             raise _fail(f"--model: embedding dtype {src_dtype} is not a float type")
         head = None
+        kept = _kept_blocks(keep_float, cfg.n_layer)
         bad = [i for i in kept if not 0 <= i < cfg.n_layer]
         if bad:
             raise _fail(f"--keep-float: block indices must be in [0, {cfg.n_layer}), got {bad}")

@@ -90,3 +90,17 @@ def test_quantize_cli_keep_float_leaves_those_blocks_float_and_names_them(llama_
     bad = runner.invoke(app, ["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "b"), "--keep-float", "9"])
     assert bad.exit_code == 2 and "error: --keep-float: block indices must be in [0, " in bad.output, bad.output
     assert not (tmp_path / "b").exists()
+
+
+def test_keep_float_spec_ends_none_and_indices():
+    """--keep-float: 'ends' is the first and last block of a model of >= 8 blocks (a smaller model's ends would
+    be most of it: none); 'none' and explicit indices as given; anything else refused by name."""
+    import typer
+
+    from shardserve.quantize_cmd import ENDS_MIN_BLOCKS, _kept_blocks
+
+    assert _kept_blocks("ends", 30) == [0, 29] and _kept_blocks("ends", ENDS_MIN_BLOCKS) == [0, ENDS_MIN_BLOCKS - 1]
+    assert _kept_blocks("ends", ENDS_MIN_BLOCKS - 1) == [] and _kept_blocks("none", 30) == []
+    assert _kept_blocks("2, 0,2", 30) == [0, 2]
+    with pytest.raises(typer.Exit):
+        _kept_blocks("first", 30)
