@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from training.ptune import Trainer, prepare, train_task
+from engines.core.config import ConfigError
+from training.ptune import Trainer, prepare, train_task, val_score
 from training.ptune_recipe import ptune_recipe_from_dict
 
 WORDS = ["the", "king", "queen", "lord", "lady", "sword", "love", "war", "night", "day"]
@@ -33,3 +34,17 @@ def test_trainer_steps_are_train_tasks_steps_and_its_clock_leaves_out_validation
     # the training clock counts the optimizer steps; validation passes are counted apart
     assert m["train_seconds"] + m["eval_seconds"] <= m["wall_seconds"]
     assert [r["train_s"] for r in logged] == sorted(r["train_s"] for r in logged)
+    # the kept table is the validation pass with the highest accuracy (ties: the lower loss)
+    evals = [r for r in logged if "val_loss" in r]
+    best = max(evals, key=lambda r: (r["val_accuracy"], -r["val_loss"]))
+    assert (m["best_step"], m["val_accuracy"], m["best_val_loss"]) == (best["step"], best["val_accuracy"],
+                                                                       best["val_loss"])
+
+
+def test_selection_by_accuracy_then_loss_or_by_loss():
+    # accuracy first; the loss breaks ties (and alone decides while no answer is fully right)
+    assert val_score(0.9, 0.5) > val_score(0.4, 0.25) and val_score(0.4, 0.0) > val_score(0.9, 0.0)
+    # select_by loss: the lower loss wins whatever the accuracy
+    assert val_score(0.4, 0.25, "loss") > val_score(0.9, 0.5, "loss")
+    with pytest.raises(ConfigError, match="select_by"):
+        ptune_recipe_from_dict({"select_by": "f1"})

@@ -68,8 +68,14 @@ class PtuneRecipe:
     """Optimizer steps at most (early stopping may end sooner)."""
     eval_every: int = 20
     """Steps between validation passes."""
+    select_by: Literal["accuracy", "loss"] = "accuracy"
+    """Which validation pass's table is kept (and what early stopping waits on): accuracy, the highest
+    exact-match validation accuracy (ties: the lower validation loss; a task whose answers are never
+    fully right falls back to the loss alone), what a classification user scores; loss, the lowest
+    validation loss. On the play task (SmolLM2, issue 39) validation accuracy peaked before the
+    loss bottomed out (34 % at step 40, 28 % at step 48 where the loss was lowest)."""
     patience: int = 5
-    """Validation passes without a lower validation loss before stopping early; 0 disables."""
+    """Validation passes without a better validation score (select_by) before stopping early; 0 disables."""
     val_fraction: float = 0.1
     """Share of the examples held out (at least one, and at least one left to train on), unless the
     data marks its validation records with "split": "val" (a fixed split, training/ptune_tasks.py)."""
@@ -95,6 +101,8 @@ class PtuneRecipe:
                  f"(got {self.encoder!r})")
         _require(self.encoder_hidden_size >= 0, "encoder_hidden_size", "must be >= 0")
         _require(self.patience >= 0, "patience", "must be >= 0")
+        _require(self.select_by in ("accuracy", "loss"), "select_by",
+                 f"must be 'accuracy' or 'loss', got {self.select_by!r}")
         _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
                  f"must be an integer >= 0, got {self.warmup_steps!r}")
         _require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
