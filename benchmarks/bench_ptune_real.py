@@ -39,8 +39,8 @@ seconds at the first validation pass with accuracy >= a_P; the ratio is T_ours /
 <= 0.5x). Undefined when a_P = 0; "never" when ours does not reach a_P. Secondary (defined when a_P = 0 too):
 the same with PEFT's best validation loss L_P as the target (first pass with loss <= L_P).
 
-Selection: each trainer's prompt scored on the test split is its validation pass with the highest
-accuracy (ties: the lower loss; --select-by loss: the lowest loss), as train_task keeps it (recipe
+Selection: each trainer's prompt scored on the test split is its validation pass with the lowest
+loss (--select-by accuracy: the highest accuracy, ties by loss), as train_task keeps it (recipe
 select_by). Each pass scores val's even and odd rows apart too, so the log can check a rule on data
 it did not select on: pick the pass by one half, read the other half's accuracy there (both ways).
 
@@ -245,7 +245,7 @@ class Peft:
 
 
 def interleaved(trainers: dict, batches: list[list[dict]], val: list[dict], every: int, log,
-                select_by: str = "accuracy") -> tuple[dict, dict]:
+                select_by: str = "loss") -> tuple[dict, dict]:
     """Each batch: every trainer's step in turn; every `every` steps (and the last) a validation pass
     of each, on val's two halves (even / odd rows) apart. Returns ({name: [{"step", "train_s", "loss",
     "val_loss", "val_accuracy", "halves": [[loss, acc] of each half]}]}, {name: (step, snapshot)} of
@@ -330,7 +330,7 @@ def main() -> None:
     ap.add_argument("--n-val", type=int, default=64)
     ap.add_argument("--n-test", type=int, default=100)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--select-by", choices=("accuracy", "loss"), default="accuracy",
+    ap.add_argument("--select-by", choices=("loss", "accuracy"), default="loss",
                     help="which validation pass's prompt each trainer keeps for the test (training.ptune.val_score)")
     ap.add_argument("--no-test", action="store_true",
                     help="exploration: train and validate only; the test split is not read or scored")

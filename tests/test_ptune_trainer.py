@@ -20,7 +20,8 @@ def test_trainer_steps_are_train_tasks_steps_and_its_clock_leaves_out_validation
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = ptune_recipe_from_dict({"num_virtual_tokens": 3, "max_steps": 4, "eval_every": 2, "batch_size": 4,
-                                     "precision": "fp32", "lr": 0.05, "warmup_steps": 2})
+                                     "precision": "fp32", "lr": 0.05, "warmup_steps": 2,
+                                     "select_by": "accuracy"})
     m = train_task(gpt2_dir, "t", data, recipe, out_dir=tmp_path / "t", progress=False)
     logged = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     # driven batch by batch (as benchmarks/bench_ptune_real.py does), the same seed gives the same run
@@ -43,8 +44,9 @@ def test_trainer_steps_are_train_tasks_steps_and_its_clock_leaves_out_validation
 
 def test_selection_by_accuracy_then_loss_or_by_loss():
     # accuracy first; the loss breaks ties (and alone decides while no answer is fully right)
-    assert val_score(0.9, 0.5) > val_score(0.4, 0.25) and val_score(0.4, 0.0) > val_score(0.9, 0.0)
-    # select_by loss: the lower loss wins whatever the accuracy
-    assert val_score(0.4, 0.25, "loss") > val_score(0.9, 0.5, "loss")
+    assert val_score(0.9, 0.5, "accuracy") > val_score(0.4, 0.25, "accuracy")
+    assert val_score(0.4, 0.0, "accuracy") > val_score(0.9, 0.0, "accuracy")
+    # select_by loss (the default): the lower loss wins whatever the accuracy
+    assert val_score(0.4, 0.25) > val_score(0.9, 0.5)  # the default
     with pytest.raises(ConfigError, match="select_by"):
         ptune_recipe_from_dict({"select_by": "f1"})

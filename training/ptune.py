@@ -2,8 +2,8 @@
 
 The base model's parameters have requires_grad=False, so autograd stores no gradient for them
 and the optimizer holds state for the encoder only; the metrics report both sizes. Only the
-answer tokens carry loss. The best table on the validation split (by accuracy, ties by loss; or by
-loss: recipe.select_by; early stopping waits on the same score) is written as
+answer tokens carry loss. The best table on the validation split (by loss, or by accuracy with ties
+by loss: recipe.select_by; early stopping waits on the same score) is written as
 `<model>/ptuning/<task>/` (adapter_config.json, adapter_model.safetensors, task.json); the
 encoder's own weights sit beside it (prompt_encoder.safetensors) so a run can be resumed.
 """
@@ -164,7 +164,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def val_score(val_loss: float, val_accuracy: float, select_by: str = "accuracy") -> tuple[float, float]:
+def val_score(val_loss: float, val_accuracy: float, select_by: str = "loss") -> tuple[float, float]:
     """A validation pass's score, higher is better: (accuracy, -loss) for select_by "accuracy" (the
     loss breaks ties, and alone decides while no answer is fully right), (-loss, accuracy) for "loss"."""
     return (val_accuracy, -val_loss) if select_by == "accuracy" else (-val_loss, val_accuracy)
