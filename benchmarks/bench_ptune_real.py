@@ -1,8 +1,8 @@
 """P-tuning on a real base against the anchors (issue 39): ours vs PEFT's own trainer vs in-context.
 
     PYTHONPATH=$PWD nice -n 5 .venv/bin/python benchmarks/bench_ptune_real.py --model models/smollm2 \
-        [--tasks play,next_speaker] [--sweep-steps 20] [--steps 60] [--ours-lrs 0.01,0.03,0.1] \
-        [--peft-lrs 1e-3,3e-3,1e-2]
+        [--tasks play,next_speaker] [--sweep-steps 24] [--steps 80] [--ours-lrs 0.01,0.03,0.1] \
+        [--peft-lrs 3e-4,1e-3,3e-3] [--select-by accuracy] [--no-test]
 
 Tasks: training/ptune_tasks.py's "which play" (5 plays) and "who speaks next" (2 named candidates),
 with its fixed hash split (80/10/10 by SHA-256 of each example). Every trainer draws its batches
@@ -26,6 +26,7 @@ a load change on the shared host hits both alike.
 Learning rates: for each trainer, --sweep-steps steps at each rate of its grid (ours' rate i and
 PEFT's rate i run interleaved), validation every --eval-every steps; the rate with the highest best
 validation accuracy wins (ties: the lower validation loss). The test split is not touched.
+--no-test: exploration runs (design choices) train and validate only; the test split is never scored.
 --random-init-arm adds a sweep run of ours at its middle rate from random vocabulary embeddings
 instead of the text (PEFT's SAMPLE_VOCAB): what the text init buys.
 
@@ -36,8 +37,12 @@ Time to accuracy: both trainers are validated after the same steps (every --eval
 is PEFT's best validation accuracy in the final run, a_P. For each trainer, T = its training
 seconds at the first validation pass with accuracy >= a_P; the ratio is T_ours / T_PEFT (target
 <= 0.5x). Undefined when a_P = 0; "never" when ours does not reach a_P. Secondary (defined when a_P = 0 too):
-the same with PEFT's best validation loss L_P as the target (first pass with loss <= L_P). The best state (lowest
-validation loss) of each trainer is the one scored on the test split.
+the same with PEFT's best validation loss L_P as the target (first pass with loss <= L_P).
+
+Selection: each trainer's prompt scored on the test split is its validation pass with the lowest
+loss (--select-by accuracy: the highest accuracy, ties by loss), as train_task keeps it (recipe
+select_by). Each pass scores val's even and odd rows apart too, so the log can check a rule on data
+it did not select on: pick the pass by one half, read the other half's accuracy there (both ways).
 
 Test accuracy: all three through the same serving engine (engines.LLM, greedy, <= 16 tokens; ours and
 PEFT's selected prompts loaded as tasks, PEFT's as its P_TUNING table): the answer names the right
@@ -154,16 +159,16 @@ class Ours:
     def __init__(self, td, recipe, by_text: dict):
         from training.ptune import Trainer
 
-        self.tr, self.by_text, self.best = Trainer(td, recipe).__enter__(), by_text, (float("inf"), None, 0.0)
+        self.tr, self.by_text = Trainer(td, recipe).__enter__(), by_text
 
     def step(self, rows: list[dict]) -> float:
         return self.tr.step([self.by_text[r["input"]] for r in rows])
 
     def evaluate(self, rows: list[dict]) -> tuple[float, float]:
-        vl, va = self.tr.evaluate([self.by_text[r["input"]] for r in rows])
-        if vl < self.best[0]:
-            self.best = (vl, self.tr.table(), va)
-        return vl, va
+        return self.tr.evaluate([self.by_text[r["input"]] for r in rows])
+
+    def snapshot(self) -> torch.Tensor:
+        return self.tr.table()
 
     @property
     def train_s(self) -> float:
@@ -193,7 +198,6 @@ class Peft:
         self.opt = torch.optim.AdamW([p for p in self.pm.parameters() if p.requires_grad], lr=lr)
         self.sched = get_linear_schedule_with_warmup(self.opt, warmup, steps)
         self.cache, self.n, self.train_s, self.eval_s = cache, n, 0.0, 0.0
-        self.best = (float("inf"), None, 0.0)
         self.pm.train()
 
     def _enc(self, rows: list[dict]):
@@ -225,13 +229,14 @@ class Peft:
             right += ((pred == tgt) | (tgt == -100)).all(-1).sum().item()
         self.pm.train()
         self.eval_s += time.perf_counter() - t0
-        vl, va = tot / len(rows), right / len(rows)
-        if vl < self.best[0]:
-            self.best = (vl, {k: v.detach().clone() for k, v in self.pm.prompt_encoder.state_dict().items()}, va)
-        return vl, va
+        return tot / len(rows), right / len(rows)
 
-    def best_table(self) -> torch.Tensor:
-        self.pm.prompt_encoder.load_state_dict(self.best[1])
+    def snapshot(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.pm.prompt_encoder.state_dict().items()}
+
+    def table(self, snapshot: dict) -> torch.Tensor:
+        """(N, hidden) virtual-token embeddings of an encoder snapshot: the encoder's output."""
+        self.pm.prompt_encoder.load_state_dict(snapshot)
         with torch.no_grad():
             return self.pm.get_prompt_embedding_to_save("default")  # (N, hidden): the encoder's output
 
@@ -239,23 +244,51 @@ class Peft:
         pass
 
 
-def interleaved(trainers: dict, batches: list[list[dict]], val: list[dict], every: int, log) -> dict:
+def interleaved(trainers: dict, batches: list[list[dict]], val: list[dict], every: int, log,
+                select_by: str = "loss") -> tuple[dict, dict]:
     """Each batch: every trainer's step in turn; every `every` steps (and the last) a validation pass
-    of each. Returns {name: [{"step", "train_s", "loss", "val_loss", "val_accuracy"}]}."""
+    of each, on val's two halves (even / odd rows) apart. Returns ({name: [{"step", "train_s", "loss",
+    "val_loss", "val_accuracy", "halves": [[loss, acc] of each half]}]}, {name: (step, snapshot)} of
+    the pass that val_score(select_by) ranks best on the whole of val)."""
+    from training.ptune import val_score
+
+    halves = [val[0::2], val[1::2]]
     evals: dict[str, list[dict]] = {k: [] for k in trainers}
+    best: dict[str, tuple] = {}
     losses: dict[str, float] = {}
     for i, rows in enumerate(batches, 1):
         for name, t in trainers.items():
             losses[name] = t.step(rows)
         if i % every == 0 or i == len(batches):
             for name, t in trainers.items():
-                vl, va = t.evaluate(val)
+                hv = [t.evaluate(h) for h in halves]
+                vl = sum(l * len(h) for (l, _), h in zip(hv, halves)) / len(val)
+                va = sum(a * len(h) for (_, a), h in zip(hv, halves)) / len(val)
                 evals[name].append({"step": i, "train_s": t.train_s, "loss": losses[name], "val_loss": vl,
-                                    "val_accuracy": va})
+                                    "val_accuracy": va, "halves": [list(x) for x in hv]})
+                score = val_score(vl, va, select_by)
+                if name not in best or score > best[name][0]:
+                    best[name] = (score, i, t.snapshot())
             log(f"  step {i}: " + "; ".join(f"{k} loss {losses[k]:.3f} val {e[-1]['val_loss']:.3f} "
                                            f"acc {e[-1]['val_accuracy']:.3f} train {e[-1]['train_s']:.0f} s"
                                            for k, e in evals.items()) + f"; load {os.getloadavg()[0]:.1f}")
-    return evals
+    return evals, {k: v[1:] for k, v in best.items()}
+
+
+def cross_check(evals: list[dict]) -> dict:
+    """Which selection rule picks the better pass for data it did not see: for each rule, pick the pass
+    by one half of val and take the other half's accuracy there (both ways, averaged). Validation only."""
+    from training.ptune import val_score
+
+    out = {}
+    for rule in ("accuracy", "loss"):
+        got = []
+        for sel, other in ((0, 1), (1, 0)):
+            e = max(evals, key=lambda e: val_score(*e["halves"][sel], rule))
+            got.append(e["halves"][other][1])
+        out[rule] = sum(got) / 2
+    out["final_step"] = sum(evals[-1]["halves"][o][1] for o in (0, 1)) / 2
+    return out
 
 
 def batches(train: list[dict], batch: int, steps: int) -> list[list[dict]]:
@@ -284,18 +317,23 @@ def main() -> None:
     ap.add_argument("--model", default="models/smollm2")
     ap.add_argument("--tasks", default="play,next_speaker")
     ap.add_argument("--virtual-tokens", type=int, default=32, help="N, and the in-context prompt budget")
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps of the final run, both trainers")
-    ap.add_argument("--sweep-steps", type=int, default=20, help="steps of each sweep run (0: no sweep)")
+    ap.add_argument("--steps", type=int, default=80, help="optimizer steps of the final run, both trainers")
+    ap.add_argument("--sweep-steps", type=int, default=24, help="steps of each sweep run (0: no sweep)")
     ap.add_argument("--ours-lrs", default="0.01,0.03,0.1", help="our sweep grid (the first alone: no sweep)")
-    ap.add_argument("--peft-lrs", default="1e-3,3e-3,1e-2", help="PEFT's sweep grid (its examples: 1e-3..1e-2)")
+    ap.add_argument("--peft-lrs", default="3e-4,1e-3,3e-3",
+                    help="PEFT's sweep grid (its P-tuning examples use 1e-3; 1e-2 was its worst on play's validation)")
     ap.add_argument("--random-init-arm", action="store_true",
                     help="sweep also ours at its middle rate from random vocabulary embeddings (what the text init buys)")
-    ap.add_argument("--warmup", type=int, default=5, help="warm-up steps, both trainers")
+    ap.add_argument("--warmup", type=int, default=4, help="warm-up steps, both trainers")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--n-val", type=int, default=40)
+    ap.add_argument("--eval-every", type=int, default=8)
+    ap.add_argument("--n-val", type=int, default=64)
     ap.add_argument("--n-test", type=int, default=100)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--select-by", choices=("loss", "accuracy"), default="loss",
+                    help="which validation pass's prompt each trainer keeps for the test (training.ptune.val_score)")
+    ap.add_argument("--no-test", action="store_true",
+                    help="exploration: train and validate only; the test split is not read or scored")
     ap.add_argument("--out", default="runs/bench_ptune_real")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -325,7 +363,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for task in args.tasks.split(","):
         train, val = splits[task]["train"], stride(splits[task]["val"], args.n_val)
-        test = stride(splits[task]["test"], args.n_test)
+        test = [] if args.no_test else stride(splits[task]["test"], args.n_test)
         log(f"[{task}] train {len(train)}, val {len(val)} of {len(splits[task]['val'])}, "
             f"test {len(test)} of {len(splits[task]['test'])}")
         data = work / f"{task}.jsonl"
@@ -346,7 +384,8 @@ def main() -> None:
                     t["peft"] = Peft(model, args.virtual_tokens, peft_lrs[i], args.sweep_steps, args.warmup, cache)
                 log(f"[{task}] sweep {i}: ours lr {ours_lrs[i] if 'ours' in t else '-'}, "
                     f"PEFT lr {peft_lrs[i] if 'peft' in t else '-'}")
-                ev = interleaved(t, batches(train, args.batch, args.sweep_steps), val, args.eval_every, log)
+                ev, _ = interleaved(t, batches(train, args.batch, args.sweep_steps), val, args.eval_every, log,
+                                    args.select_by)
                 for k, tr in t.items():
                     sweep[k][(ours_lrs if k == "ours" else peft_lrs)[i]] = ev[k]
                     tr.close()
@@ -356,53 +395,66 @@ def main() -> None:
             rand = torch.randint(0, td.cfg.vocab_size, (args.virtual_tokens,), generator=torch.Generator().manual_seed(0))
             r = Ours(dataclasses.replace(td, init_ids=rand), recipe(task, mid, args.sweep_steps, init_text=""), by_text)
             sweep["ours_random_init"][mid] = interleaved({"ours": r}, batches(train, args.batch, args.sweep_steps), val,
-                                                         args.eval_every, log)["ours"]
+                                                         args.eval_every, log, args.select_by)[0]["ours"]
             r.close()
         lr_o = pick(sweep["ours"]) if sweep["ours"] else ours_lrs[0]
         lr_p = pick(sweep["peft"]) if sweep["peft"] else peft_lrs[0]
         log(f"[{task}] final: ours lr {lr_o}, PEFT lr {lr_p}, {args.steps} steps, interleaved")
         ours = Ours(td, recipe(task, lr_o, args.steps), by_text)
         peft = Peft(model, args.virtual_tokens, lr_p, args.steps, args.warmup, cache)
-        ev = interleaved({"ours": ours, "peft": peft}, batches(train, args.batch, args.steps), val, args.eval_every, log)
+        ev, best = interleaved({"ours": ours, "peft": peft}, batches(train, args.batch, args.steps), val,
+                               args.eval_every, log, args.select_by)
         ours.close()
+        chosen = {k: {"step": v[0], **next({"val_loss": e["val_loss"], "val_accuracy": e["val_accuracy"]}
+                                            for e in ev[k] if e["step"] == v[0])} for k, v in best.items()}
+        checks = {k: cross_check(e) for k, e in ev.items()}
+        log(f"[{task}] selected ({args.select_by}): {json.dumps(chosen)}; half-vs-half check of the rules "
+            f"(accuracy on the half not used to select): {json.dumps(checks)}")
         a_p = max(e["val_accuracy"] for e in ev["peft"])
         t_o, t_p = time_to(ev["ours"], a_p), time_to(ev["peft"], a_p)
         l_p = min(e["val_loss"] for e in ev["peft"])  # the secondary target: PEFT's best validation loss
         tl_o, tl_p = time_to_loss(ev["ours"], l_p), time_to_loss(ev["peft"], l_p)
-        # the test split, once: each trainer's best state (lowest validation loss) through the engine
-        write_task_dir(work / "ours" / task, task, ours.best[1], base_model=str(model), peft_type="PREFIX_TUNING",
-                       shape=ModelShape.of(td.cfg), meta={**base_model_hashes(model), "template": CHATML})
-        write_task_dir(work / "peft" / task, task, peft.best_table(), base_model=str(model), peft_type="P_TUNING",
-                       meta=base_model_hashes(model))
-        del peft, ours
-        llm = LLM(str(model))
-        llm.load_task(task, work / "ours" / task)
-        llm.load_task(f"peft-{task}", work / "peft" / task)
         prefix, n_examples = in_context_prefix(td.tok, task, train, args.virtual_tokens)
-        test_scores = {"ours": engine_accuracy(llm, td.tok, task, test, [], task),
-                       "peft": engine_accuracy(llm, td.tok, task, test, [], f"peft-{task}"),
-                       "in_context": engine_accuracy(llm, td.tok, task, test, prefix, None)}
-        del llm, td
+        test_scores = None
+        if not args.no_test:  # the test split, once: each trainer's selected prompt through the engine
+            write_task_dir(work / "ours" / task, task, best["ours"][1], base_model=str(model),
+                           peft_type="PREFIX_TUNING", shape=ModelShape.of(td.cfg),
+                           meta={**base_model_hashes(model), "template": CHATML})
+            write_task_dir(work / "peft" / task, task, peft.table(best["peft"][1]), base_model=str(model),
+                           peft_type="P_TUNING", meta=base_model_hashes(model))
+            del peft, ours
+            llm = LLM(str(model))
+            llm.load_task(task, work / "ours" / task)
+            llm.load_task(f"peft-{task}", work / "peft" / task)
+            test_scores = {"ours": engine_accuracy(llm, td.tok, task, test, [], task),
+                           "peft": engine_accuracy(llm, td.tok, task, test, [], f"peft-{task}"),
+                           "in_context": engine_accuracy(llm, td.tok, task, test, prefix, None)}
+            del llm
+        del td
         results[task] = {"lr": {"ours": lr_o, "peft": lr_p}, "sweep": {k: {str(lr): e for lr, e in v.items()}
                                                                      for k, v in sweep.items()},
-                         "final": ev, "peft_best_val_acc": a_p, "time_to": {"ours": t_o, "peft": t_p},
+                         "final": ev, "selected": chosen, "selection_check": checks, "peft_best_val_acc": a_p, "time_to": {"ours": t_o, "peft": t_p},
                          "peft_best_val_loss": l_p, "time_to_loss": {"ours": tl_o, "peft": tl_p},
                          "test": test_scores, "n": {"train": len(train), "val": len(val), "test": len(test)},
                          "in_context_examples": n_examples, "in_context_tokens": len(prefix),
                          "load_end": os.getloadavg()}
-        log(f"[{task}] test: " + json.dumps({k: {m: v[m] for m in ("named", "exact")} for k, v in test_scores.items()}))
+        if test_scores is not None:
+            log(f"[{task}] test: " + json.dumps({k: {m: v[m] for m in ("named", "exact")}
+                                                 for k, v in test_scores.items()}))
         (work / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     lines = [f"CPU: {cpu_line()}; torch threads {args.threads}; fp32; load at the end {os.getloadavg()}",
              (f"model: {model}; N = {args.virtual_tokens}; final {args.steps} steps of batch {args.batch}, "
               f"validation every {args.eval_every} on {args.n_val}; sweep {args.sweep_steps} steps a rate"), "",
              ("| task | test n | ours | PEFT | in-context (examples) | ours - PEFT (>= 0) | ours - in-context (>= +20) "
               "| lr ours / PEFT | PEFT best val acc | train s to it, ours / PEFT (<= 0.5x) "
-              "| train s to PEFT's best val loss, ours / PEFT |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| train s to PEFT's best val loss, ours / PEFT | selected val acc (step), ours / PEFT |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ok = lambda c: "met" if c else "MISSED"
     for task, r in results.items():
-        t = {k: v["named"] for k, v in r["test"].items()}
-        ex = {k: v["exact"] for k, v in r["test"].items()}
+        nan = float("nan")  # --no-test: the test columns stay empty
+        t = {k: v["named"] for k, v in r["test"].items()} if r["test"] else dict.fromkeys(r["selected"] | {"in_context": 0}, nan)
+        ex = {k: v["exact"] for k, v in r["test"].items()} if r["test"] else t
+        sel = " / ".join(f"{r['selected'][k]['val_accuracy']:.1%} ({r['selected'][k]['step']})" for k in ("ours", "peft"))
         to, tp = r["time_to"]["ours"], r["time_to"]["peft"]
         ratio = ("n/a: PEFT's val acc stayed 0" if r["peft_best_val_acc"] <= 0 else
                  f"ours never reached it (PEFT {tp:.0f} s)" if to is None else
@@ -415,7 +467,7 @@ def main() -> None:
             f"| {t['in_context']:.1%} ({ex['in_context']:.1%}; {r['in_context_examples']}) "
             f"| {100 * (t['ours'] - t['peft']):+.1f} ({ok(t['ours'] >= t['peft'])}) "
             f"| {100 * (t['ours'] - t['in_context']):+.1f} ({ok(t['ours'] - t['in_context'] >= 0.2)}) "
-            f"| {r['lr']['ours']:g} / {r['lr']['peft']:g} | {r['peft_best_val_acc']:.1%} | {ratio} | {lratio} |")
+            f"| {r['lr']['ours']:g} / {r['lr']['peft']:g} | {r['peft_best_val_acc']:.1%} | {ratio} | {lratio} | {sel} |")
     log("\n" + "\n".join(lines))
     (work / "table.md").write_text("\n".join(lines) + "\n")
     log(f"raw output: {work}")

@@ -2,7 +2,8 @@
 
 The base model's parameters have requires_grad=False, so autograd stores no gradient for them
 and the optimizer holds state for the encoder only; the metrics report both sizes. Only the
-answer tokens carry loss. The best table by validation loss (early stopping) is written as
+answer tokens carry loss. The best table on the validation split (by loss, or by accuracy with ties
+by loss: recipe.select_by; early stopping waits on the same score) is written as
 `<model>/ptuning/<task>/` (adapter_config.json, adapter_model.safetensors, task.json); the
 encoder's own weights sit beside it (prompt_encoder.safetensors) so a run can be resumed.
 """
@@ -38,7 +39,7 @@ from training.ptune_prompt import LayerPrefix, PromptEncoder, hooked
 from training.ptune_recipe import PtuneRecipe
 
 __all__ = ["DatasetError", "Example", "LayerPrefix", "PromptEncoder", "Trainer", "evaluate", "hooked",
-           "prepare", "train_task"]
+           "prepare", "train_task", "val_score"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,12 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
         return 0.1 + 0.9 * step / warmup
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def val_score(val_loss: float, val_accuracy: float, select_by: str = "loss") -> tuple[float, float]:
+    """A validation pass's score, higher is better: (accuracy, -loss) for select_by "accuracy" (the
+    loss breaks ties, and alone decides while no answer is fully right), (-loss, accuracy) for "loss"."""
+    return (val_accuracy, -val_loss) if select_by == "accuracy" else (-val_loss, val_accuracy)
 
 
 ProgressFn = Callable[[dict], None]
@@ -298,7 +305,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     enc_path = out / "prompt_encoder.safetensors"
     log = MetricsLog(out / "metrics.jsonl")
     bar = Progress(recipe.max_steps, 0, progress, desc=f"ptune {task}")
-    best = (math.inf, None, 0.0)  # (val loss, table, val accuracy)
+    best = (math.inf, None, 0.0)  # (val loss, table, val accuracy) of the selected pass
+    best_score, best_step = (-math.inf, -math.inf), 0
     bad_evals, t0 = 0, time.perf_counter()
     stopped = "max_steps"
     try:
@@ -313,8 +321,9 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
                 if step % recipe.eval_every == 0 or step == recipe.max_steps:
                     vl, va = tr.evaluate(val)
                     rec.update(val_loss=vl, val_accuracy=va)
-                    if vl < best[0]:
-                        best, bad_evals = (vl, tr.table(), va), 0
+                    if val_score(vl, va, recipe.select_by) > best_score:
+                        best, best_score, best_step = (vl, tr.table(), va), val_score(vl, va, recipe.select_by), step
+                        bad_evals = 0
                         save_file(tr.enc.state_dict(), str(enc_path))
                     else:
                         bad_evals += 1
@@ -331,7 +340,7 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
                     break
             if best[1] is None:  # ended before the first evaluation
                 vl, va = tr.evaluate(val)
-                best = (vl, tr.table(), va)
+                best, best_step = (vl, tr.table(), va), tr.steps
                 save_file(tr.enc.state_dict(), str(enc_path))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
@@ -342,7 +351,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     metrics = {"steps": tr.steps, "stopped": stopped, "precision": tr.precision,
                "train_seconds": round(tr.train_s, 3), "eval_seconds": round(tr.eval_s, 3),
                "wall_seconds": round(time.perf_counter() - t0, 3),
-               "best_val_loss": best[0], "val_accuracy": best[2], "train_examples": len(train),
+               "best_val_loss": best[0], "val_accuracy": best[2], "best_step": best_step,
+               "select_by": recipe.select_by, "train_examples": len(train),
                "val_examples": len(val), "answer_choices": 0 if td.choices is None else len(td.choices),
                "base_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                "trainable_param_bytes": sum(p.numel() * p.element_size() for p in tr.enc.parameters()),
