@@ -166,18 +166,7 @@ class Sampler:
             # a copy: the caller's logits stay as the model gave them (a TP runner returns them too)
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
             apply_bitmask(logits, *masks)
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = self.argmax(logits)
-        elif not any(greedy):
-            tokens = self._draw(states, logits)
-        else:
-            tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
-            g = torch.tensor(greedy, device=logits.device)
-            tokens[g] = self.argmax(logits[g])
-            rows = [i for i, x in enumerate(greedy) if not x]
-            tokens[rows] = self._draw([states[i] for i in rows], logits[rows])
-        tok_list = tokens.tolist()
+        tok_list = self._pick(states, logits).tolist()
         checked = self._check_first(states, masks[1] if masks is not None else [], tok_list, logits)
         out: list[tuple[int, TokenLogprob | None]] = []
         for i, (st, tok) in enumerate(zip(states, tok_list)):
@@ -220,15 +209,21 @@ class Sampler:
             st.matcher.fill_next_token_bitmask(bitmask, j)
         logits = logits.float()
         apply_bitmask(logits, bitmask, list(range(len(states))))
+        return self._pick(states, logits).tolist()
+
+    def _pick(self, states: list[SeqSamplerState], logits: torch.Tensor) -> torch.Tensor:
+        """(S) tokens of logits (S, V): the argmax of greedy rows, a draw (_draw) for the others."""
         greedy = [st.init.params.greedy for st in states]
+        if all(greedy):
+            return self.argmax(logits)
+        if not any(greedy):
+            return self._draw(states, logits)
         tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
-        g = [j for j, x in enumerate(greedy) if x]
-        if g:
-            tokens[g] = self.argmax(logits[g])
-        d = [j for j, x in enumerate(greedy) if not x]
-        if d:
-            tokens[d] = self._draw([states[j] for j in d], logits[d])
-        return tokens.tolist()
+        g = torch.tensor(greedy, device=logits.device)
+        tokens[g] = self.argmax(logits[g])
+        rows = [i for i, x in enumerate(greedy) if not x]
+        tokens[rows] = self._draw([states[i] for i in rows], logits[rows])
+        return tokens
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (S, V) -> (S) greedy tokens: the first index of each row's maximum."""
