@@ -75,10 +75,13 @@ def test_huge_page_copy_is_an_equal_aligned_copy():
     assert torch.isfinite(copy.sum())  # the copy owns its memory
 
 
-def test_a_stale_build_lock_does_not_hang_the_load():
+def test_a_stale_build_lock_does_not_hang_the_load(tmp_path, monkeypatch):
     """A lock left by a process killed mid-build (older than STALE_LOCK_S) is removed before loading;
-    a fresh one (another process building now) is left alone."""
+    a fresh one (another process building now) is left alone. On a copy of the built module's directory
+    (a lock in the shared one would send the other test workers' loads through torch's builder beside
+    this one's)."""
     import os
+    import shutil
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
@@ -87,7 +90,11 @@ def test_a_stale_build_lock_does_not_hang_the_load():
     from engines.cpu.cpp_ext import STALE_LOCK_S, build_name, clear_stale_lock
 
     name = build_name("shardserve_cpu_", kernels.combined_source())
+    assert kernels.load()[0] is not None  # built in the shared directory (make setup's prebuild)
+    shutil.copytree(_get_build_directory(name, verbose=False), tmp_path / name, symlinks=True)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    assert lock.startswith(str(tmp_path))
     open(lock, "w").close()
     try:
         assert clear_stale_lock(name) is False and os.path.exists(lock)  # fresh: someone is building
