@@ -43,13 +43,28 @@ class Cluster:
                     "RAY_AUTH_MODE": "disabled"}  # a throwaway local cluster: no token files to share
 
     def start(self, name: str, cpus: int, head: bool = False) -> None:
+        # its own free ports for what would take a fixed default (the dashboard agent's 52365, which the
+        # suite's other Ray instances also want) and a small object store (nothing large travels here;
+        # 30 % of memory per node, three nodes beside the suite's other Ray instances, is shm pressure)
         args = [RAY, "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
-                f"--resources={{\"node_{name}\": 1}}", "--disable-usage-stats"]
+                f"--resources={{\"node_{name}\": 1}}", "--disable-usage-stats",
+                f"--dashboard-agent-listen-port={free_port()}", f"--object-store-memory={200 << 20}"]
         args += ([ "--head", f"--port={self.port}", "--include-dashboard=false", "--node-ip-address=127.0.0.1"]
                  if head else [f"--address={self.address}", "--node-ip-address=127.0.0.1"])
         log = open(self.temp_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the node
         self.nodes[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True)
+
+    def logs(self, lines: int = 25) -> str:
+        """The last lines of each node's own output, of `shardserve serve` and of Ray's raylet and GCS
+        logs: a failure in CI shows where the time went without the temp dir (which CI does not keep)."""
+        files = sorted(self.temp_dir.glob("*.log")) + sorted(self.temp_dir.glob("session_latest/logs/raylet*.out")) \
+            + sorted(self.temp_dir.glob("session_latest/logs/gcs_server.out"))
+        out = []
+        for f in files:
+            text = f.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {f.relative_to(self.temp_dir)} (last {len(text)} lines)\n" + "\n".join(ln[:300] for ln in text))
+        return "\n".join(out)
 
     def kill(self, name: str) -> None:
         p = self.nodes.pop(name)
@@ -167,10 +182,13 @@ def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
         # a node joins again: Ray Serve replaces the replica and its placement group lands on it
         joined = time.monotonic()
         cluster.start("worker2", cpus=1)
+        wait_until(lambda: cluster.alive_nodes() == 2, "the new worker node did not join", 120)
+        node_joined = time.monotonic() - joined
         wait_until(lambda: _ok(url) and complete(url).status_code == 200, "the replica did not recover", 150)
         assert len(set(cluster.shard_nodes())) == 2
         print(f"\ntwo-node: in-flight request failed with 503 {failed_after:.1f} s after the node was killed; "
-              f"served again {time.monotonic() - joined:.1f} s after a new node was started")
+              f"the new node joined after {node_joined:.1f} s; served again {time.monotonic() - joined:.1f} s "
+              "after it was started")
         passed = True
     finally:
         if server is not None and server.poll() is None:
@@ -183,7 +201,7 @@ def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
         if passed:
             shutil.rmtree(temp, ignore_errors=True)
         else:
-            print(f"node and server logs kept in {temp}", file=sys.stderr)
+            print(f"node and server logs kept in {temp}\n{cluster.logs()}", file=sys.stderr)
 
 
 def _ok(url: str) -> bool:
