@@ -5,8 +5,10 @@
     .venv/bin/python benchmarks/bench_decode.py --real [--model DIR] [--tokens 48] [--rounds 5] [--threads 2]
 
 --real: the real SmolLM2-135M-Instruct (default /work/main/models/smollm2) at batch 1 in fp32, bf16 and FP8
-weight-only (the `shardserve quantize` file, written once into the bench cache; bf16 activations; "fp8h" the
-same file with lm_head_dtype fp8, an e4m3 copy of the tied head for the logits), the fused
+weight-only, bf16 activations: "fp8" the `shardserve quantize --calibration` file (GPTQ on the Shakespeare
+training split, every block FP8: the file whose perplexity BENCHMARKS.md reports, -0.1 % against bf16), "fp8h"
+the same file with lm_head_dtype fp8 (its GPTQ e4m3 head for the logits), "fp8rtn" the default file (round to
+nearest, the end blocks kept float); each written once into the bench cache (--fp8 DIR: another file). The fused
 CPU decode step on: decode tok/s (a 1-token and a (1 + N)-token generation timed back to back, the
 difference), rounds interleaved, best of each; the weight bytes a decode token reads and the replica's
 weight memory (the model's tensors: parameters, kernel copies, scales), FP8 / bf16 both ways; and the
@@ -150,16 +152,25 @@ def read_bytes_per_token(model: torch.nn.Module) -> int:
     return total + head.weight.numel() * head.weight.element_size()
 
 
-def fp8_dir(model: Path) -> Path:
-    """`shardserve quantize --format fp8` of `model`, written once into the bench cache."""
+def fp8_dir(model: Path, gptq: bool) -> Path:
+    """`shardserve quantize` of `model` (gptq: with --calibration on the Shakespeare training split's text, never
+    the validation text), written once into the bench cache."""
     import subprocess
 
     from benchmarks.common import CACHE
 
-    out = CACHE / f"{model.name}-fp8"
+    out = CACHE / f"{model.name}-fp8{'-gptq' if gptq else ''}"
+    extra = []
+    if gptq:
+        from benchmarks.bench_quality import shakespeare_texts, training_text
+
+        text = CACHE / "shakespeare-train.txt"
+        if not text.is_file():
+            text.write_text(training_text(shakespeare_texts()), encoding="utf-8")
+        extra = ["--calibration", str(text)]
     if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(model), "--out", str(out)],
-                       check=True, cwd=Path(__file__).resolve().parents[1])
+        subprocess.run([sys.executable, "-m", "shardserve", "quantize", "--model", str(model), "--out", str(out),
+                        *extra], check=True, cwd=Path(__file__).resolve().parents[1])
     return out
 
 
@@ -175,9 +186,10 @@ def real_model(args) -> None:
     flags = sorted(f for f in (read_cpu_flags() or ()) if f.startswith(("avx", "fma", "f16c", "amx")))
     print(f"batch-1 decode, {model.name}, {args.tokens} tokens, threads={args.threads}; CPU {cpu_name()} "
           f"({' '.join(flags)}); FP8 kernel variant {fp8_variant('auto')}; load average {os.getloadavg()[0]:.1f}")
-    fp8 = fp8_dir(model)
+    fp8 = Path(args.fp8) if args.fp8 else fp8_dir(model, gptq=True)
     runs = {"fp32": (model, "float32", "auto"), "bf16": (model, "bfloat16", "auto"), "fp8": (fp8, "bfloat16", "auto"),
-            "fp8h": (fp8, "bfloat16", "fp8")}  # fp8h: the same file, lm_head_dtype fp8 (an e4m3 head for the logits)
+            "fp8h": (fp8, "bfloat16", "fp8"),  # fp8h: the same file, lm_head_dtype fp8 (an e4m3 head for the logits)
+            "fp8rtn": (fp8_dir(model, gptq=False), "bfloat16", "auto")}
     # a fixed thread count (the adaptive chooser would pick per step, on a busy host unlike run to run)
     llms = {k: LLM(d, dtype=dt, lm_head_dtype=h, worker_threads=args.threads) for k, (d, dt, h) in runs.items()}
     for k, llm in llms.items():
@@ -214,7 +226,7 @@ def real_model(args) -> None:
               f"{rb * tps / 1e9:5.1f} GB/s = {100 * rb * tps / bw:4.1f}% of the roofline | weight memory "
               f"{mem / 1e6:6.1f} MB | paths {dict(llm.engine.executor.runner.paths)}")
     b = res["bf16"]
-    for k in ("fp8", "fp8h"):
+    for k in ("fp8", "fp8h", "fp8rtn"):
         f = res[k]
         print(f"  {k} / bf16: {f[0] / b[0]:.2f}x tok/s [{'MET' if f[0] / b[0] >= FP8_OVER_BF16 else 'MISSED'} "
               f">= {FP8_OVER_BF16}x]; bytes read a token {f[1] / b[1]:.3f}x (the ceiling of the speed-up: "
@@ -235,6 +247,7 @@ def main() -> None:
     ap.add_argument("--fused-ab", action="store_true", help="fused decode step on / off, SmolLM2 shape")
     ap.add_argument("--real", action="store_true", help="fp32 / bf16 / FP8 batch 1 on the real model, roofline")
     ap.add_argument("--model", default="/work/main/models/smollm2", help="--real: the model directory")
+    ap.add_argument("--fp8", help="--real: the FP8 directory of the fp8 / fp8h rows (default: the GPTQ file)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.fused_ab:
