@@ -298,7 +298,8 @@ def validate_candidate(cand: Candidate, model: ModelConfig, profile: HardwarePro
                   sweep_from=cand.metrics["goodput_req_s"], progress=progress)
     acc = res.pop("points")[0]
     measured_goodput = res["measured_goodput_req_s"]
-    return {**res, "accuracy_rate_req_s": rate, "predicted": acc["predicted"], "measured": acc["measured"],
+    return {**res, "accuracy_rate_req_s": rate, "accuracy_failed": acc["failed"], "predicted": acc["predicted"],
+            "measured": acc["measured"],
             "error": acc["error"], "predicted_goodput_req_s": cand.metrics["goodput_req_s"],
             "predicted_goodput_per_device": cand.metrics["goodput_per_device"],
             "measured_goodput_per_device": measured_goodput / cand.metrics["devices"],
