@@ -20,9 +20,8 @@ SmolLM2, each a fork and a join of the thread pool): the team walks the layers t
 between phases; thread 0 runs the small ops (the same ATen calls as above, so the same bits) while the
 others pull the back of the next Linear's panels into their caches; then each Linear's panels are claimed
 in groups from both ends (thread 0 the front, the others the back) and each group computed exactly as
-the kernel computes it alone. Several sequences split the attention by sequence; one sequence's attention
-runs on thread 0 (up to 1,024 tokens of context: longer runs the per-op loop, whose paged kernel splits
-the heads over the threads).
+the kernel computes it alone. Several sequences split the attention by sequence, one sequence by kv heads
+(as the paged kernel splits them outside the team: the same bits), at any context length.
 
 The same loop computes the Llama family (engines/fused_decode.Family): RMSNorm in place of
 LayerNorm (normalised in fp32, rounded, then scaled, as engines/model/transformer.py RMSNorm), the rotary embedding

@@ -231,18 +231,14 @@ void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
       op[m * ffn + i] = static_cast<T>(static_cast<float>(gp[m * ffn + i]) * static_cast<float>(up[m * 2 * ffn + i]));
 }
 
-// Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows, and
-// attention the team can share (several sequences, split by sequence) or short enough for thread 0 alone
-// (one sequence: paged_decode splits its heads over threads only when entered outside a parallel region)
+// Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows. The
+// attention is shared too: several sequences split by sequence, one sequence by kv heads (as paged_decode
+// splits them entered outside a parallel region), at any context length
 bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, const StepArgs& a) {
-  constexpr int64_t ONE_THREAD_CONTEXT = 1024;  // tokens: one sequence's attention on one thread below this
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return false;
   for (const int64_t k : kinds)
     if (k != 0 && k < 5) return false;
-  if (x.size(0) == 1 && at::get_num_threads() > 1) {
-    TORCH_CHECK(a.lens.numel() == 1 && a.lens.scalar_type() == at::kLong, "decode_blocks: lens (M) int64");
-    if (a.lens.data_ptr<int64_t>()[0] > ONE_THREAD_CONTEXT) return false;
-  }
+  TORCH_CHECK(a.lens.numel() == x.size(0) && a.lens.scalar_type() == at::kLong, "decode_blocks: lens (M) int64");
   return true;
 }
 
@@ -267,8 +263,10 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   std::atomic<bool> failed{false};
   std::atomic<int64_t> done{0};  // thread 0's phases ended (the others warm the next Linear until it moves)
   SpinBarrier bar;
-  const bool split_attention = M > 1;  // by sequence over the team; one sequence: thread 0
   const int threads = at::get_num_threads();
+  // the attention over the team: several sequences split by sequence, one by kv heads (thread 0 the last
+  // share, the smaller where they are uneven: it also lays out the next Linear's input); a team of one: inline
+  const bool split_attention = M > 1, split_heads = M == 1 && threads > 1;
 #pragma omp parallel num_threads(threads)
   {
     at::ThreadLocalStateGuard guard(tls);
@@ -326,10 +324,19 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         }
         write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
         write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
-        if (split_attention) return;
+        if (split_attention || split_heads) return;
         att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
         prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
       });
+      if (split_heads) {  // one sequence: thread t its share of the kv heads (none past the last)
+        phase(true, [&] {
+          const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
+          if (g0 >= g1) return;
+          auto y3 = y.view({1, a.n_head, hd});
+          paged_src::paged_decode_heads(q.contiguous(), k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
+        });
+        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
+      }
       if (split_attention) {  // each thread its sequences (none for a thread past the last)
         phase(true, [&] {
           const int64_t per = (M + nt - 1) / nt, s0 = std::min(M, tid * per), n = std::min(M, s0 + per) - s0;
