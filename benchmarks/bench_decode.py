@@ -185,7 +185,7 @@ def real_model(args) -> None:
     model = Path(args.model)
     flags = sorted(f for f in (read_cpu_flags() or ()) if f.startswith(("avx", "fma", "f16c", "amx")))
     print(f"batch-1 decode, {model.name}, {args.tokens} tokens, threads={args.threads}; CPU {cpu_name()} "
-          f"({' '.join(flags)}); FP8 kernel variant {fp8_variant('auto')}; load average {os.getloadavg()[0]:.1f}")
+          f"({' '.join(flags)}); FP8 kernel variant {fp8_variant('auto', torch.bfloat16)} (bf16 rows); load average {os.getloadavg()[0]:.1f}")
     fp8 = Path(args.fp8) if args.fp8 else fp8_dir(model, gptq=True)
     runs = {"fp32": (model, "float32", "auto"), "bf16": (model, "bfloat16", "auto"), "fp8": (fp8, "bfloat16", "auto"),
             "fp8h": (fp8, "bfloat16", "fp8"),  # fp8h: the same file, lm_head_dtype fp8 (an e4m3 head for the logits)

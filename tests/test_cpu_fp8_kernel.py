@@ -11,9 +11,9 @@ from engines.cpu import panel_kernel as pk
 pytestmark = pytest.mark.skipif(pk.load_fp8()[0] is None, reason="the C++ kernels cannot be built here")
 
 
-def _runs_here(variant: str) -> bool:
+def _runs_here(variant: str, dtype: torch.dtype = torch.float32) -> bool:
     try:
-        return pk.fp8_variant(variant) == variant
+        return pk.fp8_variant(variant, dtype) == variant
     except ValueError:
         return False
 
@@ -68,6 +68,51 @@ def test_vector_variants_give_the_portable_bits(variant, rows, n):
                            pk.fp8_linear(x, panels, scales, n, b, variant="portable"))
 
 
+BF16_VARIANTS = [pytest.param(v, marks=pytest.mark.skipif(not _runs_here(v, torch.bfloat16), reason=f"this CPU "
+                                                          f"lacks the {v} variant's instructions (tested where they exist)"))
+                 for v in ("avx512bf16", "avx512bf16_emulated")]
+"""The bf16-row variants: vdpbf16ps (AVX512-BF16) and its arithmetic in scalar C++ (any host)."""
+
+
+def _subnormals_as_zero(w: torch.Tensor) -> torch.Tensor:
+    raw = w.view(torch.uint8)
+    return torch.where((raw & 0x78) == 0, raw & 0x80, raw).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("variant", BF16_VARIANTS)
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16 * 9 + 5, 72), (7, 40, 72), (3, 50, 131)])
+def test_bf16_variants_give_the_portable_bits_with_subnormal_weights_as_zero(variant, rows, n, k):
+    """vdpbf16ps adds a pair's input 2k product, then input 2k + 1's, each rounded once: the portable order and
+    bits, except that it flushes denormal inputs: an e4m3 subnormal weight counts as zero. Also within bf16's
+    rounding of dequantize-then-matmul, and refused for float32 rows by name."""
+    w, scales = _fp8_weight(n, k, seed=n)
+    assert ((w.view(torch.uint8) & 0x78) == 0).any()  # subnormals (and zeros) among the weights
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g)
+    got = pk.fp8_linear(x, pk.fp8_pack_panels(w), scales, n, b, variant=variant)
+    flushed = _subnormals_as_zero(w)
+    assert torch.equal(got, pk.fp8_linear(x, pk.fp8_pack_panels(flushed), scales, n, b, variant="portable"))
+    one = torch.tensor([[0x01, 0x00]], dtype=torch.uint8).view(torch.float8_e4m3fn)  # 2^-9 (subnormal), 0
+    panels, ones = pk.fp8_pack_panels(one), torch.ones(1, 2, dtype=torch.bfloat16)
+    assert pk.fp8_linear(ones, panels, torch.ones(1), 1, variant="portable").item() == 2 ** -9
+    assert pk.fp8_linear(ones, panels, torch.ones(1), 1, variant=variant).item() == 0.0  # flushed
+    ref = x.float() @ (w.float() * scales[:, None]).t() + b
+    torch.testing.assert_close(got, ref.to(torch.bfloat16), atol=2e-2, rtol=8e-3)
+    with pytest.raises(ValueError, match="bfloat16 rows"):
+        pk.fp8_linear(x.float(), pk.fp8_pack_panels(w), scales, n, b, variant=variant)
+
+
+@pytest.mark.skipif(not _runs_here("avx512bf16", torch.bfloat16), reason="this CPU lacks AVX512-BF16 (the emulation "
+                    "is checked against the portable bits on every host)")
+def test_the_emulation_equals_the_avx512bf16_variant_bit_for_bit():
+    """Subnormal weights included: the scalar emulation flushes what the instruction flushes."""
+    for rows, n in ((1, 16 * 5 + 3), (6, 33)):
+        w, scales = _fp8_weight(n, 96, seed=rows)
+        x, panels = torch.randn(rows, 96).to(torch.bfloat16), pk.fp8_pack_panels(w)
+        assert torch.equal(pk.fp8_linear(x, panels, scales, n, variant="avx512bf16"),
+                           pk.fp8_linear(x, panels, scales, n, variant="avx512bf16_emulated"))
+
+
 def test_the_decoding_is_exact_for_every_byte():
     """All 254 non-NaN e4m3 bytes through a one-input Linear of scale 1: the kernel reads torch's values."""
     w = torch.arange(256, dtype=torch.uint8)
@@ -78,6 +123,10 @@ def test_the_decoding_is_exact_for_every_byte():
 
 def test_variants_resolve_and_refuse_by_name():
     assert pk.fp8_variant("auto") in ("portable", "avx2", "avx512")
+    assert pk.fp8_variant("auto", torch.bfloat16) == ("avx512bf16" if _runs_here("avx512bf16", torch.bfloat16)
+                                                      else pk.fp8_variant("auto"))
+    with pytest.raises(ValueError, match="bfloat16 rows"):
+        pk.fp8_variant("avx512bf16_emulated")
     assert pk.fp8_variant("portable") == "portable"
     with pytest.raises(ValueError, match="allowed"):
         pk.fp8_variant("amx")

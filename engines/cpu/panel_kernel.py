@@ -99,11 +99,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     return mod.panel_linear(x, panels, out_features, bias, PANEL_VARIANTS[variant])
 
 
-FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512_on_avx2": 4}
-"""The FP8 kernel's variants (csrc/fp8_panel_kernel.cpp): "auto" the best this CPU runs; the others forced
-(tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere). "avx512_on_avx2"
-is the "avx512" variant's source built for AVX2 + FMA: never chosen by "auto", it lets every AVX2 host test
-the body the AVX-512 build runs."""
+FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512_on_avx2": 4, "avx512bf16": 5,
+                "avx512bf16_emulated": 6}
+"""The FP8 kernel's variants (csrc/fp8_panel_kernel.cpp): "auto" the best this CPU runs for the rows' dtype; the
+others forced (tests run each where the CPU has it; "portable" is the scalar reference and runs anywhere).
+"avx512_on_avx2" is the "avx512" variant's source built for AVX2 + FMA: never chosen by "auto", it lets every
+AVX2 host test the body the AVX-512 build runs. "avx512bf16" (bfloat16 rows; auto's pick for them where the CPU
+has AVX512-BF16) adds a pair of inputs' products with one vdpbf16ps, flushing e4m3 subnormal weights to zero;
+"avx512bf16_emulated" is its arithmetic in scalar C++, for any host."""
 
 
 def load_fp8() -> tuple[object | None, str]:
@@ -118,12 +121,13 @@ def _fp8_mod():
     return mod
 
 
-def fp8_variant(variant: str = "auto") -> str:
-    """The variant `variant` resolves to on this CPU; ValueError naming what the CPU lacks for a forced one."""
+def fp8_variant(variant: str = "auto", dtype: torch.dtype = torch.float32) -> str:
+    """The variant `variant` resolves to on this CPU for rows of `dtype`; ValueError naming what the CPU (or the
+    dtype) lacks for a forced one."""
     if variant not in FP8_VARIANTS:
         raise ValueError(f"fp8 kernel variant {variant!r}; allowed: {sorted(FP8_VARIANTS)}")
     try:
-        code = _fp8_mod().fp8_variant(FP8_VARIANTS[variant])
+        code = _fp8_mod().fp8_variant(FP8_VARIANTS[variant], dtype == torch.bfloat16)
     except RuntimeError as exc:
         raise ValueError(str(exc).splitlines()[0]) from exc
     return {v: k for k, v in FP8_VARIANTS.items()}[code]
@@ -153,5 +157,5 @@ def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_
                bias: torch.Tensor | None = None, variant: str = "auto") -> torch.Tensor:
     """x (M, K) fp32 / bf16 through FP8 panels with per-output scales (out_features,) (+ bias) -> (M, out)
     in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers."""
-    fp8_variant(variant)  # a forced variant the CPU lacks: a clear error
+    fp8_variant(variant, x.dtype)  # a forced variant the CPU (or x's dtype) lacks: a clear error
     return _fp8_mod().fp8_linear(x, panels, scales.float().contiguous(), out_features, bias, FP8_VARIANTS[variant])

@@ -17,7 +17,9 @@
 //
 // Variants, chosen at run time (variant 0) or forced: 1 portable (scalar C++, the reference), 2 AVX2 + FMA
 // (8 lanes, two registers a panel), 3 AVX-512F/DQ (16 lanes, GCC vector code), 4 variant 3's source built for
-// AVX2 + FMA (never chosen: it exists so variant 3's body is tested on hosts without AVX-512). Each is compiled
+// AVX2 + FMA (never chosen: it exists so variant 3's body is tested on hosts without AVX-512), 5 AVX512-BF16 for
+// bf16 rows (one vdpbf16ps a chunk, below), 6 variant 5's arithmetic in scalar C++ (never chosen: it checks
+// variant 5's order and flushes on any host, and equals it bit for bit where both run). Each is compiled
 // for its own target whatever the build host (function target attributes), and runs only where the CPU has it
 // (checked per call). One row
 // (batch-1 decode) runs G panels at once: 2G independent FMA chains keep the loads streaming.
@@ -41,6 +43,15 @@ constexpr int F8_G = 4;        // panels a pass for one row
 constexpr float X_UP = 0x1p90f, W_DOWN = 0x1p-120f;  // rows scaled up, the decoded weights' scale (see the top)
 // position of output j's pair in a 32-byte chunk (an involution: output ORDER[p] sits at position p)
 constexpr int ORDER[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+// a row's inputs 2 k2, 2 k2 + 1 (fp32 holding bf16 values) as one 32-bit pair, input 2 k2 in the high half (the
+// bf16 variants 5 and 6)
+inline uint32_t x_pair(const float* x) {
+  uint32_t a, b;
+  std::memcpy(&a, x, 4);
+  std::memcpy(&b, x + 1, 4);
+  return (a & 0xFFFF0000u) | (b >> 16);
+}
 
 // e4m3 byte -> its value times 2^-8 (fp32, exact), the portable reference's decoding
 inline float e4m3_scaled(uint8_t b) {
@@ -212,18 +223,101 @@ __attribute__((target("avx2,fma"))) void row4_wide_avx2(const float* x, const ui
   row_wide<F8_G>(x, w, panel, K2, acc);
 }
 
+// Variant 5, AVX512-BF16, for bf16 rows (their values, scaled by X_UP, are exact bf16 numbers): the 16-bit
+// decoding above already gives bf16 weights (times 2^-120), so a 32-byte chunk is a zero-extension, 3 integer
+// ops and a rotation, then ONE vdpbf16ps adds both inputs' products for the 16 outputs (variant 3: 6 integer ops
+// and 2 fused multiply-adds on fp32 widenings, compute-bound at ~15 GB/s of FP8 bytes a core on a 2-core Xeon,
+// where the bf16 panel kernel reads ~17 from memory). vdpbf16ps adds the odd bf16 of a pair's product first, then
+// the even one, each rounded once (a product of two bf16 is exact in fp32: a fused multiply-add), so the
+// rotation puts input 2 k2 in the odd half: the portable order. It also flushes denormal inputs and results: an
+// e4m3 subnormal weight (|w| < 2^-6 of its scale unit; 0.009 % of SmolLM2's GPTQ codes) counts as zero, which
+// is the only difference from the portable bits (tests)
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512bh decode32_bf16(const uint8_t* p) {
+  const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // byte j: lane j
+  const __m512i b = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(z, 8), 4),
+                                     _mm512_set1_epi16(static_cast<short>(0x87F0)));
+  return reinterpret_cast<__m512bh>(_mm512_rol_epi32(b, 16));  // pair p: input 2 k2 high (odd), 2 k2 + 1 low
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_lanes(__m512 c, float* acc) {
+  alignas(64) float t[F8_NR];
+  _mm512_store_ps(t, c);
+  for (int q = 0; q < F8_NR; ++q) acc[ORDER[q]] = t[q];
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_bf16(const float* x, int64_t ldx, int r,
+                                                                        const uint8_t* w, int64_t K2, float* acc) {
+  __m512 c[F8_MR];
+  for (int m = 0; m < F8_MR; ++m) c[m] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const __m512bh wk = decode32_bf16(w + k2 * 32);
+    for (int m = 0; m < r; ++m)
+      c[m] = _mm512_dpbf16_ps(c[m], wk, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(
+                                            x_pair(x + m * ldx + 2 * k2)))));
+  }
+  for (int m = 0; m < r; ++m) store_lanes(c[m], acc + m * F8_NR);
+}
+
+template <int G>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const float* x, const uint8_t* w, int64_t panel,
+                                                                      int64_t K2, float* acc) {
+  __m512 c[G];
+  for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const __m512bh xk = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x_pair(x + 2 * k2))));
+    const int64_t ahead = k2 * 32 + F8_AHEAD, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
+    for (int g = 0; g < G; ++g) {
+      if ((k2 & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);
+      c[g] = _mm512_dpbf16_ps(c[g], decode32_bf16(w + g * panel + k2 * 32), xk);
+    }
+  }
+  for (int g = 0; g < G; ++g) store_lanes(c[g], acc + g * F8_NR);
+}
+
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
+bool has_avx512bf16() {
+  return has_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+}
 #else  // not x86: the portable variant only
 bool has_avx2() { return false; }
 bool has_avx512() { return false; }
+bool has_avx512bf16() { return false; }
 #endif
+
+// variant 6: variant 5's arithmetic one lane at a time, on any CPU: the same bf16 weights (the byte's bits as
+// the 16-bit decoding leaves them), a denormal flushed to zero, the pair's odd product (input 2 k2) added first
+// then the even one, each with one rounding, a denormal sum flushed to zero
+inline float bf16_daz(uint16_t h) {
+  if ((h & 0x7F80u) == 0) return 0.f;
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float ftz(float v) { return std::fabs(v) < 0x1p-126f ? 0.f * v : v; }
+
+void block_bf16_emulated(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2, float* acc) {
+  std::fill(acc, acc + r * F8_NR, 0.f);
+  for (int64_t k2 = 0; k2 < K2; ++k2)
+    for (int q = 0; q < F8_NR; ++q) {  // lane q: output ORDER[q]
+      const auto bits = [](uint8_t b) { return static_cast<uint16_t>(static_cast<int16_t>(b << 8) >> 4) & 0x87F0u; };
+      const float w0 = bf16_daz(bits(w[k2 * 32 + 2 * q])), w1 = bf16_daz(bits(w[k2 * 32 + 2 * q + 1]));
+      for (int m = 0; m < r; ++m) {
+        const uint32_t xp = x_pair(x + m * ldx + 2 * k2);
+        float& a = acc[m * F8_NR + ORDER[q]];
+        a = ftz(std::fma(bf16_daz(static_cast<uint16_t>(xp >> 16)), w0, a));
+        a = ftz(std::fma(bf16_daz(static_cast<uint16_t>(xp & 0xFFFFu)), w1, a));
+      }
+    }
+}
 
 // the sums of panels [p, p + g) for rows [m0, m0 + r) of x (M, ldx) -> acc (g or r, F8_NR)
 void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r, int g, const uint8_t* wp,
           float* acc) {
   const int64_t panel = K2 * 32;
 #if F8_X86
+  if (r == 1 && g == F8_G && v == 5) return row_bf16<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 3) return row4_avx512(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 4) return row4_wide_avx2(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 2) return row_avx2<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
@@ -231,7 +325,9 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
   for (int i = 0; i < g; ++i) {  // (g == 1 unless one row)
     float* a = acc + i * F8_NR;
     const uint8_t* w = wp + i * panel;
+    if (v == 6) { block_bf16_emulated(x + m0 * ldx, ldx, r, w, K2, a); continue; }
 #if F8_X86
+    if (v == 5) { block_bf16(x + m0 * ldx, ldx, r, w, K2, a); continue; }
     if (v == 3) { block_avx512(x + m0 * ldx, ldx, r, w, K2, a); continue; }
     if (v == 4) { block_wide_avx2(x + m0 * ldx, ldx, r, w, K2, a); continue; }
     if (v == 2) { block_avx2(x + m0 * ldx, ldx, r, w, K2, a); continue; }
@@ -286,15 +382,21 @@ void run_fp8(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, cons
 
 }  // namespace
 
-// the variant `variant` resolves to on this CPU (0: the best it has), or an error naming what it lacks
-int64_t fp8_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 4, "fp8 kernel: variant 0 (auto), 1 (portable), 2 (avx2), 3 (avx512), "
-              "4 (avx512_on_avx2: variant 3's body built for AVX2), got ", variant);
-  if (variant == 0) return has_avx512() ? 3 : has_avx2() ? 2 : 1;
+// the variant `variant` resolves to on this CPU for fp32 or bf16 rows (0: the best it has for them), or an error
+// naming what it lacks
+int64_t fp8_variant(int64_t variant, bool bf16) {
+  TORCH_CHECK(variant >= 0 && variant <= 6, "fp8 kernel: variant 0 (auto), 1 (portable), 2 (avx2), 3 (avx512), "
+              "4 (avx512_on_avx2: variant 3's body built for AVX2), 5 (avx512bf16), 6 (avx512bf16_emulated), got ",
+              variant);
+  if (variant == 0) return bf16 && has_avx512bf16() ? 5 : has_avx512() ? 3 : has_avx2() ? 2 : 1;
   TORCH_CHECK((variant != 2 && variant != 4) || has_avx2(), "fp8 kernel: the avx2 and avx512_on_avx2 variants need "
               "AVX2 and FMA, which this CPU lacks");
   TORCH_CHECK(variant != 3 || has_avx512(), "fp8 kernel: the avx512 variant needs AVX-512F and AVX-512DQ, which this "
               "CPU lacks");
+  TORCH_CHECK(variant < 5 || bf16, "fp8 kernel: the avx512bf16 variants take bfloat16 rows (a product of two bf16 "
+              "numbers), got float32 rows");
+  TORCH_CHECK(variant != 5 || has_avx512bf16(), "fp8 kernel: the avx512bf16 variant needs AVX-512F, AVX-512BW and "
+              "AVX512-BF16, which this CPU lacks");
   return variant;
 }
 
@@ -334,7 +436,7 @@ torch::Tensor fp8_linear_res(torch::Tensor x, torch::Tensor panels, torch::Tenso
   if (with_res)
     TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->is_contiguous() && residual->dim() == 2 &&
                 residual->size(0) == M && residual->size(1) == N, "fp8_linear: a contiguous (M, N) residual of x's dtype");
-  const int64_t v = fp8_variant(variant);
+  const int64_t v = fp8_variant(variant, x.scalar_type() == torch::kBFloat16);
   // x as fp32 rows (M, 2 K2), the odd input's pad zero; scaled by X_UP for the vector variants (exact: a
   // power of two)
   std::vector<float> xf(M * 2 * K2, 0.f);

@@ -162,7 +162,7 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     j.x = buf.data();
     return;
   }
-  j.variant = fp8_src::fp8_variant(kind - 5), j.Kp = K2, j.P = panels.size(0);
+  j.variant = fp8_src::fp8_variant(kind - 5, bf16), j.Kp = K2, j.P = panels.size(0);
   TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
               panels.size(1) == K2 && t[0].scalar_type() == at::kFloat && t[0].is_contiguous() && t[0].numel() == N,
               "decode_blocks: FP8 panels and float32 scales of the Linear's shape");
