@@ -255,6 +255,12 @@ def main() -> None:
         bin_dir, files = None, {}
         if name == "smollm2" and "llama" not in args.skip and "b1" not in args.skip:
             bin_dir, files = llama_rows(spec, args, ours_med, record)
+        elif name == "smollm2" and "llama" not in args.skip and "http" not in args.skip:  # llama-server only
+            bin_dir, why = peer_llamacpp.tools()
+            if bin_dir is None:
+                print(f"  llama-server not run: {why}")
+            else:
+                files = peer_llamacpp.ggufs(spec.path, spec.name, spec.shipped_gguf, bin_dir)[0]
         if "http" not in args.skip:
             http_bind = {"VLLM_CPU_OMP_THREADS_BIND": binds["all"]} if binds.get("all") else {}
             http_rows(spec, args, vllm_py, http_bind, bin_dir, files, record)

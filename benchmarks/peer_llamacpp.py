@@ -96,9 +96,16 @@ def ggufs(model_dir: Path, name: str, shipped: Path | None, bin_dir: Path) -> tu
             env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
             err = _run([sys.executable, src / "convert_hf_to_gguf.py", model_dir, "--outtype", label.lower(),
                         "--outfile", f], log, 1800, env=env)
+            if err and shipped is not None and shipped.is_file():
+                # the converter can need packages .venv lacks (sentencepiece for a vocabulary it reads that
+                # way): the shipped GGUF dequantized by llama-quantize instead, the weights ours imported
+                f.unlink(missing_ok=True)
+                print(f"  {label}: convert_hf_to_gguf.py failed ({err.splitlines()[0][:120]}); "
+                      f"llama-quantize --allow-requantize of {shipped.name} instead", flush=True)
+                err = _run([bin_dir / "llama-quantize", "--allow-requantize", shipped, f, label], log, 1800)
             if err:
                 f.unlink(missing_ok=True)
-                why.append(f"{label}: convert_hf_to_gguf.py: {err.splitlines()[0]} (see {log})")
+                why.append(f"{label}: {err.splitlines()[0]} (see {log})")
         if f.is_file():
             files[label] = f
     q8 = out / f"{name}-Q8_0.gguf"
