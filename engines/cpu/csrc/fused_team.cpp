@@ -335,7 +335,6 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           auto y3 = y.view({1, a.n_head, hd});
           paged_src::paged_decode_heads(q.contiguous(), k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
         });
-        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       }
       if (split_attention) {  // each thread its sequences (none for a thread past the last)
         phase(true, [&] {
@@ -346,8 +345,9 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
                       n * qn * y.element_size());
         });
-        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       }
+      if (split_heads || split_attention)  // the team's attention in y: thread 0 lays out the projection's input
+        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       linear();  // x + proj(y)
       serial(p[18], [&] {
         norm_into(x, p[2], p[3], a.rms, a.eps, h, rows32);
