@@ -16,13 +16,15 @@ from engines.model.attention import KVCache, PagedAttention
 pytestmark = pytest.mark.skipif(load()[0] is None, reason="the C++ kernel cannot be built here")
 
 
-def _decode_case(dtype: torch.dtype, nh: int, nkv: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_case(dtype: torch.dtype, nh: int, nkv: int, threads: int, bs: int = 4,
+                 hd: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Five sequences with block tables that are out of order, split into runs and partly filled;
     (kernel output, loop output) of one layer."""
     torch.manual_seed(0)
-    bs, hd = 4, 16
     tables = [[7], [3, 4, 5], [20, 2, 9, 10], [11, 12, 13, 14, 15, 16], [30, 29, 28]]
     ctx = [1, 9, 16, 23, 10]  # keys each sequence sees, including this step's
+    if bs > 4:  # the same tables, longer blocks: lengths that end mid-block and past a W-key tile
+        ctx = [1, 2 * bs + 3, 3 * bs, 6 * bs - 5, bs + 1]
     decode = [SeqWork(seq_id=i, token_ids=[1], start_pos=c - 1, sample=True, block_ids=t)
               for i, (t, c) in enumerate(zip(tables, ctx))]
     data = torch.randn(1, 2, 32 * bs, nkv, hd).to(dtype)
@@ -50,6 +52,17 @@ def test_kernel_equals_the_loop_bf16():
     got, ref = _decode_case(torch.bfloat16, 4, 2, threads=2)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs,hd,nh,nkv", [(16, 64, 9, 3), (32, 128, 8, 2), (16, 32, 14, 2), (8, 24, 4, 2),
+                                          (16, 80, 4, 4)])
+def test_kernel_equals_the_loop_at_served_head_sizes(dtype, bs, hd, nh, nkv):
+    """Head sizes 16/32/64/128 run the tiled code (a block's keys W at a time), others the per-key loop;
+    both against the SDPA loop, with block sizes past one W-key tile."""
+    got, ref = _decode_case(dtype, nh, nkv, threads=2, bs=bs, hd=hd)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -34,8 +34,9 @@ NAMESPACES = tuple(ns for ns, _ in SOURCES)
 FUNCTIONS = [
     "pack_panels", "panel_linear", "panel_variant",                       # panel_kernel.cpp
     "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
-    "paged_decode", "argmax_rows",                                        # paged_kernel.cpp
+    "paged_decode",                                                       # paged_kernel.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
+    "write_slots", "rope_inplace", "rms_norm_rows", "argmax_rows",        # fused_decode.cpp: module path
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
 call them)."""

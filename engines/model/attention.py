@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.core.plan import SeqWork
+from engines.cpu import module_ops
 from engines.cpu.cpu_threads import single_threaded
 from engines.cpu.paged_kernel import paged_decode
 
@@ -175,8 +176,8 @@ class PagedAttention:
             for row, n, kv in self.kv_prefix:
                 k[row:row + n] = kv[layer, :, 0].to(k.dtype)
                 v[row:row + n] = kv[layer, :, 1].to(v.dtype)
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+        module_ops.write_slots(k_cache, self.slot_mapping, k)
+        module_ops.write_slots(v_cache, self.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
         if not self.prefill and self.pf is None:
             return self._decode(q, k_cache, v_cache, gqa)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.core.config import ModelConfig
+from engines.cpu import module_ops
 from engines.model.dense_attention import causal_attention
 from engines.model.rope import inv_freq as rope_frequencies
 
@@ -38,6 +39,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if module_ops.applies(x) and x.dtype == self.weight.dtype:  # the same steps in one pass a row
+            return module_ops.rms_norm(x, self.weight, self.eps)
         # normalise in fp32 as the reference does, then scale in the model dtype
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * y
@@ -53,8 +56,11 @@ def rope_cache(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor,
     return angles.cos() * scale, angles.sin() * scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, h, hd); cos/sin (B, T, hd/2). Rotate-half form, as in transformers' Llama."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """x (B, T, h, hd); cos/sin (B, T, hd/2). Rotate-half form, as in transformers' Llama. inplace: x may be
+    rotated in place (on CPU at inference through engines/cpu/module_ops.py, the same bits)."""
+    if inplace and module_ops.rope_(x, cos, sin):
+        return x
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -89,7 +95,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            # in place: q and k are views of this call's own qkv output (or the norms' fresh tensors)
+            q, k = apply_rope(q, *rope, inplace=True), apply_rope(k, *rope, inplace=True)
         if self.kv_hook is not None:
             k, v = self.kv_hook(self.layer, k, v)
         if backend is None:

@@ -70,10 +70,45 @@ void rope_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
   else TORCH_CHECK(false, "decode_blocks: rope on float32, bfloat16 or float16, got ", x.scalar_type());
 }
 
-// engines/model/transformer.py RMSNorm: normalise in fp32, round to the model dtype, then scale (weight * y)
+// engines/model/transformer.py RMSNorm's steps in one pass a row: x (M, C) rows ldx apart, normalised in fp32
+// (the mean of the squares, 1 / sqrt(mean + eps)), the product rounded to T, then times the weight (torch's T * T:
+// the fp32 product rounded once). A row's arithmetic does not depend on the others (any split gives the same bits)
+template <typename T>
+void rms_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t M, int64_t C, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* r = x + m * ldx;
+    T* o = out + m * C;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < C; ++c) ss += static_cast<float>(r[c]) * static_cast<float>(r[c]);
+    const float rstd = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+    for (int64_t c = 0; c < C; ++c)
+      o[c] = static_cast<T>(static_cast<float>(w[c]) * static_cast<float>(static_cast<T>(static_cast<float>(r[c]) * rstd)));
+  }
+}
+
+// RMSNorm of x (..., C), its last dim adjacent, into a new contiguous tensor: rms_rows over torch's threads
+// (inline inside the fused team's region); a weight of another dtype or shape: the torch ops
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const int64_t C = x.size(-1);
-  return weight * at::rms_norm(x.to(at::kFloat), {C}, c10::nullopt, eps).to(x.scalar_type());
+  const auto st = x.scalar_type();
+  if (weight.scalar_type() != st || !weight.is_contiguous() || weight.numel() != C || x.stride(-1) != 1 ||
+      (st != at::kFloat && st != at::kBFloat16 && st != at::kHalf))
+    return weight * at::rms_norm(x.to(at::kFloat), {C}, c10::nullopt, eps).to(st);
+  const auto x2 = x.dim() == 2 ? x : x.reshape({-1, C});
+  auto out = torch::empty(x2.sizes(), x2.options());
+  const int64_t M = x2.size(0), ld = x2.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    if (st == at::kFloat)
+      rms_rows(x2.data_ptr<float>() + b * ld, ld, weight.data_ptr<float>(), out.data_ptr<float>() + b * C, e - b, C, eps);
+    else if (st == at::kBFloat16)
+      rms_rows(x2.data_ptr<c10::BFloat16>() + b * ld, ld, weight.data_ptr<c10::BFloat16>(),
+               out.data_ptr<c10::BFloat16>() + b * C, e - b, C, eps);
+    else
+      rms_rows(x2.data_ptr<c10::Half>() + b * ld, ld, weight.data_ptr<c10::Half>(), out.data_ptr<c10::Half>() + b * C,
+               e - b, C, eps);
+  });
+  return out.view(x.sizes());
 }
 
 // one of the block's norms: RMSNorm (bias empty) or LayerNorm
@@ -179,6 +214,37 @@ torch::Tensor run_half(const torch::Tensor& x, const torch::Tensor* p, const int
 }
 }  // namespace
 
+// The module path's cache write and rotary embedding on CPU (engines/cpu/module_ops.py), with the fused step's
+// arithmetic (so the same bits as index_copy_ and transformer.py apply_rope), split by rows over torch's threads.
+// cache (slots, nkv, hd) contiguous; src (M, nkv, hd) in the cache's dtype, hd adjacent; slots (M) int64
+void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor src) {
+  TORCH_CHECK(cache.dim() == 3 && src.dim() == 3 && slots.dim() == 1 && slots.size(0) == src.size(0) &&
+              src.size(1) == cache.size(1) && src.size(2) == cache.size(2), "write_slots: cache (slots, nkv, hd), "
+              "src (M, nkv, hd), slots (M)");
+  const int64_t M = src.size(0), nkv = src.size(1), hd = src.size(2);
+  if (src.stride(2) != 1 || src.stride(1) != hd || !cache.is_contiguous() || !slots.is_contiguous() ||
+      slots.scalar_type() != at::kLong || cache.scalar_type() != src.scalar_type()) {
+    cache.index_copy_(0, slots, src);
+    return;
+  }
+  const auto flat = src.view({M, nkv * hd});
+  at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+    write_rows(cache, slots.narrow(0, b, e - b), flat.narrow(0, b, e - b), nkv, hd);
+  });
+}
+
+// engines/model/transformer.py RMSNorm on CPU at inference: rms_norm above
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) { return rms_norm(x, weight, eps); }
+
+// x (M, H, hd) rotated in place, cos / sin (M, hd / 2) float32 contiguous (rope_ above, over torch's threads)
+void rope_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3, "rope_inplace: x (M, heads, hd)");
+  const int64_t M = x.size(0), half = x.size(2) / 2;
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    rope_(x.narrow(0, b, e - b), cos.view({M, half}).narrow(0, b, e - b), sin.view({M, half}).narrow(0, b, e - b));
+  });
+}
+
 // The family's choices (engines/cpu/fused_decode.py Family): act 0 GELU, 1 GELU (tanh), 2 SwiGLU (the up
 // Linear's rows [0, ffn) the gate, [ffn, 2 ffn) the up projection, silu(gate) * up); rms: RMSNorm for the
 // block norms instead of LayerNorm; qk_eps: the per-head q / k RMSNorms' epsilon (where bound).
@@ -263,4 +329,65 @@ torch::Tensor decode_half_bound(int64_t handle, torch::Tensor x, int64_t layer, 
   const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
   return run_half(x.contiguous(), b->w.data() + PER_LAYER * layer, kinds.data(), half, b->k_caches[layer],
                   b->v_caches[layer], a, c10::nullopt);
+}
+
+// (the paged kernel's 16-lane types)
+namespace {
+using paged_src::vf;
+using paged_src::W;
+using paged_src::load16;
+// the first index of the row's maximum, a NaN counting as larger than any number (torch.argmax):
+// 16 lanes, each keeping its first maximum (strict >), then the lowest index among the lanes' ties
+int64_t argmax_row(const float* r, int64_t V) {
+  typedef int32_t vi32 __attribute__((vector_size(64)));
+  int64_t k = 0, best = 0;
+  float bv = r[0];
+  bool nan = false;
+  if (V >= 2 * W) {
+    vf m = load16(r), any_nan = vf{};
+    vi32 cur, bi;
+    for (int j = 0; j < W; ++j) cur[j] = j;
+    bi = cur;
+    any_nan = (vf)((vi32)any_nan | (vi32)(m != m));
+    for (k = W; k + W <= V; k += W) {
+      const vf v = load16(r + k);
+      cur += static_cast<int32_t>(W);
+      const vi32 gt = v > m;
+      m = gt ? v : m;
+      bi = gt ? cur : bi;
+      any_nan = (vf)((vi32)any_nan | (vi32)(v != v));
+    }
+    for (int j = 0; j < W; ++j) nan = nan || ((vi32)any_nan)[j] != 0;
+    bv = m[0], best = bi[0];
+    for (int j = 1; j < W; ++j)
+      if (m[j] > bv || (m[j] == bv && bi[j] < best)) bv = m[j], best = bi[j];
+  } else {
+    k = 1;
+    nan = r[0] != r[0];
+  }
+  for (; k < V; ++k) {
+    nan = nan || r[k] != r[k];
+    if (r[k] > bv) bv = r[k], best = k;
+  }
+  if (nan)
+    for (int64_t i = 0; i < V; ++i)
+      if (r[i] != r[i]) return i;
+  return best;
+}
+}  // namespace
+
+// logits (S, V) float32 -> (S) int64: torch.argmax(logits, dim=-1), vectorized (torch's CPU argmax
+// scans one element at a time: ~44 us for a 50,257-entry row here, ~2.7 ms for 64 rows)
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.size(1) > 0,
+              "argmax_rows: (S, V) float32 with V > 0");
+  auto x = logits.contiguous();
+  const int64_t S = x.size(0), V = x.size(1);
+  auto out = torch::empty({S}, x.options().dtype(torch::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) o[s] = argmax_row(p + s * V, V);
+  });
+  return out;
 }

@@ -179,41 +179,22 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
 
 namespace {
 
-// The block's norm of x (M, C) into out (M, C), as norm() computes it with fewer ATen calls for RMSNorm: the same
-// at::rms_norm of the fp32 rows, then the rounding to T and the weight's product in one loop (torch's T * T:
-// the product of the two values in fp32, rounded once to T); LayerNorm, or a weight of another dtype: norm()
-template <typename T>
-void rms_into(const torch::Tensor& r, const torch::Tensor& weight, torch::Tensor& out) {
-  const int64_t M = out.size(0), C = out.size(1);
-  const float* rp = r.data_ptr<float>();
-  const T* wp = weight.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < C; ++c)
-      op[m * C + c] = static_cast<T>(static_cast<float>(wp[c]) * static_cast<float>(static_cast<T>(rp[m * C + c])));
-}
-
-// rows32: the step's fp32 copy of bf16 rows, reused layer to layer (the widening is exact: x.to(kFloat)'s values
-// without its allocation and dispatch, ~60 a token on SmolLM2)
+// The block's norm of x (M, C) into out (M, C), as norm() computes it, without an allocation for RMSNorm (rms_rows
+// of csrc/fused_decode.cpp, one pass a row); LayerNorm, or a weight of another dtype: norm()
 void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
-               torch::Tensor& out, torch::Tensor& rows32) {
-  const int64_t C = x.size(1);
-  if (!rms || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.numel() != C) {
+               torch::Tensor& out) {
+  const int64_t M = x.size(0), C = x.size(1);
+  if (!rms || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.numel() != C ||
+      x.stride(1) != 1 || (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16)) {
     out = norm(x, weight, bias, rms, eps).contiguous();
     return;
   }
   if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
-  torch::Tensor xf = x;
-  if (x.scalar_type() != at::kFloat) {
-    if (!rows32.defined() || rows32.sizes() != x.sizes()) rows32 = torch::empty(x.sizes(), x.options().dtype(at::kFloat));
-    const auto* src = x.data_ptr<c10::BFloat16>();
-    float* dst = rows32.data_ptr<float>();
-    for (int64_t i = 0, n = x.numel(); i < n; ++i) dst[i] = static_cast<float>(src[i]);
-    xf = rows32;
-  }
-  const auto r = at::rms_norm(xf, {C}, c10::nullopt, eps).contiguous();  // (M, C) fp32
-  if (x.scalar_type() == at::kFloat) rms_into<float>(r, weight, out);
-  else rms_into<c10::BFloat16>(r, weight, out);
+  if (x.scalar_type() == at::kFloat)
+    rms_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(), M, C, eps);
+  else
+    rms_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), weight.data_ptr<c10::BFloat16>(),
+             out.data_ptr<c10::BFloat16>(), M, C, eps);
 }
 
 // SwiGLU's silu(gate) * up into out (M, ffn): at::silu as the per-op loop, the product in one loop (torch's T * T);
@@ -257,7 +238,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   std::vector<float> buf(M * (widest + 1));
   const int64_t panel_variant = panel_src::row_variant(0);
   TeamLinear job;
-  torch::Tensor h, q, att, act, bias_keep, rows32;  // thread 0's tensors between phases
+  torch::Tensor h, q, att, act, bias_keep;  // thread 0's tensors between phases
   const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
   std::exception_ptr error;
   std::atomic<bool> failed{false};
@@ -309,7 +290,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       const int64_t* kind = kinds.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
       serial(p[8], [&] {
-        norm_into(x, p[0], p[1], a.rms, a.eps, h, rows32);
+        norm_into(x, p[0], p[1], a.rms, a.eps, h);
         prepare(job, kind[0], h, p + 6, qn + 2 * kn, nullptr, qkv, buf, bias_keep, panel_variant);
       });
       linear();  // qkv (M, qn + 2 kn)
@@ -350,7 +331,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       linear();  // x + proj(y)
       serial(p[18], [&] {
-        norm_into(x, p[2], p[3], a.rms, a.eps, h, rows32);
+        norm_into(x, p[2], p[3], a.rms, a.eps, h);
         prepare(job, kind[2], h, p + 16, up_n, nullptr, u, buf, bias_keep, panel_variant);
       });
       linear();  // u (M, up_n)

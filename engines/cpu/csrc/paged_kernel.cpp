@@ -82,6 +82,129 @@ inline void ahead(const void* p, int64_t nbytes) {
   for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(c + o);
 }
 
+// 16 vectors -> one whose lane i is the sum of v[i]'s lanes: four levels of lane shuffles and adds
+// (15 of each), each level halving the lanes a vector keeps per source, sources in order
+inline vf hsum16(vf* v) {
+  static const vi lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                           {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                           {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                           {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  static const vi off = {8, 4, 2, 1};  // hi = lo + the level's half block
+  for (int level = 0, n = W; level < 4; ++level, n /= 2) {
+    const vi l = lo[level], h = lo[level] + off[level];
+    for (int i = 0; i < n / 2; ++i)
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], l) + __builtin_shuffle(v[2 * i], v[2 * i + 1], h);
+  }
+  return v[0];
+}
+
+// attend() for head size 16 x HB: a query head's HB vectors stay in registers while the keys of a block
+// pass (W keys' lane-wise products summed by hsum16, not one horizontal sum a key), and a head's value
+// sums likewise (a key's row widened once a head, in L1 after the group's first head). Keys and values
+// are read block by block in table order; heads of one kv head follow each other, so a block's rows of
+// that kv head come from L1 for all but the first. Per head, the arithmetic does not depend on the
+// other heads of the task (any split of the heads over tasks gives the same bits)
+// rows [0, n) of one kv head's part of a block (rows `row` apart) as fp32, and the stride between
+// them: in place for float, else widened once into buf (n x W * HB) for all the heads that share it
+template <typename T, int HB>
+inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int64_t& stride) {
+  if constexpr (std::is_same_v<T, float>) {
+    stride = row;
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      for (int u = 0; u < HB; ++u) {
+        const vf x = load16(src + i * row + u * W);
+        std::memcpy(buf + (i * HB + u) * W, &x, sizeof(vf));
+      }
+    stride = W * HB;
+    return buf;
+  }
+}
+
+template <typename T, int HB>
+void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs,
+                  int64_t row, int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out,
+                  int64_t lpad, int64_t t0, const float* pm, const float* pl, const float* pacc) {
+  constexpr int64_t hd = W * HB;
+  const int64_t m = len - t0, nkv = nq / group, nbytes = nkv * hd * static_cast<int64_t>(sizeof(T));
+  thread_local std::vector<float> wide;  // a block's rows of one kv head, widened
+  if (static_cast<int64_t>(wide.size()) < bs * hd) wide.resize(bs * hd);
+  vf part[W];
+  int64_t st = 0;
+  for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
+    const int64_t n = std::min(bs, len - t);
+    if (t + bs < len)  // the next block's rows of these heads, while this one is scored
+      for (int64_t i = 0; i < std::min(bs, len - t - bs); ++i) ahead(kc + (table[b + 1] * bs + i) * row, nbytes);
+    for (int64_t g = 0; g < nkv; ++g) {
+      const float* kf = widen<T, HB>(kc + table[b] * bs * row + g * hd, n, row, wide.data(), st);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        vf qv[HB];
+        for (int u = 0; u < HB; ++u) qv[u] = load16(q + h * hd + u * W) * scale;
+        float* sc = scores + h * lpad + t - t0;
+        for (int64_t i0 = 0; i0 < n; i0 += W) {
+          const int64_t c = std::min<int64_t>(W, n - i0);
+          for (int64_t i = 0; i < c; ++i) {
+            const float* k = kf + (i0 + i) * st;
+            vf p = qv[0] * load16(k);
+            for (int u = 1; u < HB; ++u) p += qv[u] * load16(k + u * W);
+            part[i] = p;
+          }
+          for (int64_t i = c; i < W; ++i) part[i] = vf{};
+          const vf r = hsum16(part);
+          std::memcpy(sc + i0, &r, c * sizeof(float));
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < nq; ++h) {
+    float* sc = scores + h * lpad;
+    vf vmx = vf{} - INFINITY;
+    int64_t t = 0;
+    for (; t + W <= m; t += W) {
+      const vf x = load16(sc + t);
+      vmx = x > vmx ? x : vmx;
+    }
+    float mx = pm ? pm[h] : -INFINITY;
+    for (int j = 0; j < W; ++j) mx = vmx[j] > mx ? vmx[j] : mx;
+    for (; t < m; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    for (t = 0; t < m; ++t) sc[t] -= mx;
+    exp_nonpos(sc, m);
+    vf vs = vf{};
+    for (t = 0; t + W <= m; t += W) vs += load16(sc + t);
+    float sum = hsum(vs);
+    for (; t < m; ++t) sum += sc[t];
+    float alpha = 0.f;
+    if (pm) {
+      alpha = std::exp(pm[h] - mx);
+      sum += alpha * pl[h];
+    }
+    sc[m] = 1.f / sum;
+    if (pm) for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] = alpha * pacc[h * hd + d];
+    else std::fill(acc + h * hd, acc + (h + 1) * hd, 0.f);
+  }
+  for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
+    const int64_t n = std::min(bs, len - t);
+    if (t + bs < len)
+      for (int64_t i = 0; i < std::min(bs, len - t - bs); ++i) ahead(vc + (table[b + 1] * bs + i) * row, nbytes);
+    for (int64_t g = 0; g < nkv; ++g) {
+      const float* vf32 = widen<T, HB>(vc + table[b] * bs * row + g * hd, n, row, wide.data(), st);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* p = scores + h * lpad + t - t0;
+        vf a[HB];
+        for (int u = 0; u < HB; ++u) a[u] = load16(acc + h * hd + u * W);
+        for (int64_t i = 0; i < n; ++i)
+          for (int u = 0; u < HB; ++u) a[u] += p[i] * load16(vf32 + i * st + u * W);
+        std::memcpy(acc + h * hd, a, sizeof(a));
+      }
+    }
+  }
+  for (int64_t h = 0; h < nq; ++h) {
+    const float inv = scores[h * lpad + m];
+    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[h * hd + d] * inv);
+  }
+}
+
 // one sequence, nq consecutive query heads (whole kv-head groups of `group`): attention over the first
 // len slots. Keys and values are read in place block by block (no division per key), each slot's
 // row of these heads once, front to back (one sequential stream, not one per head); the query
@@ -93,6 +216,17 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t 
             const float* pacc = nullptr) {
   // slots [t0, len) only (t0 a multiple of bs); with a partial (pm, pl, pacc: per head max, sum of
   // exponentials, unnormalised sum of values of slots [0, t0), cascade_part) the two merge exactly
+  const auto tiles = [&](auto hb) {  // hd = W * hb
+    attend_tiles<T, decltype(hb)::value>(q, kc, vc, table, len, bs, row, nq, group, scale, scores, acc, out, lpad,
+                                         t0, pm, pl, pacc);
+  };
+  switch (hd) {  // the head sizes of the families served (and of the tests' tiny models)
+    case 16: return tiles(std::integral_constant<int, 1>{});
+    case 32: return tiles(std::integral_constant<int, 2>{});
+    case 64: return tiles(std::integral_constant<int, 4>{});
+    case 128: return tiles(std::integral_constant<int, 8>{});
+    default: break;
+  }
   for (int64_t i = 0; i < nq * hd; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   const int64_t nbytes = nq / group * hd * static_cast<int64_t>(sizeof(T));  // this task's part of a slot's row
   const int64_t m = len - t0;  // scores index t - t0
@@ -331,61 +465,4 @@ void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, co
   else if (q.scalar_type() == torch::kBFloat16) run(c10::BFloat16{});
   else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
   else TORCH_CHECK(false, "paged_decode_heads: float32, bfloat16 or float16, got ", q.scalar_type());
-}
-
-namespace {
-// the first index of the row's maximum, a NaN counting as larger than any number (torch.argmax):
-// 16 lanes, each keeping its first maximum (strict >), then the lowest index among the lanes' ties
-int64_t argmax_row(const float* r, int64_t V) {
-  typedef int32_t vi32 __attribute__((vector_size(64)));
-  int64_t k = 0, best = 0;
-  float bv = r[0];
-  bool nan = false;
-  if (V >= 2 * W) {
-    vf m = load16(r), any_nan = vf{};
-    vi32 cur, bi;
-    for (int j = 0; j < W; ++j) cur[j] = j;
-    bi = cur;
-    any_nan = (vf)((vi32)any_nan | (vi32)(m != m));
-    for (k = W; k + W <= V; k += W) {
-      const vf v = load16(r + k);
-      cur += static_cast<int32_t>(W);
-      const vi32 gt = v > m;
-      m = gt ? v : m;
-      bi = gt ? cur : bi;
-      any_nan = (vf)((vi32)any_nan | (vi32)(v != v));
-    }
-    for (int j = 0; j < W; ++j) nan = nan || ((vi32)any_nan)[j] != 0;
-    bv = m[0], best = bi[0];
-    for (int j = 1; j < W; ++j)
-      if (m[j] > bv || (m[j] == bv && bi[j] < best)) bv = m[j], best = bi[j];
-  } else {
-    k = 1;
-    nan = r[0] != r[0];
-  }
-  for (; k < V; ++k) {
-    nan = nan || r[k] != r[k];
-    if (r[k] > bv) bv = r[k], best = k;
-  }
-  if (nan)
-    for (int64_t i = 0; i < V; ++i)
-      if (r[i] != r[i]) return i;
-  return best;
-}
-}  // namespace
-
-// logits (S, V) float32 -> (S) int64: torch.argmax(logits, dim=-1), vectorized (torch's CPU argmax
-// scans one element at a time: ~44 us for a 50,257-entry row here, ~2.7 ms for 64 rows)
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.size(1) > 0,
-              "argmax_rows: (S, V) float32 with V > 0");
-  auto x = logits.contiguous();
-  const int64_t S = x.size(0), V = x.size(1);
-  auto out = torch::empty({S}, x.options().dtype(torch::kLong));
-  const float* p = x.data_ptr<float>();
-  int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) o[s] = argmax_row(p + s * V, V);
-  });
-  return out;
 }

@@ -1,0 +1,59 @@
+"""The module path's cache write, rotary embedding and RMSNorm through the C++ kernels, on CPU at inference.
+
+A prefill chunk of 1,024 tokens (SmolLM2-135M, bf16, one thread of the Xeon of BENCHMARKS.md) spent
+~490 ms, of which the Linears took ~185: `index_copy_` into the KV cache ~1 ms a call (60 a chunk)
+and the rotary embedding's eleven ops a tensor (fp32 copies, products, the concatenation, the
+rounding back) and RMSNorm's five (widening, statistics, rounding, the weight's product) much of
+the rest. The fused decode step (csrc/fused_decode.cpp) does each in a loop, the first two with
+torch's arithmetic (one memcpy a row; rotate-half in fp32 with no fused multiply-add, so the same
+bits as apply_rope), RMSNorm in one pass a row (fp32 statistics summed in SIMD lanes: within an ulp
+of at::rms_norm's, the same bits in both paths); here the module path calls the same loops, split by
+rows over torch's threads: that chunk took ~445 ms. They apply on CPU with grad off (the engine's inference mode): training,
+autograd and other devices keep the torch ops. Where the kernels cannot be built, the torch ops run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _module():
+    from engines.cpu import kernels
+
+    mod, _ = kernels.load()
+    return mod
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether x's step may take the kernels: a CPU tensor of fp32 / bf16 / fp16 with grad off, outside
+    torch.compile's tracing (a compiled graph keeps torch's ops)."""
+    return (x.device.type == "cpu" and not torch.is_grad_enabled() and not x.requires_grad
+            and not torch.compiler.is_compiling()
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _module() is not None)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate x (B, T, heads, hd) in place (B * T rows mergeable, hd adjacent) by cos / sin (B, T, hd / 2)
+    fp32, as transformer.apply_rope computes it. False (x untouched) where the kernel does not apply."""
+    if not applies(x) or x.stride(-1) != 1 or x.stride(0) != x.shape[1] * x.stride(1) or cos.dtype != torch.float32:
+        return False
+    rows = x.shape[0] * x.shape[1]
+    _module().rope_inplace(x.view(rows, x.shape[2], x.shape[3]), cos.reshape(rows, -1).contiguous(),
+                           sin.reshape(rows, -1).contiguous())
+    return True
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """cache[slots] = src (cache (slots, nkv, hd), src (M, nkv, hd)): index_copy_'s result."""
+    if applies(src) and src.dtype == cache.dtype:
+        _module().write_slots(cache, slots, src)
+    else:
+        cache.index_copy_(0, slots, src)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformer.RMSNorm's steps (fp32 statistics, the product rounded to x's dtype, then times the weight)
+    in one pass a row, the fused step's arithmetic; x (..., C), weight (C) of x's dtype."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _module().rms_norm_rows(x, weight, eps)
