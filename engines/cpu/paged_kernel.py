@@ -16,9 +16,10 @@ table is walked block by block (no division per key); the softmax's exponentials
 lanes at a time. For head sizes 16, 32, 64 and 128 (csrc attend_tiles) a block's keys and values of a kv
 head are widened to fp32 once for the query heads that share it, a query keeps its head in registers and
 scores 16 keys as 16 lane-wise partial sums reduced by one shuffle tree (not a horizontal sum a key), and a
-head's value sums stay in registers across a block: 64 sequences x 220 keys, SmolLM2's shapes, one thread of
-the Xeon of BENCHMARKS.md, 2.58 -> 1.23 ms a layer in bf16, 2.20 -> 1.37 ms in fp32 (there bound by reading
-the cache). Other head sizes take the per-key loop.
+head's value sums stay in registers across a block, the next block's rows requested as this one's are read:
+64 sequences x 220 keys, SmolLM2's shapes, one thread of the Xeon of BENCHMARKS.md, 2.58 -> 1.17 ms a layer
+in bf16, 2.20 -> 1.18 ms in fp32 (x 500 keys: 3.1 -> 2.6 ms both, ~19 GB/s of cache read in fp32). Other
+head sizes take the per-key loop.
 
 Shared prefixes (cascade decode): rows of a step whose block tables begin with the same >= 2 block
 ids (prefix caching hands every chat of one system prompt the same blocks) form a group; the

@@ -105,9 +105,15 @@ inline vf hsum16(vf* v) {
 // that kv head come from L1 for all but the first. Per head, the arithmetic does not depend on the
 // other heads of the task (any split of the heads over tasks gives the same bits)
 // rows [0, n) of one kv head's part of a block (rows `row` apart) as fp32, and the stride between
-// them: in place for float, else widened once into buf (n x W * HB) for all the heads that share it
+// them: in place for float, else widened once into buf (n x W * HB) for all the heads that share it. next: the
+// same part of the next block (nullptr at the last), requested row by row as this one is read: a steady
+// trickle of prefetches rather than a burst that overflows the core's miss queue
 template <typename T, int HB>
-inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int64_t& stride) {
+inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int64_t& stride, const T* next) {
+  constexpr int64_t lines = (W * HB * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  if (next)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(reinterpret_cast<const char*>(next + i * row) + 64 * l);
   if constexpr (std::is_same_v<T, float>) {
     stride = row;
     return src;
@@ -127,17 +133,17 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
                   int64_t row, int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out,
                   int64_t lpad, int64_t t0, const float* pm, const float* pl, const float* pacc) {
   constexpr int64_t hd = W * HB;
-  const int64_t m = len - t0, nkv = nq / group, nbytes = nkv * hd * static_cast<int64_t>(sizeof(T));
+  const int64_t m = len - t0, nkv = nq / group;
   thread_local std::vector<float> wide;  // a block's rows of one kv head, widened
   if (static_cast<int64_t>(wide.size()) < bs * hd) wide.resize(bs * hd);
   vf part[W];
   int64_t st = 0;
   for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
     const int64_t n = std::min(bs, len - t);
-    if (t + bs < len)  // the next block's rows of these heads, while this one is scored
-      for (int64_t i = 0; i < std::min(bs, len - t - bs); ++i) ahead(kc + (table[b + 1] * bs + i) * row, nbytes);
+    const bool more = t + bs < len;  // the next block's rows of these heads, while this one is scored
     for (int64_t g = 0; g < nkv; ++g) {
-      const float* kf = widen<T, HB>(kc + table[b] * bs * row + g * hd, n, row, wide.data(), st);
+      const float* kf = widen<T, HB>(kc + table[b] * bs * row + g * hd, n, row, wide.data(), st,
+                                     more ? kc + table[b + 1] * bs * row + g * hd : nullptr);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         vf qv[HB];
         for (int u = 0; u < HB; ++u) qv[u] = load16(q + h * hd + u * W) * scale;
@@ -185,10 +191,10 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
   }
   for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
     const int64_t n = std::min(bs, len - t);
-    if (t + bs < len)
-      for (int64_t i = 0; i < std::min(bs, len - t - bs); ++i) ahead(vc + (table[b + 1] * bs + i) * row, nbytes);
+    const bool more = t + bs < len;
     for (int64_t g = 0; g < nkv; ++g) {
-      const float* vf32 = widen<T, HB>(vc + table[b] * bs * row + g * hd, n, row, wide.data(), st);
+      const float* vf32 = widen<T, HB>(vc + table[b] * bs * row + g * hd, n, row, wide.data(), st,
+                                       more ? vc + table[b + 1] * bs * row + g * hd : nullptr);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         const float* p = scores + h * lpad + t - t0;
         vf a[HB];
