@@ -36,7 +36,8 @@ FUNCTIONS = [
     "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
     "paged_decode",                                                       # paged_kernel.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
-    "write_slots", "rope_inplace", "rms_norm_rows", "argmax_rows",        # fused_decode.cpp: module path
+    "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
+    "argmax_rows",
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
 call them)."""

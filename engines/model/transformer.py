@@ -121,7 +121,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        if self.gated:
+        if self.gated and module_ops.applies(h):  # the same steps in one pass a row
+            h = module_ops.swiglu(h)
+        elif self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:

@@ -87,6 +87,48 @@ void rms_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t M, int64_t C,
   }
 }
 
+// SwiGLU of u's rows (M, 2 ffn; gate first, rows ldu apart) into out (M, ffn), T: silu in fp32 (g * sigmoid(g),
+// the exponential of -|g| 16 lanes at a time, paged_src::exp_nonpos, relative error ~2e-7), rounded to T, then
+// times up (torch's T * T: the fp32 product rounded once): MLP.forward's silu(gate) * up in one pass a row
+template <typename T>
+void swiglu_rows(const T* u, int64_t ldu, int64_t ffn, T* out, int64_t M) {
+  constexpr int64_t CH = 256;
+  float e[CH];
+  for (int64_t m = 0; m < M; ++m) {
+    const T* g = u + m * ldu;
+    const T* up = g + ffn;
+    T* o = out + m * ffn;
+    for (int64_t i0 = 0; i0 < ffn; i0 += CH) {
+      const int64_t c = std::min(CH, ffn - i0);
+      for (int64_t i = 0; i < c; ++i) e[i] = -std::fabs(static_cast<float>(g[i0 + i]));
+      paged_src::exp_nonpos(e, c);
+      for (int64_t i = 0; i < c; ++i) {
+        const float x = static_cast<float>(g[i0 + i]);
+        const float sig = x >= 0.f ? 1.f / (1.f + e[i]) : e[i] / (1.f + e[i]);
+        o[i0 + i] = static_cast<T>(static_cast<float>(static_cast<T>(x * sig)) * static_cast<float>(up[i0 + i]));
+      }
+    }
+  }
+}
+
+// silu(u[:, :ffn]) * u[:, ffn:] of u (M, 2 ffn) as a new (M, ffn) tensor: swiglu_rows over torch's threads
+// (inline inside the fused team's region); rows of another dtype or layout: the torch ops
+torch::Tensor swiglu(const torch::Tensor& u, int64_t ffn) {
+  const auto st = u.scalar_type();
+  if (u.dim() != 2 || u.size(1) != 2 * ffn || u.stride(1) != 1 ||
+      (st != at::kFloat && st != at::kBFloat16 && st != at::kHalf))
+    return at::silu(u.narrow(-1, 0, ffn)) * u.narrow(-1, ffn, ffn);
+  const int64_t M = u.size(0), ld = u.stride(0);
+  auto out = torch::empty({M, ffn}, u.options());
+  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+    if (st == at::kFloat) swiglu_rows(u.data_ptr<float>() + b * ld, ld, ffn, out.data_ptr<float>() + b * ffn, e - b);
+    else if (st == at::kBFloat16)
+      swiglu_rows(u.data_ptr<c10::BFloat16>() + b * ld, ld, ffn, out.data_ptr<c10::BFloat16>() + b * ffn, e - b);
+    else swiglu_rows(u.data_ptr<c10::Half>() + b * ld, ld, ffn, out.data_ptr<c10::Half>() + b * ffn, e - b);
+  });
+  return out;
+}
+
 // RMSNorm of x (..., C), its last dim adjacent, into a new contiguous tensor: rms_rows over torch's threads
 // (inline inside the fused team's region); a weight of another dtype or shape: the torch ops
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -193,7 +235,7 @@ torch::Tensor run_half(const torch::Tensor& x, const torch::Tensor* p, const int
     const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
     auto h = norm(x, p[2], p[3], a.rms, a.eps);
     auto u = block_linear(kind[2], h, up_w, a.act == 2 ? 2 * a.ffn : a.ffn, c10::nullopt);
-    u = a.act == 2 ? at::silu(u.narrow(1, 0, a.ffn)) * u.narrow(1, a.ffn, a.ffn) : at::gelu(u, approximate);
+    u = a.act == 2 ? swiglu(u, a.ffn) : at::gelu(u, approximate);
     return block_linear(kind[3], u, down_w, C, residual);  // x + down(u)
   }
   const torch::Tensor *qkv_w = p + 6, *proj_w = p + 11;
@@ -235,6 +277,9 @@ void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor src) {
 
 // engines/model/transformer.py RMSNorm on CPU at inference: rms_norm above
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) { return rms_norm(x, weight, eps); }
+
+// engines/model/transformer.py MLP's silu(gate) * up on CPU at inference: swiglu above, u (M, 2 ffn)
+torch::Tensor swiglu_rows_(torch::Tensor u, int64_t ffn) { return swiglu(u, ffn); }
 
 // x (M, H, hd) rotated in place, cos / sin (M, hd / 2) float32 contiguous (rope_ above, over torch's threads)
 void rope_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {

@@ -197,19 +197,13 @@ void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch:
              out.data_ptr<c10::BFloat16>(), M, C, eps);
 }
 
-// SwiGLU's silu(gate) * up into out (M, ffn): at::silu as the per-op loop, the product in one loop (torch's T * T);
-// u (M, 2 ffn) the up Linear's rows, gate first
+// SwiGLU's silu(gate) * up into out (M, ffn) without an allocation: swiglu_rows (csrc/fused_decode.cpp), as the
+// per-op loop; u (M, 2 ffn) the up Linear's rows, gate first
 template <typename T>
 void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
   const int64_t M = u.size(0);
   if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
-  const auto g = at::silu(u.narrow(1, 0, ffn)).contiguous();  // (M, ffn)
-  const T* gp = g.data_ptr<T>();
-  const T* up = u.data_ptr<T>() + ffn;
-  T* op = out.data_ptr<T>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < ffn; ++i)
-      op[m * ffn + i] = static_cast<T>(static_cast<float>(gp[m * ffn + i]) * static_cast<float>(up[m * 2 * ffn + i]));
+  swiglu_rows(u.data_ptr<T>(), u.stride(0), ffn, out.data_ptr<T>(), M);
 }
 
 // Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows. The
