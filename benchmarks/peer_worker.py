@@ -3,7 +3,10 @@
     <python> benchmarks/peer_worker.py --engine ours|vllm --tasks b1,mix --dtype float32 --model DIR ...
 
 Loads the engine once, warms it, then runs each task `--repeats` times and prints one line
-`RESULT {json}` with the output tok/s of every repetition. Imports nothing of ours at module level:
+`RESULT {json}` with the output tok/s of every repetition. Each repetition starts with an empty prefix
+cache (both engines' reset_prefix_cache; both cache prefixes by default): the same prompts again would
+otherwise skip most of their prefill from the second repetition on, and the three would not be the same
+workload. Imports nothing of ours at module level:
 vLLM's process must not see our packages (benchmarks/common.py is loaded by path where needed), and
 ours must not import torch before the engine (it sets libgomp's spin count before torch loads it).
 """
@@ -72,6 +75,7 @@ def load_engine(args):
                   seed=0)
 
         def gen(reqs):
+            llm.reset_prefix_cache()
             outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in reqs],
                                 [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs],
                                 use_tqdm=False)
@@ -85,6 +89,7 @@ def load_engine(args):
     facts = {"load_s": time.perf_counter() - t0, "compile_s": llm.engine.executor.runner.compile_s}
 
     def gen(reqs):
+        llm.reset_prefix_cache()
         outs = llm.generate([ids for ids, _ in reqs],
                             [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs])
         return sum(len(o.outputs[0].token_ids) for o in outs)

@@ -166,3 +166,19 @@ def test_simulator_models_shared_prefix_hits():
     assert prefill_tokens(cfg, shared_prefix_lens=shared) == distinct - 7 * 256  # 256 = 16 cached blocks
     off = dataclasses.replace(cfg, enable_prefix_caching=False)
     assert prefill_tokens(off, shared_prefix_lens=shared) == distinct
+
+
+def test_reset_forgets_cached_content_and_keeps_held_blocks():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = computed(bm, seq(0, list(range(10))))  # held: 2 cached full blocks
+    b = computed(bm, seq(1, [7] * 9))  # 2 more cached blocks
+    bm.free(b)  # its cached blocks are now evictable
+    free_before = bm.num_free
+    assert bm.reset_prefix_cache() == 4 and bm.num_cached == 0
+    assert bm.num_free == free_before  # nothing held was released, nothing free was lost
+    assert bm.match(seq(2, [7] * 9)) == [] and bm.match(seq(3, list(range(10)))) == []
+    held = list(a.block_ids)
+    c = computed(bm, seq(4, [7] * 9))  # the pool still works: new blocks, cached again
+    assert not set(c.block_ids) & set(held) and bm.num_cached == 2
+    bm.free(a)
+    assert bm.num_free == 16 - len(c.block_ids)

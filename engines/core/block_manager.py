@@ -189,6 +189,17 @@ class BlockManager:
                 self._hash_of[b] = h
         seq.num_cached_blocks = n
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's content (vLLM's reset_prefix_cache): unheld ones become empty,
+        held ones stay with their sequences but are no longer shared. Returns the blocks forgotten."""
+        n = len(self._hash_of)
+        for b in list(self._evictable):
+            self._evict(b)
+            self._state[b] = _FREE
+        self._by_hash.clear()
+        self._hash_of.clear()
+        return n
+
     def _evict(self, b: int) -> None:
         del self._evictable[b]
         del self._by_hash[self._hash_of.pop(b)]

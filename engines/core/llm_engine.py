@@ -209,6 +209,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's contents (running sequences keep their blocks); the blocks forgotten."""
+        return self.scheduler.blocks.reset_prefix_cache()
+
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": self.scheduler.blocks.usage, "num_preemptions": self.scheduler.num_preemptions,
@@ -367,6 +371,11 @@ class LLM:
         top_k, repetition_penalty, max_new_tokens) over SamplingParams' own defaults, as vLLM's
         LLM.get_default_sampling_params; what generate() uses when given no sampling_params."""
         return SamplingParams(**self.engine.sampling_defaults)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's contents (as vLLM's LLM.reset_prefix_cache): the next requests compute
+        their prompts afresh, as on a new engine. Returns the blocks forgotten."""
+        return self.engine.reset_prefix_cache()
 
     def load_task(self, name: str, path: str | Path | None = None) -> Task:
         """Load (or replace) a p-tuned task from a PEFT adapter directory (default <model>/ptuning/<name>)."""
