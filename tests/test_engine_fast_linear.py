@@ -222,6 +222,19 @@ def test_a_single_lucky_round_does_not_choose_a_kernel():
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
 
 
+def test_one_row_on_several_threads_keeps_the_team_kernel_unless_another_is_far_faster():
+    """At one row on several threads (team_first) the panel kernel stays unless a kernel's median is under
+    TEAM_MARGIN of its own: the fused step runs panels without a fork and join each (a 30 % slower panel alone
+    still won the step, 97 against 69 tok/s); elsewhere the rule above picks gemv."""
+    times = {"linear": [1.0] * 5, "gemv": [0.75] * 5, "panel": [1.0] * 5}
+    fns, clock = _scripted(times)
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "gemv"
+    fns, clock = _scripted(times)
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, team_first=True)[0] == "panel"
+    fns, clock = _scripted({"linear": [1.0] * 5, "gemv": [0.6] * 5, "panel": [1.0] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, team_first=True)[0] == "gemv"
+
+
 def test_timing_rounds_follow_the_budget():
     """At least min_rounds, then rounds until the budget is spent (fake clock: 1 s a call, 2 kernels)."""
     fns, clock = _scripted({"linear": [1.0] * 9, "panel": [0.5] * 9})

@@ -11,12 +11,9 @@ count, on repeated interleaved rounds: a kernel must beat plain `F.linear` by 10
 best round to replace it (a single lucky or disturbed round decides nothing). Choices persist per machine
 (~/.cache/shardserve/fast_linear.json): a later start skips the timing and rounds the same way.
 
-The weight stays the module's `weight` Parameter (a tied LM head stays tied, state_dict keys are
-unchanged); pre-transposed and packed copies are extra, non-persistent buffers, built only for the
-kernels chosen. Under torch.compile every FastLinear is plain `F.linear` on that weight, so the
-compiled graph does not depend on this process's timings (inductor's cache hits across starts).
-The model file stays plain; only modules of exact type nn.Linear are swapped (a parallel layer that
-subclasses Linear keeps its own forward).
+The weight stays the module's `weight` Parameter (a tied head stays tied, state_dict keys unchanged); transposed
+and packed copies are extra non-persistent buffers, built for the kernels chosen. Under torch.compile a FastLinear
+is plain `F.linear` (the graph does not depend on timings); only exact nn.Linear modules are swapped.
 """
 
 from __future__ import annotations
@@ -45,13 +42,11 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 8
-"""Version of the candidate set and of the rule that picks among them (4: medians and best rounds must
-agree, see _fastest; 5: the panel kernel's AVX2 one-row code, 2-3x faster on AVX2 hosts; 6: a TEAM_KERNELS
-kernel replaces linear when no slower; 7: a timing on a disturbed host is taken again and never saved,
-FORK_JOIN_QUIET_S; 8: a team kernel is kept unless linear is MARGIN faster), part of the saved
-choices' key: a choice saved before a kernel was added or changed never competed with it, so a new set
-times every shape again."""
+KERNEL_SET = 9
+"""Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice
+saved before a kernel or the rule changed times again): 4 medians and best rounds agree (_fastest); 5 panel's
+AVX2 one-row code; 6-8 TEAM_KERNELS kept unless linear is MARGIN faster; 7 a disturbed timing is never saved
+(FORK_JOIN_QUIET_S); 9 at one row on several threads, unless any kernel is TEAM_MARGIN faster."""
 MANY_ROWS, BULK_ROWS = 32, 128
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
 BULK_FROM = 65
@@ -59,8 +54,7 @@ WIDE_MIN_OUT = 16384
 """Linears with at least this many outputs (vocabulary heads) also time the sliced kernel."""
 COLD_BYTES = 96 << 20
 """Weights are timed cold: on enough copies to exceed this (3x a 32 MB L3), see choose_kernels."""
-WIDE_CHUNK = 1024
-"""Output features per slice of the sliced kernel: a (rows, 1024) result stays in cache."""
+WIDE_CHUNK = 1024  # output features per slice of the sliced kernel: a (rows, 1024) result stays in cache
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -256,21 +250,25 @@ MARGIN = 0.9
 of linear's (the two statistics must agree: a lucky round alone, or a disturbed one, decides nothing)."""
 TEAM_KERNELS = ("panel",)
 """Kernels the fused decode step runs inside its one parallel region (engines/cpu/csrc/fused_team.cpp): timed
-alone each call pays a fork and a join of the thread pool that the fused step does not, and a Linear on any
-other kernel sends the whole step to the per-op loop, so one is kept unless linear beats it by MARGIN on its
-median (the rule any kernel meets to replace linear). KERNEL_SET 6 asked it to be no slower: on the AVX2 EPYC,
-SmolLM2's bf16 576 x 576 at one row timed panel 0.083 ms, linear 0.080, kept linear, and every bf16 step ran
-the per-op loop (46 tok/s against 57 on the team)."""
+alone each call pays a fork and a join that the fused step does not, and a Linear on any other kernel sends the
+whole step to the per-op loop, so one is kept unless linear beats it by MARGIN (KERNEL_SET 6 asked it to be no
+slower: on the AVX2 EPYC SmolLM2's bf16 576 x 576 kept linear, 0.080 ms against panel 0.083, and bf16 batch 1
+ran the per-op loop, 46 tok/s against 57 on the team)."""
+TEAM_MARGIN = 1 / 1.5
+"""At one row on several threads a TEAM_KERNELS kernel is kept unless another's median is under this fraction of
+its own (KERNEL_SET 8 compared it with linear only: on the Xeon of BENCHMARKS.md SmolLM2's bf16 576 x 576 timed
+gemv 0.079 ms, panel 0.103, linear 0.107; gemv kept for three shapes ran batch 1 at 69 tok/s against 97 with the team)."""
 
 
 def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
-             clock: Callable[[], float] = time.perf_counter) -> tuple[str, dict[str, float]]:
+             clock: Callable[[], float] = time.perf_counter, team_first: bool = False) -> tuple[str, dict[str, float]]:
     """(the chosen kernel, each kernel's median seconds) over rounds of one call each (after a warm-up
     call each), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
     interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet
     moments. The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on
-    its best round; else a TEAM_KERNELS one unless "linear" beats it by MARGIN on its median; "linear" otherwise. `clock` is
-    injectable (tests)."""
+    its best round; else a TEAM_KERNELS one unless "linear" beats it by MARGIN on its median; "linear" otherwise.
+    team_first (one row, several threads): a TEAM_KERNELS kernel first, unless another's median is under TEAM_MARGIN
+    of its own. `clock` is injectable (tests)."""
     from engines.cpu.cpu_threads import median
 
     for fn in fns.values():
@@ -287,6 +285,9 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
         rounds += 1
     med = {k: median(v) for k, v in times.items()}
     winner = min(med, key=med.get)
+    first = [k for k in TEAM_KERNELS if k in med] if team_first else []
+    if first and med[winner] >= TEAM_MARGIN * med[first[0]]:
+        return first[0], med
     if med[winner] < MARGIN * med["linear"] and min(times[winner]) < MARGIN * min(times["linear"]):
         return winner, med
     team = [k for k in TEAM_KERNELS if k in med and med["linear"] >= MARGIN * med[k]]
@@ -400,7 +401,8 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                                  and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
                     (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 3)):  # compute-bound
                 x = torch.randn(rows, in_f).to(dtype)
-                runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds))
+                runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds,
+                                     team_first=rows == 1 and torch.get_num_threads() >= 2))
         quiet = quiet and fork_join_s() < FORK_JOIN_QUIET_S
         if quiet:
             break
