@@ -275,31 +275,16 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t 
   }
 }
 
-// cascade (shared-prefix) decode: rows whose block tables begin with the same block ids read those
-// slots' keys/values once for the whole group. One task: R rows of a group, one kv head g, the
-// first lp slots of the shared table: the slots' keys and values gathered once into fp32 (lp, hd), then
-// its R x group queries against them as two matrix products (at::mm, one thread inside the task: the
-// scores (nq, hd) x (hd, lp), then the exponentials (nq, lp) x (lp, hd)), and per query the partial (max, sum
-// of exponentials, unnormalised sum of values) that attend() merges with the row's own suffix. The products
-// replaced loops that scored a key for every query as it passed (7.6 ms a layer, 64 rows x 1,100 keys, bf16,
-// 20 GFLOP/s on 2 Xeon cores). pm / pl are (S, nh), pacc (S, nh, hd)
+// cascade (shared-prefix) decode: rows whose block tables begin with the same block ids read those slots'
+// keys/values once for the whole group: widened once per group and kv head into fp32 (lp, hd) (cascade_gather),
+// then each task (R rows of a group, one kv head) runs its R x group queries against them as two matrix products
+// (at::mm, one thread inside the task), keeping per query the partial (max, sum of exponentials, unnormalised sum
+// of values) that attend() merges with the row's own suffix (64 rows x 1,100 keys, bf16: 7.6 ms a layer on 2 Xeon
+// cores with per-key loops, 1.8 with the products). pm / pl are (S, nh), pacc (S, nh, hd)
 template <typename T>
-void cascade_part(const T* qp, const T* kc, const T* vc, const int64_t* table, int64_t lp, int64_t bs, int64_t row,
-                  int64_t hd, int64_t nh, int64_t group, int64_t g, const int64_t* rows, int64_t R, float scale,
-                  float* pm, float* pl, float* pacc) {
-  const int64_t nq = R * group;
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
-  auto qf = torch::empty({nq, hd}, f32), keys = torch::empty({lp, hd}, f32), vals = torch::empty({lp, hd}, f32);
-  float* qd = qf.data_ptr<float>();
-  std::vector<int64_t> idx(nq);  // (row, head) -> index into pm / pl
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < group; ++j) {
-      const int64_t i = r * group + j, h = g * group + j;
-      idx[i] = rows[r] * nh + h;
-      for (int64_t d = 0; d < hd; ++d) qd[i * hd + d] = static_cast<float>(qp[idx[i] * hd + d]) * scale;
-    }
-  float *kd = keys.data_ptr<float>(), *vd = vals.data_ptr<float>();
-  for (int64_t b = 0, t = 0; t < lp; ++b, t += bs) {  // lp is whole blocks
+void cascade_gather(const T* kc, const T* vc, const int64_t* table, int64_t lp, int64_t bs, int64_t row, int64_t hd,
+                    int64_t g, float* kd, float* vd) {
+  for (int64_t b = 0, t = 0; t < lp; ++b, t += bs) {
     const T* k = kc + table[b] * bs * row + g * hd;
     const T* v = vc + table[b] * bs * row + g * hd;
     for (int64_t i = 0; i < bs; ++i)
@@ -308,26 +293,53 @@ void cascade_part(const T* qp, const T* kc, const T* vc, const int64_t* table, i
         vd[(t + i) * hd + d] = static_cast<float>(v[i * row + d]);
       }
   }
+}
+
+// R rows of a group against its kv head g's shared keys / values (lp, hd) fp32 (cascade_gather, once per group and
+// kv head for all its pieces): the scores as one matrix product, per query its max, exponentials (16 lanes at a
+// time) and their sum, then the exponentials times the values as another: the partial pm / pl / pacc of each query
+template <typename T>
+void cascade_part(const T* qp, const torch::Tensor& keys, const torch::Tensor& vals, int64_t lp, int64_t hd,
+                  int64_t nh, int64_t group, int64_t g, const int64_t* rows, int64_t R, float scale, float* pm,
+                  float* pl, float* pacc) {
+  const int64_t nq = R * group;
+  auto qf = torch::empty({nq, hd}, torch::TensorOptions().dtype(torch::kFloat));
+  float* qd = qf.data_ptr<float>();
+  std::vector<int64_t> idx(nq);  // (row, head) -> index into pm / pl
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t i = r * group + j, h = g * group + j;
+      idx[i] = rows[r] * nh + h;
+      for (int64_t d = 0; d < hd; ++d) qd[i * hd + d] = static_cast<float>(qp[idx[i] * hd + d]) * scale;
+    }
   auto scores = at::mm(qf, keys.t());  // (nq, lp)
   float* sd = scores.data_ptr<float>();
   for (int64_t q = 0; q < nq; ++q) {
     float* sc = sd + q * lp;
+    vf vm = vf{} - INFINITY;
+    int64_t t = 0;
+    for (; t + W <= lp; t += W) {
+      const vf x = load16(sc + t);
+      vm = x > vm ? x : vm;
+    }
     float mx = -INFINITY;
-    for (int64_t t = 0; t < lp; ++t) mx = sc[t] > mx ? sc[t] : mx;
-    for (int64_t t = 0; t < lp; ++t) sc[t] -= mx;
+    for (int j = 0; j < W; ++j) mx = vm[j] > mx ? vm[j] : mx;
+    for (; t < lp; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    for (t = 0; t < lp; ++t) sc[t] -= mx;
     exp_nonpos(sc, lp);
-    float sum = 0.f;
-    for (int64_t t = 0; t < lp; ++t) sum += sc[t];
+    vf vs = vf{};
+    for (t = 0; t + W <= lp; t += W) vs += load16(sc + t);
+    float sum = hsum(vs);
+    for (; t < lp; ++t) sum += sc[t];
     pm[idx[q]] = mx;
     pl[idx[q]] = sum;
   }
   const auto acc = at::mm(scores, vals);  // (nq, hd): the exponentials' sums of values
-  const float* ad = acc.data_ptr<float>();
-  for (int64_t q = 0; q < nq; ++q) std::memcpy(pacc + idx[q] * hd, ad + q * hd, hd * sizeof(float));
+  for (int64_t q = 0; q < nq; ++q) std::memcpy(pacc + idx[q] * hd, acc.data_ptr<float>() + q * hd, hd * sizeof(float));
 }
 
 constexpr int64_t CASCADE_MIN_BLOCKS = 2;  // shorter shared runs are read per row
-constexpr int64_t CASCADE_ROWS = 16;       // rows of a group per task: reads of the shared part / rows
+constexpr int64_t CASCADE_ROWS = 16;       // rows of a group per task (its share of the two products)
 
 // groups of >= 2 rows that share >= CASCADE_MIN_BLOCKS leading block ids, and shared[s] the slots
 // row s takes from its group's partial (whole blocks, and fewer than its length: its own token is
@@ -394,8 +406,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   // partials of the shared parts: (S, nh) max and sum, (S, nh, hd) values; tasks (group, kv head, rows)
   std::vector<float> pm, pl, pacc;
   std::vector<std::array<int64_t, 4>> ctasks;  // group, kv head, first row in the group, rows
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> gkv;  // (group, kv head): shared keys, values (lp, hd) fp32
   if (!groups.empty()) {
     pm.resize(S * nh), pl.resize(S * nh), pacc.resize(S * nh * hd);
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+    for (const auto& rows : groups)
+      for (int64_t g = 0; g < nkv; ++g)
+        gkv.emplace_back(torch::empty({shared[rows[0]], hd}, f32), torch::empty({shared[rows[0]], hd}, f32));
     for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
       const int64_t R = groups[gi].size();
       const int64_t pieces = (R + CASCADE_ROWS - 1) / CASCADE_ROWS, per_piece = (R + pieces - 1) / pieces;
@@ -409,12 +426,21 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const T* kp = k_cache.data_ptr<T>();
     const T* vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    // each group's shared keys / values of each kv head widened once (not once a piece of rows), then the pieces
+    at::parallel_for(0, static_cast<int64_t>(gkv.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t gi = i / nkv, g = i % nkv, r0 = groups[gi][0];
+        cascade_gather<T>(kp, vp, tab + r0 * mb, shared[r0], block_size, row, hd, g, gkv[i].first.data_ptr<float>(),
+                          gkv[i].second.data_ptr<float>());
+      }
+    });
     at::parallel_for(0, static_cast<int64_t>(ctasks.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const auto& c = ctasks[i];
         const auto& rows = groups[c[0]];
-        cascade_part<T>(qp, kp, vp, tab + rows[0] * mb, shared[rows[0]], block_size, row, hd, nh, group, c[1],
-                        rows.data() + c[2], c[3], scale, pm.data(), pl.data(), pacc.data());
+        const auto& kv = gkv[c[0] * nkv + c[1]];
+        cascade_part<T>(qp, kv.first, kv.second, shared[rows[0]], hd, nh, group, c[1], rows.data() + c[2], c[3],
+                        scale, pm.data(), pl.data(), pacc.data());
       }
     });
     at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
