@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from pathlib import Path
 
 from engines.cpu.cpp_ext import build
@@ -65,8 +66,16 @@ def combined_source() -> str:
     return head + "".join(parts) + loop
 
 
+_LOADING = threading.Lock()
+"""One thread of a process imports the module at a time: the engine's background prebuild (prebuild.start) and
+the weights' first kernel call both miss load()'s cache at start, and two threads running an extension's init at
+once gave one of them the module before its functions were bound ("no attribute 'pack_panels'", a shard worker
+at start under load); the second caller now waits and imports the finished module."""
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[object | None, str]:
     """(the built module, why) or (None, why it is unavailable); built on first use (~40-60 s on 2 cores)."""
-    return build("shardserve_cpu_", combined_source(), FUNCTIONS,
-                 "CPU kernels (panel, FP8, paged attention, fused decode step)", NAMESPACES)
+    with _LOADING:
+        return build("shardserve_cpu_", combined_source(), FUNCTIONS,
+                     "CPU kernels (panel, FP8, paged attention, fused decode step)", NAMESPACES)
