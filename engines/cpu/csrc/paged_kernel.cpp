@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -69,6 +70,27 @@ inline void exp_nonpos(float* x, int64_t n) {
     std::memcpy(x + i, &v, sizeof(vf));
   }
   for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// sc[0, m) -> exp(sc - mx) in place, mx the larger of `start` and sc's maximum (both reductions 16 lanes at a
+// time); returns (mx, the exponentials' sum)
+inline std::pair<float, float> exp_shifted(float* sc, int64_t m, float start) {
+  vf vm = vf{} - INFINITY;
+  int64_t t = 0;
+  for (; t + W <= m; t += W) {
+    const vf x = load16(sc + t);
+    vm = x > vm ? x : vm;
+  }
+  float mx = start;
+  for (int j = 0; j < W; ++j) mx = vm[j] > mx ? vm[j] : mx;
+  for (; t < m; ++t) mx = sc[t] > mx ? sc[t] : mx;
+  for (t = 0; t < m; ++t) sc[t] -= mx;
+  exp_nonpos(sc, m);
+  vf vs = vf{};
+  for (t = 0; t + W <= m; t += W) vs += load16(sc + t);
+  float sum = hsum(vs);
+  for (; t < m; ++t) sum += sc[t];
+  return {mx, sum};
 }
 
 // a task's piece of a slot's row is a few hundred bytes every row's length apart, and the cache
@@ -165,21 +187,7 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
   }
   for (int64_t h = 0; h < nq; ++h) {
     float* sc = scores + h * lpad;
-    vf vmx = vf{} - INFINITY;
-    int64_t t = 0;
-    for (; t + W <= m; t += W) {
-      const vf x = load16(sc + t);
-      vmx = x > vmx ? x : vmx;
-    }
-    float mx = pm ? pm[h] : -INFINITY;
-    for (int j = 0; j < W; ++j) mx = vmx[j] > mx ? vmx[j] : mx;
-    for (; t < m; ++t) mx = sc[t] > mx ? sc[t] : mx;
-    for (t = 0; t < m; ++t) sc[t] -= mx;
-    exp_nonpos(sc, m);
-    vf vs = vf{};
-    for (t = 0; t + W <= m; t += W) vs += load16(sc + t);
-    float sum = hsum(vs);
-    for (; t < m; ++t) sum += sc[t];
+    auto [mx, sum] = exp_shifted(sc, m, pm ? pm[h] : -INFINITY);
     float alpha = 0.f;
     if (pm) {
       alpha = std::exp(pm[h] - mx);
@@ -315,22 +323,7 @@ void cascade_part(const T* qp, const torch::Tensor& keys, const torch::Tensor& v
   auto scores = at::mm(qf, keys.t());  // (nq, lp)
   float* sd = scores.data_ptr<float>();
   for (int64_t q = 0; q < nq; ++q) {
-    float* sc = sd + q * lp;
-    vf vm = vf{} - INFINITY;
-    int64_t t = 0;
-    for (; t + W <= lp; t += W) {
-      const vf x = load16(sc + t);
-      vm = x > vm ? x : vm;
-    }
-    float mx = -INFINITY;
-    for (int j = 0; j < W; ++j) mx = vm[j] > mx ? vm[j] : mx;
-    for (; t < lp; ++t) mx = sc[t] > mx ? sc[t] : mx;
-    for (t = 0; t < lp; ++t) sc[t] -= mx;
-    exp_nonpos(sc, lp);
-    vf vs = vf{};
-    for (t = 0; t + W <= lp; t += W) vs += load16(sc + t);
-    float sum = hsum(vs);
-    for (; t < lp; ++t) sum += sc[t];
+    const auto [mx, sum] = exp_shifted(sd + q * lp, lp, -INFINITY);
     pm[idx[q]] = mx;
     pl[idx[q]] = sum;
   }
