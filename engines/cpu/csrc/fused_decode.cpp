@@ -120,11 +120,10 @@ torch::Tensor swiglu(const torch::Tensor& u, int64_t ffn) {
     return at::silu(u.narrow(-1, 0, ffn)) * u.narrow(-1, ffn, ffn);
   const int64_t M = u.size(0), ld = u.stride(0);
   auto out = torch::empty({M, ffn}, u.options());
-  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
-    if (st == at::kFloat) swiglu_rows(u.data_ptr<float>() + b * ld, ld, ffn, out.data_ptr<float>() + b * ffn, e - b);
-    else if (st == at::kBFloat16)
-      swiglu_rows(u.data_ptr<c10::BFloat16>() + b * ld, ld, ffn, out.data_ptr<c10::BFloat16>() + b * ffn, e - b);
-    else swiglu_rows(u.data_ptr<c10::Half>() + b * ld, ld, ffn, out.data_ptr<c10::Half>() + b * ffn, e - b);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "swiglu", [&] {
+    at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+      swiglu_rows(u.data_ptr<scalar_t>() + b * ld, ld, ffn, out.data_ptr<scalar_t>() + b * ffn, e - b);
+    });
   });
   return out;
 }
@@ -140,15 +139,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const auto x2 = x.dim() == 2 ? x : x.reshape({-1, C});
   auto out = torch::empty(x2.sizes(), x2.options());
   const int64_t M = x2.size(0), ld = x2.stride(0);
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    if (st == at::kFloat)
-      rms_rows(x2.data_ptr<float>() + b * ld, ld, weight.data_ptr<float>(), out.data_ptr<float>() + b * C, e - b, C, eps);
-    else if (st == at::kBFloat16)
-      rms_rows(x2.data_ptr<c10::BFloat16>() + b * ld, ld, weight.data_ptr<c10::BFloat16>(),
-               out.data_ptr<c10::BFloat16>() + b * C, e - b, C, eps);
-    else
-      rms_rows(x2.data_ptr<c10::Half>() + b * ld, ld, weight.data_ptr<c10::Half>(), out.data_ptr<c10::Half>() + b * C,
-               e - b, C, eps);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "rms_norm", [&] {
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      rms_rows(x2.data_ptr<scalar_t>() + b * ld, ld, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>() + b * C, e - b,
+               C, eps);
+    });
   });
   return out.view(x.sizes());
 }
