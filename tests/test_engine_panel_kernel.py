@@ -31,9 +31,11 @@ def test_matches_linear(dtype, rows, bias, inputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_same_bits_on_any_thread_count_and_batch(dtype):
-    """One thread sums each output in order: 1 or 2 threads, alone or in a batch of 20, equal bits
-    (so the engine's adaptive thread count and batching never change a token)."""
+@pytest.mark.parametrize("variant", ["portable", "amx_emulated"])
+def test_same_bits_on_any_thread_count_and_batch(dtype, variant):
+    """Each output is summed in one order by one thread: 1 or 2 threads, and a row in a batch of 20 or of 2,
+    equal bits (so the adaptive thread count and the batch's company never change a token). The portable code
+    also gives a row alone its batch bits; AMX's tiles sum a row alone (the one-row code) otherwise."""
     torch.manual_seed(1)
     w = torch.randn(200, 320).to(dtype)
     x = torch.randn(20, 320).to(dtype)
@@ -41,14 +43,17 @@ def test_same_bits_on_any_thread_count_and_batch(dtype):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = pk.panel_linear(x, panels, 200, None)
+        one = pk.panel_linear(x, panels, 200, None, variant=variant)
         torch.set_num_threads(2)
-        two = pk.panel_linear(x, panels, 200, None)
+        two = pk.panel_linear(x, panels, 200, None, variant=variant)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     for i in (0, 7, 16, 19):
-        assert torch.equal(pk.panel_linear(x[i:i + 1], panels, 200, None), one[i:i + 1])
+        pair = pk.panel_linear(x[[i, (i + 5) % 20]], panels, 200, None, variant=variant)
+        assert torch.equal(pair[:1], one[i:i + 1])
+        if variant == "portable" or dtype == torch.float32:
+            assert torch.equal(pk.panel_linear(x[i:i + 1], panels, 200, None, variant=variant), one[i:i + 1])
 
 
 def test_dtype_mismatch_is_an_error():
@@ -165,7 +170,56 @@ def test_one_row_variants_give_the_portable_bits(variant, dtype):
 
 
 def test_panel_variants_resolve_and_refuse_by_name():
-    assert pk.panel_variant("auto") in ("portable", "avx2")
+    assert pk.panel_variant("auto") in ("portable", "avx2", "amx")
     assert pk.panel_variant("portable") == "portable"
+    assert pk.panel_variant("amx_emulated") == "amx_emulated"
     with pytest.raises(ValueError, match="allowed"):
         pk.panel_variant("avx512")
+    if not _row_variant_runs("amx"):
+        with pytest.raises(ValueError, match="amx variant needs AMX"):
+            pk.panel_variant("amx")
+
+AMX_VARIANTS = ["amx_emulated", pytest.param("amx", marks=pytest.mark.skipif(
+    not _row_variant_runs("amx"), reason="this host has no AMX-TILE + AMX-BF16 (the emulated variant checks the layout)"))]
+
+
+@pytest.mark.parametrize("variant", AMX_VARIANTS)
+@pytest.mark.parametrize("rows", [2, 15, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize("shape", [(83, 64), (160, 96), (48, 40)])
+def test_amx_rows_match_linear(variant, rows, shape):
+    """bf16 rows as 16-row tiles: every row count (a padded last tile, one or two tiles a pass), outputs not a
+    multiple of 16, odd and even panel counts a thread; K = 40 (not a multiple of 32) takes the vector code. Within
+    the output's rounding of fp32 sums, as the portable code; the emulated sums are the portable code's (the same
+    products, in the same order) up to rounding, and AMX's agree with both to a bf16 ulp."""
+    n, k = shape
+    torch.manual_seed(rows)
+    w = (torch.randn(n, k) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    panels = pk.pack_panels(w)
+    got = pk.panel_linear(x, panels, n, b, variant=variant)
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+    port = pk.panel_linear(x, panels, n, b, variant="portable")
+    torch.testing.assert_close(got.float(), port.float(), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", ["portable", *AMX_VARIANTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stores_round_as_torch(variant, dtype):
+    """The store loop (a full panel's 16 outputs a vector): small integers make every sum exact, so the output
+    must be torch's own rounding of sum + bias, bit for bit; an infinite input times a zero weight makes NaN
+    rows (torch's NaN), infinite sums keep their sign."""
+    torch.manual_seed(3)
+    w = torch.randint(-3, 4, (48, 64)).to(dtype)
+    b = (torch.randint(-50, 50, (48,)) * 0.37).to(dtype)
+    x = torch.randint(-9, 10, (5, 64)).to(dtype) * 37.0
+    x[1, 0] = float("inf")
+    w[5, 0] = 0
+    x[2, 3] = float("-inf")
+    x = x.to(dtype)
+    got = pk.panel_linear(x, pk.pack_panels(w), 48, b, variant=variant)
+    ref = (F.linear(x.double(), w.double()) + b.double()).to(dtype)
+    assert torch.equal(got.isnan(), ref.isnan()) and got[1, 5].isnan()
+    ok = ~ref.isnan()
+    assert torch.equal(got[ok], ref[ok])

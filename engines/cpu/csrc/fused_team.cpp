@@ -148,6 +148,13 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
       j.x = x.data_ptr();
       return;
     }
+    if (bf16 && panel_src::amx_rows(panel_variant, M, K2)) {  // (M rounded up to 16, K) rows, the rest zero
+      buf.assign((M + 15) / 16 * 16 * K2, 0.f);
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(reinterpret_cast<uint32_t*>(buf.data()) + m * K2, x.data_ptr<c10::BFloat16>() + m * K, 2 * K);
+      j.x = buf.data();
+      return;
+    }
     buf.assign(M * 2 * K2, 0.f);
     if (bf16) {  // (K2, M) pairs: input 2 k2 in the low half
       auto* xp = reinterpret_cast<uint32_t*>(buf.data());

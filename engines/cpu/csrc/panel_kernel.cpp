@@ -9,6 +9,11 @@
 #include <immintrin.h>
 #define PANEL_X86 1
 #endif
+#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PANEL_AMX 1
+#endif
 
 namespace {
 
@@ -19,6 +24,32 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 
 inline vf as_f(vu u) { vf v; std::memcpy(&v, &u, sizeof(vf)); return v; }
 inline vu load_u(const void* p) { vu u; std::memcpy(&u, p, sizeof(vu)); return u; }
+inline vu as_u(vf v) { vu u; std::memcpy(&u, &v, sizeof(vu)); return u; }
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+// 16 fp32 rounded to bf16 as c10::BFloat16(float) rounds them (to nearest even; a NaN to 0x7FC0), as fp32
+inline vf round_bf16(vf v) {
+  const vu u = as_u(v), nan = (vu)(v != v);
+  const vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return as_f((r & ~nan) | (0x7FC00000u & nan));
+}
+
+// 16 outputs of a row: y = acc + bias rounded to T, then res + y rounded (the scalar store's arithmetic)
+inline void store16(const float* acc, const float* bias, const float* res, float* out) {
+  vf y = as_f(load_u(acc)) + (bias ? as_f(load_u(bias)) : vf{});
+  if (res) y = as_f(load_u(res)) + y;
+  std::memcpy(out, &y, sizeof(vf));
+}
+inline void store16(const float* acc, const float* bias, const c10::BFloat16* res, c10::BFloat16* out) {
+  vf y = round_bf16(as_f(load_u(acc)) + (bias ? as_f(load_u(bias)) : vf{}));
+  if (res) {
+    vh h;
+    std::memcpy(&h, res, sizeof(vh));
+    y = round_bf16(as_f(__builtin_convertvector(h, vu) << 16) + y);
+  }
+  const vh o = __builtin_convertvector(as_u(y) >> 16, vh);
+  std::memcpy(out, &o, sizeof(vh));
+}
 
 // fp32: acc (R, NR) = xt[:, :R]^T (R, K) @ w (K, NR); xt holds the rows transposed, ldx apart per k
 template <int R>
@@ -167,11 +198,19 @@ __attribute__((target("avx2,fma"))) void row_avx2(const uint32_t* xp, const c10:
 }
 #endif
 
-// the one-row variant `variant` resolves to here: 1 portable (the vector code above, AVX-512 or AVX512-BF16
-// where the build has them), 2 AVX2 + FMA; 0: AVX2 where the CPU has it and the build has no AVX-512F (whose
-// portable code is already fast), else portable. An error names what a forced one lacks.
+bool amx_ready();
+
+// the variant `variant` resolves to here: 1 portable (the vector code above, AVX-512 or AVX512-BF16 where the
+// build has them), 2 AVX2 + FMA for one row, 3 AMX for several bf16 rows (one row: portable), 4 AMX's layout
+// with its arithmetic in scalar C++ (tests; never auto's pick); 0: amx where the
+// host runs it, else AVX2 where the CPU has it and the build has no AVX-512F (whose portable code is already
+// fast), else portable. An error names what a forced one lacks.
 int64_t row_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 2, "panel kernel: variant 0 (auto), 1 (portable), 2 (avx2), got ", variant);
+  TORCH_CHECK(variant >= 0 && variant <= 4,
+              "panel kernel: variant 0 (auto), 1 (portable), 2 (avx2), 3 (amx), 4 (amx_emulated), got ", variant);
+  TORCH_CHECK(variant != 3 || amx_ready(),
+              "panel kernel: the amx variant needs AMX-TILE and AMX-BF16 in the build and the kernel's leave to use "
+              "them, which this host lacks");
 #if PANEL_X86
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
@@ -179,12 +218,110 @@ int64_t row_variant(int64_t variant) {
 #endif
   TORCH_CHECK(variant != 2 || avx2, "panel kernel: the avx2 variant needs AVX2 and FMA, which this CPU lacks");
   if (variant) return variant;
+  if (amx_ready()) return 3;
 #if defined(__AVX512F__)
   return 1;
 #else
   return avx2 ? 2 : 1;
 #endif
 }
+
+
+// Several bf16 rows on AMX (variant 3): the bf16 panel layout, (K2, 16) 32-bit lanes of an input pair of 16
+// outputs, is the tile multiply's B operand as it lies (16 pairs of a panel: one 1 KB tile, rows 64 bytes
+// apart), and 16 of the rows' (M, K) inputs, 32 at a time, are its A operand; one tdpbf16ps adds 16 rows x 16
+// outputs x 32 inputs into fp32 sums (denormals flushed, as vdpbf16ps). At 16-64 rows one AVX512-BF16 core
+// multiplies ~0.2 TFLOP/s, so a decode batch's Linears were compute-bound (oneDNN's prepacked kernel, 32 rows
+// of SmolLM2's 3072 x 576 on 2 threads: 0.32 ms); on AMX the same is ~0.15 ms, near the weights' read. Needs K a
+// multiple of 32 (every model the engine loads; others keep the vector code) and the rows padded to a multiple
+// of 16 (amx_rows: the caller lays them out so). A panel's sums are the same k order whichever panels or rows
+// share a pass, so the bits do not depend on the split over threads.
+bool amx_ready() {
+#if PANEL_AMX
+  // the kernel grants a process the tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// x laid out for AMX: variant 3, several rows, K2 (input pairs) a multiple of 16: (ceil(M / 16) * 16, K2) rows
+inline bool amx_rows(int64_t variant, int64_t M, int64_t K2) {
+  return (variant == 3 || variant == 4) && M > 1 && K2 % 16 == 0;
+}
+
+// variant 4 (amx_emulated, any host): amx_block's arithmetic in scalar C++ on the same layout (each sum in fp32, a
+// pair's two products in order), for tests of the tiles' layout, padding and stores where the CPU has no AMX
+template <int PB, int MB>
+void amx_block_emulated(const uint32_t* x, int64_t K2, const uint32_t* w, int64_t lanes, float* acc) {
+  for (int mb = 0; mb < MB; ++mb)
+    for (int pb = 0; pb < PB; ++pb) {
+      float* c = acc + (mb * PB + pb) * 256;
+      for (int i = 0; i < 256; ++i) c[i] = 0.f;
+      for (int64_t k = 0; k < K2; ++k)
+        for (int m = 0; m < 16; ++m) {
+          const uint32_t a = x[(16 * mb + m) * K2 + k];
+          for (int n = 0; n < 16; ++n) {
+            const uint32_t b = w[pb * lanes + k * NR + n];
+            float a0, a1, b0, b1;
+            const uint32_t ua0 = a << 16, ua1 = a & 0xFFFF0000u, ub0 = b << 16, ub1 = b & 0xFFFF0000u;
+            std::memcpy(&a0, &ua0, 4), std::memcpy(&a1, &ua1, 4), std::memcpy(&b0, &ub0, 4), std::memcpy(&b1, &ub1, 4);
+            c[m * 16 + n] += a0 * b0;
+            c[m * 16 + n] += a1 * b1;
+          }
+        }
+    }
+}
+
+#if PANEL_AMX
+constexpr int AMX_AHEAD = 2048;  // bytes of a panel's stream prefetched ahead of its tile loads
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows of 64 bytes: C 0-3 (fp32 sums), A 4-5 (rows' inputs), B 6-7 (panels)
+inline void amx_config() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// PB panels (w, the next `lanes` later) x MB blocks of 16 rows (x, rows K2 lanes apart) -> acc, tile
+// (mb, pb) at acc + (mb * PB + pb) * 256 (16 x 16 fp32)
+template <int PB, int MB>
+void amx_block(const uint32_t* x, int64_t K2, const uint32_t* w, int64_t lanes, float* acc) {
+  _tile_zero(0);
+  if constexpr (PB > 1) _tile_zero(1);
+  if constexpr (MB > 1) _tile_zero(2);
+  if constexpr (PB > 1 && MB > 1) _tile_zero(3);
+  for (int64_t k = 0; k < K2; k += 16) {
+    for (int l = 0; l < 16; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + AMX_AHEAD + 64 * l, _MM_HINT_T0);
+      if constexpr (PB > 1) _mm_prefetch(reinterpret_cast<const char*>(w + lanes + k * NR) + AMX_AHEAD + 64 * l, _MM_HINT_T0);
+    }
+    _tile_loadd(6, w + k * NR, 64);
+    _tile_loadd(4, x + k, K2 * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PB > 1) {
+      _tile_loadd(7, w + lanes + k * NR, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MB > 1) {
+      _tile_loadd(5, x + 16 * K2 + k, K2 * 4);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (PB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 64);
+  if constexpr (PB > 1) _tile_stored(1, acc + 256, 64);
+  if constexpr (MB > 1) _tile_stored(2, acc + PB * 256, 64);
+  if constexpr (PB > 1 && MB > 1) _tile_stored(3, acc + 768, 64);
+}
+#endif
 
 template <typename X, typename T>
 void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
@@ -209,6 +346,13 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
   // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
   auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
     const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
+    if (nn == NR) {  // a full panel: 16 outputs a vector, the same arithmetic
+      for (int m = 0; m < r; ++m) {
+        const int64_t i = (m0 + m) * N + n0;
+        store16(acc + m * NR, bias ? bias + n0 : nullptr, res ? res + i : nullptr, out + i);
+      }
+      return;
+    }
     for (int m = 0; m < r; ++m)
       for (int64_t j = 0; j < nn; ++j) {
         const int64_t i = (m0 + m) * N + n0 + j;
@@ -216,6 +360,41 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
         out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
       }
   };
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (amx_rows(variant, M, Kp)) {  // xt: (ceil(M / 16) * 16, Kp) rows, see amx_rows
+      alignas(64) float tiles[4 * 256];
+      const int64_t lanes = Kp * NR, M16 = (M + 15) / 16 * 16;
+#if PANEL_AMX
+      if (variant == 3) amx_config();
+#endif
+      for (int64_t p = p0; p < p1; p += 2) {
+        const bool two = p + 1 < p1;
+        for (int64_t m0 = 0; m0 < M16; m0 += 32) {
+          const bool tall = m0 + 16 < M16;
+          const uint32_t* xm = xt + m0 * Kp;
+          const auto* wp = reinterpret_cast<const uint32_t*>(w + p * panel);
+#if PANEL_AMX
+#define AMX_BLOCK(PB, MB) variant == 3 ? amx_block<PB, MB>(xm, Kp, wp, lanes, tiles) \
+                                       : amx_block_emulated<PB, MB>(xm, Kp, wp, lanes, tiles)
+#else
+#define AMX_BLOCK(PB, MB) amx_block_emulated<PB, MB>(xm, Kp, wp, lanes, tiles)
+#endif
+          if (two && tall) AMX_BLOCK(2, 2);
+          else if (two) AMX_BLOCK(2, 1);
+          else if (tall) AMX_BLOCK(1, 2);
+          else AMX_BLOCK(1, 1);
+#undef AMX_BLOCK
+          const int PB = two ? 2 : 1;
+          for (int mb = 0; mb < (tall ? 2 : 1); ++mb)
+            for (int pb = 0; pb < PB; ++pb) {
+              const int64_t r0 = m0 + 16 * mb;
+              if (r0 < M) store(p + pb, r0, static_cast<int>(std::min<int64_t>(16, M - r0)), tiles + (mb * PB + pb) * 256);
+            }
+        }
+      }
+      return;
+    }
+  }
   float acc[MR * NR];
   int64_t p = p0;
   if (M == 1) {  // G = 4 panels a pass (the same sums, in the same order, as one panel at a time)
@@ -296,7 +475,8 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
                 "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
     auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
-    auto xt = xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a row's pair is 32 bits
+    auto xt = amx_rows(v, M, K2) ? torch::constant_pad_nd(xs, {0, 0, 0, (16 - M % 16) % 16})  // rows for tiles
+                                 : xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a pair is 32 bits
     run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
         N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), v);
   } else {
