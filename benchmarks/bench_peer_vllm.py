@@ -9,7 +9,8 @@ GPT-2-124M shape (random weights written by transformers). Workloads:
   - the offline mix: 64 requests, prompt and output lengths uniform in 16-256, all queued at t=0
     (fp32 and bf16), equal KV-cache bytes on both sides;
   - the HTTP mix: the same lengths, 64 streams at once, `shardserve loadtest` against
-    `shardserve serve`, vLLM's OpenAI server and llama.cpp's `llama-server` (parallel slots).
+    `shardserve serve`, vLLM's OpenAI server and llama.cpp's `llama-server` (parallel slots), fp32
+    (llama.cpp's F32 file) and bf16 (its BF16 file; `--http-dtypes`).
 Every figure is the median of 3 repetitions, printed with its spread (min-max); "ours 3x" is our
 max/min. vLLM runs with `VLLM_CPU_OMP_THREADS_BIND` over all cores and with its default binding
 (which reserves a core on small hosts); each row says which was faster and the ratio uses that one.
@@ -176,34 +177,43 @@ def llama_rows(spec, args, ours_b1: dict, record) -> tuple[Path | None, dict]:
 
 
 def http_rows(spec, args, vllm_py, vllm_bind: dict, bin_dir, files: dict, record) -> None:
-    """The HTTP mix (64 streams, fp32 and F32 weights) against every server that runs."""
+    """The HTTP mix (64 streams) against every server that runs, for each of --http-dtypes (fp32 with llama.cpp's
+    F32 file, bf16 with its BF16 file)."""
+    for dtype in args.http_dtypes.split(","):
+        http_dtype(spec, args, vllm_py, vllm_bind, bin_dir, files, record, dtype)
+
+
+def http_dtype(spec, args, vllm_py, vllm_bind: dict, bin_dir, files: dict, record, dtype: str) -> None:
     n = args.num_requests
     work = Path(tempfile.mkdtemp(prefix="bench-peer-http-", dir=ROOT / "runs"))
-    res = {"ours": peer_http.http_mix("ours", spec.path, "float32", args.kv_bytes, n, work, args.repeats)}
+    res = {"ours": peer_http.http_mix("ours", spec.path, dtype, args.kv_bytes, n, work, args.repeats)}
     if vllm_py is not None:
-        res["vllm"] = peer_http.http_mix("vllm", spec.path, "float32", args.kv_bytes, n, work, args.repeats,
+        res["vllm"] = peer_http.http_mix("vllm", spec.path, dtype, args.kv_bytes, n, work, args.repeats,
                                          vllm_py=vllm_py, vllm_env=vllm_bind)
-    if bin_dir is not None and "F32" in files:
+    gguf = "F32" if dtype == "float32" else "BF16"
+    if bin_dir is not None and gguf in files:
         threads = len(os.sched_getaffinity(0))
         res["llama-server"] = peer_http.http_mix(  # 512 tokens a slot: the longest prompt + output
-            "llama", spec.path, "float32", args.kv_bytes, n, work, args.repeats,
-            llama_cmd=lambda port: peer_llamacpp.server_cmd(bin_dir, files["F32"], port, threads, n, 512))
-    record[f"{spec.name}/http"] = res
+            "llama", spec.path, dtype, args.kv_bytes, n, work, args.repeats,
+            llama_cmd=lambda port: peer_llamacpp.server_cmd(bin_dir, files[gguf], port, threads, n, 512))
+    name = f"{spec.name}/http" if dtype == "float32" else f"{spec.name}/http-{dtype}"
+    spec_name = f"{spec.name} {dtype}"
+    record[name] = res
     meds = {}
     for eng, r in res.items():
         if "error" in r:
-            print(f"{spec.name:8s} http {eng}: ERROR {r['error'][-600:]}")
+            print(f"{spec_name:16s} http {eng}: ERROR {r['error'][-600:]}")
             continue
         runs = r["runs"]
         meds[eng] = {k: statistics.median(x[k] for x in runs) for k in ("tok_s", "ttft_p50_s", "ttft_p90_s")}
-        print(f"{spec.name:8s} http {eng:12s} | {fig([x['tok_s'] for x in runs])} output tok/s, TTFT p50 "
+        print(f"{spec_name:16s} http {eng:12s} | {fig([x['tok_s'] for x in runs])} output tok/s, TTFT p50 "
               f"{fig([x['ttft_p50_s'] for x in runs], ' s')}, p90 {fig([x['ttft_p90_s'] for x in runs], ' s')}, "
               f"max ITL {max(x['itl_max_s'] for x in runs):.2f} s, {sum(x['failed'] for x in runs)} failed, "
               f"ready in {r['start_s']:.0f} s, load {r['load']:.1f}", flush=True)
     for peer in ("vllm", "llama-server"):
         if "ours" in meds and peer in meds:
             o, p = meds["ours"], meds[peer]
-            print(f"{spec.name:8s} http ours/{peer}: tok/s {o['tok_s'] / p['tok_s']:.2f}x, TTFT p90 ours "
+            print(f"{spec_name:16s} http ours/{peer}: tok/s {o['tok_s'] / p['tok_s']:.2f}x, TTFT p90 ours "
                   f"{o['ttft_p90_s']:.2f} s vs {p['ttft_p90_s']:.2f} s ({o['ttft_p90_s'] / p['ttft_p90_s']:.2f}x)")
 
 
@@ -214,6 +224,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="repetitions of every figure (median and spread)")
     ap.add_argument("--quick", action="store_true", help="16 requests, 1 repetition (a smoke run, not the targets)")
+    ap.add_argument("--http-dtypes", default="float32,bfloat16",
+                    help="comma list of the HTTP mix's weights: float32 (llama.cpp F32), bfloat16 (its BF16)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, llama, http, bf16, b1, mix")
     ap.add_argument("--vllm-binds", default="all,default",
                     help="vLLM thread bindings to run: all (VLLM_CPU_OMP_THREADS_BIND over every core), default")

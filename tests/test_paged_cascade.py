@@ -87,3 +87,55 @@ def test_a_whole_batch_shares_one_prefix(bs, hd, dtype):
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(_run(q, kc, vc, tables, lens, bs).float(), _reference(q, kc, vc, tables, lens, bs),
                                **tol)
+
+
+def _prefill_case(seed: int, bs: int):
+    """Chunks of a step (first row, length, start, table): a group of four under one cached prefix of 3 blocks
+    whose members have cached 0-5 more private tokens; a pair that shares 2 blocks, one of whose members has
+    started only inside the second shared block (so its group shares 1 block: below the minimum, no group);
+    one continuing chunk alone."""
+    g = torch.Generator().manual_seed(seed)
+    free = iter(torch.randperm(300, generator=g).tolist())
+    chunks, row = [], 0
+    prefix = [next(free) for _ in range(3)]
+    for extra in (0, 2, 5, 3):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        start = 3 * bs + extra
+        table = prefix + [next(free) for _ in range(-(-(start + n) // bs) - 3)]
+        chunks.append((row, n, start, table))
+        row += n
+    pair = [next(free) for _ in range(2)]
+    for start in (2 * bs + 1, bs + 1):
+        table = pair + [next(free) for _ in range(3)]
+        chunks.append((row, 4, start, table))
+        row += 4
+    chunks.append((row, 3, 2 * bs, [next(free) for _ in range(3)]))
+    return chunks, row + 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 4)], ids=["gqa", "mha"])
+def test_prefill_cascade_equals_per_sequence_attention(dtype, nh, nkv, monkeypatch):
+    """engines/model/prefill_cascade.py: the grouped chunks' attention (shared part in slices of rows, the own
+    part padded and masked, merged) equals each chunk's own causal attention over its context; only the group
+    with >= MIN_SHARED_BLOCKS shared blocks before every first query is formed."""
+    from engines.model import prefill_cascade as pc
+
+    monkeypatch.setattr(pc, "SCORE_BYTES", 4 * nkv * 3 * BS * 5)  # five rows a slice: several slices
+    chunks, n = _prefill_case(seed=nh, bs=BS)
+    groups, taken = pc.plan_groups(chunks, BS)
+    assert taken == {0, 1, 2, 3} and len(groups) == 1 and groups[0].shared_len == 3 * BS
+    torch.manual_seed(2)
+    kc, vc = (torch.randn(300 * BS, nkv, HD).to(dtype) for _ in range(2))
+    q = torch.randn(n, nh, HD).to(dtype)
+    got = pc.attend(groups[0], q, kc, vc)
+    ref = []
+    for row, m, start, table in chunks[:4]:
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(start + m)])
+        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
+        ref.append(F.scaled_dot_product_attention(
+            q[row:row + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
+            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    assert got.dtype == dtype and torch.equal(groups[0].rows, torch.arange(sum(m for _, m, _, _ in chunks[:4])))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), torch.cat(ref), rtol=tol, atol=tol)

@@ -42,12 +42,13 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 10
+KERNEL_SET = 11
 """Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice
 saved before a kernel or the rule changed times again): 4 medians and best rounds agree (_fastest); 5 panel's
 AVX2 one-row code; 6-8 TEAM_KERNELS kept unless linear is MARGIN faster; 7 a disturbed timing is never saved
 (FORK_JOIN_QUIET_S); 9 at one row on several threads, unless any kernel is TEAM_MARGIN faster; 10 the panel
-kernel's bf16 rows on AMX."""
+kernel's bf16 rows on AMX; 11 its fp32 rows two panels a pass (AVX-512 intrinsics), and TEAM_MARGIN at a decode
+batch too."""
 MANY_ROWS, BULK_ROWS = 32, 128
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
 BULK_FROM = 65
@@ -256,9 +257,11 @@ whole step to the per-op loop, so one is kept unless linear beats it by MARGIN (
 slower: on the AVX2 EPYC SmolLM2's bf16 576 x 576 kept linear, 0.080 ms against panel 0.083, and bf16 batch 1
 ran the per-op loop, 46 tok/s against 57 on the team)."""
 TEAM_MARGIN = 1 / 1.5
-"""At one row on several threads a TEAM_KERNELS kernel is kept unless another's median is under this fraction of
-its own (KERNEL_SET 8 compared it with linear only: on the Xeon of BENCHMARKS.md SmolLM2's bf16 576 x 576 timed
-gemv 0.079 ms, panel 0.103, linear 0.107; gemv kept for three shapes ran batch 1 at 69 tok/s against 97 with the team)."""
+"""At one row and at a decode batch on several threads a TEAM_KERNELS kernel is kept unless another's median is
+under this fraction of its own (KERNEL_SET 8 compared it with linear only: on the Xeon of BENCHMARKS.md SmolLM2's bf16
+576 x 576 timed gemv 0.079 ms, panel 0.103, linear 0.107; gemv kept for three shapes ran batch 1 at 69 tok/s against
+97 with the team; KERNEL_SET 11: fp32 576 x 576 at 32 rows kept pretransposed, 0.136 ms against panel 0.175, and
+every fp32 decode batch ran the per-op loop)."""
 
 
 def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
@@ -268,7 +271,7 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet
     moments. The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on
     its best round; else a TEAM_KERNELS one unless "linear" beats it by MARGIN on its median; "linear" otherwise.
-    team_first (one row, several threads): a TEAM_KERNELS kernel first, unless another's median is under TEAM_MARGIN
+    team_first (one row or a decode batch, several threads): a TEAM_KERNELS kernel first, unless another's median is under TEAM_MARGIN
     of its own. `clock` is injectable (tests)."""
     from engines.cpu.cpu_threads import median
 
@@ -403,7 +406,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                     (BULK_ROWS, ["linear", "packed"] if packs else ["linear"], 3)):  # compute-bound
                 x = torch.randn(rows, in_f).to(dtype)
                 runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds,
-                                     team_first=rows == 1 and torch.get_num_threads() >= 2))
+                                     team_first=rows < BULK_ROWS and torch.get_num_threads() >= 2))
         quiet = quiet and fork_join_s() < FORK_JOIN_QUIET_S
         if quiet:
             break

@@ -14,7 +14,9 @@ the prefill chunks. Per layer, the backend writes the new keys/values into their
     index computed once per step, masks the padding, and runs one batched attention (one kernel
     launch per layer instead of one per sequence);
   - prefill: a fresh prompt attends to its own keys causally; a later chunk of a long prompt
-    reads its cached context (by runs, as above) and uses an offset causal mask. On CUDA the
+    reads its cached context (by runs, as above) and uses an offset causal mask; on CPU, chunks
+    that continue the same cached prefix (prefix caching: chats under one system prompt) attend to
+    it together, two matrix products a kv head for the whole group (engines/model/prefill_cascade.py). On CUDA the
     step's fresh prompts (two or more) run as one padded batch: one attention call per layer
     with a causal and key-padding mask, instead of one call and ~5 launches per prompt (64
     prompts of 60 tokens: ~1,500 launches a layer fewer); on CPU one prompt at a time (no
@@ -33,6 +35,7 @@ from engines.core.plan import SeqWork
 from engines.cpu import module_ops
 from engines.cpu.cpu_threads import single_threaded
 from engines.cpu.paged_kernel import paged_decode
+from engines.model import prefill_cascade
 
 BATCHED_PREFILL_MAX_MASK = 1 << 26
 """Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for
@@ -142,6 +145,7 @@ class PagedAttention:
             self.prefill.append(PrefillMeta(q_start, len(w.token_ids), w.start_pos,
                                             block_runs(w.block_ids, bs, end) if w.start_pos > 0 else None))
             q_start += len(w.token_ids)
+        self.prefill_all = list(self.prefill)
         self.slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
         if batched_prefill is None:
             batched_prefill = torch.device(device).type != "cpu"
@@ -163,6 +167,15 @@ class PagedAttention:
                 self.pf = (P, T, index.view(-1).to(device), mask[:, None].to(device), sel.to(device),
                            index.view(-1)[sel].to(device))
                 self.prefill = [p for p in self.prefill if p.ctx_runs is not None]
+        self.cascade: list[prefill_cascade.CascadeGroup] = []
+        """CPU: chunks that continue the same cached prefix, attending to it together (prefill_cascade)."""
+        if torch.device(device).type == "cpu":
+            tables = {p.q_start: w.block_ids for p, w in zip(self.prefill_all, prefill)}
+            cont = [p for p in self.prefill if p.ctx_runs is not None]
+            self.cascade, taken = prefill_cascade.plan_groups(
+                [(p.q_start, p.q_len, p.start_pos, tables[p.q_start]) for p in cont], bs)
+            taken_rows = {cont[i].q_start for i in taken}
+            self.prefill = [p for p in self.prefill if p.q_start not in taken_rows]
         self.kv_prefix: list[tuple[int, int, torch.Tensor]] = []
         """P-tuning of every layer: (first row, rows, (layers, rows, 2, nkv, hd)) keys/values that
         replace those rows' own in every layer (engines/transforms/prompt_inject.py SeqTables.kv_rows)."""
@@ -179,7 +192,7 @@ class PagedAttention:
         module_ops.write_slots(k_cache, self.slot_mapping, k)
         module_ops.write_slots(v_cache, self.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
-        if not self.prefill and self.pf is None:
+        if not self.prefill and self.pf is None and not self.cascade:
             return self._decode(q, k_cache, v_cache, gqa)
         out = torch.empty_like(q)
         if self.n_decode:
@@ -191,6 +204,8 @@ class PagedAttention:
             vs = v[index].view(P, T, *v.shape[1:]).transpose(1, 2)
             y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)  # (P, nh, T, hd)
             out[rows] = y.transpose(1, 2).reshape(P * T, *q.shape[1:])[sel]
+        for group in self.cascade:
+            out[group.rows] = prefill_cascade.attend(group, q, k_cache, v_cache)
         for p in self.prefill:
             qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]  # (1, nh, T, hd)
             if p.ctx_runs is None:
