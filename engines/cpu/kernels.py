@@ -33,12 +33,12 @@ NAMESPACES = tuple(ns for ns, _ in SOURCES)
 """The namespaces the bindings look the kernels' functions up in."""
 
 FUNCTIONS = [
-    "pack_panels", "panel_linear", "panel_variant",                       # panel_kernel.cpp
+    "pack_panels", "panel_linear", "panel_linear_f32", "panel_variant",   # panel_kernel.cpp
     "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
     "paged_decode",                                                       # paged_kernel.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
-    "argmax_rows",
+    "argmax_rows", "softmax_rows",
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
 call them)."""

@@ -106,6 +106,17 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     return mod.panel_linear(x, panels, out_features, bias, PANEL_VARIANTS[variant])
 
 
+def panel_linear_f32(x: torch.Tensor, panels: torch.Tensor, out_features: int, variant: str = "auto") -> torch.Tensor:
+    """bf16 x (M, K) through the bf16 panels of an (out_features, K) weight -> (M, out_features) fp32: the kernel's
+    fp32 sums unrounded (on AMX, several rows as tiles)."""
+    mod, why = load()
+    if mod is None:
+        raise RuntimeError(why)
+    if variant not in PANEL_VARIANTS:
+        raise ValueError(f"panel kernel variant {variant!r}; allowed: {sorted(PANEL_VARIANTS)}")
+    return mod.panel_linear_f32(x, panels, out_features, PANEL_VARIANTS[variant])
+
+
 FP8_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512_on_avx2": 4, "avx512bf16": 5,
                 "avx512bf16_emulated": 6}
 """The FP8 kernel's variants (csrc/fp8_panel_kernel.cpp): "auto" the best this CPU runs for the rows' dtype; the

@@ -23,6 +23,7 @@ the per-sequence path up to the order of fp32 sums (tests/test_paged_cascade.py 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -115,23 +116,14 @@ def attend(group: CascadeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     rep = nh // nkv
     scale = 1.0 / math.sqrt(hd)
     f32 = torch.float32
-    qg = q[group.q_index.view(-1)].to(f32).view(G * Tq, nkv, rep, hd)
+    rows_q = q[group.q_index.view(-1)].view(G * Tq, nkv, rep, hd)
+    qg = rows_q.to(f32)
     # the shared part: rows (kv head, token * rep + r) against the shared keys of that head
-    ks = read_runs(k_cache, group.shared_runs).to(f32).permute(1, 2, 0)  # (nkv, hd, S)
-    vs = read_runs(v_cache, group.shared_runs).to(f32).transpose(0, 1)  # (nkv, S, hd)
-    qh = qg.permute(1, 0, 2, 3).reshape(nkv, G * Tq * rep, hd)
-    R, S = qh.shape[1], ks.shape[2]
-    m_s = torch.empty(nkv, R, 1)
-    l_s = torch.empty(nkv, R, 1)
-    o_s = torch.empty(nkv, R, hd)
-    step = max(1, SCORE_BYTES // (4 * nkv * S))
-    for r0 in range(0, R, step):
-        r1 = min(R, r0 + step)
-        sc = torch.bmm(qh[:, r0:r1], ks).mul_(scale)  # (nkv, rows, S)
-        m = sc.amax(-1, keepdim=True)
-        p = sc.sub_(m).exp_()
-        m_s[:, r0:r1], l_s[:, r0:r1] = m, p.sum(-1, keepdim=True)
-        torch.bmm(p, vs, out=o_s[:, r0:r1])
+    k_sh, v_sh = read_runs(k_cache, group.shared_runs), read_runs(v_cache, group.shared_runs)  # (S, nkv, hd)
+    if amx_scores(q.dtype):
+        m_s, l_s, o_s = _shared_amx(rows_q.permute(1, 0, 2, 3).reshape(nkv, -1, hd), k_sh, v_sh, scale)
+    else:
+        m_s, l_s, o_s = _shared_fp32(qg.permute(1, 0, 2, 3).reshape(nkv, -1, hd), k_sh, v_sh, scale)
     # each sequence's own keys, causally
     ko = k_cache[group.k_index].to(f32)  # (G, Lo, nkv, hd)
     vo = v_cache[group.k_index].to(f32)
@@ -154,3 +146,65 @@ def attend(group: CascadeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     y = (o_s * a_s + o_o * a_o) / (l_s * a_s + l_o * a_o)  # (G, nkv, Tq * rep, hd)
     y = y.view(G, nkv, Tq, rep, hd).permute(0, 2, 1, 3, 4).reshape(G * Tq, nh, hd)
     return y[group.valid].to(q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def amx_scores(dtype: torch.dtype) -> bool:
+    """Whether the shared part runs on the panel kernel's AMX tiles (bf16 caches on a host with AMX)."""
+    if dtype != torch.bfloat16:
+        return False
+    from engines.cpu import panel_kernel
+
+    try:
+        return panel_kernel.panel_variant("auto") == "amx"
+    except RuntimeError:
+        return False
+
+
+def _shared_fp32(qh: torch.Tensor, k_sh: torch.Tensor, v_sh: torch.Tensor, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qh (nkv, R, hd) fp32 against the shared keys (S, nkv, hd): each row's max (nkv, R, 1), sum of exponentials
+    (nkv, R, 1) and weighted values (nkv, R, hd), two fp32 matrix products a slice of rows."""
+    nkv, R, hd = qh.shape
+    ks = k_sh.to(torch.float32).permute(1, 2, 0)  # (nkv, hd, S)
+    vs = v_sh.to(torch.float32).transpose(0, 1)  # (nkv, S, hd)
+    S = ks.shape[2]
+    m_s, l_s, o_s = torch.empty(nkv, R, 1), torch.empty(nkv, R, 1), torch.empty(nkv, R, hd)
+    step = max(1, SCORE_BYTES // (4 * nkv * S))
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        sc = torch.bmm(qh[:, r0:r1], ks).mul_(scale)  # (nkv, rows, S)
+        m = sc.amax(-1, keepdim=True)
+        p = sc.sub_(m).exp_()
+        m_s[:, r0:r1], l_s[:, r0:r1] = m, p.sum(-1, keepdim=True)
+        torch.bmm(p, vs, out=o_s[:, r0:r1])
+    return m_s, l_s, o_s
+
+
+def _shared_amx(qh: torch.Tensor, k_sh: torch.Tensor, v_sh: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_shared_fp32 for bf16 rows qh (nkv, R, hd) on AMX tiles (engines/cpu/panel_kernel panel_linear_f32): the
+    scores are the exact bf16 products summed in fp32 (as the fp32 path), the probabilities rounded to bf16 for
+    the product with the values (as torch's bf16 SDPA does), sums fp32. The shared keys of a kv head are the
+    "weight" of S outputs; its values, zero-padded to a multiple of 32 keys, that of hd outputs; each row's softmax
+    one pass in C++ (softmax_rows, csrc/fused_decode.cpp)."""
+    from engines.cpu import panel_kernel as pk
+
+    mod = pk.load()[0]
+    nkv, R, hd = qh.shape
+    S = k_sh.shape[0]
+    Sp = -(-S // 32) * 32
+    m_s, l_s, o_s = torch.empty(nkv, R, 1), torch.empty(nkv, R, 1), torch.empty(nkv, R, hd)
+    step = max(16, SCORE_BYTES // (4 * S) // 16 * 16)
+    for h in range(nkv):
+        k_panels = pk.pack_panels(k_sh[:, h])  # (S, hd): S outputs
+        v_pad = torch.zeros(hd, Sp, dtype=v_sh.dtype)
+        v_pad[:, :S] = v_sh[:, h].t()
+        v_panels = pk.pack_panels(v_pad)  # hd outputs of Sp inputs
+        for r0 in range(0, R, step):
+            r1 = min(R, r0 + step)
+            sc = pk.panel_linear_f32(qh[h, r0:r1], k_panels, S)  # (rows, S) fp32
+            pb = torch.empty(r1 - r0, Sp, dtype=torch.bfloat16)
+            m_s[h, r0:r1], l_s[h, r0:r1] = mod.softmax_rows(sc, scale, pb)
+            o_s[h, r0:r1] = pk.panel_linear_f32(pb, v_panels, hd)
+    return m_s, l_s, o_s

@@ -389,8 +389,8 @@ void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* a
 // (res may be out: each element is read, then written, by the thread that owns its panel). Each panel's sums
 // do not depend on how the panels are split (one row: groups of G panels, the rest one at a time, the same
 // sums in the same order), so any split over threads gives the same bits (the fused step's team splits them)
-template <typename X, typename T>
-void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out,
+template <typename X, typename T, typename O = T>
+void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
                int64_t variant, int64_t p0, int64_t p1) {
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
@@ -406,8 +406,8 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
     for (int m = 0; m < r; ++m)
       for (int64_t j = 0; j < nn; ++j) {
         const int64_t i = (m0 + m) * N + n0 + j;
-        const T y = static_cast<T>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
-        out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
+        const O y = static_cast<O>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+        out[i] = res ? static_cast<O>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
       }
   };
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -479,8 +479,8 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
 }
 
 // all panels of the Linear (run_range) over torch's intra-op threads
-template <typename X, typename T>
-void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const T* res, T* out,
+template <typename X, typename T, typename O = T>
+void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
          int64_t variant) {
   at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
     run_range(xt, M, Kp, w, N, bias, res, out, variant, p0, p1);
@@ -550,6 +550,24 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
                            int64_t variant) {
   return panel_linear_res(x, panels, N, bias, c10::nullopt, variant);
+}
+
+// bf16 x (M, K) through bf16 panels of N outputs -> (M, N) fp32: the kernel's fp32 sums, not rounded (attention
+// scores: engines/model/prefill_cascade.py)
+torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N, int64_t variant) {
+  const int64_t v = row_variant(variant);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && panels.scalar_type() == torch::kBFloat16,
+              "panel_linear_f32: bf16 x (M, K) and bf16 panels");
+  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(0) == (N + NR - 1) / NR &&
+              panels.size(1) == K2 && panels.size(2) == NR, "panel_linear_f32: bf16 panels (P, ceil(K / 2), 16, 2)");
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
+  auto xt = amx_rows(v, M, K2) ? torch::constant_pad_nd(xs, {0, 0, 0, (16 - M % 16) % 16})
+                               : xs.view({M, K2, 2}).transpose(0, 1).contiguous();
+  run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(), N,
+      static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), out.data_ptr<float>(), v);
+  return out;
 }
 
 // the one-row variant `variant` resolves to on this CPU (see row_variant)
