@@ -148,7 +148,7 @@ def attend(group: CascadeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return y[group.valid].to(q.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def amx_scores(dtype: torch.dtype) -> bool:
     """Whether the shared part runs on the panel kernel's AMX tiles (bf16 caches on a host with AMX)."""
     if dtype != torch.bfloat16:
