@@ -74,14 +74,16 @@ def test_cascade_equals_per_row_attention(dtype, threads, nh, nkv):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs,hd", [(4, 16), (16, 64), (16, 24)])
-def test_a_whole_batch_shares_one_prefix(bs, hd, dtype):
+@pytest.mark.parametrize("bs,hd,blocks", [(4, 16, 8), (16, 64, 8), (16, 64, 7), (4, 64, 9), (16, 24, 8)])
+def test_a_whole_batch_shares_one_prefix(bs, hd, blocks, dtype):
     """The prefix-caching burst's shape: every row shares the same leading blocks (block size 16 and
-    head size a multiple of 16: the tiled shared-part loops; otherwise the per-key ones)."""
+    head size a multiple of 16: the tiled shared-part loops; otherwise the per-key ones; bf16, head size a
+    multiple of 32 and 3 query heads a kv head: the shared part on AMX tiles where the host has them, its keys
+    padded to a multiple of 32 when the shared run is not)."""
     torch.manual_seed(2)
-    prefix = list(range(10, 18))
+    prefix = list(range(10, 10 + blocks))
     tables = [prefix + [40 + i] for i in range(9)]
-    lens = [8 * bs + 1 + i % bs for i in range(9)]
+    lens = [blocks * bs + 1 + i % bs for i in range(9)]
     kc, vc = (torch.randn(64 * bs, 3, hd).to(dtype) for _ in range(2))
     q = torch.randn(9, 9, hd).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}

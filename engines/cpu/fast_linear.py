@@ -43,12 +43,8 @@ where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
 KERNEL_SET = 11
-"""Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice
-saved before a kernel or the rule changed times again): 4 medians and best rounds agree (_fastest); 5 panel's
-AVX2 one-row code; 6-8 TEAM_KERNELS kept unless linear is MARGIN faster; 7 a disturbed timing is never saved
-(FORK_JOIN_QUIET_S); 9 at one row on several threads, unless any kernel is TEAM_MARGIN faster; 10 the panel
-kernel's bf16 rows on AMX; 11 its fp32 rows two panels a pass (AVX-512 intrinsics), and TEAM_MARGIN at a decode
-batch too."""
+"""Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice saved
+before a kernel or the rule changed times again; git log has what each version changed)."""
 MANY_ROWS, BULK_ROWS = 32, 128
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
 BULK_FROM = 65

@@ -22,20 +22,22 @@ from engines.cpu.cpp_ext import build
 CSRC = Path(__file__).parent / "csrc"
 """The C++ sources beside this package (package data of the installed package)."""
 
-SOURCES = (("panel_src", "panel_kernel.cpp"), ("fp8_src", "fp8_panel_kernel.cpp"), ("paged_src", "paged_kernel.cpp"))
-"""Each kernel's namespace in the combined source and its file; the fused step (fused_decode.cpp) comes
-last, at namespace scope, and calls into them."""
+SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_kernel.cpp"),
+           ("fp8_src", "fp8_panel_kernel.cpp"),
+           ("paged_src", "paged_kernel.cpp"), ("paged_src", "paged_cascade.cpp"), ("paged_src", "paged_decode.cpp"))
+"""Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
+step (fused_decode.cpp) comes last, at namespace scope, and calls into them."""
 
 LOOP = ("fused_decode.cpp", "fused_team.cpp")
 """The fused step's sources, last, at namespace scope: the per-op loop, then the step as one parallel region."""
 
-NAMESPACES = tuple(ns for ns, _ in SOURCES)
+NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 """The namespaces the bindings look the kernels' functions up in."""
 
 FUNCTIONS = [
     "pack_panels", "panel_linear", "panel_linear_f32", "panel_variant",   # panel_kernel.cpp
     "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
-    "paged_decode",                                                       # paged_kernel.cpp
+    "paged_decode",                                                       # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
     "argmax_rows", "softmax_rows",

@@ -74,7 +74,7 @@ def unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> 
 PANEL_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "amx": 3, "amx_emulated": 4}
 """The panel kernel's variants: "portable" the GCC vector code (AVX-512 / AVX512-BF16 where the build has them),
 "avx2" AVX2 + FMA intrinsics for one row, the same bits; "amx" bfloat16 rows (2 or more, K a multiple of 32) as
-16-row tiles through AMX's tile multiply (csrc/panel_kernel.cpp amx_block; one row and fp32 as portable);
+16-row tiles through AMX's tile multiply (csrc/panel_amx.cpp amx_block; one row and fp32 as portable);
 "amx_emulated" amx's tile layout with its sums in scalar C++ (any host; tests, never auto's pick); "auto"
 amx where the host runs it, else avx2 on an AVX2 host whose build lacks AVX-512F, else portable. Several fp32
 rows always run the portable code."""

@@ -1,0 +1,158 @@
+// The paged decode kernel's entry points: compiled after csrc/paged_kernel.cpp and csrc/paged_cascade.cpp, in
+// their namespace.
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// q (S, nh, hd); k_cache / v_cache (slots, nkv, hd), slots = num_blocks * block_size; table (S, max_blocks)
+// int64 block ids; lens (S) int64 context lengths (>= 1) -> (S, nh, hd) in q's dtype
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                           torch::Tensor lens, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_decode: q, k_cache, v_cache are 3-D");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and the cache must share a dtype");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "paged_decode: int64 table/lens");
+  q = q.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && table.is_contiguous() && lens.is_contiguous(),
+              "paged_decode: cache, table and lens must be contiguous");
+  const int64_t S = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
+  TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "paged_decode: head shapes");
+  const int64_t group = nh / nkv, mb = table.size(1), row = nkv * hd;
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  int64_t lmax = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ln[s] >= 1 && ln[s] <= mb * block_size, "paged_decode: a length outside its block table");
+    lmax = ln[s] > lmax ? ln[s] : lmax;
+  }
+  const int64_t lpad = lmax + 1;  // one more: each head's softmax normaliser
+  // a task is one sequence's kv heads [c * per, (c + 1) * per): whole rows when there are enough
+  // sequences for the threads (several tasks a thread, for balance), else each sequence's heads
+  // split evenly over the threads (one long stream a thread rather than several short ones)
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = S >= threads ? 4 * threads : threads;
+  const int64_t chunks = std::min(nkv, std::max<int64_t>(1, (want + S - 1) / S));
+  const int64_t per = (nkv + chunks - 1) / chunks;
+  auto out = torch::empty_like(q);
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  std::vector<int64_t> shared(S, 0);
+  const auto groups = cascade_groups(tab, ln, S, mb, block_size, shared);
+  // partials of the shared parts: (S, nh) max and sum, (S, nh, hd) values; tasks (group, kv head, rows)
+  std::vector<float> pm, pl, pacc;
+  std::vector<std::array<int64_t, 4>> ctasks;  // group, kv head, first row in the group, rows
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> gkv;  // (group, kv head): shared keys, values
+  const bool amx = cascade_amx(q.scalar_type() == torch::kBFloat16, group, hd);
+  if (!groups.empty()) {
+    pm.resize(S * nh), pl.resize(S * nh), pacc.resize(S * nh * hd);
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat), bf = f32.dtype(torch::kBFloat16);
+    for (const auto& rows : groups)
+      for (int64_t g = 0; g < nkv; ++g) {
+        const int64_t lp = shared[rows[0]];
+        if (amx)  // panels (cascade_gather_amx)
+          gkv.emplace_back(torch::zeros({(lp + 15) / 16 * 16 * hd}, bf), torch::zeros({hd * pad32(lp)}, bf));
+        else  // (lp, hd) fp32 rows
+          gkv.emplace_back(torch::empty({lp, hd}, f32), torch::empty({lp, hd}, f32));
+      }
+    for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+      const int64_t R = groups[gi].size();
+      const int64_t pieces = (R + CASCADE_ROWS - 1) / CASCADE_ROWS, per_piece = (R + pieces - 1) / pieces;
+      for (int64_t g = 0; g < nkv; ++g)
+        for (int64_t r0 = 0; r0 < R; r0 += per_piece) ctasks.push_back({gi, g, r0, std::min(per_piece, R - r0)});
+    }
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    // each group's shared keys / values of each kv head widened once (not once a piece of rows), then the pieces
+    at::parallel_for(0, static_cast<int64_t>(gkv.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t gi = i / nkv, g = i % nkv, r0 = groups[gi][0];
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (amx) {
+            cascade_gather_amx(kp, vp, tab + r0 * mb, shared[r0], block_size, row, hd, g, gkv[i].first.data_ptr<T>(),
+                               gkv[i].second.data_ptr<T>());
+            continue;
+          }
+        cascade_gather<T>(kp, vp, tab + r0 * mb, shared[r0], block_size, row, hd, g, gkv[i].first.data_ptr<float>(),
+                          gkv[i].second.data_ptr<float>());
+      }
+    });
+    at::parallel_for(0, static_cast<int64_t>(ctasks.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto& c = ctasks[i];
+        const auto& rows = groups[c[0]];
+        const auto& kv = gkv[c[0] * nkv + c[1]];
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (amx) {
+            cascade_part_amx(qp, kv.first, kv.second, shared[rows[0]], hd, nh, group, c[1], rows.data() + c[2], c[3],
+                             scale, pm.data(), pl.data(), pacc.data());
+            continue;
+          }
+        cascade_part<T>(qp, kv.first, kv.second, shared[rows[0]], hd, nh, group, c[1], rows.data() + c[2], c[3],
+                        scale, pm.data(), pl.data(), pacc.data());
+      }
+    });
+    at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
+      // scores (heads x lpad), scaled queries and accumulators (heads x hd each)
+      const int64_t nq_max = per * group;
+      std::vector<float> buf(nq_max * lpad + 2 * nq_max * hd);
+      float* scores = buf.data();
+      float* qf = scores + nq_max * lpad;
+      float* acc = qf + nq_max * hd;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / chunks, g0 = i % chunks * per, g1 = std::min(nkv, g0 + per);
+        if (g0 >= g1) continue;
+        const int64_t h0 = g0 * group;
+        const bool part = shared[s] > 0;
+        attend<T>(qp + (s * nh + h0) * hd, kp + g0 * hd, vp + g0 * hd, tab + s * mb, ln[s], block_size, row, hd,
+                  (g1 - g0) * group, group, scale, qf, scores, acc, op + (s * nh + h0) * hd, lpad, shared[s],
+                  part ? pm.data() + s * nh + h0 : nullptr, part ? pl.data() + s * nh + h0 : nullptr,
+                  part ? pacc.data() + (s * nh + h0) * hd : nullptr);
+      }
+    });
+  };
+  if (q.scalar_type() == torch::kFloat) run(float{});
+  else if (q.scalar_type() == torch::kBFloat16) run(c10::BFloat16{});
+  else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
+  else TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16, got ", q.scalar_type());
+  return out;
+}
+
+// One sequence's kv heads [g0, g1) of paged_decode into out (1, nh, hd) contiguous, q's dtype: attend() over those
+// heads, whose arithmetic a head does not depend on the others in its task, so any split of the heads gives
+// paged_decode's bits (one sequence has no shared prefix to cascade). The fused step's team splits a sequence's
+// heads this way (csrc/fused_team.cpp); the caller checked the shapes (paged_decode's checks, on the whole step)
+void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& table, const torch::Tensor& lens, int64_t block_size, int64_t g0,
+                        int64_t g1, torch::Tensor& out) {
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), group = nh / nkv, row = nkv * hd;
+  const int64_t len = lens.data_ptr<int64_t>()[0], h0 = g0 * group, nq = (g1 - g0) * group, lpad = len + 1;
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+              q.scalar_type() == out.scalar_type() && table.scalar_type() == torch::kLong &&
+              lens.scalar_type() == torch::kLong, "paged_decode_heads: q, the caches and out share a dtype; int64 "
+              "table / lens");
+  TORCH_CHECK(q.size(0) == 1 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes() &&
+              0 <= g0 && g0 < g1 && g1 <= nkv && len >= 1 && len <= table.size(1) * block_size,
+              "paged_decode_heads: one sequence, kv heads within [0, nkv), a length within its block table");
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  std::vector<float> buf(nq * lpad + 2 * nq * hd);  // scores, scaled queries, accumulators (as paged_decode)
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    attend<T>(q.data_ptr<T>() + h0 * hd, k_cache.data_ptr<T>() + g0 * hd, v_cache.data_ptr<T>() + g0 * hd,
+              table.data_ptr<int64_t>(), len, block_size, row, hd, nq, group, scale, buf.data() + nq * lpad,
+              buf.data(), buf.data() + nq * lpad + nq * hd, out.data_ptr<T>() + h0 * hd, lpad);
+  };
+  if (q.scalar_type() == torch::kFloat) run(float{});
+  else if (q.scalar_type() == torch::kBFloat16) run(c10::BFloat16{});
+  else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
+  else TORCH_CHECK(false, "paged_decode_heads: float32, bfloat16 or float16, got ", q.scalar_type());
+}
