@@ -36,33 +36,11 @@ from engines.cpu import module_ops
 from engines.cpu.cpu_threads import single_threaded
 from engines.cpu.paged_kernel import paged_decode
 from engines.model import prefill_cascade
+from engines.model.kv_runs import block_runs, read_runs
 
 BATCHED_PREFILL_MAX_MASK = 1 << 26
 """Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for
 very uneven prompt lengths, the prompts run one at a time."""
-
-
-def block_runs(block_ids: list[int], block_size: int, num_tokens: int) -> list[tuple[int, int]]:
-    """The first `num_tokens` cache slots of a block table as (first slot, length) runs of
-    consecutive slots: one run when the blocks are contiguous."""
-    runs: list[tuple[int, int]] = []
-    nb = -(-num_tokens // block_size)
-    i = 0
-    while i < nb:
-        j = i
-        while j + 1 < nb and block_ids[j + 1] == block_ids[j] + 1:
-            j += 1
-        runs.append((block_ids[i] * block_size, min((j + 1) * block_size, num_tokens) - i * block_size))
-        i = j + 1
-    return runs
-
-
-def read_runs(cache: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
-    """(L, nkv, hd) keys or values of one context: a view of the cache when it is one run."""
-    if len(runs) == 1:
-        start, length = runs[0]
-        return cache[start:start + length]
-    return torch.cat([cache[start:start + length] for start, length in runs])
 
 
 @dataclass

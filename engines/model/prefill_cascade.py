@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.model.kv_runs import block_runs, read_runs
+
 MIN_SHARED_BLOCKS = 2
 """Shared cached blocks that make a group worth its products (below it, the per-sequence path)."""
 SCORE_BYTES = 8 << 20
@@ -80,8 +82,6 @@ def plan_groups(chunks: list[tuple[int, int, int, list[int]]], block_size: int
 
 
 def _group(chunks: list[tuple[int, int, int, list[int]]], shared: int, bs: int) -> CascadeGroup:
-    from engines.model.attention import block_runs
-
     shared_len = shared * bs
     G, Tq = len(chunks), max(n for _, n, _, _ in chunks)
     Lo = max(start + n - shared_len for _, n, start, _ in chunks)
@@ -108,8 +108,6 @@ def _group(chunks: list[tuple[int, int, int, list[int]]], shared: int, bs: int) 
 def attend(group: CascadeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """q (N, nh, hd) of the step (its keys already in the cache) -> (valid queries, nh, hd) in q's dtype, the
     attention of the group's rows (group.rows) over their whole contexts."""
-    from engines.model.attention import read_runs
-
     G, Tq = group.q_index.shape
     nh, hd = q.shape[1:]
     nkv = k_cache.shape[1]
