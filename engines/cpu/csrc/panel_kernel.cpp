@@ -404,6 +404,15 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();
 }
 
+// bf16 rows x (M, K) laid out as run_range reads them for variant v: padded to (ceil(M / 16) * 16, K2 pairs) for
+// AMX's tiles (amx_rows), else transposed to (K2, M) pairs (a pair is 32 bits); an odd K gets a zero input
+torch::Tensor bf16_rows(const torch::Tensor& x, int64_t v) {
+  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
+  auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
+  return amx_rows(v, M, K2) ? torch::constant_pad_nd(xs, {0, 0, 0, (16 - M % 16) % 16})
+                            : xs.view({M, K2, 2}).transpose(0, 1).contiguous();
+}
+
 // x (M, K), panels of a weight with N outputs, optional bias (N), optional residual (M, N) -> (M, N) in
 // x's dtype: x @ W^T + bias, plus the residual (added after the Linear's result is rounded, as torch's add)
 torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
@@ -434,9 +443,7 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
                 "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
-    auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
-    auto xt = amx_rows(v, M, K2) ? torch::constant_pad_nd(xs, {0, 0, 0, (16 - M % 16) % 16})  // rows for tiles
-                                 : xs.view({M, K2, 2}).transpose(0, 1).contiguous();  // (K2, M, 2): a pair is 32 bits
+    auto xt = bf16_rows(x, v);
     run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
         N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), v);
   } else {
@@ -460,9 +467,7 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(0) == (N + NR - 1) / NR &&
               panels.size(1) == K2 && panels.size(2) == NR, "panel_linear_f32: bf16 panels (P, ceil(K / 2), 16, 2)");
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  auto xs = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();
-  auto xt = amx_rows(v, M, K2) ? torch::constant_pad_nd(xs, {0, 0, 0, (16 - M % 16) % 16})
-                               : xs.view({M, K2, 2}).transpose(0, 1).contiguous();
+  auto xt = bf16_rows(x, v);
   run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(), N,
       static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), out.data_ptr<float>(), v);
   return out;
