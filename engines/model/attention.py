@@ -115,6 +115,7 @@ class PagedAttention:
                     len(decode), 1, 1, lmax).to(device)
         self.prefill: list[PrefillMeta] = []
         q_start = self.n_decode
+        chunk_tables: dict[int, list[int]] = {}  # a chunk's first row -> its block table
         for w in prefill:
             table = torch.tensor(w.block_ids)
             end = w.start_pos + len(w.token_ids)
@@ -122,8 +123,8 @@ class PagedAttention:
             slots.append(table[pos // bs] * bs + pos % bs)
             self.prefill.append(PrefillMeta(q_start, len(w.token_ids), w.start_pos,
                                             block_runs(w.block_ids, bs, end) if w.start_pos > 0 else None))
+            chunk_tables[q_start] = w.block_ids
             q_start += len(w.token_ids)
-        self.prefill_all = list(self.prefill)
         self.slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
         if batched_prefill is None:
             batched_prefill = torch.device(device).type != "cpu"
@@ -148,10 +149,9 @@ class PagedAttention:
         self.cascade: list[prefill_cascade.CascadeGroup] = []
         """CPU: chunks that continue the same cached prefix, attending to it together (prefill_cascade)."""
         if torch.device(device).type == "cpu":
-            tables = {p.q_start: w.block_ids for p, w in zip(self.prefill_all, prefill)}
             cont = [p for p in self.prefill if p.ctx_runs is not None]
             self.cascade, taken = prefill_cascade.plan_groups(
-                [(p.q_start, p.q_len, p.start_pos, tables[p.q_start]) for p in cont], bs)
+                [(p.q_start, p.q_len, p.start_pos, chunk_tables[p.q_start]) for p in cont], bs)
             taken_rows = {cont[i].q_start for i in taken}
             self.prefill = [p for p in self.prefill if p.q_start not in taken_rows]
         self.kv_prefix: list[tuple[int, int, torch.Tensor]] = []
