@@ -433,7 +433,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 }
 
 // Attention rows' softmax for engines/model/prefill_cascade.py: scores (R, S) fp32, scaled in place by `scale`,
-// become exp(score - the row's max) (paged_src::exp_shifted: 16 lanes, relative error ~2e-7); written to out
+// become exp(score - the row's max) (paged_src::softmax_row: 16 lanes, relative error ~2e-7); written to out
 // (R, >= S) fp32 or bf16 (rounded to nearest even), the columns past S zero. Returns (max, sum) (R, 1) each:
 // one pass a row in cache instead of torch's six over the whole (R, S) matrix
 std::vector<torch::Tensor> softmax_rows(torch::Tensor scores, double scale, torch::Tensor out) {
@@ -451,18 +451,9 @@ std::vector<torch::Tensor> softmax_rows(torch::Tensor scores, double scale, torc
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = sc + r * S;
-      for (int64_t j = 0; j < S; ++j) row[j] *= f;
-      const auto [m, l] = paged_src::exp_shifted(row, S, -INFINITY);
+      const auto [m, l] = bf ? paged_src::softmax_row(row, S, f, out.data_ptr<c10::BFloat16>() + r * ld, Sp)
+                             : paged_src::softmax_row(row, S, f, out.data_ptr<float>() + r * ld, Sp);
       mx.data_ptr<float>()[r] = m, sum.data_ptr<float>()[r] = l;
-      if (bf) {
-        auto* o = out.data_ptr<c10::BFloat16>() + r * ld;
-        for (int64_t j = 0; j < S; ++j) o[j] = static_cast<c10::BFloat16>(row[j]);
-        for (int64_t j = S; j < Sp; ++j) o[j] = c10::BFloat16(0.f);
-      } else {
-        float* o = out.data_ptr<float>() + r * ld;
-        if (o != row) std::memcpy(o, row, S * sizeof(float));
-        for (int64_t j = S; j < Sp; ++j) o[j] = 0.f;
-      }
     }
   });
   return {mx, sum};

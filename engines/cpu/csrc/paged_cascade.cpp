@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -101,6 +102,22 @@ inline bool cascade_amx(bool bf16, int64_t group, int64_t hd) {
 
 inline int64_t pad32(int64_t n) { return (n + 31) / 32 * 32; }
 
+// one row of attention scores (S) fp32, scaled in place by `scale`, becomes exp(score - the row's max) (exp_shifted);
+// written to o (bf16 rounded to nearest even, or fp32) with zeros from S to Sp; returns (max, sum). The cascade's
+// tiles and the prefill cascade (softmax_rows, csrc/fused_decode.cpp) both take their probabilities from here
+template <typename O>
+std::pair<float, float> softmax_row(float* row, int64_t S, float scale, O* o, int64_t Sp) {
+  for (int64_t t = 0; t < S; ++t) row[t] *= scale;
+  const auto ms = exp_shifted(row, S, -INFINITY);
+  if constexpr (std::is_same_v<O, float>) {
+    if (o != row) std::memcpy(o, row, S * sizeof(float));
+  } else {
+    for (int64_t t = 0; t < S; ++t) o[t] = static_cast<O>(row[t]);
+  }
+  for (int64_t t = S; t < Sp; ++t) o[t] = O(0.f);
+  return ms;
+}
+
 // kv head g's shared slots [0, lp) as key panels kd ((lp + 15) / 16, hd / 2, 16, 2) and value panels vd
 // (hd / 16, pad32(lp) / 2, 16, 2), both zeroed beforehand
 void cascade_gather_amx(const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* table, int64_t lp, int64_t bs,
@@ -138,10 +155,8 @@ void cascade_part_amx(const c10::BFloat16* qp, const torch::Tensor& kpan, const 
   std::fill(x.begin(), x.end(), BF(0.f));
   for (int64_t i = 0; i < nq; ++i) {
     float* s = sc.data() + i * lp;
-    for (int64_t t = 0; t < lp; ++t) s[t] *= scale;
-    const auto [mx, sum] = exp_shifted(s, lp, -INFINITY);
+    const auto [mx, sum] = softmax_row(s, lp, scale, x.data() + i * lpp, lpp);
     pm[idx[i]] = mx, pl[idx[i]] = sum;
-    for (int64_t t = 0; t < lp; ++t) x[i * lpp + t] = static_cast<BF>(s[t]);
   }
   panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, lpp / 2,
                                             vpan.data_ptr<BF>(), hd, nullptr, nullptr, acc.data(), 3, 0, hd / 16);
