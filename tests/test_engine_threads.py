@@ -41,6 +41,34 @@ def test_too_late_once_torch_is_loaded():
     assert configure_openmp_env(env) is False and env == {}
 
 
+_POOL_PROBE = """
+import os, threading, torch
+from engines.cpu.cpu_threads import release_openmp_pool
+torch.set_num_threads(2)
+a, b = torch.randn(256, 256), torch.randn(256, 256)
+tasks = lambda: len(os.listdir("/proc/self/task"))
+out = {}
+def loader():  # a thread that ran parallel regions and lives on (as asyncio.to_thread's worker)
+    ref = a @ b
+    out["with_team"] = tasks()
+    out["released"] = release_openmp_pool()
+    out["after"] = tasks()
+    out["same"] = bool(torch.equal(a @ b, ref))  # its next region starts a team again
+    out["again"] = tasks()
+t = threading.Thread(target=loader)
+t.start(); t.join()
+print(out["with_team"] - out["after"], out["released"], out["same"], out["again"] - out["after"])
+"""
+
+
+def test_release_openmp_pool_ends_the_calling_threads_team():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(ROOT)}
+    got = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    # the team of 2 had one thread besides the caller: gone after the release, back at the next region
+    assert got == ["1", "True", "True", "1"]
+
+
 def test_single_threaded_restores_the_thread_count():
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -21,6 +21,7 @@ from engines.core.config import EngineConfig
 from engines.core.llm_engine import LLMEngine, Prompt
 from engines.core.outputs import RequestOutput
 from engines.core.sampling_params import RequestError, SamplingParams
+from engines.cpu.cpu_threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,10 @@ class AsyncLLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, engine_config: EngineConfig | None = None,
                        **kwargs) -> AsyncLLMEngine:
-        return cls(LLMEngine(model_dir, engine_config, **kwargs))
+        engine = LLMEngine(model_dir, engine_config, **kwargs)
+        # every step runs on the loop thread: the OpenMP team this thread's load used would only slow them
+        release_openmp_pool()
+        return cls(engine)
 
     @property
     def tokenizer(self):
