@@ -67,8 +67,12 @@ class EngineConfig:
     """Explicit number of KV blocks; 0 derives it from kv_cache_bytes."""
     max_num_seqs: int = 64
     """Most sequences in one step."""
-    max_num_batched_tokens: int = 1024
-    """Token budget of one step (decode tokens + prefill chunk tokens)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens + prefill chunk tokens). 2048 is vLLM's CPU default for
+    its OpenAI server (its LLM class: 4096): on SmolLM2 bf16, 2-core Xeon, the offline 64-request mix
+    ran at 523 / 583 tok/s against 498 / 492 with 1024 (two alternating runs; prefill chunks of 2048
+    tokens keep the cores busier), at the cost of a longer step (decode rows wait ~0.4 s) while a long
+    prompt is prefilled."""
     max_model_len: int = 0
     """Longest prompt + output; 0 means the model's max_position_embeddings."""
     admission_reserves_growth: bool = True
