@@ -44,13 +44,13 @@ constexpr float X_UP = 0x1p90f, W_DOWN = 0x1p-120f;  // rows scaled up, the deco
 // position of output j's pair in a 32-byte chunk (an involution: output ORDER[p] sits at position p)
 constexpr int ORDER[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-// a row's inputs 2 k2, 2 k2 + 1 (fp32 holding bf16 values) as one 32-bit pair, input 2 k2 in the high half (the
-// bf16 variants 5 and 6)
+// a row's inputs 2 k2, 2 k2 + 1 (fp32 holding bf16 values) as one 32-bit pair, input 2 k2 + 1 in the high half,
+// as the chunk's bytes lie (the bf16 variants 5 and 6)
 inline uint32_t x_pair(const float* x) {
   uint32_t a, b;
   std::memcpy(&a, x, 4);
   std::memcpy(&b, x + 1, 4);
-  return (a & 0xFFFF0000u) | (b >> 16);
+  return (b & 0xFFFF0000u) | (a >> 16);
 }
 
 // e4m3 byte -> its value times 2^-8 (fp32, exact), the portable reference's decoding
@@ -228,15 +228,16 @@ __attribute__((target("avx2,fma"))) void row4_wide_avx2(const float* x, const ui
 // ops and a rotation, then ONE vdpbf16ps adds both inputs' products for the 16 outputs (variant 3: 6 integer ops
 // and 2 fused multiply-adds on fp32 widenings, compute-bound at ~15 GB/s of FP8 bytes a core on a 2-core Xeon,
 // where the bf16 panel kernel reads ~17 from memory). vdpbf16ps adds the odd bf16 of a pair's product first, then
-// the even one, each rounded once (a product of two bf16 is exact in fp32: a fused multiply-add), so the
-// rotation puts input 2 k2 in the odd half: the portable order. It also flushes denormal inputs and results: an
-// e4m3 subnormal weight (|w| < 2^-6 of its scale unit; 0.009 % of SmolLM2's GPTQ codes) counts as zero, which
-// is the only difference from the portable bits (tests)
+// the even one, each rounded once (a product of two bf16 is exact in fp32: a fused multiply-add): with the bytes as
+// they lie, input 2 k2 + 1 is the odd half, so it is added first (x_pair matches; variant 6 keeps that order; a
+// rotation that put input 2 k2 first cost a fourth port-0 operation a chunk: 1 row of 1536 x 576, one thread,
+// L2-resident, 58.3 -> 44.6 us). It also flushes denormal inputs and results: an e4m3 subnormal weight
+// (|w| < 2^-6 of its scale unit; 0.009 % of SmolLM2's GPTQ codes) counts as zero, which is the only difference
+// from the portable bits (tests)
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512bh decode32_bf16(const uint8_t* p) {
   const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // byte j: lane j
-  const __m512i b = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(z, 8), 4),
-                                     _mm512_set1_epi16(static_cast<short>(0x87F0)));
-  return reinterpret_cast<__m512bh>(_mm512_rol_epi32(b, 16));  // pair p: input 2 k2 high (odd), 2 k2 + 1 low
+  return reinterpret_cast<__m512bh>(_mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(z, 8), 4),
+                                                     _mm512_set1_epi16(static_cast<short>(0x87F0))));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_lanes(__m512 c, float* acc) {
@@ -286,8 +287,8 @@ bool has_avx512bf16() { return false; }
 #endif
 
 // variant 6: variant 5's arithmetic one lane at a time, on any CPU: the same bf16 weights (the byte's bits as
-// the 16-bit decoding leaves them), a denormal flushed to zero, the pair's odd product (input 2 k2) added first
-// then the even one, each with one rounding, a denormal sum flushed to zero
+// the 16-bit decoding leaves them), a denormal flushed to zero, the pair's odd product (input 2 k2 + 1) added
+// first then the even one, each with one rounding, a denormal sum flushed to zero
 inline float bf16_daz(uint16_t h) {
   if ((h & 0x7F80u) == 0) return 0.f;
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -306,8 +307,8 @@ void block_bf16_emulated(const float* x, int64_t ldx, int r, const uint8_t* w, i
       for (int m = 0; m < r; ++m) {
         const uint32_t xp = x_pair(x + m * ldx + 2 * k2);
         float& a = acc[m * F8_NR + ORDER[q]];
-        a = ftz(std::fma(bf16_daz(static_cast<uint16_t>(xp >> 16)), w0, a));
-        a = ftz(std::fma(bf16_daz(static_cast<uint16_t>(xp & 0xFFFFu)), w1, a));
+        a = ftz(std::fma(bf16_daz(static_cast<uint16_t>(xp >> 16)), w1, a));
+        a = ftz(std::fma(bf16_daz(static_cast<uint16_t>(xp & 0xFFFFu)), w0, a));
       }
     }
 }
