@@ -224,8 +224,8 @@ __attribute__((target("avx2,fma"))) void row4_wide_avx2(const float* x, const ui
 }
 
 // Variant 5, AVX512-BF16, for bf16 rows (their values, scaled by X_UP, are exact bf16 numbers): the 16-bit
-// decoding above already gives bf16 weights (times 2^-120), so a 32-byte chunk is a zero-extension, 3 integer
-// ops and a rotation, then ONE vdpbf16ps adds both inputs' products for the 16 outputs (variant 3: 6 integer ops
+// decoding above already gives bf16 weights (times 2^-120), so a 32-byte chunk is a zero-extension and 3 integer
+// ops, then ONE vdpbf16ps adds both inputs' products for the 16 outputs (variant 3: 6 integer ops
 // and 2 fused multiply-adds on fp32 widenings, compute-bound at ~15 GB/s of FP8 bytes a core on a 2-core Xeon,
 // where the bf16 panel kernel reads ~17 from memory). vdpbf16ps adds the odd bf16 of a pair's product first, then
 // the even one, each rounded once (a product of two bf16 is exact in fp32: a fused multiply-add): with the bytes as
