@@ -123,7 +123,6 @@ def test_prefill_cascade_equals_per_sequence_attention(dtype, nh, nkv, monkeypat
     with >= MIN_SHARED_BLOCKS shared blocks before every first query is formed."""
     from engines.model import prefill_cascade as pc
 
-    monkeypatch.setattr(pc, "SCORE_BYTES", 4 * nkv * 3 * BS * 5)  # five rows a slice: several slices
     chunks, n = _prefill_case(seed=nh, bs=BS)
     groups, taken = pc.plan_groups(chunks, BS)
     assert taken == {0, 1, 2, 3} and len(groups) == 1 and groups[0].shared_len == 3 * BS
@@ -141,3 +140,81 @@ def test_prefill_cascade_equals_per_sequence_attention(dtype, nh, nkv, monkeypat
     assert got.dtype == dtype and torch.equal(groups[0].rows, torch.arange(sum(m for _, m, _, _ in chunks[:4])))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), torch.cat(ref), rtol=tol, atol=tol)
+
+
+def _amx_variants() -> list[int]:
+    """The shared part's variants to check here: the fp32 products (0), AMX's arithmetic in scalar C++ (4) on any
+    host, the AMX tiles (3) where the host has them."""
+    from engines.cpu import panel_kernel
+
+    try:
+        amx = panel_kernel.panel_variant("auto") == "amx"
+    except RuntimeError:
+        amx = False
+    return [0, 4, 3] if amx else [0, 4]
+
+
+@pytest.mark.parametrize("nh,nkv", [(9, 3), (4, 4)], ids=["gqa", "mha"])
+def test_prefill_cascade_shared_part_variants(nh, nkv, monkeypatch):
+    """The bf16 shared part on AMX's layout (cascade_prefill: panels gathered from the cache, tasks of rows x query
+    heads): six chunks of 8-14 questions after 48 shared keys (two 32-key panels of values, several tasks a kv
+    head) equal each chunk's causal attention over its context, forced to every variant; the AMX tiles agree with
+    their emulation to a bf16 ulp."""
+    from engines.model import prefill_cascade as pc
+
+    bs, hd = 16, 32
+    g = torch.Generator().manual_seed(nh)
+    free = iter(torch.randperm(60, generator=g).tolist())
+    prefix = [next(free) for _ in range(3)]
+    chunks, row = [], 0
+    for extra in (0, 1, 5, 3, 7, 2):
+        n = int(torch.randint(8, 15, (1,), generator=g))
+        start = 3 * bs + extra
+        chunks.append((row, n, start, prefix + [next(free) for _ in range(-(-(start + n) // bs) - 3)]))
+        row += n
+    (group,), taken = pc.plan_groups(chunks, bs)
+    assert taken == set(range(6)) and group.shared_len == 3 * bs and group.tables[:, :3].tolist() == [prefix] * 6
+    kc, vc = (torch.randn(60 * bs, nkv, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(row, nh, hd, generator=g).to(torch.bfloat16)
+    ref = []
+    for r0, m, start, table in chunks:
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + m)])
+        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
+        ref.append(F.scaled_dot_product_attention(
+            q[r0:r0 + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
+            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    got = {}
+    for variant in _amx_variants():
+        monkeypatch.setattr(pc, "FORCE_VARIANT", variant)
+        assert pc.amx_prefill(q.dtype, hd, kc.dtype) == variant
+        got[variant] = pc.attend(group, q, kc, vc)
+        assert got[variant].dtype == torch.bfloat16
+        torch.testing.assert_close(got[variant].float(), torch.cat(ref), rtol=1e-2, atol=1e-2)
+    if 3 in got:  # the tiles' sums of pairs round as their emulation's up to an ulp of the bf16 output
+        torch.testing.assert_close(got[3].float(), got[4].float(), rtol=8e-3, atol=4e-3)
+
+
+def test_cascade_prefill_refuses_bad_input():
+    """The kernel names what it takes: a head size that is a multiple of 32 and bf16 for the tiles, chunks within
+    q and their tables, block ids in range, tables that begin with the shared blocks, a known variant."""
+    from engines.cpu import kernels
+
+    mod = kernels.load()[0]
+    bf = torch.bfloat16
+    q, kc = torch.zeros(6, 6, 32, dtype=bf), torch.zeros(64, 2, 32, dtype=bf)
+    tables, chunks = torch.tensor([[0, 1, 2], [0, 1, 3]]), torch.tensor([[0, 3, 32], [3, 3, 33]])
+    ok = (q, kc, kc, tables, chunks, 32, 16, 4)
+    assert mod.cascade_prefill(*ok).shape == (6, 6, 32)
+    small = torch.zeros(64, 2, 16, dtype=bf)
+    for i, bad, msg in ((0, q.float(), "share a dtype"), (3, torch.tensor([[0, 1, 2], [0, 1, 9]]), "block id 9"),
+                        (3, torch.tensor([[0, 1, 2], [0, 2, 3]]), "chunk 1 does not begin"),
+                        (4, torch.tensor([[0, 3, 32], [4, 3, 33]]), "chunk 1 .rows 4 \\+ 3"),
+                        (4, torch.tensor([[0, 3, 16], [3, 3, 33]]), "chunk 0"), (5, 24, "whole blocks"),
+                        (7, 5, "variant"), (1, small, "variant")):
+        args = list(ok)
+        args[i] = bad
+        if i == 1:
+            args[2] = small
+            args[0] = torch.zeros(6, 6, 16, dtype=bf)
+        with pytest.raises(RuntimeError, match=msg):
+            mod.cascade_prefill(*args)

@@ -16,7 +16,7 @@ the prefill chunks. Per layer, the backend writes the new keys/values into their
   - prefill: a fresh prompt attends to its own keys causally; a later chunk of a long prompt
     reads its cached context (by runs, as above) and uses an offset causal mask; on CPU, chunks
     that continue the same cached prefix (prefix caching: chats under one system prompt) attend to
-    it together, two matrix products a kv head for the whole group (engines/model/prefill_cascade.py). On CUDA the
+    it together, one C++ op a layer for the whole group (engines/model/prefill_cascade.py). On CUDA the
     step's fresh prompts (two or more) run as one padded batch: one attention call per layer
     with a causal and key-padding mask, instead of one call and ~5 launches per prompt (64
     prompts of 60 tokens: ~1,500 launches a layer fewer); on CPU one prompt at a time (no
@@ -148,7 +148,7 @@ class PagedAttention:
                 self.prefill = [p for p in self.prefill if p.ctx_runs is not None]
         self.cascade: list[prefill_cascade.CascadeGroup] = []
         """CPU: chunks that continue the same cached prefix, attending to it together (prefill_cascade)."""
-        if torch.device(device).type == "cpu":
+        if torch.device(device).type == "cpu" and decode_kernel:  # the C++ module is loaded (ModelRunner)
             cont = [p for p in self.prefill if p.ctx_runs is not None]
             self.cascade, taken = prefill_cascade.plan_groups(
                 [(p.q_start, p.q_len, p.start_pos, chunk_tables[p.q_start]) for p in cont], bs)

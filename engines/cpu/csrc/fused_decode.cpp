@@ -431,30 +431,3 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   });
   return out;
 }
-
-// Attention rows' softmax for engines/model/prefill_cascade.py: scores (R, S) fp32, scaled in place by `scale`,
-// become exp(score - the row's max) (paged_src::softmax_row: 16 lanes, relative error ~2e-7); written to out
-// (R, >= S) fp32 or bf16 (rounded to nearest even), the columns past S zero. Returns (max, sum) (R, 1) each:
-// one pass a row in cache instead of torch's six over the whole (R, S) matrix
-std::vector<torch::Tensor> softmax_rows(torch::Tensor scores, double scale, torch::Tensor out) {
-  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == torch::kFloat && scores.is_contiguous(),
-              "softmax_rows: contiguous (R, S) float32 scores");
-  const int64_t R = scores.size(0), S = scores.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) >= S && out.stride(1) == 1 &&
-              (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16),
-              "softmax_rows: out (R, >= S) float32 or bfloat16, rows contiguous");
-  auto mx = torch::empty({R, 1}, scores.options()), sum = torch::empty({R, 1}, scores.options());
-  float* sc = scores.data_ptr<float>();
-  const bool bf = out.scalar_type() == torch::kBFloat16;
-  const int64_t Sp = out.size(1), ld = out.stride(0);
-  const float f = static_cast<float>(scale);
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = sc + r * S;
-      const auto [m, l] = bf ? paged_src::softmax_row(row, S, f, out.data_ptr<c10::BFloat16>() + r * ld, Sp)
-                             : paged_src::softmax_row(row, S, f, out.data_ptr<float>() + r * ld, Sp);
-      mx.data_ptr<float>()[r] = m, sum.data_ptr<float>()[r] = l;
-    }
-  });
-  return {mx, sum};
-}

@@ -102,20 +102,44 @@ inline bool cascade_amx(bool bf16, int64_t group, int64_t hd) {
 
 inline int64_t pad32(int64_t n) { return (n + 31) / 32 * 32; }
 
-// one row of attention scores (S) fp32, scaled in place by `scale`, becomes exp(score - the row's max) (exp_shifted);
-// written to o (bf16 rounded to nearest even, or fp32) with zeros from S to Sp; returns (max, sum). The cascade's
-// tiles and the prefill cascade (softmax_rows, csrc/fused_decode.cpp) both take their probabilities from here
-template <typename O>
-std::pair<float, float> softmax_row(float* row, int64_t S, float scale, O* o, int64_t Sp) {
-  for (int64_t t = 0; t < S; ++t) row[t] *= scale;
-  const auto ms = exp_shifted(row, S, -INFINITY);
-  if constexpr (std::is_same_v<O, float>) {
-    if (o != row) std::memcpy(o, row, S * sizeof(float));
-  } else {
-    for (int64_t t = 0; t < S; ++t) o[t] = static_cast<O>(row[t]);
+// W fp32 lanes rounded to bf16 (nearest even; finite values, as the exponentials are) at o
+inline void store_bf16(c10::BFloat16* o, vf v) {
+  vu u;
+  std::memcpy(&u, &v, sizeof(vu));
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const vh h = __builtin_convertvector(u, vh);
+  std::memcpy(o, &h, sizeof(vh));
+}
+
+// one row of raw attention scores (S) fp32 -> o[t] = exp(score * scale - m), m the largest scaled score, rounded to
+// bf16, zeros from S to Sp; returns (m, the exponentials' sum, fp32). Two passes over the row, 16 lanes at a time:
+// its maximum (scale > 0: the scaled row's maximum is the maximum's scaling), then the exponentials, their sum and
+// the stores. The cascade's tiles take their probabilities from here, decode's and prefill's (cascade_prefill)
+std::pair<float, float> softmax_row(const float* row, int64_t S, float scale, c10::BFloat16* o, int64_t Sp) {
+  vf vm = vf{} - INFINITY;
+  int64_t t = 0;
+  for (; t + W <= S; t += W) {
+    const vf x = load16(row + t);
+    vm = x > vm ? x : vm;
   }
-  for (int64_t t = S; t < Sp; ++t) o[t] = O(0.f);
-  return ms;
+  float raw = -INFINITY;
+  for (int j = 0; j < W; ++j) raw = vm[j] > raw ? vm[j] : raw;
+  for (; t < S; ++t) raw = row[t] > raw ? row[t] : raw;
+  const float mx = raw * scale;
+  vf vs = vf{};
+  for (t = 0; t + W <= S; t += W) {
+    const vf e = exp16(load16(row + t) * scale - mx);
+    vs += e;
+    store_bf16(o + t, e);
+  }
+  float sum = hsum(vs);
+  for (; t < S; ++t) {
+    const float e = std::exp(row[t] * scale - mx);
+    sum += e;
+    o[t] = static_cast<c10::BFloat16>(e);
+  }
+  for (; t < Sp; ++t) o[t] = c10::BFloat16(0.f);
+  return {mx, sum};
 }
 
 // kv head g's shared slots [0, lp) as key panels kd ((lp + 15) / 16, hd / 2, 16, 2) and value panels vd
@@ -135,31 +159,37 @@ void cascade_gather_amx(const c10::BFloat16* kc, const c10::BFloat16* vc, const 
   }
 }
 
-// cascade_part on the tiles: the R x group queries of kv head g (rows of a group) against its panels
+// cascade_part on the tiles: the R x group queries of kv head g (rows of a group) against its panels; variant 4: the
+// tiles' arithmetic in scalar C++ (panel_kernel.cpp row_variant; tests on hosts without AMX)
 void cascade_part_amx(const c10::BFloat16* qp, const torch::Tensor& kpan, const torch::Tensor& vpan, int64_t lp,
                       int64_t hd, int64_t nh, int64_t group, int64_t g, const int64_t* rows, int64_t R, float scale,
-                      float* pm, float* pl, float* pacc) {
+                      float* pm, float* pl, float* pacc, int64_t variant = 3) {
   using BF = c10::BFloat16;
   const int64_t nq = R * group, nq16 = (nq + 15) / 16 * 16, lpp = pad32(lp);
-  std::vector<BF> x(nq16 * std::max(hd, lpp), BF(0.f));  // the queries' rows, then the exponentials' rows
-  std::vector<int64_t> idx(nq);
+  // scratch a thread keeps (grown, never cleared): the queries' rows, then the exponentials' rows (the padding rows
+  // nq .. nq16 hold stale values, which reach only their own outputs, never stored); scores; value sums
+  thread_local std::vector<BF> x;
+  thread_local std::vector<float> sc, acc;
+  thread_local std::vector<int64_t> idx;
+  if (static_cast<int64_t>(x.size()) < nq16 * std::max(hd, lpp)) x.resize(nq16 * std::max(hd, lpp));
+  if (static_cast<int64_t>(sc.size()) < nq * lp) sc.resize(nq * lp);
+  if (static_cast<int64_t>(acc.size()) < nq * hd) acc.resize(nq * hd);
+  idx.resize(nq);  // (row, head) -> index into pm / pl
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < group; ++j) {
       const int64_t i = r * group + j;
       idx[i] = rows[r] * nh + g * group + j;
       std::memcpy(x.data() + i * hd, qp + idx[i] * hd, hd * sizeof(BF));
     }
-  std::vector<float> sc(nq * lp), acc(nq * hd);
   panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, hd / 2,
-                                            kpan.data_ptr<BF>(), lp, nullptr, nullptr, sc.data(), 3, 0, (lp + 15) / 16);
-  std::fill(x.begin(), x.end(), BF(0.f));
+                                            kpan.data_ptr<BF>(), lp, nullptr, nullptr, sc.data(), variant, 0,
+                                            (lp + 15) / 16);
   for (int64_t i = 0; i < nq; ++i) {
-    float* s = sc.data() + i * lp;
-    const auto [mx, sum] = softmax_row(s, lp, scale, x.data() + i * lpp, lpp);
+    const auto [mx, sum] = softmax_row(sc.data() + i * lp, lp, scale, x.data() + i * lpp, lpp);
     pm[idx[i]] = mx, pl[idx[i]] = sum;
   }
   panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, lpp / 2,
-                                            vpan.data_ptr<BF>(), hd, nullptr, nullptr, acc.data(), 3, 0, hd / 16);
+                                            vpan.data_ptr<BF>(), hd, nullptr, nullptr, acc.data(), variant, 0, hd / 16);
   for (int64_t i = 0; i < nq; ++i) std::memcpy(pacc + idx[i] * hd, acc.data() + i * hd, hd * sizeof(float));
 }
 

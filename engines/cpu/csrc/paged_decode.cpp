@@ -156,3 +156,111 @@ void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, co
   else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
   else TORCH_CHECK(false, "paged_decode_heads: float32, bfloat16 or float16, got ", q.scalar_type());
 }
+
+// Prefill chunks that continue one cached prefix (engines/model/prefill_cascade.py): each query row of a chunk is
+// a decode row of the cascade above whose context ends at its own position. chunks (G, 3) int64: a chunk's first
+// row in q (N, nh, hd), its query count n and start position (>= shared_len); tables (G, >= blocks) their block
+// tables, which all begin with the same shared_len / block_size block ids. Returns (R, nh, hd) in q's dtype, the
+// attention of the chunks' rows in order (R = the sum of n), each query i of a chunk over positions [0, start + i].
+// Three phases, each over the intra-op threads: the shared keys and values of each kv head gathered once (into
+// panels, cascade_gather_amx, or fp32 rows, cascade_gather); every query's partial over them (tasks of
+// PREFILL_QUERIES queries: rows x the kv head's query heads, cascade_part_amx or cascade_part, each its scores,
+// softmax and product with the values in the core's cache); then each row's own slots after the prefix, merged with
+// its partial (attend, as a decode row). variant: 0 the fp32 products (any dtype), 3 AMX tiles (bf16, a host with
+// AMX), 4 their arithmetic in scalar C++ (bf16; tests on any host). Before (SmolLM2, 43 chats' questions, 2,047 rows,
+// after 1,041 shared keys, 2 Xeon cores): panel_linear_f32 and a softmax over slices of up to 8 MB of scores through
+// memory, the own part and the merge in torch ops, ~26 ms a layer.
+constexpr int64_t PREFILL_QUERIES = 96;
+torch::Tensor cascade_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                              torch::Tensor chunks, int64_t shared_len, int64_t block_size, int64_t variant) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
+              "cascade_prefill: q (N, nh, hd), caches (slots, nkv, hd)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "cascade_prefill: q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cascade_prefill: contiguous caches");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && chunks.scalar_type() == torch::kLong && tables.dim() == 2 &&
+              chunks.dim() == 2 && chunks.size(1) == 3 && tables.size(0) == chunks.size(0) && chunks.size(0) >= 1,
+              "cascade_prefill: int64 tables (G, blocks) and chunks (G, 3: first row, queries, start)");
+  q = q.contiguous(), tables = tables.contiguous(), chunks = chunks.contiguous();
+  const int64_t N = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), row = nkv * hd;
+  const int64_t G = chunks.size(0), mb = tables.size(1), blocks = k_cache.size(0) / std::max<int64_t>(block_size, 1);
+  TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "cascade_prefill: head shapes (nh a multiple of nkv)");
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(variant == 0 || ((variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 && hd % 32 == 0),
+              "cascade_prefill: variant 0 (fp32 products), 3 (amx: bf16, hd a multiple of 32, a host with AMX tiles) or "
+              "4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+  TORCH_CHECK(block_size >= 1 && shared_len >= block_size && shared_len % block_size == 0 && shared_len <= mb * block_size,
+              "cascade_prefill: shared length ", shared_len, " must be whole blocks of ", block_size, " within the tables");
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* ch = chunks.data_ptr<int64_t>();
+  std::vector<int64_t> rows, chunk_of;  // the chunks' query rows in order, and each one's chunk
+  int64_t lmax = shared_len + 1;
+  for (int64_t c = 0; c < G; ++c) {
+    const int64_t r0 = ch[3 * c], n = ch[3 * c + 1], start = ch[3 * c + 2];
+    TORCH_CHECK(r0 >= 0 && n >= 1 && r0 + n <= N && start >= shared_len && start + n <= mb * block_size,
+                "cascade_prefill: chunk ", c, " (rows ", r0, " + ", n, ", start ", start, ") outside q or its table");
+    for (int64_t b = 0; b < (start + n + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tab[c * mb + b] >= 0 && tab[c * mb + b] < blocks, "cascade_prefill: block id ", tab[c * mb + b],
+                  " outside [0, ", blocks, ")");
+    for (int64_t b = 0; b < shared_len / block_size; ++b)
+      TORCH_CHECK(tab[c * mb + b] == tab[b], "cascade_prefill: chunk ", c, " does not begin with the shared blocks");
+    for (int64_t i = 0; i < n; ++i) rows.push_back(r0 + i), chunk_of.push_back(c);
+    lmax = std::max(lmax, start + n);
+  }
+  const int64_t R = rows.size(), group = nh / nkv, lp = shared_len, lpad = lmax - shared_len + 1;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  std::vector<float> pm(N * nh), pl(N * nh), pacc(N * nh * hd);
+  const auto f32 = q.options().dtype(torch::kFloat), bf = f32.dtype(torch::kBFloat16);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> kv;  // each kv head's shared keys, values
+  for (int64_t g = 0; g < nkv; ++g)
+    if (variant) kv.emplace_back(torch::zeros({(lp + 15) / 16 * 16 * hd}, bf), torch::zeros({hd * pad32(lp)}, bf));
+    else kv.emplace_back(torch::empty({lp, hd}, f32), torch::empty({lp, hd}, f32));
+  auto out = torch::empty({R, nh, hd}, q.options());
+  const int64_t per = std::max<int64_t>(1, PREFILL_QUERIES / group), pieces = (R + per - 1) / per;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    at::parallel_for(0, nkv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (variant) {
+            cascade_gather_amx(kp, vp, tab, lp, block_size, row, hd, g, kv[g].first.data_ptr<T>(),
+                               kv[g].second.data_ptr<T>());
+            continue;
+          }
+        cascade_gather<T>(kp, vp, tab, lp, block_size, row, hd, g, kv[g].first.data_ptr<float>(),
+                          kv[g].second.data_ptr<float>());
+      }
+    });
+    at::parallel_for(0, nkv * pieces, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t g = i / pieces, r0 = i % pieces * per, n = std::min(per, R - r0);
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (variant) {
+            cascade_part_amx(qp, kv[g].first, kv[g].second, lp, hd, nh, group, g, rows.data() + r0, n, scale,
+                             pm.data(), pl.data(), pacc.data(), variant);
+            continue;
+          }
+        cascade_part<T>(qp, kv[g].first, kv[g].second, lp, hd, nh, group, g, rows.data() + r0, n, scale, pm.data(),
+                        pl.data(), pacc.data());
+      }
+    });
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(nh * lpad + 2 * nh * hd);  // scores, scaled queries, accumulators (as paged_decode)
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t c = chunk_of[i], s = rows[i], len = ch[3 * c + 2] + (s - ch[3 * c]) + 1;
+        attend<T>(qp + s * nh * hd, kp, vp, tab + c * mb, len, block_size, row, hd, nh, group, scale,
+                  buf.data() + nh * lpad, buf.data(), buf.data() + nh * lpad + nh * hd, op + i * nh * hd, lpad,
+                  shared_len, pm.data() + s * nh, pl.data() + s * nh, pacc.data() + s * nh * hd);
+      }
+    });
+  };
+  if (q.scalar_type() == torch::kFloat) run(float{});
+  else if (bf16) run(c10::BFloat16{});
+  else if (q.scalar_type() == torch::kHalf) run(c10::Half{});
+  else TORCH_CHECK(false, "cascade_prefill: float32, bfloat16 or float16, got ", q.scalar_type());
+  return out;
+}

@@ -51,22 +51,27 @@ inline void axpy(float* acc, float p, const T* v, int64_t n) {
   for (; i < n; ++i) acc[i] += p * static_cast<float>(v[i]);
 }
 
-// y[i] = exp(x[i]) for x <= 0, W lanes at a time: 2^(x log2 e) = 2^n 2^f, n = round, |f| <= 1/2,
-// 2^f by a degree-6 polynomial (relative error ~2e-7, below fp32 softmax rounding); x < -87 -> ~0
+// exp(v) for v <= 0, W lanes: 2^(v log2 e) = 2^n 2^f, n = round, |f| <= 1/2, 2^f by a degree-6 polynomial
+// (relative error ~2e-7, below fp32 softmax rounding); v < -87 -> ~0
+inline vf exp16(vf v) {
+  v = v < -87.f ? vf{} - 87.f : v;
+  vf y = v * 1.44269504088896341f;
+  vf r = (y + 12582912.f) - 12582912.f;  // round to nearest (|y| < 2^22)
+  vf f = y - r;
+  vf p = vf{} + 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
+  vi e = (__builtin_convertvector(r, vi) + 127) << 23;
+  vf scale; std::memcpy(&scale, &e, sizeof(vf));
+  return p * scale;
+}
+
+// y[i] = exp(x[i]) for x <= 0 in place, W lanes at a time (exp16), the tail by std::exp
 inline void exp_nonpos(float* x, int64_t n) {
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     vf v; std::memcpy(&v, x + i, sizeof(vf));
-    v = v < -87.f ? vf{} - 87.f : v;
-    vf y = v * 1.44269504088896341f;
-    vf r = (y + 12582912.f) - 12582912.f;  // round to nearest (|y| < 2^22)
-    vf f = y - r;
-    vf p = vf{} + 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
-    vi e = (__builtin_convertvector(r, vi) + 127) << 23;
-    vf scale; std::memcpy(&scale, &e, sizeof(vf));
-    v = p * scale;
+    v = exp16(v);
     std::memcpy(x + i, &v, sizeof(vf));
   }
   for (; i < n; ++i) x[i] = std::exp(x[i]);
