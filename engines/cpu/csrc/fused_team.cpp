@@ -249,6 +249,19 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   // the attention over the team: several sequences split by sequence, one by kv heads (thread 0 the last
   // share, the smaller where they are uneven: it also lays out the next Linear's input); a team of one: inline
   const bool split_attention = M > 1, split_heads = M == 1 && threads > 1;
+  // split_attention: of nt threads, thread t takes the sequences [cut(t), cut(t + 1)), contiguous runs of about equal
+  // work (each row's context length plus ROW_COST: pre holds the running sums), not of equal counts: a decode batch's
+  // contexts differ several-fold (the peer mix: 20-500 positions) and the phase ends at its slowest thread's barrier
+  constexpr int64_t ROW_COST = 32;  // positions' worth of a row's fixed work (its queries, its softmax, its stores)
+  std::vector<int64_t> pre(M + 1, 0);
+  if (split_attention) {
+    const auto lens = a.lens.contiguous();
+    for (int64_t s = 0; s < M; ++s) pre[s + 1] = pre[s] + lens.data_ptr<int64_t>()[s] + ROW_COST;
+  }
+  const auto cut = [&](int64_t t, int64_t nt) -> int64_t {  // the first row with t / nt of the work before it
+    if (t >= nt) return M;
+    return std::lower_bound(pre.begin(), pre.end(), (t * pre[M] + nt - 1) / nt) - pre.begin();
+  };
 #pragma omp parallel num_threads(threads)
   {
     at::ThreadLocalStateGuard guard(tls);
@@ -320,7 +333,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       }
       if (split_attention) {  // each thread its sequences (none for a thread past the last)
         phase(true, [&] {
-          const int64_t per = (M + nt - 1) / nt, s0 = std::min(M, tid * per), n = std::min(M, s0 + per) - s0;
+          const int64_t s0 = cut(tid, nt), n = cut(tid + 1, nt) - s0;
           if (n <= 0) return;
           auto part = paged_src::paged_decode(q.narrow(0, s0, n), k_cache, v_cache, a.table.narrow(0, s0, n),
                                               a.lens.narrow(0, s0, n), a.block_size);  // (n, nh, hd) contiguous
