@@ -277,6 +277,12 @@ def test_apply_drops_dense_weights_but_never_a_tied_heads(monkeypatch, llama_dir
         after = model.logits(model(idx))
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert all(b.mlp.up.weight is None and b.attn.qkv.weight is None for b in model.blocks)
+    # prefill timed as "linear" beside the dense weight: with none left it runs oneDNN's packed copy (where this
+    # build packs the dtype), not a per-call unpacking of the panels
+    if fl.packing_available(model.wte.weight.dtype):
+        assert all(b.mlp.up.bulk == "packed" and b.mlp.up.packed is not None for b in model.blocks)
+    else:
+        assert all(b.mlp.up.bulk == "linear" for b in model.blocks)
     if cfg.tie_word_embeddings:  # the head's weight is the embedding's: kept
         assert model.lm_head.weight is model.wte.weight
     tied.lm_head.weight = tied.wte.weight  # tie it here whatever the fixture's config

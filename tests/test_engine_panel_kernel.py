@@ -80,6 +80,28 @@ def test_huge_page_copy_is_an_equal_aligned_copy():
     assert torch.isfinite(copy.sum())  # the copy owns its memory
 
 
+def test_huge_page_zeros_are_untouched_aligned_zeros():
+    """The CPU KV cache's memory: 2 MB-aligned zeros (Linux), mapped on first write; None under 2 MB; the cache
+    falls back to numpy zeros where none is given."""
+    import sys
+
+    from engines.cpu.host_memory import HUGE_PAGE, huge_page_zeros
+    from engines.model.attention import KVCache
+
+    assert huge_page_zeros(HUGE_PAGE - 1) is None
+    z = huge_page_zeros(3 * HUGE_PAGE)
+    if not sys.platform.startswith("linux"):
+        assert z is None
+        return
+    assert z is not None and z.dtype == torch.uint8 and z.numel() == 3 * HUGE_PAGE and z.data_ptr() % HUGE_PAGE == 0
+    assert int(z[::4096].sum()) == 0 and int(z[-1]) == 0
+    z[5] = 7
+    assert int(z.sum()) == 7
+    cache = KVCache(2, 600, 16, 4, 64, torch.bfloat16)  # 2 x 2 x 9,600 slots x 256 values: 19.7 MB
+    assert cache.data.data_ptr() % HUGE_PAGE == 0 and cache.data.shape == (2, 2, 9600, 4, 64)
+    assert not cache.data[1, 1, -1].any()
+
+
 def test_a_stale_build_lock_does_not_hang_the_load(tmp_path, monkeypatch):
     """A lock left by a process killed mid-build (older than STALE_LOCK_S) is removed before loading;
     a fresh one (another process building now) is left alone. On a copy of the built module's directory

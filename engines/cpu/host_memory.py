@@ -12,7 +12,7 @@ reason; on the CPU it relies on malloc.
 keeps its peak heap instead of giving it back between steps. A no-op elsewhere than glibc.
 
 `huge_page_copy(t)` puts a large tensor that is streamed over and over (an inference weight) in
-memory backed by 2 MB pages.
+memory backed by 2 MB pages; `huge_page_zeros(n)` gives such memory untouched (the paged KV cache).
 """
 
 from __future__ import annotations
@@ -53,33 +53,40 @@ HUGE_PAGE = 2 * 2**20
 """Bytes of a transparent huge page on x86-64 and most aarch64 kernels."""
 
 
+def huge_page_zeros(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of zeros (uint8) in memory the kernel is asked to back with 2 MB pages (anonymous mmap,
+    2 MB-aligned, madvise(MADV_HUGEPAGE)), untouched: a page is mapped (and zeroed) on its first write, 2 MB at a
+    time. None where that is not available (not Linux, under 2 MB) or when madvise is refused."""
+    import mmap
+
+    import torch
+
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    # private (a shared anonymous map is shmem, whose huge pages are off by default); untouched pages:
+    # advised before the first write
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        mm.close()
+        return None
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive as long as the tensor lives
+    off = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[off:off + nbytes]
+
+
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a CPU tensor in memory the kernel is asked to back with 2 MB pages (anonymous mmap,
-    2 MB-aligned, madvise(MADV_HUGEPAGE)); the tensor itself where that is not available (not
-    Linux, under 2 MB) or when madvise is refused.
+    """A copy of a CPU tensor in 2 MB pages (huge_page_zeros); the tensor itself where those are not available.
 
     Why: a decode step streams every weight once (~0.5 GB for GPT-2-124M in fp32), one 4 KB page
     after another, and each page costs a TLB miss and a page walk; where transparent huge pages are
     on "madvise" (the default of many distributions, this machine's included) nothing is backed
     by 2 MB pages unless asked. Measured on the 2-core EPYC of BENCHMARKS.md (issue 12): a decode
     step's panel-kernel Linears 15.8-17.0 ms from huge pages against 16.9-19.0 ms from 4 KB pages."""
-    import mmap
-
-    import torch
-
-    n = t.numel() * t.element_size()
-    if not sys.platform.startswith("linux") or n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    raw = huge_page_zeros(t.numel() * t.element_size())
+    if raw is None:
         return t
-    # private (a shared anonymous map is shmem, whose huge pages are off by default); untouched pages:
-    # advised before the first write
-    mm = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        mm.close()
-        return t
-    raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive as long as the tensor lives
-    off = (-raw.data_ptr()) % HUGE_PAGE
-    out = raw[off:off + n].view(t.dtype).view(t.shape)
+    out = raw.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
