@@ -234,9 +234,13 @@ __attribute__((target("avx2,fma"))) void row4_wide_avx2(const float* x, const ui
 // L2-resident, 58.3 -> 44.6 us). It also flushes denormal inputs and results: an e4m3 subnormal weight
 // (|w| < 2^-6 of its scale unit; 0.009 % of SmolLM2's GPTQ codes) counts as zero, which is the only difference
 // from the portable bits (tests)
+// The byte is sign-extended into its 16-bit lane (s^9 eeee mmm), then shifted left by 4 and masked (s 0000 eeee mmm
+// 0000): the bits of the zero-extension shifted left by 8, right by 4 arithmetically and masked, one shift fewer on
+// the port the dot product also needs (1 row of 1536 x 576, one thread, L2-resident: 52.3 / 55.1 -> 49.8 / 50.0 us
+// in alternating builds; 120 such Linears of SmolLM2 from memory, 2 threads: 5.28 / 6.04 -> 4.96 / 5.34 ms)
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512bh decode32_bf16(const uint8_t* p) {
-  const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // byte j: lane j
-  return reinterpret_cast<__m512bh>(_mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(z, 8), 4),
+  const __m512i z = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // byte j: lane j
+  return reinterpret_cast<__m512bh>(_mm512_and_si512(_mm512_slli_epi16(z, 4),
                                                      _mm512_set1_epi16(static_cast<short>(0x87F0))));
 }
 
