@@ -42,6 +42,11 @@ class _Stream:
             pass
 
 
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -174,6 +179,22 @@ class AsyncLLMEngine:
         if stream is not None:
             stream.put(item)
 
+    def _send_step(self, outputs) -> None:
+        """A step's outputs to their streams: one hand-off to each consumer loop (all of them, in a server), not one
+        a stream: each call_soon_threadsafe wakes the loop through its self-pipe (a syscall) and takes the GIL, 64
+        times a step with 64 streams. (SmolLM2 bf16 mix, 64 streams in one process, 2-core Xeon: 567 -> 607 tok/s
+        in one pair, later 593 vs 587 over three pairs: within the host's noise, never slower.)"""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the consumers' loop is closed: nobody is listening
+                pass
+
     def _run(self) -> None:
         try:
             while True:
@@ -185,8 +206,7 @@ class AsyncLLMEngine:
                     continue
                 outputs = self.engine.step()
                 self.last_step_time = time.monotonic()
-                for out in outputs:
-                    self._send(out.request_id, out, final=out.finished)
+                self._send_step(outputs)
         except BaseException as exc:  # the engine is dead: fail everyone clearly
             log.exception("engine loop failed")
             self.dead = exc
