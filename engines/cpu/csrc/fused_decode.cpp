@@ -102,7 +102,25 @@ void swiglu_rows(const T* u, int64_t ldu, int64_t ffn, T* out, int64_t M) {
       const int64_t c = std::min(CH, ffn - i0);
       for (int64_t i = 0; i < c; ++i) e[i] = -std::fabs(static_cast<float>(g[i0 + i]));
       paged_src::exp_nonpos(e, c);
-      for (int64_t i = 0; i < c; ++i) {
+      for (int64_t i = 0; i < c; ++i) {  // exp16 holds exp(-87) below -87: there the exact exponential (0 below ~-104)
+        const float a = -std::fabs(static_cast<float>(g[i0 + i]));
+        if (a < -87.f) e[i] = std::exp(a);
+      }
+      int64_t i = 0;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        // 16 lanes at a time, the same arithmetic: the division and products are IEEE fp32 whether scalar or
+        // vector, and the two roundings to bf16 are c10's (panel_src::round_bf16), where the scalar loop rounded
+        // through c10::BFloat16 a value at a time (1,740 rows of SmolLM2's MLP, one thread: 2.58 -> 2.24 ms)
+        using paged_src::vf;
+        for (; i + paged_src::W <= c; i += paged_src::W) {
+          const vf x = paged_src::load16(g + i0 + i), ev = paged_src::load16(e + i), d = 1.f + ev;
+          const vf sig = (x >= 0.f ? vf{} + 1.f : ev) / d;  // one division: 1 / d or e / d, as the scalar branch
+          const vf y = panel_src::round_bf16(panel_src::round_bf16(x * sig) * paged_src::load16(up + i0 + i));
+          const paged_src::vh h = __builtin_convertvector(panel_src::as_u(y) >> 16, paged_src::vh);
+          std::memcpy(o + i0 + i, &h, sizeof(h));
+        }
+      }
+      for (; i < c; ++i) {
         const float x = static_cast<float>(g[i0 + i]);
         const float sig = x >= 0.f ? 1.f / (1.f + e[i]) : e[i] / (1.f + e[i]);
         o[i0 + i] = static_cast<T>(static_cast<float>(static_cast<T>(x * sig)) * static_cast<float>(up[i0 + i]));
