@@ -277,9 +277,9 @@ def test_apply_drops_dense_weights_but_never_a_tied_heads(monkeypatch, llama_dir
         after = model.logits(model(idx))
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert all(b.mlp.up.weight is None and b.attn.qkv.weight is None for b in model.blocks)
-    # prefill timed as "linear" beside the dense weight: with none left it runs oneDNN's packed copy (where this
-    # build packs the dtype), not a per-call unpacking of the panels
-    if fl.packing_available(model.wte.weight.dtype):
+    # bf16 prefill timed as "linear" beside the dense weight: with none left it runs oneDNN's packed copy (where
+    # this build packs bf16), not a per-call unpacking of the panels; fp32 keeps unpacking
+    if model.wte.weight.dtype == torch.bfloat16 and fl.packing_available(torch.bfloat16):
         assert all(b.mlp.up.bulk == "packed" and b.mlp.up.packed is not None for b in model.blocks)
     else:
         assert all(b.mlp.up.bulk == "linear" for b in model.blocks)
@@ -288,6 +288,26 @@ def test_apply_drops_dense_weights_but_never_a_tied_heads(monkeypatch, llama_dir
     tied.lm_head.weight = tied.wte.weight  # tie it here whatever the fixture's config
     apply_fast_linear(tied, drop_dense=True)
     assert tied.lm_head.weight is tied.wte.weight and tied.blocks[0].mlp.down.weight is None
+
+
+@pytest.mark.skipif(not (fl.panel_available(torch.bfloat16) and fl.packing_available(torch.bfloat16)),
+                    reason="the bf16 panel kernel or oneDNN's bf16 packing is not available here")
+def test_a_bf16_linear_without_its_dense_weight_prefills_through_a_packed_copy(monkeypatch, llama_dir):
+    """bf16, dense weight dropped: a prefill chunk timed as "linear" runs oneDNN's packed copy instead of unpacking
+    the panels every call; the logits stay the module's within bf16 rounding."""
+    from engines.loading.checkpoint import load_model
+
+    model, cfg = load_model(llama_dir)
+    model = model.to(torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (1, fl.BULK_FROM + 3))  # a prefill chunk
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("panel", "panel", "linear"))
+    with torch.no_grad():
+        before = model.logits(model(idx))
+        apply_fast_linear(model, drop_dense=True)
+        after = model.logits(model(idx))
+    up = model.blocks[0].mlp.up
+    assert up.weight is None and up.bulk == "packed" and up.packed is not None
+    torch.testing.assert_close(after, before, rtol=0.05, atol=0.05)
 
 
 def test_a_timing_on_a_busy_host_is_taken_again_and_never_saved(monkeypatch, tmp_path):

@@ -459,10 +459,11 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
                 kernels = choices[key]
                 dense = not (drop_dense and holders.get(id(child.weight)) == 1
                              and droppable(kinds_of(*kernels, single)))
-                if not dense and packing_available(child.weight.dtype):
-                    # "linear" was timed beside a dense weight; without one it unpacks the panels every
-                    # prefill chunk (SmolLM2's down projection: 0.9 ms a call, 6 % of prefill): oneDNN's
-                    # packed copy (timed within a few % of it) costs the same memory as the dense weight
+                if not dense and child.weight.dtype == torch.bfloat16 and packing_available(torch.bfloat16):
+                    # bf16: "linear" was timed beside a dense weight; without one it unpacks the panels every
+                    # prefill chunk (SmolLM2's down projection: 0.9 ms a call, 6 % of prefill): oneDNN's packed
+                    # copy (timed within a few % of it) costs the dense weight's memory. Not fp32: there the
+                    # packed copies bought nothing (64 prompts' prefill 10.0-11.4 s either way) for +385 MB
                     kernels = (*kernels[:2], _packed_for_linear(kernels[2]))
                     single = None if single is None else (*single[:2], _packed_for_linear(single[2]))
                 setattr(parent, name, FastLinear(child, *kernels, single=single, dense=dense))
