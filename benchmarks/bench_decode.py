@@ -133,7 +133,7 @@ def tensor_bytes(model: torch.nn.Module) -> int:
 def read_bytes_per_token(model: torch.nn.Module) -> int:
     """Weight bytes one batch-1 decode token reads: each block Linear's weight as its kernel stores it (FP8
     panels one byte a weight plus the scales), the LM head, the norms (embedding lookups: one row, left out)."""
-    from engines.cpu.fast_linear import Fp8PanelLinear
+    from engines.cpu.fp8_linear import Fp8PanelLinear
     from engines.cpu.fused_decode import blocks_of
 
     total = 0

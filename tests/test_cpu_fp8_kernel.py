@@ -140,7 +140,8 @@ def test_variants_resolve_and_refuse_by_name():
 def test_fp8_layer_equals_the_dequantizing_layer(dtype):
     """Fp8PanelLinear (kept one byte a weight) against engines.transforms.fp8's Fp8Linear, whose forward dequantizes:
     decode rows through the kernel, a prefill chunk through F.linear on a per-call dequantized copy."""
-    from engines.cpu.fast_linear import BULK_FROM, Fp8PanelLinear
+    from engines.cpu.fast_linear import BULK_FROM
+    from engines.cpu.fp8_linear import Fp8PanelLinear
     from engines.transforms.fp8 import Fp8Linear
 
     torch.manual_seed(0)

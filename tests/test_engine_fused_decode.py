@@ -11,6 +11,7 @@ from staggered import run_staggered
 from torch import nn
 
 import engines.cpu.fast_linear as fl
+import engines.cpu.fp8_linear as f8
 import engines.cpu.fused_decode as fd
 from engines import EngineConfig, SamplingParams
 from engines.core.llm_engine import LLMEngine
@@ -186,8 +187,8 @@ def test_fp8_fused_step_equals_the_module_path(llama_dir, monkeypatch, dtype, va
     from engines.cpu.panel_kernel import FP8_VARIANTS
 
     _force(monkeypatch, dtype=dtype)
-    make = fl.Fp8PanelLinear.from_fp8.__func__
-    monkeypatch.setattr(fl.Fp8PanelLinear, "from_fp8",
+    make = f8.Fp8PanelLinear.from_fp8.__func__
+    monkeypatch.setattr(f8.Fp8PanelLinear, "from_fp8",
                         classmethod(lambda cls, mod, dt, variant_=variant: make(cls, mod, dt, variant_)))
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
             "max_num_batched_tokens": 16, "weight_dtype": "fp8"}
@@ -195,7 +196,7 @@ def test_fp8_fused_step_equals_the_module_path(llama_dir, monkeypatch, dtype, va
     fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
     runner = fused.executor.runner
     assert runner.fused is not None, runner.why_not
-    assert all(isinstance(lin, fl.Fp8PanelLinear) and lin.variant == variant for lin in runner.fused.linears)
+    assert all(isinstance(lin, f8.Fp8PanelLinear) and lin.variant == variant for lin in runner.fused.linears)
     assert runner.fused.kinds(1) == [fd.FP8_KERNEL + FP8_VARIANTS[variant]] * len(runner.fused.linears)
     _assert_fused_equals_module_path(off, fused, monkeypatch)
 

@@ -17,7 +17,7 @@ from engines import EngineConfig, SamplingParams
 from engines.core.config import ConfigError
 from engines.core.executor import InProcessExecutor
 from engines.core.llm_engine import LLMEngine
-from engines.cpu.fast_linear import Fp8PanelLinear
+from engines.cpu.fp8_linear import Fp8PanelLinear
 from engines.loading.checkpoint import load_model
 from engines.transforms.fp8 import Fp8Linear, ScaledMMLinear, apply_fp8, quantize_tokens
 from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows

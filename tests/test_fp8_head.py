@@ -20,7 +20,7 @@ def tied_dir(tmp_path_factory):
 
 
 def test_fp8_head_logits_and_the_embedding_left_as_it_was(tied_dir):
-    from engines.cpu.fast_linear import Fp8PanelLinear
+    from engines.cpu.fp8_linear import Fp8PanelLinear
     from engines.loading.checkpoint import load_model
     from engines.transforms.fp8 import apply_fp8_head
 
@@ -67,7 +67,7 @@ def test_lm_head_dtype_is_checked_where_it_enters():
 
 def test_engine_with_an_fp8_head_decodes_on_the_fused_step(tied_dir):
     from engines import LLM, SamplingParams
-    from engines.cpu.fast_linear import Fp8PanelLinear
+    from engines.cpu.fp8_linear import Fp8PanelLinear
 
     llm = LLM(tied_dir, dtype="float32", lm_head_dtype="fp8", worker_threads=1)
     runner = llm.engine.executor.runner

@@ -77,7 +77,7 @@ KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}
 """FastLinear kernels the C++ loop calls (block_linear's codes); a step whose Linears chose another runs
 the module path."""
 FP8_KERNEL = 5
-"""block_linear's code of an FP8 weight-only Linear (engines/cpu/fast_linear.Fp8PanelLinear) is this plus its
+"""block_linear's code of an FP8 weight-only Linear (engines/cpu/fp8_linear.Fp8PanelLinear) is this plus its
 kernel variant's code (engines/cpu/panel_kernel.FP8_VARIANTS): the loop runs the variant the layer runs."""
 
 ACTS = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
@@ -163,7 +163,8 @@ def family(model: nn.Module) -> Family | str:
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:
     """Why the fused step cannot run this model here (None: it can, for some row and thread counts)."""
-    from engines.cpu.fast_linear import FastLinear, Fp8PanelLinear
+    from engines.cpu.fast_linear import FastLinear
+    from engines.cpu.fp8_linear import Fp8PanelLinear
 
     if device.type != "cpu":
         return "not a CPU engine"
@@ -199,7 +200,7 @@ class FusedDecode:
     one call for all blocks, or, on a tensor-parallel shard, one a half-layer between its all-reduces."""
 
     def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
-        from engines.cpu.fast_linear import Fp8PanelLinear
+        from engines.cpu.fp8_linear import Fp8PanelLinear
 
         mod, why = load()
         if mod is None:
@@ -253,7 +254,8 @@ class FusedDecode:
         FastLinear.forward picks it (a row-parallel Linear: F.linear, as RowParallelLinear); None when
         one of them is a kernel the C++ loop does not call ("halves", "sliced") or the rows are a
         prefill-sized batch: the module path runs then."""
-        from engines.cpu.fast_linear import BULK_FROM, Fp8PanelLinear
+        from engines.cpu.fast_linear import BULK_FROM
+        from engines.cpu.fp8_linear import Fp8PanelLinear
 
         if rows >= BULK_FROM:
             return None

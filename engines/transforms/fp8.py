@@ -227,7 +227,7 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
     fast = force_w8a8 or w8a8_supported(device)
     panels = 0
     if torch.device(device).type == "cpu" and not force_w8a8:
-        from engines.cpu.fast_linear import Fp8PanelLinear
+        from engines.cpu.fp8_linear import Fp8PanelLinear
         from engines.cpu.panel_kernel import load_fp8
 
         if load_fp8()[0] is not None:  # one byte a weight, widened in the kernel's registers
@@ -284,13 +284,13 @@ def apply_fp8_head(model: nn.Module, dtype: torch.dtype, model_dir=None) -> str:
     Each vocabulary row has its own scale (absmax / 448, as quantize_rows gives the block Linears' output
     channels); the codes are the GPTQ ones `shardserve quantize --calibration` wrote in model_dir's
     fp8_head/ folder (fp8_format.HEAD_FILE) where there is one, else rounded to nearest here (which costs
-    more perplexity: BENCHMARKS.md). The head is kept one byte a weight in an engines.cpu.fast_linear.Fp8PanelLinear,
+    more perplexity: BENCHMARKS.md). The head is kept one byte a weight in an engines.cpu.fp8_linear.Fp8PanelLinear,
     whose CPU kernel widens it in registers: a batch-1 decode token reads the head's 1 byte a weight
     instead of 2 (bf16) or 4. A tied head is untied first: the embedding keeps its `dtype` weight for the
     lookups (one row a token), only the logits read the e4m3 copy. Returns what it did, for the log;
     a head that is already FP8, absent (an earlier pipeline stage) or a tensor-parallel vocabulary shard
     is left as it is (said in the return)."""
-    from engines.cpu.fast_linear import Fp8PanelLinear
+    from engines.cpu.fp8_linear import Fp8PanelLinear
     from engines.cpu.panel_kernel import load_fp8
 
     head = getattr(model, "lm_head", None)
