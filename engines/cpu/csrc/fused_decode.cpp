@@ -102,10 +102,6 @@ void swiglu_rows(const T* u, int64_t ldu, int64_t ffn, T* out, int64_t M) {
       const int64_t c = std::min(CH, ffn - i0);
       for (int64_t i = 0; i < c; ++i) e[i] = -std::fabs(static_cast<float>(g[i0 + i]));
       paged_src::exp_nonpos(e, c);
-      for (int64_t i = 0; i < c; ++i) {  // exp16 holds exp(-87) below -87: there the exact exponential (0 below ~-104)
-        const float a = -std::fabs(static_cast<float>(g[i0 + i]));
-        if (a < -87.f) e[i] = std::exp(a);
-      }
       int64_t i = 0;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         // 16 lanes at a time, the same arithmetic: the division and products are IEEE fp32 whether scalar or

@@ -66,13 +66,24 @@ inline vf exp16(vf v) {
   return p * scale;
 }
 
-// y[i] = exp(x[i]) for x <= 0 in place, W lanes at a time (exp16), the tail by std::exp
+// y[i] = exp(x[i]) for x <= 0 in place, W lanes at a time (exp16), the tail by std::exp. exp16 clamps its input at
+// -87 (its scale is a normal float), so a lane below that takes std::exp (a denormal or 0): SwiGLU's silu(-3e38) was
+// -4.9 and silu(-inf) -inf with the clamp (torch: -0, NaN); a softmax's weight there was 1.6e-38 for ~0
 inline void exp_nonpos(float* x, int64_t n) {
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     vf v; std::memcpy(&v, x + i, sizeof(vf));
-    v = exp16(v);
-    std::memcpy(x + i, &v, sizeof(vf));
+    vf y = exp16(v);
+#if defined(__AVX512F__)  // one compare into a mask register, not a lane-by-lane test
+    const bool low = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(-87.f), _CMP_LT_OQ) != 0;
+#else
+    bool low = false;
+    for (int j = 0; j < W; ++j) low |= v[j] < -87.f;
+#endif
+    if (low)  // rare: the lanes below
+      for (int j = 0; j < W; ++j)
+        if (v[j] < -87.f) y[j] = std::exp(v[j]);
+    std::memcpy(x + i, &y, sizeof(vf));
   }
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
