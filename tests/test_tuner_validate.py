@@ -231,6 +231,12 @@ def test_a_reply_read_at_once_has_no_measured_tpot():
     one = measured_run(Run(**{**run.__dict__, "tpot_s": run.tpot_s[:1], "ttft_s": run.ttft_s[:1],
                               "arrivals": run.arrivals[:1]}), SimpleNamespace(records=recs[:1]), ())
     assert math.isnan(one["tpot_p50_ms"]) and one["tpot_unmeasured"] == 1
+    # a one-token reply (TPOT 0 by convention, with or without a gap) measures no TPOT either
+    single = RequestRecord(index=0, warmup=False, scheduled_s=0.0, sent_s=0.0, done_s=0.3, ttft_s=0.3, e2el_s=0.3,
+                           itl_s=[], output_tokens=1, requested_output_tokens=5)
+    m1 = measured_run(Run(**{**run.__dict__, "tpot_s": np.array([0.0, 0.1]), "ttft_s": np.array([0.3, 0.1]),
+                             "arrivals": run.arrivals[:2]}), SimpleNamespace(records=[single, recs[1]]), ())
+    assert m1["tpot_unmeasured"] == 1 and m1["tpot_p50_ms"] == pytest.approx(100.0)  # not the p50 of 0 and 100
 
 
 def test_cpu_host_is_one_device():

@@ -107,16 +107,18 @@ def predict_run(profile: HardwareProfile, run: Run, slos: tuple[SLO, ...],
 def measured_run(run: Run, report, slos: tuple[SLO, ...]) -> dict[str, float]:
     """The measured counterparts of predict_run. A reply whose every token arrived in one network
     read (a client or gateway descheduled for the whole generation, as on a CI host whose cores its
-    test workers share) shows a TPOT of 0: it still counts for goodput (the user saw it in time),
-    but its TPOT is not a measurement of the server, so the TPOT p50 leaves it out
-    (`tpot_unmeasured` counts them; the p50 is NaN when every reply came so)."""
+    test workers share) shows a TPOT of 0, and so does a one-token reply: both still count for goodput
+    (the user saw them in time), but neither TPOT is a measurement of the server, so the TPOT p50 leaves
+    them out (`tpot_unmeasured` counts them; the p50 is NaN when no reply had one)."""
     recs = _records(report)
     ok = [r.ok for r in recs]
     ends = [r.done_s if r.ok else math.nan for r in recs]
-    one_read = np.array([r.ok and r.output_tokens > 1 and not r.itl_s for r in recs], bool)
+    # no TPOT measured: every token in one read, or a single token (TPOT 0 by vLLM's goodput convention, and left
+    # out of the load test's own TPOT statistics, loadtest/metrics.py)
+    unmeasured = np.array([r.ok and (r.output_tokens <= 1 or not r.itl_s) for r in recs], bool)
     out = _stats(list(run.ttft_s), list(run.tpot_s), [r.output_tokens if o else 0 for r, o in zip(recs, ok, strict=True)],
-                 run.arrivals, ends, slos, tpot_shown=np.where(one_read, math.nan, run.tpot_s))
-    out["tpot_unmeasured"] = int(one_read.sum())
+                 run.arrivals, ends, slos, tpot_shown=np.where(unmeasured, math.nan, run.tpot_s))
+    out["tpot_unmeasured"] = int(unmeasured.sum())
     return out
 
 
