@@ -101,10 +101,11 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
     level = logging.WARNING if quiet else logging.INFO
     owns_ray = not ray.is_initialized()
     logging.getLogger("ray.serve").setLevel(logging.WARNING if quiet else logging.INFO)
-    # An embedded Ray that we start ourselves gets a second try: on a loaded host its raylet can
-    # miss Ray's fixed 30 s registration wait, or Ray Serve's controller its name lookup (races
-    # inside Ray, not problems of the config). A joined cluster gets one try (not ours to reset).
-    attempts = 2 if owns_ray and cfg.ray.address is None else 1
+    # An embedded Ray that we start ourselves gets three tries, a pause before each retry: on a loaded
+    # host its raylet can miss Ray's fixed 30 s registration wait, or Ray Serve's controller its name
+    # lookup (races inside Ray, not problems of the config; CI at load 8 met the first twice in a row).
+    # A joined cluster gets one try (not ours to reset).
+    attempts = 3 if owns_ray and cfg.ray.address is None else 1
     phases: dict[str, float] = {}
     for attempt in range(1, attempts + 1):
         t = time.monotonic()
@@ -137,15 +138,20 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
         except Exception as exc:  # Ray's controller race is retried once on an embedded Ray
             if attempt == attempts or not _controller_race(exc):
                 raise
-            logging.getLogger(__name__).warning("Ray Serve did not start (%s); restarting the local Ray once", exc)
+            logging.getLogger(__name__).warning("Ray Serve did not start (%s); restarting the local Ray (try %d of %d)",
+                                                exc, attempt + 1, attempts)
             ray.shutdown()
             if cfg.server.port:
                 wait_port_free(f"http://{cfg.server.host}:{cfg.server.port}")
+            time.sleep(RETRY_PAUSE_S * attempt)  # let the load that slowed Ray's start pass
             phases = {"retry": time.monotonic() - t0}
     host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
                    time.monotonic() - t0, phases)
 
+
+RETRY_PAUSE_S = 5.0
+"""Seconds before the second start of the embedded Ray (twice that before the third)."""
 
 RAY_INIT_IMPORTS = ("ray._common.usage.usage_lib", "ray.dashboard.optional_deps", "ray.autoscaler._private.util",
                     "ray.autoscaler.v2.utils", "ray._private.runtime_env.uv_runtime_env_hook",

@@ -72,33 +72,39 @@ class Cluster:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
 
+    def probe(self, body: str, marker: str) -> list[str] | None:
+        """Run `body` in a driver joined to the cluster; the words it printed after `marker`, or None
+        when the driver failed. The driver leaves by os._exit once it printed: a driver's disconnect
+        from a loaded cluster can take longer than the question did (CI: "ALIVE_NODES 1" printed,
+        then the process still running at the 60 s timeout)."""
+        code = (f"import os, sys, ray, ray._private.state as st; ray.init(address='{self.address}', "
+                f"logging_level='ERROR', log_to_driver=False)\n{body}\nsys.stdout.flush(); os._exit(0)")
+        try:
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=90)
+        except subprocess.TimeoutExpired:
+            return None
+        if r.returncode != 0 or marker not in r.stdout:
+            return None
+        return _marked_line(r.stdout, marker)
+
     def alive_nodes(self) -> int:
-        code = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
-                "print('ALIVE_NODES', sum(n['Alive'] for n in ray.nodes()))")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
-        if r.returncode != 0 or "ALIVE_NODES" not in r.stdout:
-            return 0  # the head is not up yet
-        return int(_marked_line(r.stdout, "ALIVE_NODES")[0])
+        words = self.probe("print('ALIVE_NODES', sum(n['Alive'] for n in ray.nodes()))", "ALIVE_NODES")
+        return 0 if words is None else int(words[0])  # 0: the head is not up yet
 
     def shard_nodes(self) -> list[str]:
         """Node ids of the alive ShardWorker actors (from the GCS actor table: no dashboard here)."""
-        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
-                "print('SHARD_NODES', ' '.join(a['Address']['NodeID'] for a in st.actors().values() "
-                "if a['ActorClassName'].endswith('ShardWorker') and a['State'] == 'ALIVE'))")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return _marked_line(r.stdout, "SHARD_NODES")
+        words = self.probe("print('SHARD_NODES', ' '.join(a['Address']['NodeID'] for a in st.actors().values() "
+                           "if a['ActorClassName'].endswith('ShardWorker') and a['State'] == 'ALIVE'))", "SHARD_NODES")
+        assert words is not None, "the actor-table probe failed"
+        return words
 
     def gateway_on_head(self) -> bool:
         """Whether every alive Gateway replica runs on the head node (it owns the HTTP port)."""
-        code = (f"import ray, ray._private.state as st; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
-                "head = [n['NodeID'] for n in ray.nodes() if 'node:__internal_head__' in n['Resources']]; "
-                "gw = [a['Address']['NodeID'] for a in st.actors().values() "
-                "if a['ActorClassName'].endswith('Gateway') and a['State'] == 'ALIVE']; "
-                "print('GATEWAY_ON_HEAD', bool(gw) and all(g in head for g in gw))")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=60)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return _marked_line(r.stdout, "GATEWAY_ON_HEAD") == ["True"]
+        words = self.probe("head = [n['NodeID'] for n in ray.nodes() if 'node:__internal_head__' in n['Resources']]\n"
+                           "gw = [a['Address']['NodeID'] for a in st.actors().values() "
+                           "if a['ActorClassName'].endswith('Gateway') and a['State'] == 'ALIVE']\n"
+                           "print('GATEWAY_ON_HEAD', bool(gw) and all(g in head for g in gw))", "GATEWAY_ON_HEAD")
+        return words == ["True"]
 
     def stop(self) -> None:
         for name in list(self.nodes):
@@ -145,9 +151,9 @@ def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
     passed = False
     try:
         cluster.start("head", cpus=2, head=True)  # the replica's bundle + one shard
-        wait_until(lambda: cluster.alive_nodes() == 1, "the head node did not start", 60)
+        wait_until(lambda: cluster.alive_nodes() == 1, "the head node did not start", 150)
         cluster.start("worker1", cpus=1)  # the other shard
-        wait_until(lambda: cluster.alive_nodes() == 2, "the worker node did not join", 60)
+        wait_until(lambda: cluster.alive_nodes() == 2, "the worker node did not join", 150)
         server = subprocess.Popen([SHARDSERVE, "serve", "--config", str(cfg), "--address", cluster.address],
                                   stdout=open(temp / "serve.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                   env=cluster.env, start_new_session=True)

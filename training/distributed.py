@@ -14,11 +14,13 @@ MASTER_PORT) and nothing else.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -230,7 +232,17 @@ def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device
     if started:
         if not os.environ.get("RAY_ADDRESS"):  # a local instance: workers at the caller's priority,
             os.environ.setdefault("RAY_worker_niceness", "0")  # not Ray's nice 15 (serving/launcher.py)
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+        address = os.environ.get("RAY_ADDRESS")
+        for attempt in range(1, 4):  # a local Ray gets three starts (serving/launcher.py: a loaded host's
+            try:                     # raylet can miss Ray's fixed 30 s registration wait)
+                ray.init(address=address, include_dashboard=False, log_to_driver=True)
+                break
+            except Exception as exc:
+                if address or attempt == 3 or "timed out during startup" not in str(exc):
+                    raise
+                logging.getLogger(__name__).warning("Ray did not start (%s); starting it again", exc)
+                ray.shutdown()
+                time.sleep(5.0 * attempt)
     resources = ray.cluster_resources()
     use_gpu = device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= num_workers)
     cpus = max(1, int(resources.get("CPU", 1)) // num_workers)
