@@ -157,7 +157,7 @@ def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
         server = subprocess.Popen([SHARDSERVE, "serve", "--config", str(cfg), "--address", cluster.address],
                                   stdout=open(temp / "serve.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                   env=cluster.env, start_new_session=True)
-        wait_until(lambda: server.poll() is None and _ok(url), "the server did not become ready", 120)
+        wait_until(lambda: server.poll() is None and _ok(url), "the server did not become ready", 240)
         assert complete(url).status_code == 200
         nodes = cluster.shard_nodes()
         assert len(nodes) == 2 and len(set(nodes)) == 2, f"both shards on one node: {nodes}"

@@ -226,7 +226,7 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # three Ray starts on a loaded host fit (serving/launcher.py)
         curl = None
         while curl is None:
             assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
