@@ -239,7 +239,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   std::vector<float> buf(M * (widest + 1));
   const int64_t panel_variant = panel_src::row_variant(0);
   TeamLinear job;
-  torch::Tensor h, q, att, act, bias_keep;  // thread 0's tensors between phases
+  torch::Tensor h, q, kr, att, act, bias_keep;  // thread 0's tensors between phases
   const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
   std::exception_ptr error;
   std::atomic<bool> failed{false};
@@ -313,13 +313,15 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});  // (M, nkv, hd)
         if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);
         if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
+        kr = k;
+        if (split_attention) return;  // each thread rotates and caches its own rows, then attends them (below)
         if (a.cos.numel() > 0) {
           rope_(q, a.cos, a.sin);
           rope_(k, a.cos, a.sin);
         }
         write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
         write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
-        if (split_attention || split_heads) return;
+        if (split_heads) return;
         att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
         prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
       });
@@ -335,6 +337,17 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         phase(true, [&] {
           const int64_t s0 = cut(tid, nt), n = cut(tid + 1, nt) - s0;
           if (n <= 0) return;
+          // a row's rotation and cache write depend on that row alone: the same bits as thread 0 doing all rows
+          auto qs = q.narrow(0, s0, n), ks = kr.narrow(0, s0, n);
+          if (a.cos.numel() > 0) {
+            const int64_t half = hd / 2;
+            const auto cs = a.cos.view({M, half}).narrow(0, s0, n), sn = a.sin.view({M, half}).narrow(0, s0, n);
+            rope_(qs, cs, sn);
+            rope_(ks, cs, sn);
+          }
+          const auto slots = a.slots.narrow(0, s0, n);
+          write_rows(k_cache, slots, ks.reshape({n, kn}), nkv, hd);
+          write_rows(v_cache, slots, qkv.narrow(1, qn + kn, kn).narrow(0, s0, n), nkv, hd);
           auto part = paged_src::paged_decode(q.narrow(0, s0, n), k_cache, v_cache, a.table.narrow(0, s0, n),
                                               a.lens.narrow(0, s0, n), a.block_size);  // (n, nh, hd) contiguous
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
