@@ -21,6 +21,7 @@ from engines.core.executor import ExecutorError, InProcessExecutor
 from engines.core.llm_engine import LLMEngine
 from engines.core.sampling_params import SamplingParams
 from serving.ray_executor import RayExecutor, check_cluster_resources, placement_bundles, ray_executor_factory
+from training.distributed import init_ray
 
 BASE = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)
 
@@ -39,15 +40,7 @@ def test_check_cluster_resources_names_fields_and_numbers():
 def ray_cluster():
     started = not ray.is_initialized()
     if started:
-        for attempt in range(1, 4):  # three starts, as serving/launcher.py gives an embedded Ray
-            try:
-                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-                break
-            except Exception as exc:
-                if attempt == 3 or "timed out during startup" not in str(exc):
-                    raise
-                ray.shutdown()
-                time.sleep(5.0 * attempt)
+        init_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     if started:
         ray.shutdown()

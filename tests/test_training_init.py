@@ -184,3 +184,31 @@ def test_bad_init_recipes_are_refused_by_name(corpus, tmp_path):
     # a recipe written out (checkpoint metadata) reads back the same
     r = recipe_from_dict(base, meta)
     assert recipe_from_dict(r.to_dict()) == r
+
+
+def test_a_local_ray_that_misses_its_start_wait_is_started_three_times(monkeypatch):
+    """training.distributed.init_ray: Ray's "timed out during startup" (a loaded host's raylet missing
+    Ray's fixed 30 s wait) is retried on a local Ray, three starts in all, then raised; a cluster's
+    address and any other error get one try. ray.init is replaced by one raising Ray's own text."""
+    import ray
+
+    from training.distributed import init_ray
+
+    calls = []
+
+    def failing_init(*args, **kwargs):
+        calls.append(kwargs)
+        raise Exception("The current node timed out during startup.")  # noqa: TRY002 - the class Ray raises
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    for address, tries in ((None, 3), ("10.0.0.1:6379", 1)):
+        calls.clear()
+        with pytest.raises(Exception, match="timed out during startup"):
+            init_ray(address, pause_s=0.0, num_cpus=2)
+        assert len(calls) == tries and all(c == {"address": address, "num_cpus": 2} for c in calls)
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **k: calls.append(k) or (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(ValueError, match="bad"):
+        init_ray(None, pause_s=0.0)
+    assert len(calls) == 1

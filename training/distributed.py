@@ -218,6 +218,24 @@ def spawn_local(fn: Callable, world_size: int, args: tuple = (), threads_per_ran
             signal.signal(sig, handler)
 
 
+def init_ray(address: str | None = None, pause_s: float = 5.0, **kwargs: Any) -> None:
+    """ray.init(address, **kwargs); a local Ray started here (no address) gets three starts, a pause before each
+    retry, where its raylet missed Ray's fixed 30 s registration wait (a loaded host: CI at load 8 met it twice
+    in a row). A cluster's address gets one try: it is not ours to restart."""
+    import ray
+
+    for attempt in range(1, 4):
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except Exception as exc:
+            if address or attempt == 3 or "timed out during startup" not in str(exc):
+                raise
+            logging.getLogger(__name__).warning("Ray did not start (%s); starting it again", exc)
+            ray.shutdown()
+            time.sleep(pause_s * attempt)
+
+
 def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device: str,
                storage_path: str, name: str) -> None:
     """Run fn(config) on `num_workers` Ray Train workers (joins a running cluster or starts one).
@@ -232,17 +250,7 @@ def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device
     if started:
         if not os.environ.get("RAY_ADDRESS"):  # a local instance: workers at the caller's priority,
             os.environ.setdefault("RAY_worker_niceness", "0")  # not Ray's nice 15 (serving/launcher.py)
-        address = os.environ.get("RAY_ADDRESS")
-        for attempt in range(1, 4):  # a local Ray gets three starts (serving/launcher.py: a loaded host's
-            try:                     # raylet can miss Ray's fixed 30 s registration wait)
-                ray.init(address=address, include_dashboard=False, log_to_driver=True)
-                break
-            except Exception as exc:
-                if address or attempt == 3 or "timed out during startup" not in str(exc):
-                    raise
-                logging.getLogger(__name__).warning("Ray did not start (%s); starting it again", exc)
-                ray.shutdown()
-                time.sleep(5.0 * attempt)
+        init_ray(os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
     resources = ray.cluster_resources()
     use_gpu = device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= num_workers)
     cpus = max(1, int(resources.get("CPU", 1)) // num_workers)
