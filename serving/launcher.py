@@ -135,7 +135,7 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
             phases["application"] = time.monotonic() - t
             break
-        except Exception as exc:  # Ray's controller race is retried once on an embedded Ray
+        except Exception as exc:  # Ray's start races are retried on an embedded Ray
             if attempt == attempts or not _controller_race(exc):
                 raise
             logging.getLogger(__name__).warning("Ray Serve did not start (%s); restarting the local Ray (try %d of %d)",

@@ -303,6 +303,20 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       const torch::Tensor* p = w.data() + PER_LAYER * l;
       const int64_t* kind = kinds.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
+      // rows [s0, s0 + n): RoPE on their queries and keys (in place), their keys and values into the caches; a row
+      // depends on itself only, so any split of the rows over threads gives the same bits
+      auto rotate_and_cache = [&](int64_t s0, int64_t n) {
+        const auto qs = q.narrow(0, s0, n), ks = kr.narrow(0, s0, n);
+        if (a.cos.numel() > 0) {
+          const int64_t half = hd / 2;
+          const auto cs = a.cos.view({M, half}).narrow(0, s0, n), sn = a.sin.view({M, half}).narrow(0, s0, n);
+          rope_(qs, cs, sn);
+          rope_(ks, cs, sn);
+        }
+        const auto slots = a.slots.narrow(0, s0, n);
+        write_rows(k_cache, slots, ks.reshape({n, kn}), nkv, hd);
+        write_rows(v_cache, slots, qkv.narrow(1, qn + kn, kn).narrow(0, s0, n), nkv, hd);
+      };
       serial(p[8], [&] {
         norm_into(x, p[0], p[1], a.rms, a.eps, h);
         prepare(job, kind[0], h, p + 6, qn + 2 * kn, nullptr, qkv, buf, bias_keep, panel_variant);
@@ -315,12 +329,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
         kr = k;
         if (split_attention) return;  // each thread rotates and caches its own rows, then attends them (below)
-        if (a.cos.numel() > 0) {
-          rope_(q, a.cos, a.sin);
-          rope_(k, a.cos, a.sin);
-        }
-        write_rows(k_cache, a.slots, k.view({M, kn}), nkv, hd);
-        write_rows(v_cache, a.slots, qkv.narrow(1, qn + kn, kn), nkv, hd);
+        rotate_and_cache(0, M);
         if (split_heads) return;
         att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
         prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
@@ -337,17 +346,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         phase(true, [&] {
           const int64_t s0 = cut(tid, nt), n = cut(tid + 1, nt) - s0;
           if (n <= 0) return;
-          // a row's rotation and cache write depend on that row alone: the same bits as thread 0 doing all rows
-          auto qs = q.narrow(0, s0, n), ks = kr.narrow(0, s0, n);
-          if (a.cos.numel() > 0) {
-            const int64_t half = hd / 2;
-            const auto cs = a.cos.view({M, half}).narrow(0, s0, n), sn = a.sin.view({M, half}).narrow(0, s0, n);
-            rope_(qs, cs, sn);
-            rope_(ks, cs, sn);
-          }
-          const auto slots = a.slots.narrow(0, s0, n);
-          write_rows(k_cache, slots, ks.reshape({n, kn}), nkv, hd);
-          write_rows(v_cache, slots, qkv.narrow(1, qn + kn, kn).narrow(0, s0, n), nkv, hd);
+          rotate_and_cache(s0, n);
           auto part = paged_src::paged_decode(q.narrow(0, s0, n), k_cache, v_cache, a.table.narrow(0, s0, n),
                                               a.lens.narrow(0, s0, n), a.block_size);  // (n, nh, hd) contiguous
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
