@@ -38,6 +38,8 @@ def config_dict(cfg: DeploymentConfig) -> dict[str, Any]:
 
 def serve_config(cfg: DeploymentConfig) -> dict[str, Any]:
     """A Ray Serve config file (the schema of `serve deploy`) that runs `cfg`."""
+    _require(cfg.server.ingress != "colocated", "server.ingress: colocated serves from the model's replica on the "
+             "node that runs `shardserve serve`; a Ray Serve config file goes to a cluster: use auto, direct or ray-proxy")
     proxy = cfg.server.ingress == "ray-proxy"
     return {
         "proxy_location": "EveryNode" if proxy else "Disabled",

@@ -182,11 +182,15 @@ class ServerSpec(_Strict):
     host: str = "127.0.0.1"
     """Interface to bind; the default is reachable from this machine only."""
     port: int = Field(8000, ge=1, le=65535)
-    ingress: Literal["direct", "ray-proxy"] = "direct"
-    """direct: each Gateway replica serves HTTP itself on host:port (SO_REUSEPORT: a node's gateway
-    replicas share the port) and Ray Serve's HTTP proxy is off, one process hop less per request
-    and per streamed chunk; in a cluster they run on the head node. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
-    gateway replicas (a multi-node cluster where clients reach every node's proxy)."""
+    ingress: Literal["auto", "colocated", "direct", "ray-proxy"] = "auto"
+    """colocated: the model's replica serves HTTP itself, the gateway's routes on its own event loop
+    beside the engine: no Gateway replica, no Ray hop for a request or a streamed chunk, no metrics
+    hub (one model, one fixed replica, a local Ray, gateway_replicas 1). direct: each Gateway replica
+    serves HTTP itself on host:port (SO_REUSEPORT: a node's gateway replicas share the port) and Ray
+    Serve's HTTP proxy is off, one process hop less per request and per streamed chunk; in a cluster
+    they run on the head node. ray-proxy: Ray Serve's proxy takes host:port and forwards to the
+    gateway replicas (a multi-node cluster where clients reach every node's proxy). auto: colocated
+    where it applies, direct elsewhere (`DeploymentConfig.ingress`)."""
     gateway_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(1 << 20, gt=0)
     """Largest request body accepted (413 beyond)."""
@@ -239,6 +243,33 @@ class DeploymentConfig(_Strict):
                 raise ValueError(f"models.{i}.name: {m.name!r} is used by two models")
             seen.add(m.name)
         return self
+
+    def colocation_blocker(self) -> str | None:
+        """Why the model replica cannot serve HTTP itself (None: it can): the gateway then routes
+        between several replicas or models, or runs on a cluster's head node away from the model."""
+        if len(self.models) != 1:
+            return f"{len(self.models)} models (colocated serves one)"
+        m = self.models[0]
+        if m.autoscaling is not None or m.replicas != 1:
+            return "models.0: more than one replica (colocated serves one: set replicas: 1 without autoscaling)"
+        if self.server.gateway_replicas != 1:
+            return f"server.gateway_replicas: {self.server.gateway_replicas} (colocated has no Gateway replicas)"
+        if self.ray.address is not None:
+            return "ray.address: a cluster (colocated binds host:port on the node of the model's replica)"
+        return None
+
+    @model_validator(mode="after")
+    def _colocated_applies(self) -> DeploymentConfig:
+        if self.server.ingress == "colocated" and (why := self.colocation_blocker()) is not None:
+            raise ValueError(f"server.ingress: colocated does not apply with {why}; use direct or auto")
+        return self
+
+    @property
+    def ingress(self) -> str:
+        """server.ingress with auto resolved: colocated for one model, one replica, on a local Ray."""
+        if self.server.ingress != "auto":
+            return self.server.ingress
+        return "colocated" if self.colocation_blocker() is None else "direct"
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:

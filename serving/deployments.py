@@ -4,9 +4,11 @@ and a MetricsHub.
     HTTP -> Gateway replica (validate, tokenize, format) -> DeploymentHandle, streaming
          -> ModelServer replica (ModelCore: admission, engine, coalesced chunks)
 
-HTTP reaches the Gateway replicas directly (server.ingress: direct, the default: each replica
-runs its own uvicorn on host:port, serving/direct_http.py) or through Ray Serve's HTTP proxy
-(server.ingress: ray-proxy).
+HTTP reaches the Gateway replicas directly (server.ingress: direct: each replica runs its own
+uvicorn on host:port, serving/direct_http.py) or through Ray Serve's HTTP proxy (server.ingress:
+ray-proxy). With one model of one replica on a local Ray (server.ingress: colocated, what auto
+picks there) the ModelServer replica serves the gateway's routes itself and there is neither a
+Gateway nor a MetricsHub: HTTP -> ModelServer replica (gateway app over a LocalBackend).
 
 A ModelServer replica owns its AsyncLLMEngine. From the model-parallel issue on it also owns
 TP x PP shard-worker actors: `placement(spec)` will reserve them as a placement group with the
@@ -122,7 +124,10 @@ class MetricsHubDeployment:
 
 @serve.deployment
 class ModelServer:
-    async def __init__(self, spec: dict, server: dict, hub: Any):
+    async def __init__(self, spec: dict, server: dict, hub: Any, ingress: dict | None = None):
+        """`ingress` (colocated: {"api_key_hashes": [...], "admin_key_hashes": [...]}): this replica also
+        serves the gateway's routes on host:port for its own model, on its own event loop; `hub` is then
+        None (its metrics are local)."""
         t0 = time.monotonic()
         import torch  # noqa: F401 - timed on its own (the largest import)
 
@@ -136,14 +141,38 @@ class ModelServer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.core = await asyncio.to_thread(ModelCore.load, self.spec, replica, self.server.request_timeout_s,
                                             executor_factory(self.spec))
-        self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
-                                    self.server.metrics_push_interval_s, steps=self.core.step_window)
+        self.http = None
+        if ingress is not None:
+            await self._serve_http(replica, ingress)
+        else:
+            self.publisher = _Publisher(hub, f"model:{self.spec.name}:{replica}", self.core.metrics.families,
+                                        self.server.metrics_push_interval_s, steps=self.core.step_window)
         self.core.ptuning.ensure_watch()  # every replica hot-loads task changes from ptuning/
         # where a start's time went: when this constructor began (unix time), how old its process was
         # then (a worker Ray started ahead waits in its pool), the imports, the model's load
         log.info('{"event": "model_ready", "model": "%s", "replica": "%s", "init_at": %.3f, "process_age_s": %.2f, '
                  '"import_s": %.2f, "load_s": %.2f}', self.spec.name, replica, time.time() - (time.monotonic() - t0),
                  t0 - _process_started(), t_import - t0, time.monotonic() - t_import)
+
+    async def _serve_http(self, replica: str, ingress: dict) -> None:
+        """Colocated ingress: the gateway app over this replica's engine (serving/backends.LocalBackend),
+        served by uvicorn on this replica's event loop (serving/direct_http.py)."""
+        from serving.app import build_app
+        from serving.backends import LocalBackend
+        from serving.direct_http import DirectHTTP
+        from serving.gateway import Gateway, GatewayOptions, rate_limits
+
+        options = GatewayOptions(max_body_bytes=self.server.max_body_bytes,
+                                 api_key_hashes=frozenset(ingress["api_key_hashes"]),
+                                 log_requests=self.server.log_requests, replica=replica, behind_ray_proxy=False,
+                                 admin_key_hashes=frozenset(ingress["admin_key_hashes"]), **rate_limits(self.server))
+
+        async def model_metrics() -> list:
+            return [self.core.metrics.families()]
+
+        self.gateway = Gateway({self.spec.name: LocalBackend(self.core)}, options, model_metrics)
+        self.http = DirectHTTP(build_app(self.gateway), self.server.host, self.server.port, self.server.drain_timeout_s)
+        await self.http.start()
 
     async def generate(self, req):
         # chunks travel pre-pickled: Ray ships bytes on its fast path, where a dataclass would go
@@ -165,10 +194,15 @@ class ModelServer:
         # Ray Serve calls this every health_check_period_s; raising marks the replica unhealthy and
         # Ray Serve replaces it (its in-flight requests already failed with 503)
         self.core.check_health()
+        if getattr(self, "http", None) is not None:
+            self.http.check_health()
 
     async def __del__(self):
         # Ray Serve has already waited up to graceful_shutdown_timeout_s (= drain_timeout_s) for
-        # in-flight requests; whatever is left is aborted here
+        # in-flight requests; whatever is left is aborted here. Colocated, the HTTP server stops
+        # accepting first and gives its in-flight requests drain_timeout_s
+        if getattr(self, "http", None) is not None:
+            await self.http.stop()
         if hasattr(self, "publisher"):
             await self.publisher.stop()
         if hasattr(self, "core"):
@@ -253,16 +287,21 @@ class GatewayDeployment:
 HEAD_NODE = "node:__internal_head__"  # Ray's resource on the head node only
 
 
-def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_key_hashes: list[str] = ()):
-    """The bound Ray Serve application of a deployment config (run it with serve.run)."""
+def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_key_hashes: list[str] = (),
+                      ingress: str | None = None):
+    """The bound Ray Serve application of a deployment config (run it with serve.run). `ingress`:
+    server.ingress resolved (default `cfg.ingress`); colocated binds the one ModelServer alone."""
     from engines.core.config import EngineConfig
 
-    server = cfg.server.model_dump()
+    ingress = ingress or cfg.ingress
+    server = {**cfg.server.model_dump(), "ingress": ingress}  # what the replicas read: resolved
+    colocated = ingress == "colocated"
     # the hub always has publish calls in flight, and losing one at shutdown costs nothing; it holds
-    # every replica's metrics, so it lives on the head node, which a cluster does not lose
-    hub = MetricsHubDeployment.options(name="MetricsHub", num_replicas=1, graceful_shutdown_timeout_s=0.5,
-                                       graceful_shutdown_wait_loop_s=0.1,
-                                       ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}).bind(
+    # every replica's metrics, so it lives on the head node, which a cluster does not lose. Colocated
+    # has none: its one replica answers /metrics itself (each Ray actor costs an idle core a few %)
+    hub = None if colocated else MetricsHubDeployment.options(
+        name="MetricsHub", num_replicas=1, graceful_shutdown_timeout_s=0.5, graceful_shutdown_wait_loop_s=0.1,
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}).bind(
         max(30.0, 10 * cfg.server.metrics_push_interval_s))
     models = {}
     for spec in cfg.models:
@@ -285,9 +324,12 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_ke
                                              "target_ongoing_requests": a.target_ongoing_requests}
         else:
             options["num_replicas"] = spec.replicas
+        if colocated:  # the replica owns host:port, as a direct Gateway replica would (it runs on this node)
+            return ModelServer.options(**options).bind(spec.model_dump(), server, None, {
+                "api_key_hashes": sorted(api_key_hashes), "admin_key_hashes": sorted(admin_key_hashes)})
         models[spec.name] = ModelServer.options(**options).bind(spec.model_dump(), server, hub)
     gateway_actor: dict[str, Any] = {"num_cpus": 0}
-    if cfg.server.ingress == "direct":
+    if ingress == "direct":
         # the replicas own host:port, so they run where `shardserve serve` binds it: on the head node.
         # Spread over a cluster, a replica on a worker node would listen on that node, and losing
         # the node would cut every connection it held (not answer them with 503).
@@ -306,5 +348,7 @@ def app_builder(args: dict[str, Any]):
     from serving.gateway import hash_key
 
     cfg = validate_config(args.get("config"), source="args.config")
+    # a config file deployed onto a cluster of unknown shape: auto means direct (Gateway replicas on the head node)
     return build_application(cfg, [hash_key(k) for k in read_api_keys(cfg.server)],
-                             [hash_key(k) for k in read_api_keys(cfg.server, admin=True)])
+                             [hash_key(k) for k in read_api_keys(cfg.server, admin=True)],
+                             ingress="direct" if cfg.server.ingress == "auto" else cfg.server.ingress)

@@ -124,7 +124,7 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
             # probes on a busy machine); shardserve's request logs have their own logger and handler
             logs = LoggingConfig(log_level="ERROR" if quiet else "INFO", enable_access_log=not quiet)
             _check_resources(cfg)
-            if cfg.server.ingress == "direct":  # the Gateway replicas bind host:port themselves
+            if cfg.ingress != "ray-proxy":  # the Gateway (or colocated model) replicas bind host:port themselves
                 serve.start(proxy_location="Disabled", logging_config=logs)
             else:
                 serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.port,

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from deploy.render import TARGETS, config_of, render
-from deploy.schema import ConfigFileError, load_config
+from deploy.schema import ConfigFileError, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted([*(ROOT / "deploy" / "examples").glob("*.yaml"), ROOT / "deploy/compose/config.yaml",
@@ -212,6 +212,12 @@ def test_deploy_render_cli(tmp_path):
     assert r.returncode == 2 and "--target: must be one of ray-serve, kuberay, compose" in r.stderr
     r = cli("--config", "deploy/examples/default.yaml", "--target", "ray-serve")
     assert r.returncode == 0 and config_of(r.stdout, "ray-serve") == load_config(ROOT / "deploy/examples/default.yaml")
+
+
+def test_a_colocated_config_is_not_rendered_for_a_cluster():
+    cfg = validate_config({"models": [{"name": "m", "path": "p"}], "server": {"ingress": "colocated"}})
+    with pytest.raises(ConfigFileError, match="server.ingress: colocated"):
+        render(cfg, "ray-serve")
 
 
 def test_the_rendered_import_path_builds_the_application():

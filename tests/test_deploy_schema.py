@@ -103,6 +103,13 @@ BAD = [
     ({"models": [{"name": "m", "path": "p"}], "server": {"port": 0}}, "server.port: Input should be greater than or equal to 1"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"hots": "x"}}, "server.hots: unknown field"),
     ({"models": [{"name": "m", "path": "p", "engine": {"weight_dtype": "int3"}}]}, "models.0.engine.weight_dtype"),
+    ({"models": [{"name": "m", "path": "p"}, {"name": "n", "path": "q"}], "server": {"ingress": "colocated"}},
+     "server.ingress: colocated does not apply with 2 models"),
+    ({"models": [{"name": "m", "path": "p", "replicas": 2}], "server": {"ingress": "colocated"}},
+     "server.ingress: colocated does not apply with models.0: more than one replica"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"ingress": "colocated"}, "ray": {"address": "h:6379"}},
+     "server.ingress: colocated does not apply with ray.address"),
+    ({"models": [{"name": "m", "path": "p"}], "server": {"ingress": "nearby"}}, "server.ingress: Input should be"),
 ]
 
 
@@ -143,6 +150,22 @@ def test_api_keys_from_file_and_env(tmp_path):
     keys.write_text("# nothing\n")
     with pytest.raises(ConfigFileError, match="holds no keys"):
         read_api_keys(cfg.replace(server={"api_keys_file": str(keys)}).server, environ={})
+
+
+@pytest.mark.parametrize("models, server, ray, want", [
+    ([{}], {}, {}, "colocated"),
+    ([{"replicas": 2}], {}, {}, "direct"),
+    ([{"autoscaling": {"max_replicas": 1}}], {}, {}, "direct"),
+    ([{}, {"name": "n"}], {}, {}, "direct"),
+    ([{}], {"gateway_replicas": 2}, {}, "direct"),
+    ([{}], {}, {"address": "head:6379"}, "direct"),
+    ([{}], {"ingress": "ray-proxy"}, {}, "ray-proxy"),
+    ([{"replicas": 2}], {"ingress": "direct"}, {}, "direct"),
+])
+def test_auto_ingress_colocates_one_model_of_one_replica_on_a_local_ray(models, server, ray, want):
+    cfg = validate_config({"models": [{"name": "m", "path": "p", **m} for m in models], "server": server, "ray": ray})
+    assert cfg.server.ingress == server.get("ingress", "auto")
+    assert cfg.ingress == want
 
 
 def test_replace_validates():

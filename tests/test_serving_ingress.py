@@ -1,5 +1,6 @@
-"""The two ingress modes of the gateway (server.ingress): `direct`, where Gateway replicas serve
-HTTP themselves (two of them sharing the port), and `ray-proxy`, behind Ray Serve's HTTP proxy;
+"""The ingress modes of the gateway (server.ingress): `direct`, where Gateway replicas serve HTTP
+themselves (two of them sharing the port), `ray-proxy`, behind Ray Serve's HTTP proxy, and
+`colocated`, where the model's one replica serves the routes itself (no Gateway, no metrics hub);
 and a taken port refused before Ray starts, naming the field."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_taken_port_is_refused_before_ray_starts(gpt2_dir):
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("ingress, gateways", [("direct", 2), ("ray-proxy", 1)])
+@pytest.mark.parametrize("ingress, gateways", [("direct", 2), ("ray-proxy", 1), ("colocated", 1)])
 def test_ingress_modes_serve_the_same_api(gpt2_dir, ingress, gateways):
     if ray.is_initialized():
         ray.shutdown()
@@ -57,7 +58,9 @@ def test_ingress_modes_serve_the_same_api(gpt2_dir, ingress, gateways):
         with OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
             texts = {client.completions.create(model="gpt2", prompt="To be", max_tokens=6, temperature=0).choices[0].text
                      for _ in range(6)}  # over both gateways when there are two
-        assert len(texts) == 1 and texts.pop()
+        assert len(texts) == 1
+        (texts_seen,) = texts
+        assert texts_seen
         r = httpx.get(f"{running.url}/v2/health/ready", headers={"X-Request-Id": "abc-123"}, timeout=30)
         assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
         r = httpx.post(f"{running.url}/v1/completions", json={"model": "gpt2", "prompt": "x", "max_tokens": 0},
@@ -66,6 +69,18 @@ def test_ingress_modes_serve_the_same_api(gpt2_dir, ingress, gateways):
         procs = " ".join(listeners(port))
         if ingress == "direct":  # each gateway replica listens itself; no Ray proxy
             assert procs.count("ServeRepli") == gateways and "ProxyActor" not in procs, procs
+        elif ingress == "colocated":  # the model's replica listens; no Gateway, no hub, no proxy
+            assert procs.count("ServeRepli") == 1 and "ProxyActor" not in procs, procs
+            # Serve's replicas are named actors: SERVE_REPLICA::<app>#<deployment>#<id>
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+            assert not [n for n in names if "#Gateway#" in n or "#MetricsHub#" in n], names
+            assert [n for n in names if "#ModelServer:gpt2#" in n], names
+            with OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+                pieces = [c.choices[0].text for c in client.completions.create(
+                    model="gpt2", prompt="To be", max_tokens=6, temperature=0, stream=True)]
+            assert "".join(pieces) == texts_seen, pieces  # streamed = unstreamed, token for token
+            metrics = httpx.get(f"{running.url}/metrics", timeout=30).text  # the model's and the gateway's
+            assert "shardserve_generation_tokens_total" in metrics and "shardserve_http_requests_total" in metrics
         else:
             assert "ServeRepli" not in procs, procs
     finally:
