@@ -218,3 +218,61 @@ def test_cascade_prefill_refuses_bad_input():
             args[0] = torch.zeros(6, 6, 16, dtype=bf)
         with pytest.raises(RuntimeError, match=msg):
             mod.cascade_prefill(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nh,nkv", [(9, 3), (4, 4)], ids=["gqa", "mha"])
+def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
+    """attend_causal (causal_prefill: pieces of PIECE_ROWS queries, the whole blocks before a piece as its shared
+    part, the rest per row, merged) equals each chunk's causal SDPA over its context, in fp32: fresh prompts shorter
+    than, equal to and longer than a piece, and continuations that start inside a block; every variant of the
+    shared part that applies; the rows of the step's decode tokens (before the chunks) are left as they were."""
+    from engines.model import prefill_cascade as pc
+
+    bs, hd, dec = 16, 32, 3
+    g = torch.Generator().manual_seed(nh)
+    free = iter(torch.randperm(80, generator=g).tolist())
+    chunks, row = [], dec
+    for n, start in ((1, 0), (5, 0), (32, 0), (33, 0), (70, 0), (9, 13), (40, 48), (64, 3)):
+        chunks.append((row, n, start, [next(free) for _ in range(-(-(start + n) // bs))]))
+        row += n
+    kc, vc = (torch.randn(80 * bs, nkv, hd, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(row, nh, hd, generator=g).to(dtype)
+    ref = []
+    for r0, m, start, table in chunks:
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + m)])
+        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
+        ref.append(F.scaled_dot_product_attention(
+            q[r0:r0 + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
+            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    mb = max(len(t) for *_, t in chunks)
+    tables = torch.tensor([t + [0] * (mb - len(t)) for *_, t in chunks])
+    spec = torch.tensor([c[:3] for c in chunks])
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    variants = _amx_variants() if dtype == torch.bfloat16 else [0]
+    for variant in variants:
+        monkeypatch.setattr(pc, "FORCE_VARIANT", variant)
+        out = torch.full((row, nh, hd), 7.0, dtype=dtype)
+        pc.attend_causal(tables, spec, q, kc, vc, bs, out)
+        assert torch.equal(out[:dec], torch.full((dec, nh, hd), 7.0, dtype=dtype))
+        torch.testing.assert_close(out[dec:].float(), torch.cat(ref), rtol=tol, atol=tol)
+
+
+def test_causal_prefill_refuses_bad_input():
+    """Chunks outside q or their tables, block ids out of range, a row in two chunks, an unknown variant: named."""
+    mod = load()[0]
+    q, kc = torch.randn(6, 4, 32), torch.randn(8 * 4, 2, 32)
+    out = torch.empty_like(q)
+    ok = (q, kc, kc, torch.tensor([[0, 1]]), torch.tensor([[0, 6, 0]]), 4, 0, 32, out)
+    mod.causal_prefill(*ok)
+    for i, bad, match in ((4, torch.tensor([[1, 6, 0]]), "outside q or its table"),
+                          (3, torch.tensor([[0, 9]]), "block id 9 outside"),
+                          (4, torch.tensor([[0, 6, 3]]), "outside q or its table"),
+                          (6, 9, "variant 0")):
+        args = list(ok)
+        args[i] = bad
+        with pytest.raises(RuntimeError, match=match):
+            mod.causal_prefill(*args)
+    with pytest.raises(RuntimeError, match="in two chunks"):
+        mod.causal_prefill(q, kc, kc, torch.tensor([[0, 1], [0, 1]]), torch.tensor([[0, 4, 0], [3, 3, 0]]), 4, 0,
+                           32, out)

@@ -40,6 +40,9 @@ from engines.model import prefill_cascade
 from engines.model.kv_runs import block_runs, read_runs
 
 BATCHED_PREFILL_MAX_MASK = 1 << 26
+CAUSAL_PREFILL = True
+"""CPU with the C++ module: prefill chunks through causal_prefill (one op a layer). Tests set it False to compare
+the decode kernel with the per-sequence loop where only decode differs (bf16 prefill rounds differently there)."""
 """Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for
 very uneven prompt lengths, the prompts run one at a time."""
 
@@ -162,6 +165,15 @@ class PagedAttention:
                 [(p.q_start, p.q_len, p.start_pos, chunk_tables[p.q_start]) for p in cont], bs)
             taken_rows = {cont[i].q_start for i in taken}
             self.prefill = [p for p in self.prefill if p.q_start not in taken_rows]
+        self.causal: tuple[torch.Tensor, torch.Tensor] | None = None
+        """CPU: every other prefill chunk, fresh or continuing, through one C++ op a layer (causal_prefill in
+        csrc/paged_decode.cpp): (block tables (G, max blocks), chunks (G, 3): first row, queries, start)."""
+        if torch.device(device).type == "cpu" and decode_kernel and self.prefill and CAUSAL_PREFILL:
+            mb = max(len(chunk_tables[p.q_start]) for p in self.prefill)
+            self.causal = (torch.tensor([chunk_tables[p.q_start] + [0] * (mb - len(chunk_tables[p.q_start]))
+                                         for p in self.prefill]),
+                           torch.tensor([(p.q_start, p.q_len, p.start_pos) for p in self.prefill]))
+            self.prefill = []
         self.kv_prefix: list[tuple[int, int, torch.Tensor]] = []
         """P-tuning of every layer: (first row, rows, (layers, rows, 2, nkv, hd)) keys/values that
         replace those rows' own in every layer (engines/transforms/prompt_inject.py SeqTables.kv_rows)."""
@@ -178,9 +190,9 @@ class PagedAttention:
         module_ops.write_slots(k_cache, self.slot_mapping, k)
         module_ops.write_slots(v_cache, self.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
-        if not self.prefill and self.pf is None and not self.cascade:
+        if not self.prefill and self.pf is None and not self.cascade and self.causal is None:
             return self._decode(q, k_cache, v_cache, gqa)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.n_decode:
             out[:self.n_decode] = self._decode(q[:self.n_decode], k_cache, v_cache, gqa)
         if self.pf is not None:  # the fresh prompts, one padded batch
@@ -192,6 +204,8 @@ class PagedAttention:
             out[rows] = y.transpose(1, 2).reshape(P * T, *q.shape[1:])[sel]
         for group in self.cascade:
             out[group.rows] = prefill_cascade.attend(group, q, k_cache, v_cache)
+        if self.causal is not None:
+            prefill_cascade.attend_causal(*self.causal, q, k_cache, v_cache, self.cache.block_size, out)
         for p in self.prefill:
             qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]  # (1, nh, T, hd)
             if p.ctx_runs is None:

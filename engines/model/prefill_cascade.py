@@ -92,6 +92,22 @@ def attend(group: CascadeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                              group.block_size, variant)
 
 
+PIECE_ROWS = 32
+"""Query rows of a chunk that share one shared part in attend_causal (its slots in the whole blocks before the
+piece's first query); each row's later slots, up to PIECE_ROWS + a block, go through the decode loop."""
+
+
+def attend_causal(tables: torch.Tensor, chunks: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, block_size: int, out: torch.Tensor) -> None:
+    """Causal attention of prefill chunks (tables (G, blocks), chunks (G, 3): first row, queries, start; their keys
+    already in the cache) into their rows of out (N, nh, hd): per piece of PIECE_ROWS queries, the slots before it
+    as a shared part (AMX tiles for bf16 where the host has them), the rest per row, merged."""
+    from engines.cpu import kernels
+
+    variant = amx_prefill(q.dtype, q.shape[2], k_cache.dtype)
+    kernels.load()[0].causal_prefill(q, k_cache, v_cache, tables, chunks, block_size, variant, PIECE_ROWS, out)
+
+
 def amx_prefill(dtype: torch.dtype, hd: int, cache_dtype: torch.dtype) -> int:
     """The variant the shared part runs on (cascade_prefill): 3 (AMX tiles) for bf16 queries and cache and a
     head size that is a multiple of 32 on a host with AMX; 0 (fp32 products) otherwise. FORCE_VARIANT, when
