@@ -21,6 +21,13 @@ Scores and sums are fp32 whatever the cache dtype, the softmax is the usual max-
 path the probabilities are rounded to bf16 for the product with the values, as torch's bf16 SDPA does), and
 the result is rounded once to the step's dtype: the same attention as the per-sequence path up to the order
 of fp32 sums (tests/test_paged_cascade.py compares them).
+
+Every other prefill chunk of a step (fresh prompts, continuations outside a group) goes through attend_causal:
+one C++ op a layer (causal_prefill), a task a chunk and kv head that gathers the chunk's context once and runs
+each piece of PIECE_ROWS queries as the same two products over the piece's context, each query's softmax masked
+to its own slots. Per-sequence SDPA took one call (a fork and join of the threads) and a strided copy of its
+output per chunk and layer: on a SmolLM2 step of 14 fresh prompts (1,900 rows) 8.0 ms a layer in bf16, 2.7 ms
+here on AMX tiles (fp32: 7.3 against 5.6 ms).
 """
 
 from __future__ import annotations
