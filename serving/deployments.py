@@ -122,6 +122,17 @@ class MetricsHubDeployment:
         return self.hub.snapshot(exclude)
 
 
+def _gateway_options(server: ServerSpec, api_key_hashes, admin_key_hashes, replica: str,
+                     behind_ray_proxy: bool = False):
+    """The gateway's options in a Ray Serve replica (a Gateway, or a colocated ModelServer)."""
+    from serving.gateway import GatewayOptions, rate_limits
+
+    return GatewayOptions(max_body_bytes=server.max_body_bytes, api_key_hashes=frozenset(api_key_hashes),
+                          log_requests=server.log_requests, replica=replica,
+                          behind_ray_proxy=behind_ray_proxy, admin_key_hashes=frozenset(admin_key_hashes),
+                          **rate_limits(server))
+
+
 @serve.deployment
 class ModelServer:
     async def __init__(self, spec: dict, server: dict, hub: Any, ingress: dict | None = None):
@@ -160,18 +171,17 @@ class ModelServer:
         from serving.app import build_app
         from serving.backends import LocalBackend
         from serving.direct_http import DirectHTTP
-        from serving.gateway import Gateway, GatewayOptions, rate_limits
+        from serving.gateway import Gateway
 
-        options = GatewayOptions(max_body_bytes=self.server.max_body_bytes,
-                                 api_key_hashes=frozenset(ingress["api_key_hashes"]),
-                                 log_requests=self.server.log_requests, replica=replica, behind_ray_proxy=False,
-                                 admin_key_hashes=frozenset(ingress["admin_key_hashes"]), **rate_limits(self.server))
+        keys, admin = ingress["api_key_hashes"], ingress["admin_key_hashes"]
+        options = _gateway_options(self.server, keys, admin, replica)
 
         async def model_metrics() -> list:
             return [self.core.metrics.families()]
 
         self.gateway = Gateway({self.spec.name: LocalBackend(self.core)}, options, model_metrics)
-        self.http = DirectHTTP(build_app(self.gateway), self.server.host, self.server.port, self.server.drain_timeout_s)
+        self.http = DirectHTTP(build_app(self.gateway), self.server.host, self.server.port,
+                               self.server.drain_timeout_s)
         await self.http.start()
 
     async def generate(self, req):
@@ -239,7 +249,7 @@ class GatewayDeployment:
                        admin_key_hashes: list[str] = ()):
         from serving.app import build_app
         from serving.backends import RayBackend
-        from serving.gateway import Gateway, GatewayOptions, rate_limits
+        from serving.gateway import Gateway
 
         server_spec = ServerSpec.model_validate(server)
         _configure_logging(server_spec)
@@ -247,10 +257,8 @@ class GatewayDeployment:
         self.source = f"gateway:{replica}"
         self.hub = hub
         direct = server_spec.ingress == "direct"
-        options = GatewayOptions(max_body_bytes=server_spec.max_body_bytes,
-                                 api_key_hashes=frozenset(api_key_hashes), log_requests=server_spec.log_requests,
-                                 replica=replica, behind_ray_proxy=not direct,
-                                 admin_key_hashes=frozenset(admin_key_hashes), **rate_limits(server_spec))
+        options = _gateway_options(server_spec, api_key_hashes, admin_key_hashes, replica,
+                                   behind_ray_proxy=not direct)
         self.gateway = Gateway({name: RayBackend(h, step_windows=functools.partial(self._step_windows, name))
                                 for name, h in models.items()}, options, self._remote_metrics)
         # not `self.app`: the ingress wrapper owns that name
@@ -348,7 +356,7 @@ def app_builder(args: dict[str, Any]):
     from serving.gateway import hash_key
 
     cfg = validate_config(args.get("config"), source="args.config")
-    # a config file deployed onto a cluster of unknown shape: auto means direct (Gateway replicas on the head node)
+    # a config file deployed onto a cluster of unknown shape: auto means direct (Gateway replicas on the head)
     return build_application(cfg, [hash_key(k) for k in read_api_keys(cfg.server)],
                              [hash_key(k) for k in read_api_keys(cfg.server, admin=True)],
                              ingress="direct" if cfg.server.ingress == "auto" else cfg.server.ingress)

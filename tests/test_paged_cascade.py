@@ -115,6 +115,18 @@ def _prefill_case(seed: int, bs: int):
     return chunks, row + 3
 
 
+def _chunks_reference(q, kc, vc, chunks, bs) -> list[torch.Tensor]:
+    """Each chunk (first row, queries, start, block table): its queries' causal SDPA over its context, in fp32."""
+    ref = []
+    for r0, m, start, table in chunks:
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + m)])
+        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
+        ref.append(F.scaled_dot_product_attention(
+            q[r0:r0 + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
+            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    return ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 4)], ids=["gqa", "mha"])
 def test_prefill_cascade_equals_per_sequence_attention(dtype, nh, nkv, monkeypatch):
@@ -130,13 +142,7 @@ def test_prefill_cascade_equals_per_sequence_attention(dtype, nh, nkv, monkeypat
     kc, vc = (torch.randn(300 * BS, nkv, HD).to(dtype) for _ in range(2))
     q = torch.randn(n, nh, HD).to(dtype)
     got = pc.attend(groups[0], q, kc, vc)
-    ref = []
-    for row, m, start, table in chunks[:4]:
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(start + m)])
-        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
-        ref.append(F.scaled_dot_product_attention(
-            q[row:row + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
-            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    ref = _chunks_reference(q, kc, vc, chunks[:4], BS)
     assert got.dtype == dtype and torch.equal(groups[0].rows, torch.arange(sum(m for _, m, _, _ in chunks[:4])))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), torch.cat(ref), rtol=tol, atol=tol)
@@ -176,13 +182,7 @@ def test_prefill_cascade_shared_part_variants(nh, nkv, monkeypatch):
     assert taken == set(range(6)) and group.shared_len == 3 * bs and group.tables[:, :3].tolist() == [prefix] * 6
     kc, vc = (torch.randn(60 * bs, nkv, hd, generator=g).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(row, nh, hd, generator=g).to(torch.bfloat16)
-    ref = []
-    for r0, m, start, table in chunks:
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + m)])
-        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
-        ref.append(F.scaled_dot_product_attention(
-            q[r0:r0 + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
-            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    ref = _chunks_reference(q, kc, vc, chunks, bs)
     got = {}
     for variant in _amx_variants():
         monkeypatch.setattr(pc, "FORCE_VARIANT", variant)
@@ -223,10 +223,10 @@ def test_cascade_prefill_refuses_bad_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("nh,nkv", [(9, 3), (4, 4)], ids=["gqa", "mha"])
 def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
-    """attend_causal (causal_prefill: pieces of PIECE_ROWS queries, the whole blocks before a piece as its shared
-    part, the rest per row, merged) equals each chunk's causal SDPA over its context, in fp32: fresh prompts shorter
+    """attend_causal (causal_prefill: pieces of PIECE_ROWS queries, two products over a piece's context, each query's
+    softmax masked to its own slots) equals each chunk's causal SDPA over its context, in fp32: fresh prompts shorter
     than, equal to and longer than a piece, and continuations that start inside a block; every variant of the
-    shared part that applies; the rows of the step's decode tokens (before the chunks) are left as they were."""
+    products that applies; the rows of the step's decode tokens (before the chunks) are left as they were."""
     from engines.model import prefill_cascade as pc
 
     bs, hd, dec = 16, 32, 3
@@ -238,13 +238,7 @@ def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
         row += n
     kc, vc = (torch.randn(80 * bs, nkv, hd, generator=g).to(dtype) for _ in range(2))
     q = torch.randn(row, nh, hd, generator=g).to(dtype)
-    ref = []
-    for r0, m, start, table in chunks:
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + m)])
-        mask = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
-        ref.append(F.scaled_dot_product_attention(
-            q[r0:r0 + m].float().transpose(0, 1)[None], kc[slots].float().transpose(0, 1)[None],
-            vc[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    ref = _chunks_reference(q, kc, vc, chunks, bs)
     mb = max(len(t) for *_, t in chunks)
     tables = torch.tensor([t + [0] * (mb - len(t)) for *_, t in chunks])
     spec = torch.tensor([c[:3] for c in chunks])

@@ -40,11 +40,11 @@ from engines.model import prefill_cascade
 from engines.model.kv_runs import block_runs, read_runs
 
 BATCHED_PREFILL_MAX_MASK = 1 << 26
+"""Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for
+very uneven prompt lengths, the prompts run one at a time."""
 CAUSAL_PREFILL = True
 """CPU with the C++ module: prefill chunks through causal_prefill (one op a layer). Tests set it False to compare
 the decode kernel with the per-sequence loop where only decode differs (bf16 prefill rounds differently there)."""
-"""Most elements (prompts x longest prompt^2) of the batched fresh-prefill mask; above it, and for
-very uneven prompt lengths, the prompts run one at a time."""
 
 
 @dataclass

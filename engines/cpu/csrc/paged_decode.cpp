@@ -345,9 +345,10 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
 
 // Every prefill chunk of a step, causal (fresh prompts and continuations; their keys and values already in the
 // cache): one task a chunk and kv head (causal_chunk: its context gathered once, then per piece of `piece` query
-// rows two products over the piece's context, each query's softmax masked to its own slots). Rows are written to `out` (N, nh, hd) in
-// place, at their rows of q. One parallel region a layer: per-sequence SDPA took 68 calls a layer on a SmolLM2 step
-// of 14 fresh prompts (2,048 rows), each a fork and join, and a strided copy of its output.
+// rows two products over the piece's context, each query's softmax masked to its own slots). Rows are written to
+// `out` (N, nh, hd) in place, at their rows of q. One parallel region a layer, tasks claimed costliest first:
+// per-sequence SDPA took 68 calls a layer on a SmolLM2 step of 14 fresh prompts (2,048 rows), each a fork and join,
+// and a strided copy of its output.
 void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                     torch::Tensor chunks, int64_t block_size, int64_t variant, int64_t piece, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
