@@ -222,12 +222,15 @@ def test_a_reply_read_at_once_has_no_measured_tpot():
                              ttft_s=ttft, e2el_s=e2el, itl_s=gaps, output_tokens=5, requested_output_tokens=5)
 
     recs = [rec(0, 0.2, 0.2, []), rec(1, 0.1, 0.5, [0.1] * 4), rec(2, 0.1, 0.9, [0.2] * 4)]
+    # the same one read parsed as five events (gaps of 0 after the first; CI on 1c971cc): no TPOT measured either
+    recs_events = [rec(0, 0.2, 0.2, [0.0] * 4), *recs[1:]]
     run = Run(model=TINY, tp=1, pp=1, weight_dtype="float32", sched=SchedulerConfig(4, 256, 16, 64, 128), arrivals=np.array([0.0, 0.1, 0.2]),
               input_lens=np.full(3, 4), output_lens=np.full(3, 5), ttft_s=np.array([r.ttft_s for r in recs]),
               tpot_s=np.array([r.tpot_s for r in recs]))
     m = measured_run(run, SimpleNamespace(records=recs), (SLO("tpot", 150.0, "p99"),))
     assert m["tpot_unmeasured"] == 1 and m["tpot_p50_ms"] == pytest.approx(150.0)  # of 100 and 200 ms, not of 0 too
     assert m["goodput_req_s"] == pytest.approx(2 / 1.1)  # the one-read reply and the 100 ms one, over 1.1 s
+    assert measured_run(run, SimpleNamespace(records=recs_events), (SLO("tpot", 150.0, "p99"),)) == m
     one = measured_run(Run(**{**run.__dict__, "tpot_s": run.tpot_s[:1], "ttft_s": run.ttft_s[:1],
                               "arrivals": run.arrivals[:1]}), SimpleNamespace(records=recs[:1]), ())
     assert math.isnan(one["tpot_p50_ms"]) and one["tpot_unmeasured"] == 1

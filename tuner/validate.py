@@ -115,7 +115,9 @@ def measured_run(run: Run, report, slos: tuple[SLO, ...]) -> dict[str, float]:
     ends = [r.done_s if r.ok else math.nan for r in recs]
     # no TPOT measured: every token in one read, or a single token (TPOT 0 by vLLM's goodput convention, and left
     # out of the load test's own TPOT statistics, loadtest/metrics.py)
-    unmeasured = np.array([r.ok and (r.output_tokens <= 1 or not r.itl_s) for r in recs], bool)
+    # (a read of several events gives each a gap of 0 after the first: the reply's first and last text then share
+    # one arrival time, and its E2EL equals its TTFT)
+    unmeasured = np.array([r.ok and (r.output_tokens <= 1 or not r.e2el_s > r.ttft_s) for r in recs], bool)
     out = _stats(list(run.ttft_s), list(run.tpot_s), [r.output_tokens if o else 0 for r, o in zip(recs, ok, strict=True)],
                  run.arrivals, ends, slos, tpot_shown=np.where(unmeasured, math.nan, run.tpot_s))
     out["tpot_unmeasured"] = int(unmeasured.sum())
