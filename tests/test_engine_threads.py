@@ -254,6 +254,32 @@ def test_drift_of_the_current_count_drops_stale_samples():
     assert seen.count(1) >= MIN_SAMPLES and a.current_of(cls) == 1 and a.switches == 1
 
 
+def test_a_costly_class_tries_fewer_threads_only_while_the_host_is_busy():
+    """A prefill chunk's class (COSTLY_STEP_S and more on all threads) runs no trial of one thread while the host
+    is quiet (each would cost about a step, with a burst's prompts waiting behind it); once a cheap class has
+    moved to one thread (the host is busy) it tries one thread too and moves when that is faster, and from
+    there it keeps trying all threads, back on them when the host is quiet again."""
+    from engines.cpu.cpu_threads import COSTLY_STEP_S, EXPLORE_MAX, AdaptiveThreads
+
+    a = AdaptiveThreads(2)
+    costly, cheap = (True, 11), (False, 6)
+    slow = 4 * COSTLY_STEP_S
+    quiet_costly = lambda n, i: slow if n == 2 else 2 * slow
+    assert _drive(a, costly, 300, quiet_costly) == [2] * 300
+    assert _drive(a, cheap, 300, lambda n, i: 0.010 if n == 2 else 0.018).count(1) >= 1  # cheap trials go on
+    assert a.current_of(cheap) == 2 and _drive(a, costly, 100, quiet_costly) == [2] * 100
+    # the host gets busy: the cheap class moves to one thread, then the costly one tries it and moves as well
+    _drive(a, cheap, 3 * EXPLORE_MAX, lambda n, i: 0.040 if n == 2 else 0.018)
+    assert a.current_of(cheap) == 1
+    seen = _drive(a, costly, 3 * EXPLORE_MAX, lambda n, i: 3 * slow if n == 2 else 2 * slow)
+    assert 1 in seen and a.current_of(costly) == 1
+    # quiet again: the cheap class returns to two threads, and the costly one (on one thread) tries two and returns
+    _drive(a, cheap, 3 * EXPLORE_MAX, lambda n, i: 0.010 if n == 2 else 0.018)
+    assert a.current_of(cheap) == 2
+    _drive(a, costly, 3 * EXPLORE_MAX, quiet_costly)
+    assert a.current_of(costly) == 2
+
+
 def test_one_core_never_adapts():
     from engines.cpu.cpu_threads import AdaptiveThreads
 

@@ -133,6 +133,14 @@ SWITCH_MARGIN = 0.9
 DRIFT = 1.5
 """A count's new median (or a trial's time) this many times above or below the median the last decision
 saw means the machine changed: every count's samples are dropped as stale and measured again soon."""
+COSTLY_STEP_S = 0.1
+"""A class whose steps take this long on all threads (a prefill chunk: SmolLM2 bf16, 2,048 tokens, ~0.45 s on
+2 cores) tries fewer threads only while the host shows itself busy: while some cheaper class (a decode step) runs
+on fewer threads than all. Such a trial costs about a step (873 against 444 ms on one thread), and a burst of
+prompts holds a handful of these steps, every prompt behind the trial waiting for it: 64 prompts, one prefill
+burst of 5 steps a repetition, ran at 2,959-3,031 tok/s in the repetitions that held the three trials of one
+thread against 3,700-4,300 in the others; with this rule 4,150-4,500 after the first, as with the count fixed
+(the Xeon of BENCHMARKS.md, alternated runs)."""
 
 
 def step_class(num_tokens: int, has_prefill: bool) -> tuple[bool, int]:
@@ -187,7 +195,8 @@ class AdaptiveThreads:
     under SWITCH_MARGIN of the current's. The interval doubles (to EXPLORE_MAX) while the current
     count keeps winning, so a losing trial costs little; it drops to EXPLORE_MIN after a switch and
     when measurements drift (DRIFT: the current count's median, or one trial, far from what the last
-    decision saw); a drift of the current count's median drops every sample, all measured again. Changing the count
+    decision saw); a drift of the current count's median drops every sample, all measured again. A costly class
+    (COSTLY_STEP_S: prefill chunks) tries fewer threads only while a cheap class runs on fewer. Changing the count
     does not change results: the linears and attention of a step were measured bitwise equal on 1
     and 2 threads (tests check it).
     """
@@ -213,6 +222,9 @@ class AdaptiveThreads:
             st = self._states[cls] = _ClassState(self.max_threads)
         st.countdown -= 1
         if st.countdown > 0 or len(st.samples.get(st.current, ())) < MIN_SAMPLES:
+            return st.current
+        if st.current == self.max_threads and self._costly(st) and not self._host_busy():
+            st.countdown = st.interval  # see COSTLY_STEP_S: all threads, and no trial, while the host is quiet
             return st.current
         others = [c for c in self.candidates if c != st.current]
         i = self._trial.get(cls, 0) % len(others)
@@ -250,6 +262,18 @@ class AdaptiveThreads:
         elif known:
             st.interval = min(EXPLORE_MAX, 2 * st.interval)  # it lost again, as before: try it more rarely
         st.countdown = st.interval
+
+    @staticmethod
+    def _costly(st: _ClassState) -> bool:
+        """Whether the class's steps on its current count take COSTLY_STEP_S or more (median)."""
+        times = st.samples.get(st.current)
+        return bool(times) and median(times) >= COSTLY_STEP_S
+
+    def _host_busy(self) -> bool:
+        """Whether a cheap class (measured, under COSTLY_STEP_S) runs on fewer threads than all: its trials found
+        the host busy enough that a descheduled partner thread costs more than the second core gives."""
+        return any(st.current < self.max_threads and st.samples.get(st.current) and not self._costly(st)
+                   for st in self._states.values())
 
     def _drifted(self, st: _ClassState, cur: float) -> None:
         """The current count's median moved past DRIFT: every count's samples are stale (the others' were
