@@ -254,6 +254,19 @@ def test_drift_of_the_current_count_drops_stale_samples():
     assert seen.count(1) >= MIN_SAMPLES and a.current_of(cls) == 1 and a.switches == 1
 
 
+def test_a_clearly_losing_trial_backs_off_at_once():
+    """A trial CLEAR_LOSS times slower than the current count's median loses at once: a run's first 40 steps of
+    a class whose one-thread steps take twice as long hold 2 trials, not MIN_SAMPLES within TRIAL_GAPs; a
+    competitive count is still sampled MIN_SAMPLES times, TRIAL_GAP apart, before it can win."""
+    from engines.cpu.cpu_threads import EXPLORE_MIN, MIN_SAMPLES, TRIAL_GAP, AdaptiveThreads
+
+    seen = _drive(AdaptiveThreads(2), (False, 5), 40, lambda n, i: 0.010 if n == 2 else 0.020)
+    assert seen.count(1) == 2 and seen[EXPLORE_MIN] == 1 and seen[EXPLORE_MIN + TRIAL_GAP] == 2
+    seen = _drive(AdaptiveThreads(2), (False, 5), 40, lambda n, i: 0.010 if n == 2 else 0.011)
+    first = seen.index(1)
+    assert [seen[first + k * TRIAL_GAP] for k in range(MIN_SAMPLES)] == [1] * MIN_SAMPLES
+
+
 def test_a_costly_class_tries_fewer_threads_only_while_the_host_is_busy():
     """A prefill chunk's class (COSTLY_STEP_S and more on all threads) runs no trial of one thread while the host
     is quiet (each would cost about a step, with a burst's prompts waiting behind it); once a cheap class has

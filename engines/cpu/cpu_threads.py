@@ -133,6 +133,12 @@ SWITCH_MARGIN = 0.9
 DRIFT = 1.5
 """A count's new median (or a trial's time) this many times above or below the median the last decision
 saw means the machine changed: every count's samples are dropped as stale and measured again soon."""
+CLEAR_LOSS = 1.4
+"""A trial this many times slower than the current count's median loses at once (the interval backs off, as
+after a decided loss), not after MIN_SAMPLES: only a count that looks competitive is sampled again soon. A
+disturbed trial can only look slower, which keeps the current count. On SmolLM2 bf16 one thread took
+1.8-2.2x as long as two for every decode class of the peer mix: three trials a class, each about a step more,
+were ~5 % of a 13 s run."""
 COSTLY_STEP_S = 0.1
 """A class whose steps take this long on all threads (a prefill chunk: SmolLM2 bf16, 2,048 tokens, ~0.45 s on
 2 cores) tries fewer threads only while the host shows itself busy: while some cheaper class (a decode step) runs
@@ -251,7 +257,12 @@ class AdaptiveThreads:
         moved = known and not median(before) / DRIFT <= seconds <= DRIFT * median(before)
         trial = st.add(threads, seconds)
         if len(trial) < MIN_SAMPLES:
-            st.countdown = TRIAL_GAP
+            cur = st.samples.get(st.current)
+            if cur and seconds >= CLEAR_LOSS * median(cur):  # lost at once (CLEAR_LOSS)
+                st.interval = min(EXPLORE_MAX, 2 * st.interval)
+                st.countdown = st.interval
+            else:
+                st.countdown = TRIAL_GAP
             return
         if median(trial) < SWITCH_MARGIN * median(st.samples[st.current]):
             st.current, st.interval = threads, EXPLORE_MIN
