@@ -1,9 +1,14 @@
-"""Block placement (contiguous runs when the pool allows) and the two decode strategies of the
-paged attention backend: in place per sequence (CPU) and one padded gather (CUDA's)."""
+"""Block placement (contiguous runs when the pool allows), the two decode strategies of the
+paged attention backend: in place per sequence (CPU) and one padded gather (CUDA's), and the idle
+engine mapping the cache's pages ahead of their first writes (KVCache.prefault)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import sys
+import time
 
 import pytest
 import torch
@@ -187,3 +192,67 @@ def test_batched_fresh_prefill_equals_one_prompt_at_a_time(gqa):
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
     # and the fresh prompts are really attended (a prompt's last row differs from its first)
     assert not torch.allclose(outs[True][7], outs[True][1])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _populate_works() -> bool:
+    from engines.cpu.host_memory import huge_page_zeros, populate
+
+    probe = huge_page_zeros(2 << 20)
+    return probe is not None and populate(probe, 0, 4096)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _populate_works(),
+                    reason="madvise(MADV_POPULATE_WRITE) needs Linux 5.14+")
+def test_prefault_maps_the_cache_without_changing_it():
+    cache = KVCache(2, 1024, 16, 2, 64, torch.bfloat16)  # 16 MiB, untouched
+    cache.data[1, 0, 5] = 3.0
+    cache.data[0, 1, -1] = -2.0
+    before = _resident_bytes()
+    assert cache.prefault(1 << 20, 0) is False and not cache._prefaulted  # no block wanted: nothing mapped
+    pieces = 0
+    while cache.prefault(1 << 20, 1024):
+        pieces += 1
+    assert pieces == cache.nbytes // (2 << 20) and cache.prefault(1 << 20, 1024) is False  # a 2 MiB piece a call
+    assert _resident_bytes() - before >= 0.9 * (cache.nbytes - (4 << 20))  # mapped now, bar the two 2 MiB pages written
+    assert cache.data[1, 0, 5].eq(3.0).all() and cache.data[0, 1, -1].eq(-2.0).all()
+    assert cache.data.float().abs().sum().item() == 128 * 3.0 + 128 * 2.0  # a row is 2 x 64; all else still zero
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _populate_works(),
+                    reason="madvise(MADV_POPULATE_WRITE) needs Linux 5.14+")
+def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monkeypatch):
+    from engines import AsyncLLMEngine
+    from engines.core import async_engine
+
+    monkeypatch.setattr(async_engine, "PREFAULT_AHEAD", 8 << 20)  # of a 48 MiB cache
+    engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=48 << 20))
+    cache = engine.engine.executor.runner.cache
+    per_block = cache.nbytes // cache.num_blocks
+    ahead = (8 << 20) // per_block
+
+    def mapped_to(n: int) -> int:  # wait until the idle loop has mapped blocks [0, n)
+        deadline = time.monotonic() + 60
+        while engine._mapped_to < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return engine._mapped_to
+
+    try:
+        assert mapped_to(ahead) == ahead and not cache._prefaulted  # PREFAULT_AHEAD's worth, not the whole cache
+        before = cache._prefault_at
+
+        async def main():
+            outs = [o async for o in engine.generate("r", list(range(1, 200)),
+                                                       SamplingParams(max_tokens=8, ignore_eos=True))]
+            return outs[-1]
+
+        out = asyncio.run(main())
+        used = engine.engine.scheduler.blocks.high_water
+        assert used >= 13 and mapped_to(used + ahead) == used + ahead and cache._prefault_at > before
+    finally:
+        engine.shutdown()
+    assert out.finished and len(out.outputs[0].token_ids) == 8

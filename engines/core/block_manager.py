@@ -87,6 +87,9 @@ class BlockManager:
         self._owner: dict[int, int] = {}  # reserved block -> seq_id
         self._reservations: dict[int, list[int]] = {}  # seq_id -> its reserved (not yet taken) blocks
         self._num_free = num_blocks
+        self.high_water = 0
+        """Blocks [0, high_water) have been taken at least once (first fit fills the pool from the bottom): the
+        idle engine keeps the KV cache's pages mapped some way above it (engines/core/async_engine.py)."""
         self._by_hash: dict[bytes, int] = {}  # content key -> cached block
         self._hash_of: dict[int, bytes] = {}  # cached block -> content key
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld; least recently released first
@@ -250,6 +253,8 @@ class BlockManager:
         self._state[b] = _ALLOCATED
         self._ref[b] = 1
         self._num_free -= 1
+        if b >= self.high_water:
+            self.high_water = b + 1
 
     def _reserve(self, seq: Sequence, want: int) -> int:
         """Start a new run for `seq`: reserve up to `want` empty blocks and return the first; with

@@ -32,6 +32,12 @@ class Executor(abc.ABC):
     def check_health(self) -> None:
         """Raise ExecutorError when a worker is gone."""
 
+    def prefault(self, max_bytes: int, upto_block: int) -> bool:
+        """Map up to `max_bytes` more of the KV cache's blocks [0, upto_block) ahead of their first writes
+        (engines.model.attention.KVCache.prefault); True while more is left. Executors whose caches live in other
+        processes map nothing."""
+        return False
+
     def shutdown(self) -> None:
         """Release workers and memory."""
 
@@ -70,6 +76,9 @@ class InProcessExecutor(Executor):
             result = self.runner.execute(plan)
         self.adaptive.record(cls, n, time.perf_counter() - t)
         return result
+
+    def prefault(self, max_bytes: int, upto_block: int) -> bool:
+        return self.runner is not None and self.runner.cache.prefault(max_bytes, upto_block)
 
     def shutdown(self) -> None:
         self.runner = None  # type: ignore[assignment]

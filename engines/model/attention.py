@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from engines.core.plan import SeqWork
 from engines.cpu import module_ops
 from engines.cpu.cpu_threads import single_threaded
-from engines.cpu.host_memory import huge_page_zeros
+from engines.cpu.host_memory import HUGE_PAGE, huge_page_zeros, populate
 from engines.cpu.paged_kernel import paged_decode
 from engines.model import prefill_cascade
 from engines.model.kv_runs import block_runs, read_runs
@@ -62,6 +62,7 @@ class KVCache:
     def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_kv_head: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self._prefault_at, self._prefaulted = 0, False  # prefault's progress: 2 MB pieces mapped; all done
         shape = (n_layer, 2, num_blocks * block_size, n_kv_head, head_dim)
         if torch.device(device).type == "cpu":
             # untouched zeros: pages are mapped as blocks are first written, so a cache sized from free
@@ -81,6 +82,32 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    def prefault(self, max_bytes: int, upto_block: int) -> bool:
+        """Map up to `max_bytes` more of the CPU cache's pages of blocks [0, upto_block) ahead of their first writes
+        (host_memory.populate), lowest blocks first (the order the block manager fills the pool in: first fit), all
+        layers' keys and values alike. True while such pages are left; False once they are mapped or the host
+        cannot (a device cache: none to map). The engine's idle loop calls it (engines/core/async_engine.py); the
+        contents never change."""
+        if self.data.device.type != "cpu" or self._prefaulted:
+            return False
+        slabs = self.data.shape[0] * self.data.shape[1]
+        slab = self.nbytes // slabs  # one layer's keys (or values) of every slot
+        limit = min(slab, upto_block * (slab // (self.data.shape[2] // self.block_size)))
+        done = 0
+        while done < max_bytes:
+            off, i = divmod(self._prefault_at, slabs)  # the next 2 MB of slab i: off counts whole rounds
+            off *= HUGE_PAGE
+            if off >= limit:
+                self._prefaulted = off >= slab
+                return False
+            n = min(HUGE_PAGE, slab - off)
+            if not populate(self.data, i * slab + off, n):
+                self._prefaulted = True
+                return False
+            self._prefault_at += 1
+            done += n
+        return True
 
 
 class PagedAttention:
