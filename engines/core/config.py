@@ -62,7 +62,8 @@ class EngineConfig:
     (like vLLM's gpu_memory_utilization, default 0.9). On CUDA: of the device's total memory, less
     what is already in use after the weights are loaded. On CPU: of the memory available to the
     process (MemAvailable, and the cgroup limit if lower) after the weights are loaded. Pages of
-    a CPU cache are only touched as blocks are used."""
+    a CPU cache are only touched as blocks are used (a serving engine, while idle, maps them up to
+    512 MiB above the blocks used so far: engines/core/async_engine.py PREFAULT_AHEAD)."""
     num_kv_blocks: int = 0
     """Explicit number of KV blocks; 0 derives it from kv_cache_bytes."""
     max_num_seqs: int = 64
