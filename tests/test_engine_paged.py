@@ -233,7 +233,9 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
     engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=48 << 20))
     cache = engine.engine.executor.runner.cache
     per_block = cache.nbytes // cache.num_blocks
-    ahead = (8 << 20) // per_block
+    longest = 64 * -(-engine.engine.max_model_len // 16)  # max_num_seqs sequences of the longest length
+    ahead = engine._ahead_blocks
+    assert ahead == min((8 << 20) // per_block, longest) < cache.num_blocks
 
     def mapped_to(n: int) -> int:  # wait until the idle loop has mapped blocks [0, n)
         deadline = time.monotonic() + 60

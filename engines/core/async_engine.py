@@ -62,7 +62,10 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stopping = False
         # idle, the loop maps the KV cache's pages up to PREFAULT_AHEAD above the blocks used so far (KVCache.prefault)
-        self._ahead_blocks = max(1, PREFAULT_AHEAD // kv_bytes_per_block(engine.executor.model_config, engine.config))
+        # (or what max_num_seqs sequences of the longest length hold, where that is less: a small model's test server)
+        per_block = kv_bytes_per_block(engine.executor.model_config, engine.config)
+        longest = engine.config.max_num_seqs * -(-engine.max_model_len // engine.config.block_size)
+        self._ahead_blocks = max(1, min(PREFAULT_AHEAD // per_block, longest))
         self._mapped_to = 0  # blocks [0, _mapped_to) mapped (or as far as the host could)
         self.dead: BaseException | None = None
         self.last_step_time = time.monotonic()
