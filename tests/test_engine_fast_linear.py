@@ -329,3 +329,24 @@ def test_a_timing_on_a_busy_host_is_taken_again_and_never_saved(monkeypatch, tmp
     tries.clear()
     assert fl.choose_kernels(w, None, budget_s=0.0) and len(tries) == 3
     assert "24x16 float32" in json.loads((tmp_path / "fast_linear.json").read_text())[fl.machine_key()]
+
+
+@pytest.mark.skipif(not fl.panel_available(torch.bfloat16), reason="the panel kernel does not build here")
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_forward_float_gives_the_unrounded_fp32_sums_of_bf16_rows(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=False).to(torch.bfloat16)
+    fast = FastLinear(lin, "panel", "panel", "panel")
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        out = fast.forward_float(x)
+        rounded = fast(x).float()
+    ref = x.double() @ lin.weight.double().t()  # the exact products of the bf16 inputs
+    assert out.dtype == torch.float32 and out.shape == (rows, 200)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)  # fp32 sums: far inside bf16's step
+    assert (out - rounded).abs().max() > 0  # not the bf16 output widened
+    torch.testing.assert_close(out.to(torch.bfloat16).float(), rounded, rtol=0, atol=0.02)
+    fp32 = FastLinear(nn.Linear(96, 8, bias=False), "panel", "panel", "panel")  # other dtypes: forward, widened
+    xf = torch.randn(3, 96)
+    with torch.no_grad():
+        assert torch.equal(fp32.forward_float(xf), fp32(xf))

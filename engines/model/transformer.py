@@ -193,5 +193,12 @@ class GPT(nn.Module):
         return self.norm_f(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (..., C) -> logits (..., vocab) in fp32."""
-        return self.lm_head(hidden).float()
+        """hidden (..., C) -> logits (..., vocab) in fp32 (unrounded where the head computes them so: a CPU inference
+        head's forward_float, engines/cpu/fast_linear.py)."""
+        return head_logits(self.lm_head, hidden)
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A vocabulary head's logits of hidden in fp32: its forward_float where it has one, else its output widened."""
+    f = getattr(head, "forward_float", None)
+    return f(hidden) if f is not None else head(hidden).float()

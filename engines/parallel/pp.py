@@ -16,7 +16,7 @@ from torch import nn
 
 from engines.core.config import ModelConfig
 from engines.core.plan import SeqWork
-from engines.model.transformer import rope_cache
+from engines.model.transformer import head_logits, rope_cache
 
 
 class StageModel(nn.Module):
@@ -60,7 +60,7 @@ class StageModel(nn.Module):
         return self.norm_f(x) if self.last else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return head_logits(self.lm_head, hidden)
 
 
 def split_stage(model: nn.Module, start: int, end: int) -> StageModel:
