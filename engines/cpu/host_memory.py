@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,15 @@ _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit: blocks above it a
 _done: bool | None = None
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (for mallopt and madvise), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def retain_freed_memory() -> bool:
     """Tell glibc to keep freed memory for reuse; True if it took effect (idempotent)."""
     global _done
@@ -39,10 +49,9 @@ def retain_freed_memory() -> bool:
     _done = False
     if not sys.platform.startswith("linux"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
@@ -107,14 +116,11 @@ def populate(t: torch.Tensor, start: int, nbytes: int) -> bool:
     platform cannot (then nothing was done, and it is not worth asking again)."""
     global _madvise
     if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-                fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
+        _madvise = getattr(_libc(), "madvise", None) if sys.platform.startswith("linux") else None
+        if _madvise is None:
+            _madvise = False
+        else:
+            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     if _madvise is False or nbytes <= 0:
         return False
     page = 4096
