@@ -188,13 +188,19 @@ def _full_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def shard_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the parameters a shard holds (shared tensors counted once)."""
+    """Bytes of the weights a shard holds (shared tensors counted once): its parameters, and the (out, in) weight of
+    a CPU FastLinear that kept only its panel copy (engines/cpu/fast_linear.py, dense=False, chosen by kernel timings,
+    so per host and per run: counted as its Parameter was, else the count would depend on the timings)."""
     seen, total = set(), 0
     for p in module.parameters():
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
         total += p.numel() * p.element_size()
+    for m in module.modules():
+        panels = getattr(m, "panels", None)
+        if getattr(m, "weight", 0) is None and panels is not None:
+            total += m.out_features * m.in_features * panels.element_size()
     return total
 
 
