@@ -258,3 +258,19 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
     finally:
         engine.shutdown()
     assert out.finished and len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_cpu_engine_keeps_freed_memory_for_its_next_step(gpt2_dir):
+    """A CPU engine tells glibc to keep freed blocks (host_memory.retain_freed_memory): each step's activations
+    then reuse the last step's memory instead of faulting fresh pages in. Checked in a fresh process, where nothing
+    else (the training loop) has set it."""
+    import subprocess
+
+    code = ("import sys; from engines import LLM; from engines.cpu import host_memory as h\n"
+            "assert h._done is None\n"
+            f"LLM({str(gpt2_dir)!r}, num_kv_blocks=16)\n"
+            "sys.exit(0 if h._done else 3)")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -116,6 +116,10 @@ class ModelRunner:
             from engines.transforms.fp8 import apply_fp8_head
 
             log.info("lm_head_dtype fp8: %s", apply_fp8_head(model, self.dtype, model_dir))
+        if self.device.type == "cpu":
+            from engines.cpu.host_memory import retain_freed_memory
+
+            retain_freed_memory()  # a step's activations reuse freed memory instead of faulting fresh pages in
         if engine_cfg.cpu_linear_autotune and self.device.type == "cpu":
             from engines.cpu.fast_linear import apply_fast_linear
 
