@@ -354,3 +354,23 @@ def test_forward_float_gives_the_unrounded_fp32_sums_of_bf16_rows(rows):
     xf = torch.randn(3, 96)
     with torch.no_grad():
         assert torch.equal(fp32.forward_float(xf), fp32(xf))
+
+
+@pytest.mark.skipif(not fl.panel_available(torch.bfloat16), reason="the panel kernel does not build here")
+def test_a_bf16_vocabulary_head_gets_fp32_logits_whatever_its_timings_chose(monkeypatch):
+    """A bf16 head whose timings chose plain linear everywhere still becomes a FastLinear with panels, so its logits
+    are the unrounded fp32 sums on every host (greedy near-ties are not decided by bf16 rounding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, fl.WIDE_MIN_OUT, bias=False)).to(torch.bfloat16)
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("linear", "linear", "linear"))
+    apply_fast_linear(model)
+    head = model[0]
+    assert isinstance(head, FastLinear) and head.panels is not None and head.one == "linear"
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        out = head.forward_float(x)
+    ref = x.double() @ head.weight.double().t()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    narrow = nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16)  # not a vocabulary head: left alone
+    apply_fast_linear(narrow)
+    assert type(narrow[0]) is nn.Linear

@@ -43,7 +43,7 @@ def test_fused_step_equals_the_module_path_through_chunks_and_preemption(gpt2_di
     """Every kernel the C++ loop calls (one row / a decode batch), against the module path."""
     _force(monkeypatch, kinds, dtype)
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
-            "max_num_batched_tokens": 16}  # prompts of 17-37 tokens: chunked prefill
+            "max_num_batched_tokens": 16, "adaptive_threads": False}  # prompts of 17-37 tokens: chunked prefill
     off = LLMEngine(gpt2_dir, EngineConfig(fused_decode="off", **base))
     fused = LLMEngine(gpt2_dir, EngineConfig(fused_decode="auto", **base))
     assert off.executor.runner.fused is None and fused.executor.runner.fused is not None
@@ -80,7 +80,7 @@ def test_llama_fused_step_equals_the_module_path(llama_dir, tied_llama_dir, monk
         _force(monkeypatch, kinds, dtype)
     model_dir = tied_llama_dir if tied else llama_dir
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
-            "max_num_batched_tokens": 16, "cpu_linear_autotune": kinds is not None}
+            "max_num_batched_tokens": 16, "adaptive_threads": False, "cpu_linear_autotune": kinds is not None}
     off = LLMEngine(model_dir, EngineConfig(fused_decode="off", **base))
     fused = LLMEngine(model_dir, EngineConfig(fused_decode="auto", **base))
     runner = fused.executor.runner
@@ -191,7 +191,7 @@ def test_fp8_fused_step_equals_the_module_path(llama_dir, monkeypatch, dtype, va
     monkeypatch.setattr(f8.Fp8PanelLinear, "from_fp8",
                         classmethod(lambda cls, mod, dt, variant_=variant: make(cls, mod, dt, variant_)))
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
-            "max_num_batched_tokens": 16, "weight_dtype": "fp8"}
+            "max_num_batched_tokens": 16, "adaptive_threads": False, "weight_dtype": "fp8"}
     off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
     fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
     runner = fused.executor.runner

@@ -151,7 +151,9 @@ class FastLinear(nn.Module):
         """The output in fp32 (a vocabulary head's logits): for bf16 rows through the bf16 panels, the kernel's fp32 sums
         unrounded, at any row count; otherwise forward(x).float(). Rounded to bf16, near-equal logits become equal: on
         SmolLM2 bf16 (2-core EPYC, no AMX) the first answer token to "What is the capital of France?" had fp32
-        log-probabilities -1.864 ("The") and -1.963 ("L"), both -1.905 after the rounding, and greedy took "L"."""
+        log-probabilities -1.864 ("The") and -1.963 ("L"), both -1.905 after the rounding, and greedy took "L".
+        apply_fast_linear gives a bf16 vocabulary head panels whatever kernels its timings chose, so this holds on
+        every host."""
         if (self.panels is not None and x.dtype == torch.bfloat16 and self.bias is None and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):
             x2 = x.reshape(-1, self.in_features).contiguous()
@@ -466,7 +468,10 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
             if single_thread_too and torch.get_num_threads() > 1:
                 with intra_op_threads(1):
                     single = choose_kernels(child.weight, child.bias)
-            if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3):
+            # a bf16 vocabulary head keeps panels whatever its timings chose: its forward_float (fp32 logits) reads them
+            head = (child.out_features >= WIDE_MIN_OUT and child.weight.dtype == torch.bfloat16
+                    and child.bias is None and panel_available(torch.bfloat16))
+            if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3) or head:
                 kernels = choices[key]
                 dense = not (drop_dense and holders.get(id(child.weight)) == 1
                              and droppable(kinds_of(*kernels, single)))
@@ -477,7 +482,8 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
                     # packed copies bought nothing (64 prompts' prefill 10.0-11.4 s either way) for +385 MB
                     kernels = (*kernels[:2], _packed_for_linear(kernels[2]))
                     single = None if single is None else (*single[:2], _packed_for_linear(single[2]))
-                setattr(parent, name, FastLinear(child, *kernels, single=single, dense=dense))
+                setattr(parent, name, FastLinear(child, *kernels, single=single, dense=dense,
+                                                 prepare=("panel",) if head else ()))
     if choices:
         log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
     return choices
