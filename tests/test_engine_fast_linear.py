@@ -374,3 +374,26 @@ def test_a_bf16_vocabulary_head_gets_fp32_logits_whatever_its_timings_chose(monk
     narrow = nn.Sequential(nn.Linear(64, 32, bias=False)).to(torch.bfloat16)  # not a vocabulary head: left alone
     apply_fast_linear(narrow)
     assert type(narrow[0]) is nn.Linear
+
+
+@pytest.mark.skipif(not fl.packing_available(torch.float32), reason="oneDNN packing is not available here")
+def test_a_packed_copy_read_by_prefill_alone_is_laid_out_for_prefill_and_timed_so(monkeypatch):
+    """"packed" read only by prefill chunks is reordered for BULK_ROWS rows (oneDNN's one-row fp32 layout is plain and
+    repacked every call); read by a decode kernel too it keeps the one-row layout. Either gives F.linear's result,
+    at any row count, and choose_kernels times a prefill chunk's "packed" on the prefill layout."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 80)
+    bulk_only = FastLinear(lin, "linear", "linear", "packed")
+    shared = FastLinear(lin, "linear", "packed", "packed")
+    assert bulk_only.packed_rows == fl.BULK_ROWS and shared.packed_rows == 1
+    with torch.no_grad():
+        for rows in (1, 7, fl.BULK_FROM + 5, 300):
+            x = torch.randn(rows, 96)
+            ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            for fast in (bulk_only, shared):
+                torch.testing.assert_close(fast.run("packed", x), ref, rtol=1e-5, atol=1e-5)
+    layouts = []
+    real = fl.pack_weight
+    monkeypatch.setattr(fl, "pack_weight", lambda w, rows=1: layouts.append(rows) or real(w, rows))
+    fl.choose_kernels(torch.randn(48, 32), None, budget_s=0.0)
+    assert fl.BULK_ROWS in layouts and 1 in layouts

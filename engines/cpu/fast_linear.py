@@ -42,7 +42,7 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 11
+KERNEL_SET = 12
 """Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice saved
 before a kernel or the rule changed times again; git log has what each version changed)."""
 MANY_ROWS, BULK_ROWS = 32, 128
@@ -74,9 +74,11 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
     return huge_page_copy(panel_kernel.pack_panels(weight))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight (out, in) reordered once into oneDNN's blocked layout for `_linear_pointwise`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+def pack_weight(weight: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """weight (out, in) reordered once into oneDNN's layout for `_linear_pointwise` on `rows` rows. fp32 on the AVX-512
+    EPYC of BENCHMARKS.md: the one-row layout is plain, packed again by oneDNN's brgemm every call (a 1,473-row chunk
+    184-199 GFLOP/s, F.linear 179-195), the BULK_ROWS one 214-220 (vLLM prefills on such prepacked weights); bf16 the same."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
 class FastLinear(nn.Module):
@@ -98,10 +100,13 @@ class FastLinear(nn.Module):
         """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
         adaptive thread count, engines.cpu.cpu_threads); None: the kernels above at any count."""
         kinds = {one, many, bulk, *(single or ()), *prepare}
+        decode = {one, many, *(single[:2] if single else ()), *prepare}
         w = linear.weight.detach()
+        self.packed_rows = 1 if "packed" in decode else BULK_ROWS  # `packed`'s layout: prefill's if only it reads it
         self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
                              persistent=False)  # (in, out)
-        self.register_buffer("packed", pack_weight(w) if "packed" in kinds else None, persistent=False)
+        self.register_buffer("packed", pack_weight(w, self.packed_rows) if "packed" in kinds else None,
+                             persistent=False)
         half = (self.out_features + 1) // 2
         self.half = half
         self.register_buffer("packed_lo", pack_weight(w[:half].contiguous()) if "halves" in kinds else None,
@@ -122,6 +127,7 @@ class FastLinear(nn.Module):
         for name in ("weight_t", "packed", "packed_lo", "packed_hi", "panels"):
             t = getattr(self, name)
             setattr(other, name, None if t is None else t.clone() if name != "panels" else huge_page_copy(t.clone()))
+        other.packed_rows = self.packed_rows
         return other
 
     def extra_repr(self) -> str:
@@ -400,12 +406,16 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                        "halves" if halves else "linear", prepare=("panel",) if panels else ())
     from engines.cpu.cpu_threads import FORK_JOIN_QUIET_S, fork_join_s, intra_op_threads
 
+    # a prefill chunk's "packed" is timed on the layout it would run on (pack_weight for BULK_ROWS rows)
+    bulk = FastLinear(_Weights(weight, bias), "linear", "linear", "packed") if packs else first
     with intra_op_threads(1):  # small copies: a parallel one waits a scheduler slice for its partner on a busy host
         probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
+        bulk_probes = [bulk, *(bulk.probe_copy() for _ in range(copies - 1))] if packs else probes
     turn = iter(range(1 << 62))
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
-        return probes[next(turn) % copies].run(kind, x)
+        ring = bulk_probes if kind == "packed" and x.shape[0] >= BULK_FROM else probes
+        return ring[next(turn) % copies].run(kind, x)
 
     for attempt in range(TIMING_TRIES):
         quiet = fork_join_s() < FORK_JOIN_QUIET_S
@@ -424,7 +434,8 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
         if quiet:
             break
         log.info("fast_linear %s: the host was busy while timing (try %d of %d)", key, attempt + 1, TIMING_TRIES)
-    probes.clear()  # the copies (up to COLD_BYTES in three layouts) go now
+    probes.clear()  # the copies (up to COLD_BYTES in three layouts, and the prefill layout's) go now
+    bulk_probes.clear()
     _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0])
     if quiet:
         _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
@@ -478,8 +489,8 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
                 if not dense and child.weight.dtype == torch.bfloat16 and packing_available(torch.bfloat16):
                     # bf16: "linear" was timed beside a dense weight; without one it unpacks the panels every
                     # prefill chunk (SmolLM2's down projection: 0.9 ms a call, 6 % of prefill): oneDNN's packed
-                    # copy (timed within a few % of it) costs the dense weight's memory. Not fp32: there the
-                    # packed copies bought nothing (64 prompts' prefill 10.0-11.4 s either way) for +385 MB
+                    # copy (timed within a few % of it) costs the dense weight's memory. fp32 keeps its timed
+                    # choice (KERNEL_SET 12: "packed" in prefill's layout wins there on its own, 8 % of a prefill)
                     kernels = (*kernels[:2], _packed_for_linear(kernels[2]))
                     single = None if single is None else (*single[:2], _packed_for_linear(single[2]))
                 setattr(parent, name, FastLinear(child, *kernels, single=single, dense=dense,
