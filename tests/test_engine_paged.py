@@ -229,13 +229,13 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
     from engines import AsyncLLMEngine
     from engines.core import async_engine
 
-    monkeypatch.setattr(async_engine, "PREFAULT_AHEAD", 8 << 20)  # of a 48 MiB cache
+    monkeypatch.setattr(async_engine, "PREFAULT_AHEAD", 64 << 10)  # of a 48 MiB cache: a few blocks
     engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=48 << 20))
     cache = engine.engine.executor.runner.cache
     per_block = cache.nbytes // cache.num_blocks
     longest = 64 * -(-engine.engine.max_model_len // 16)  # max_num_seqs sequences of the longest length
     ahead = engine._ahead_blocks
-    assert ahead == min((8 << 20) // per_block, longest) < cache.num_blocks
+    assert ahead == min((64 << 10) // per_block, longest) < cache.num_blocks
 
     def mapped_to(n: int) -> int:  # wait until the idle loop has mapped blocks [0, n)
         deadline = time.monotonic() + 60
@@ -245,7 +245,6 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
 
     try:
         assert mapped_to(ahead) == ahead and not cache._prefaulted  # PREFAULT_AHEAD's worth, not the whole cache
-        before = cache._prefault_at
 
         async def main():
             outs = [o async for o in engine.generate("r", list(range(1, 200)),
@@ -254,7 +253,10 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
 
         out = asyncio.run(main())
         used = engine.engine.scheduler.blocks.high_water
-        assert used >= 13 and mapped_to(used + ahead) == used + ahead and cache._prefault_at > before
+        # after a busy period the window is at least twice what the period took (the next burst's fresh blocks)
+        assert used > ahead and 3 * used < cache.num_blocks
+        assert mapped_to(3 * used) == 3 * used  # (in 2 MiB pieces: this tiny cache was mapped by the first)
+        assert engine._ahead_blocks == 2 * used
     finally:
         engine.shutdown()
     assert out.finished and len(out.outputs[0].token_ids) == 8

@@ -30,7 +30,8 @@ PREFAULT_PIECE, PREFAULT_AHEAD = 8 << 20, 512 << 20
 it keeps the cache mapped (KVCache.prefault): a burst's steps then write to mapped pages instead of faulting them
 in (~1.2-2 s a GiB on a 2-core EPYC VM; the first repetition of the SmolLM2 bf16 offline mix on fresh blocks 447
 against 488 tok/s on the same blocks again), a request arriving meanwhile waits at most one piece, and an engine
-whose cache was sized from the host's memory still holds only what it used plus PREFAULT_AHEAD."""
+whose cache was sized from the host's memory still holds only what it used plus PREFAULT_AHEAD (or twice the most
+that one busy period took, where that is more: the next burst takes fresh blocks above the cached ones)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -67,6 +68,7 @@ class AsyncLLMEngine:
         longest = engine.config.max_num_seqs * -(-engine.max_model_len // engine.config.block_size)
         self._ahead_blocks = max(1, min(PREFAULT_AHEAD // per_block, longest))
         self._mapped_to = 0  # blocks [0, _mapped_to) mapped (or as far as the host could)
+        self._busy_from: int | None = None  # high_water when the current busy period began
         self.dead: BaseException | None = None
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -213,8 +215,15 @@ class AsyncLLMEngine:
             while True:
                 if not self._drain_inbox():
                     return
+                high = self.engine.scheduler.blocks.high_water
                 if not self.engine.has_unfinished_requests():
-                    want = self.engine.scheduler.blocks.high_water + self._ahead_blocks
+                    if self._busy_from is not None:  # a busy period ended: map ahead at least twice what it took
+                        # (prefix caching keeps finished requests' blocks, so the next burst takes fresh ones above
+                        # them: the SmolLM2 fp32 HTTP mix took ~800 MB a burst, over PREFAULT_AHEAD, and its next
+                        # burst's KV writes faulted, 4 % of its step time in clear_page)
+                        self._ahead_blocks = max(self._ahead_blocks, 2 * (high - self._busy_from))
+                        self._busy_from = None
+                    want = high + self._ahead_blocks
                     if want > self._mapped_to and not self._wake.is_set():  # idle: map KV pages ahead of use
                         if not self.engine.executor.prefault(PREFAULT_PIECE, want):
                             self._mapped_to = want
@@ -222,6 +231,8 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                if self._busy_from is None:
+                    self._busy_from = high
                 outputs = self.engine.step()
                 self.last_step_time = time.monotonic()
                 self._send_step(outputs)
