@@ -62,6 +62,14 @@ def retain_freed_memory() -> bool:
     return _done
 
 
+def give_back_freed_memory() -> None:
+    """Return the heap's freed pages to the OS now (glibc's malloc_trim; a no-op elsewhere): once, after a load
+    whose temporaries are gone, whatever retain_freed_memory asked glibc to keep between steps."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 HUGE_PAGE = 2 * 2**20
 """Bytes of a transparent huge page on x86-64 and most aarch64 kernels."""
 

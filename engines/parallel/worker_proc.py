@@ -55,14 +55,12 @@ def memory_bytes() -> dict[str, int]:
 
 def release_memory() -> None:
     """Hand the loader's freed temporaries back to the OS (glibc keeps freed heap otherwise)."""
-    import ctypes
     import gc
 
+    from engines.cpu.host_memory import give_back_freed_memory
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    give_back_freed_memory()
 
 
 def shard_info(runner: ModelRunner) -> dict:
