@@ -155,3 +155,17 @@ def test_fp8_layer_equals_the_dequantizing_layer(dtype):
     for rows in (1, 7, BULK_FROM):
         x = torch.randn(rows, 96).to(dtype)
         torch.testing.assert_close(model(x), ref(x).to(dtype), **tol)
+
+
+def test_fp8_layer_compiles_whole_graph_through_its_operator():
+    """A compiled decode step (compile_decode on: fullgraph) calls the kernel as an operator, not by tracing into its
+    loader (which takes a lock: dynamo refused the whole step, bench_gpu.py --smoke on eedd858); same bits as eager."""
+    from engines.cpu.fp8_linear import Fp8PanelLinear
+    from engines.transforms.fp8 import Fp8Linear
+
+    torch.manual_seed(0)
+    layer = Fp8PanelLinear.from_fp8(Fp8Linear.quantize(torch.nn.Linear(64, 48, bias=True)), torch.float32)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), layer(x))

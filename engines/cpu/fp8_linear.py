@@ -11,6 +11,19 @@ from engines.cpu import panel_kernel
 from engines.cpu.fast_linear import BULK_FROM
 
 
+@torch.library.custom_op("shardserve::fp8_panel_linear", mutates_args=())
+def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None, variant: str) -> torch.Tensor:
+    """panel_kernel.fp8_linear as an operator a compiled decode step (fullgraph) calls as it is, instead of
+    tracing into the kernel's loader."""
+    return panel_kernel.fp8_linear(x, panels, scales, out_features, bias, variant)
+
+
+@fp8_panel_linear.register_fake
+def _(x, panels, scales, out_features, bias, variant):
+    return x.new_empty(x.shape[0], out_features)
+
+
 class Fp8PanelLinear(nn.Module):
     """An FP8 weight-only Linear on CPU that keeps one byte a weight: the e4m3 weight in panels, widened in
     registers by engines/panel_kernel.fp8_linear (per-output scales and the bias applied in the kernel)
@@ -46,6 +59,8 @@ class Fp8PanelLinear(nn.Module):
         if x2.shape[0] >= BULK_FROM:
             w = (self.weight_fp8().float() * self.scales[:, None]).to(x.dtype)
             y = F.linear(x2, w, self.bias)
+        elif torch.compiler.is_compiling():  # eager skips the operator's dispatch (~200 calls a decode step)
+            y = fp8_panel_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
         else:
             y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
         return y.view(*x.shape[:-1], self.out_features)
