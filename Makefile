@@ -13,6 +13,9 @@ PORT    ?= 8000
 # Four on two cores: the suite waits on servers (Ray start, HTTP) about half of its wall time
 # (a fresh clone on an idle 2-core EPYC: 18:11 with three, 15:58 with four, 2026-11-28).
 TEST_WORKERS ?= 4
+# the GPU image's triton, apart from .venv's packages: tests run the GPU's FP8 weight-only kernel in its CPU
+# interpreter (tests/test_fp8_triton.py); torch's CPU build does not pin triton and inductor's CPU path must not see it
+TRITON_INTERP := triton==3.6.0
 
 .PHONY: setup test test-fast bench bench-peer model serve serve-config lint clean
 
@@ -22,7 +25,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "$$(grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')" "$$(grep -o '"ninja[^"]*"' pyproject.toml | tr -d '"')"
 	@# the CPU kernels' build (one g++ run, ~50 s of a core; engines/ needs only torch) runs while pip installs the rest
 	$(BIN)/python -m engines.cpu.prebuild > $(VENV)/prebuild.log 2>&1 & build=$$!; \
-	  $(BIN)/pip install -q -e '.[test]'; status=$$?; wait $$build; cat $(VENV)/prebuild.log; exit $$status
+	  $(BIN)/pip install -q -e '.[test]' && $(BIN)/pip install -q --no-deps --target $(VENV)/triton-interp "$(TRITON_INTERP)"; \
+	  status=$$?; wait $$build; cat $(VENV)/prebuild.log; exit $$status
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv, install shardserve with its test extras, build the CPU kernels (once per machine)

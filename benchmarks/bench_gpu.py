@@ -53,6 +53,8 @@ from engines.core.config import ModelConfig
 from engines.model.transformer import GPT
 
 FP8_TARGETS = {1: 1.4, 8: 1.3, 64: 1.2}
+FP8_STEP = "auto"
+"""The step kind the fp8 section runs both weight kinds in (--fp8-step); auto: the decode section's faster one."""
 STEP_KINDS = {"graphs": {"compile_decode": "off"}, "compiled": {"compile_decode": "on"}}
 
 
@@ -123,14 +125,44 @@ def section_decode(dev, smoke, tmp, env) -> dict:
     return out
 
 
+def weight_only_check(dev: str, cfg: ModelConfig) -> dict:
+    """The Triton weight-only FP8 kernel (engines/transforms/fp8_triton.py) against the dequantized product on this
+    device, each block Linear shape of `cfg`, every config, 1 / 8 / 64 rows: the worst error relative to the
+    output's largest magnitude (the kernel's bf16 tl.dot is what the CPU interpreter cannot run)."""
+    from engines.transforms.fp8 import Fp8Linear
+    from engines.transforms.fp8_triton import CONFIGS, WeightOnlyFp8Linear, triton_available
+
+    if not triton_available(dev):
+        return {"skipped": "triton unavailable (or compute capability < 8.9)"}
+    c, q = cfg.n_embd, cfg.n_head * cfg.hd
+    up = cfg.ffn_dim * (2 if cfg.activation == "silu" else 1)  # gate and up in one Linear
+    shapes = {(c, q + 2 * cfg.kv_heads * cfg.hd), (q, c), (c, up), (cfg.ffn_dim, c)}  # (in, out)
+    worst = 0.0
+    for k, n in sorted(shapes):
+        ref = Fp8Linear.quantize(torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16))
+        w = ref.weight.float() * ref.weight_scale.float()
+        for config in CONFIGS:
+            layer = WeightOnlyFp8Linear(ref, config)
+            for m in (1, 8, 64):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                want = x.float() @ w.T
+                worst = max(worst, ((layer(x).float() - want).abs().max() / want.abs().max()).item())
+        del ref
+    note(f"fp8 weight-only kernel vs dequantized product ({len(shapes)} shapes x {len(CONFIGS)} configs x 1/8/64 "
+         f"rows): worst error {worst:.2e} of the output's magnitude  [bf16 output: <= 1e-2]")
+    return {"worst_rel_err": worst, "ok": worst <= 1e-2}
+
+
 def section_fp8(dev, smoke, tmp, env) -> dict:
     name = "smoke-llama" if smoke else "llama-8b"
     d = random_checkpoint(name, tmp)
+    check = weight_only_check(dev, ModelConfig.from_dir(d))
     dec = RESULTS.get("decode", {}).get(name, {})
     kind = "compiled" if "tok_s" in dec.get("compiled", {}) and dec["compiled"]["tok_s"] > dec.get(
         "graphs", {}).get("tok_s", 0) else "graphs"
+    kind = FP8_STEP if FP8_STEP != "auto" else kind
     n = 16 if smoke else 64
-    out = {"step": kind}
+    out = {"step": kind, "weight_only_check": check}
     for wd in ("auto", "fp8"):
         out["bf16" if wd == "auto" else "fp8"] = rates(d, dev, (1, 8, 64), n, env, weight_dtype=wd, **STEP_KINDS[kind])
     note(f"fp8 {name} ({kind} step), FP8 kernels: {out['fp8']['backend']}")
@@ -240,7 +272,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=450.0, help="start no section after this many seconds")
     ap.add_argument("--model-dir", type=Path, default=None, help="a trained model for the ppl section")
     ap.add_argument("--val", type=Path, default=None, help="its validation tokens (data/<corpus>/val.bin)")
+    ap.add_argument("--fp8-step", choices=("auto", *STEP_KINDS), default="auto",
+                    help="the fp8 section's step kind (auto: the faster one in the decode section, else graphs)")
     args = ap.parse_args()
+    global FP8_STEP
+    FP8_STEP = args.fp8_step
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.smoke:
         raise SystemExit("bench_gpu.py: no CUDA device here; --smoke runs the code on CPU with tiny shapes")

@@ -10,6 +10,8 @@ step), how each layer runs:
   torch._scaled_mm(x_fp8 (M, K) row-major, W_fp8^T (K, N) column-major, scale_a (M, 1),
   scale_b (1, N)) with a bf16 result: half the weight bytes of bf16 and the FP8 tensor cores.
   Layers whose K or N is not a multiple of 16 (a _scaled_mm rule) run "dequant" instead.
+  engines/transforms/fp8_choice.py times that, a tensor-wise variant, the weight-only Triton kernel
+  (engines/transforms/fp8_triton.py) and plain bf16 for each layer shape, and keeps the fastest.
 - "dequant" (CPU, pre-8.9 GPUs, weight-only files): the weight is dequantized once to the compute
   dtype and the layer becomes a plain nn.Linear (or RowParallelLinear). CPUs have no FP8 matmul
   fast path, and on a GPU without FP8 tensor cores a per-step dequantize reads 1 byte and writes
@@ -24,6 +26,7 @@ a row-parallel one keeps all its output channels' scales and all-reduces after t
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -36,6 +39,8 @@ from engines.parallel.comm import Comm
 from engines.parallel.tp import RowParallelLinear, ShardSpec
 from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
 from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
+from engines.transforms.fp8_triton import CONFIGS as WO_CONFIGS
+from engines.transforms.fp8_triton import WeightOnlyFp8Linear, triton_available
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +243,13 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
     fp8_layers = [mod for _, _, mod in _block_linears(model) if isinstance(mod, Fp8Linear)]
     make = {"rowwise": ScaledMMLinear, "tensorwise": TensorwiseScaledMMLinear,
             "dequant": lambda m: _dequantized(m, dtype)}  # how each kind is built from an Fp8Linear
+    if fast and not force_w8a8 and dtype in (torch.bfloat16, torch.float16) and triton_available(device):
+        make.update({name: functools.partial(WeightOnlyFp8Linear, config=name) for name in WO_CONFIGS})
     choice: dict = {}
     if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
         timed = [m for m in fp8_layers if m.dynamic_activations and scaled_mm_shape_ok(m.in_features, m.out_features)]
-        choice = choose_kernels(timed, dtype, {"rowwise": make["rowwise"], "tensorwise": make["tensorwise"],
-                                                "bf16": make["dequant"]})
-    counts = {"rowwise": 0, "tensorwise": 0, "dequant": 0}
+        choice = choose_kernels(timed, dtype, {("bf16" if k == "dequant" else k): v for k, v in make.items()})
+    counts = dict.fromkeys(make, 0)
     for parent, attr, mod in _block_linears(model):
         if not isinstance(mod, Fp8Linear):
             continue
@@ -254,8 +260,10 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
         setattr(parent, attr, make[kind](mod))
         counts[kind] += 1
     if fast:
+        weight_only = sum(counts.get(name, 0) for name in WO_CONFIGS)
         backend = (f"w8a8 (torch._scaled_mm: {counts['rowwise']} row-wise, {counts['tensorwise']} tensor-wise "
-                   f"+ per-channel epilogue; {counts['dequant']} bf16 where measured faster)")
+                   f"+ per-channel epilogue; {weight_only} weight-only (Triton, e4m3 widened in registers); "
+                   f"{counts['dequant']} bf16 where measured faster)")
     elif panels:
         backend = (f"weight-only: {panels} Linears e4m3 in memory, widened in the CPU kernel"
                    + (f"; {counts['dequant']} dequantized at load" if counts["dequant"] else ""))

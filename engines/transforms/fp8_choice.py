@@ -10,6 +10,8 @@ Three ways to run an e4m3 Linear of shape (N out, K in) with per-channel weight 
   the per-channel weight scale applied to the (M, N) output afterwards (the epilogue: one
   multiply, fused with the bias by inductor when the decode step is compiled).
 - "bf16": the weight dequantized once at load into a plain Linear (2 bytes a weight).
+- "wo-n32" (where triton runs, bf16 / fp16 models): engines/transforms/fp8_triton.py's weight-only kernel, x
+  kept in bf16 and the e4m3 tiles widened in registers (no activation quantization, no epilogue launch).
 
 `choose_kernels` times every variant of each distinct layer shape at the decode batch sizes, in
 CUDA graphs of repeated calls (what the engine replays), and keeps the fastest: FP8 is therefore
@@ -31,6 +33,7 @@ from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS
 log = logging.getLogger(__name__)
 
 VARIANTS = ("rowwise", "tensorwise", "bf16")
+"""Timed on every FP8 device; apply_fp8 adds fp8_triton.CONFIGS' names where triton runs."""
 TIMING_ROWS = (1, 8, 64)
 """Decode batch sizes each variant is timed at; the sum of the times decides."""
 
@@ -115,15 +118,15 @@ def choose_kernels(layers: list[nn.Module], dtype: torch.dtype, make: dict[str, 
             choice[key] = "rowwise"
             continue
         timings: dict[str, list[float]] = {}
-        for variant in VARIANTS:
-            mod = make[variant](layer)
+        for variant, build in make.items():
+            mod = build(layer)
             ts: list[float] = []
             for m in rows:
                 x = torch.randn(m, layer.in_features, device=layer.weight.device, dtype=dtype)
                 try:
                     with torch.inference_mode():
                         ts.append(time_graph(lambda mod=mod, x=x: mod(x)))
-                except RuntimeError as exc:  # a variant this build cannot run for this shape
+                except Exception as exc:  # noqa: BLE001 (a variant this build cannot run or compile for this shape)
                     log.info("fp8 kernel %s unavailable for %s: %s", variant, key, exc)
                     ts.append(None)
             timings[variant] = ts

@@ -1,0 +1,65 @@
+"""The GPU's FP8 weight-only kernel (engines/transforms/fp8_triton.py) checked on CPU: triton's interpreter
+(TRITON_INTERPRET=1) runs the same kernel on CPU tensors with numpy. `make setup` installs the triton the GPU
+image has into .venv/triton-interp, apart from .venv's own packages (torch's CPU build does not pin triton, and
+inductor's CPU path must not see it). What only a GPU shows (speed, the bf16 tl.dot, CUDA graphs) is
+benchmarks/bench_gpu.py's fp8 section."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON = ROOT / ".venv" / "triton-interp"
+
+CHECK = r'''
+import torch
+from engines.transforms.fp8 import Fp8Linear
+from engines.transforms.fp8_triton import CONFIGS, WeightOnlyFp8Linear, triton_available, wo_fp8_linear
+
+assert triton_available("cpu")
+torch.manual_seed(0)
+for n, k, bias in ((40, 130, True), (48, 256, False), (64, 576, True)):  # K a multiple of BLOCK_K or not
+    ref = Fp8Linear.quantize(torch.nn.Linear(k, n, bias=bias))  # e4m3 weight, per-channel scales
+    w = ref.weight.float() * ref.weight_scale.float()  # what the kernel computes with
+    for dtype in (torch.bfloat16, torch.float16):
+        b = ref.bias.detach().float() if bias else 0.0
+        for config in CONFIGS:
+            layer = WeightOnlyFp8Linear(ref, config)
+            if bias:
+                layer.bias = torch.nn.Parameter(ref.bias.detach().to(dtype), requires_grad=False)
+            assert layer.weight.data_ptr() == ref.weight.data_ptr()  # one byte a weight, shared, no copy
+            for m in (1, 5, 17, 40):
+                x = torch.randn(m, k).to(dtype)
+                want = (x.float() @ w.T + b).to(dtype)
+                torch.testing.assert_close(layer(x), want, atol=1e-3, rtol=1.6e-2 if dtype == torch.bfloat16 else 2e-3,
+                                           msg=lambda s: f"{n}x{k} {dtype} {config} m={m}: {s}")
+layer = WeightOnlyFp8Linear(ref, "wo-n32")
+layer.bias = torch.nn.Parameter(ref.bias.detach().bfloat16(), requires_grad=False)
+x = torch.randn(2, 3, 576).bfloat16()
+with torch.inference_mode():  # a compiled decode step (fullgraph) calls it as one operator
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), layer(x))
+for bad, what in ((x.float().view(6, 576), "bfloat16 or float16"), (x.view(6, 576)[:, ::2], "row-contiguous")):
+    try:
+        wo_fp8_linear(bad, layer.weight if what != "row-contiguous" else layer.weight[:, ::2], layer.scale, None, 32, 128)
+    except ValueError as exc:
+        assert what in str(exc), exc
+    else:
+        raise AssertionError(f"no error for {what}")
+print("OK")
+'''
+
+
+def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
+    """Every config at 1-40 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows: the kernel's
+    output equals x @ (e4m3 weight * per-channel scale)^T + bias rounded to x's dtype; compiled = eager; bad
+    input gets a ValueError naming what is allowed."""
+    if not (TRITON / "triton").is_dir():
+        pytest.skip(f"triton's interpreter is not installed in {TRITON} (make setup installs it)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TRITON), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout[-3000:] + run.stderr[-3000:]
