@@ -103,6 +103,9 @@ def loadtest(
     ),
     plots: bool = typer.Option(True, help="Write PNG plots into --result-dir."),
     seed: int = typer.Option(_d("seed"), help="Seed for prompts, lengths and arrival times."),
+    content_seed: int | None = typer.Option(
+        _d("content_seed"), help="Seed for the synthetic prompts' words alone: the same lengths and arrivals "
+        "(--seed) with other words, so a repetition meets no prefix-cache hits. Default: --seed."),
     api_key: str | None = typer.Option(_d("api_key"), help="Sent as Authorization: Bearer KEY."),
     timeout: float = typer.Option(_d("timeout"), help="Per-request limit in seconds."),
     preflight: bool = typer.Option(
@@ -148,6 +151,7 @@ def loadtest(
             include_usage=include_usage,
             slos=slos,
             seed=seed,
+            content_seed=content_seed,
             api_key=api_key,
             timeout=timeout,
             preflight=preflight,

@@ -129,6 +129,9 @@ class LoadTestConfig:
     """Service-level objectives for goodput, pass/fail and sweeps."""
     seed: int = 0
     """Seeds prompts, lengths and arrival times."""
+    content_seed: int | None = None
+    """Seeds the synthetic prompts' words alone (lengths and arrivals still follow `seed`): the same workload
+    again with other words, so a server's prefix cache cannot serve a repetition. None: `seed`."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer <key>`."""
     timeout: float = 600.0

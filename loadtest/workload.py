@@ -70,11 +70,12 @@ def synthetic(config: LoadTestConfig, n: int, builder: PromptBuilder) -> list[Re
     """n synthetic requests, reproducible from config.seed."""
     rng = np.random.default_rng(config.seed)
     ins, outs = _lengths(config, n, rng)
+    words = rng if config.content_seed is None else np.random.default_rng([config.content_seed, 1])
     specs = []
     for i, o in zip(ins.tolist(), outs.tolist()):
         # Exact with a tokenizer; without one the words are about one token each, so the target
         # is the best estimate we have.
-        specs.append(RequestSpec(builder.build(i, rng), i, o))
+        specs.append(RequestSpec(builder.build(i, words), i, o))
     return specs
 
 

@@ -201,6 +201,22 @@ def test_prompts_are_exact_in_tokens_with_a_tokenizer(tokenizer_path):
     assert len({s.input_tokens for s in specs}) > 5
 
 
+def test_content_seed_keeps_the_lengths_and_changes_the_words(tokenizer_path):
+    """The peer benchmark repeats one workload against a server that keeps its prefix cache: --content-seed gives
+    the same lengths (exact token counts) with other words; without it the prompts are those of --seed alone."""
+    builder = PromptBuilder(str(tokenizer_path))
+    dist = {"tokenizer": tokenizer_path, "input_dist": LengthDist("uniform", 50, low=5, high=90),
+            "output_dist": LengthDist("uniform", 50, low=5, high=90)}
+    base = synthetic(cfg(**dist, seed=3), 20, builder)
+    assert synthetic(cfg(**dist, seed=3, content_seed=None), 20, builder) == base
+    for other in (synthetic(cfg(**dist, seed=3, content_seed=1), 20, builder),
+                  synthetic(cfg(**dist, seed=3, content_seed=2), 20, builder)):
+        assert [(s.input_tokens, s.output_tokens) for s in other] == [(s.input_tokens, s.output_tokens) for s in base]
+        assert all(a.prompt != b.prompt for a, b in zip(other, base))
+    a, b = (synthetic(cfg(**dist, seed=3, content_seed=c), 20, builder) for c in (1, 2))
+    assert sum(x.prompt[:40] == y.prompt[:40] for x, y in zip(a, b)) == 0  # no shared prefixes between repetitions
+
+
 def test_prompts_without_a_tokenizer_are_approximate():
     builder = PromptBuilder(None)
     assert not builder.exact
