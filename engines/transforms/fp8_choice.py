@@ -1,6 +1,6 @@
 """Which kernel each FP8 Linear runs on a GPU, measured at load.
 
-Three ways to run an e4m3 Linear of shape (N out, K in) with per-channel weight scales:
+The ways to run an e4m3 Linear of shape (N out, K in) with per-channel weight scales:
 
 - "rowwise": ScaledMMLinear (engines/transforms/fp8.py), x quantized per token, `torch._scaled_mm` with
   row-wise scales (M, 1) x (1, N). Exact per-channel maths in the kernel, but on Hopper with torch
@@ -32,8 +32,6 @@ from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("rowwise", "tensorwise", "bf16")
-"""Timed on every FP8 device; apply_fp8 adds fp8_triton.CONFIGS' names where triton runs."""
 TIMING_ROWS = (1, 8, 64)
 """Decode batch sizes each variant is timed at; the sum of the times decides."""
 
