@@ -159,6 +159,7 @@ def fp8_dir(model: Path, gptq: bool) -> Path:
 
     from benchmarks.common import CACHE
 
+    CACHE.mkdir(parents=True, exist_ok=True)
     out = CACHE / f"{model.name}-fp8{'-gptq' if gptq else ''}"
     extra = []
     if gptq:
