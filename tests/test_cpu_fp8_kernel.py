@@ -106,7 +106,7 @@ def test_bf16_variants_give_the_portable_bits_with_subnormal_weights_as_zero(var
                     "is checked against the portable bits on every host)")
 def test_the_emulation_equals_the_avx512bf16_variant_bit_for_bit():
     """Subnormal weights included: the scalar emulation flushes what the instruction flushes."""
-    for rows, n in ((1, 16 * 5 + 3), (6, 33)):
+    for rows, n in ((1, 16 * 5 + 3), (1, 16 * 37 + 3), (6, 33)):  # one row: 6, or 16 + 16 + 6 panels a pass
         w, scales = _fp8_weight(n, 96, seed=rows)
         x, panels = torch.randn(rows, 96).to(torch.bfloat16), pk.fp8_pack_panels(w)
         assert torch.equal(pk.fp8_linear(x, panels, scales, n, variant="avx512bf16"),

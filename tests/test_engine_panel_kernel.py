@@ -37,23 +37,26 @@ def test_same_bits_on_any_thread_count_and_batch(dtype, variant):
     equal bits (so the adaptive thread count and the batch's company never change a token). The portable code
     also gives a row alone its batch bits; AMX's tiles sum a row alone (the one-row code) otherwise."""
     torch.manual_seed(1)
-    w = torch.randn(200, 320).to(dtype)
+    n = 300  # 19 panels: a row alone runs passes of 8, 8 and 3 on one thread, 8, 2 and 8, 1 on two
+    w = torch.randn(n, 320).to(dtype)
     x = torch.randn(20, 320).to(dtype)
     panels = pk.pack_panels(w)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = pk.panel_linear(x, panels, 200, None, variant=variant)
+        one = pk.panel_linear(x, panels, n, None, variant=variant)
+        alone = [pk.panel_linear(x[i:i + 1], panels, n, None, variant=variant) for i in range(3)]
         torch.set_num_threads(2)
-        two = pk.panel_linear(x, panels, 200, None, variant=variant)
+        two = pk.panel_linear(x, panels, n, None, variant=variant)
+        assert all(torch.equal(pk.panel_linear(x[i:i + 1], panels, n, None, variant=variant), alone[i]) for i in range(3))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     for i in (0, 7, 16, 19):
-        pair = pk.panel_linear(x[[i, (i + 5) % 20]], panels, 200, None, variant=variant)
+        pair = pk.panel_linear(x[[i, (i + 5) % 20]], panels, n, None, variant=variant)
         assert torch.equal(pair[:1], one[i:i + 1])
         if variant == "portable" or dtype == torch.float32:
-            assert torch.equal(pk.panel_linear(x[i:i + 1], panels, 200, None, variant=variant), one[i:i + 1])
+            assert torch.equal(pk.panel_linear(x[i:i + 1], panels, n, None, variant=variant), one[i:i + 1])
 
 
 def test_dtype_mismatch_is_an_error():

@@ -21,8 +21,7 @@
 // bf16 rows (one vdpbf16ps a chunk, below), 6 variant 5's arithmetic in scalar C++ (never chosen: it checks
 // variant 5's order and flushes on any host, and equals it bit for bit where both run). Each is compiled
 // for its own target whatever the build host (function target attributes), and runs only where the CPU has it
-// (checked per call). One row
-// (batch-1 decode) runs G panels at once: 2G independent FMA chains keep the loads streaming.
+// (checked per call). One row (batch-1 decode) runs G panels at once: G streams of weights in flight.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,8 +30,10 @@
 #define F8_X86 1
 #endif
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -40,6 +41,8 @@ namespace {
 constexpr int64_t F8_NR = 16;  // outputs per panel
 constexpr int F8_MR = 4;       // rows per block: 2 x 4 accumulators + 4 weights + 2 broadcasts of 16 ymm
 constexpr int F8_G = 4;        // panels a pass for one row
+constexpr int F8_GW = 16;      // ... at most, in the one-row AVX512-BF16 loop (row_bf16)
+constexpr int64_t F8_AHEAD_W = 256;  // bytes ahead that loop requests on each panel
 constexpr float X_UP = 0x1p90f, W_DOWN = 0x1p-120f;  // rows scaled up, the decoded weights' scale (see the top)
 // position of output j's pair in a 32-byte chunk (an involution: output ORDER[p] sits at position p)
 constexpr int ORDER[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
@@ -263,14 +266,25 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_bf16(const flo
   for (int m = 0; m < r; ++m) store_lanes(c[m], acc + m * F8_NR);
 }
 
+// One row through G panels (panel bytes apart) at once: G streams of weights in flight. The pairs of inputs are laid
+// out once a pass, so each chunk's vdpbf16ps broadcasts its pair straight from memory. One row is bound by how many
+// lines a core has in flight, not by its integer ops: on the 2-core Zen 4 EPYC, 1 row of 1536 x 576 from memory on
+// one thread read 18-20 GB/s at 4 panels a pass, 28-30 at 12 or 16 (a plain streaming read: 20), 18-22 at 24; and
+// SmolLM2's batch-1 FP8 decode (2 threads, passes interleaved in one process, median of 5) ran 137 tok/s at 4
+// panels 2048 bytes ahead, 163-167 at 8 or 12 (512 or 256 ahead), 171-174 at 16 (256 ahead, or none). A panel's
+// sums do not depend on G (the same order)
 template <int G>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const float* x, const uint8_t* w, int64_t panel,
                                                                       int64_t K2, float* acc) {
+  thread_local std::vector<uint32_t> pairs;
+  if (static_cast<int64_t>(pairs.size()) < K2) pairs.resize(K2);
+  for (int64_t k2 = 0; k2 < K2; ++k2) pairs[k2] = x_pair(x + 2 * k2);
+  const uint32_t* xp = pairs.data();
   __m512 c[G];
   for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
   for (int64_t k2 = 0; k2 < K2; ++k2) {
-    const __m512bh xk = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x_pair(x + 2 * k2))));
-    const int64_t ahead = k2 * 32 + F8_AHEAD, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
+    const __m512bh xk = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp[k2])));
+    const int64_t ahead = k2 * 32 + F8_AHEAD_W, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
     for (int g = 0; g < G; ++g) {
       if ((k2 & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);
       c[g] = _mm512_dpbf16_ps(c[g], decode32_bf16(w + g * panel + k2 * 32), xk);
@@ -278,6 +292,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const float
   }
   for (int g = 0; g < G; ++g) store_lanes(c[g], acc + g * F8_NR);
 }
+
+using RowFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
+template <int... I>
+constexpr std::array<RowFn, sizeof...(I)> row_bf16_table(std::integer_sequence<int, I...>) {
+  return {&row_bf16<I + 1>...};
+}
+const auto ROW_BF16 = row_bf16_table(std::make_integer_sequence<int, F8_GW>());  // [g - 1]: g panels
 
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
@@ -322,7 +343,7 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
           float* acc) {
   const int64_t panel = K2 * 32;
 #if F8_X86
-  if (r == 1 && g == F8_G && v == 5) return row_bf16<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
+  if (r == 1 && v == 5) return ROW_BF16[g - 1](x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 3) return row4_avx512(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 4) return row4_wide_avx2(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 2) return row_avx2<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
@@ -348,10 +369,19 @@ template <typename T>
 void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
                const float* s, const float* bias, const T* res, T* out, int64_t p0, int64_t p1) {
   const float back = v == 1 ? 0x1p8f : 1.f / (X_UP * W_DOWN);
-  float acc[F8_MR * F8_NR > F8_G * F8_NR ? F8_MR * F8_NR : F8_G * F8_NR];
+  float acc[F8_GW * F8_NR];
   // rows [m0, m0 + r) of panel p from acc (r, F8_NR)
   auto store = [&](int64_t p, int64_t m0, int r, const float* a) {
     const int64_t n0 = p * F8_NR, nn = std::min(F8_NR, N - n0);
+    if (nn == F8_NR) {  // a full panel: the panel kernel's vector store of the scaled sums (its rounding is torch's)
+      float t[F8_NR];
+      for (int m = 0; m < r; ++m) {
+        for (int j = 0; j < F8_NR; ++j) t[j] = a[m * F8_NR + j] * (s[n0 + j] * back);
+        const int64_t i = (m0 + m) * N + n0;
+        panel_src::store16(t, bias ? bias + n0 : nullptr, res ? res + i : nullptr, out + i);
+      }
+      return;
+    }
     for (int m = 0; m < r; ++m)
       for (int64_t j = 0; j < nn; ++j) {
         const int64_t i = (m0 + m) * N + n0 + j;
@@ -361,7 +391,7 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
   };
   for (int64_t p = p0; p < p1;) {
     if (M == 1) {
-      const int g = p + F8_G <= p1 ? F8_G : 1;
+      const int g = v == 5 ? static_cast<int>(std::min<int64_t>(F8_GW, p1 - p)) : p + F8_G <= p1 ? F8_G : 1;
       sums(v, x, ldx, K2, 0, 1, g, w + p * K2 * 32, acc);
       for (int i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * F8_NR);
       p += g;

@@ -50,11 +50,11 @@ class SpinBarrier {
 
 // One block Linear prepared by thread 0 for the team: its input rows laid out as its kernel reads them, its
 // panels, bias, scales, residual and output (raw pointers into tensors the step keeps alive). Its panels are
-// handed out in groups of GROUP from both ends: thread 0 takes them from the front, the others from the back,
+// handed out in claims of `group` from both ends: thread 0 takes them from the front, the others from the back,
 // where they warmed their caches while thread 0 ran the phase before (warm); a group's sums do not depend on
 // which thread computes them, so the bits do not either
 struct TeamLinear {
-  static constexpr int64_t GROUP = 4;  // panels a claim: the one-row kernels' G
+  int64_t group = 4;    // panels a claim: the one-row kernels' G (see prepare)
   int64_t kind = 0;     // block_linear's code: 0 panel, 5 + v FP8
   int64_t variant = 0;  // the kernel's variant, resolved
   bool bf16 = false;
@@ -66,8 +66,15 @@ struct TeamLinear {
   void* out = nullptr;
   std::atomic<int64_t> left{0}, front{0}, back{0};  // groups not yet claimed; the next from each end
 
+  // claims of up to g panels (the one-row kernel's most a pass), as many claims as a multiple of the team's size
+  void claim_up_to(int64_t g) {
+    const int64_t nt = omp_get_num_threads(), claims = nt * ((P + nt * g - 1) / (nt * g));
+    group = (P + claims - 1) / claims;
+    reset();
+  }
+
   void reset() {
-    const int64_t groups = (P + GROUP - 1) / GROUP;
+    const int64_t groups = (P + group - 1) / group;
     left.store(groups), front.store(0), back.store(groups);
   }
 
@@ -76,7 +83,7 @@ struct TeamLinear {
     while (left.fetch_sub(1, std::memory_order_relaxed) > 0) {
       const int64_t g = tid == 0 ? front.fetch_add(1, std::memory_order_relaxed)
                                  : back.fetch_sub(1, std::memory_order_relaxed) - 1;
-      range(g * GROUP, std::min(P, (g + 1) * GROUP));
+      range(g * group, std::min(P, (g + 1) * group));
     }
   }
 
@@ -140,7 +147,7 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
               "decode_blocks: a Linear's input rows (M, K) contiguous, of the step's dtype");
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  j.kind = kind, j.bf16 = bf16, j.M = M, j.N = N, j.out = out.data_ptr();
+  j.kind = kind, j.group = 4, j.bf16 = bf16, j.M = M, j.N = N, j.out = out.data_ptr();
   j.res = res ? res->data_ptr() : nullptr;
   j.bias = nullptr, j.scales = nullptr;
   j.P = (N + 15) / 16;
@@ -153,6 +160,7 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
   const torch::Tensor& panels = t[2];
   if (kind == 0) {
     j.variant = panel_variant, j.Kp = bf16 ? K2 : K, j.P = panels.size(0);
+    if (M == 1 && bf16 && panel_variant != 2) j.claim_up_to(panel_src::ROW_G_BF16);
     TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
                 panels.size(1) == j.Kp, "decode_blocks: panels of the Linear's shape and the step's dtype");
     j.w = panels.data_ptr();
@@ -188,11 +196,13 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
               panels.size(1) == K2 && t[0].scalar_type() == at::kFloat && t[0].is_contiguous() && t[0].numel() == N,
               "decode_blocks: FP8 panels and float32 scales of the Linear's shape");
   j.w = panels.data_ptr(), j.scales = t[0].data_ptr<float>();
+  if (M == 1 && j.variant == 5) j.claim_up_to(fp8_src::F8_GW);
   const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
   buf.assign(M * 2 * K2, 0.f);
+  const c10::BFloat16* x16 = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;  // (not a data_ptr call an element: 3 %
+  const float* x32 = bf16 ? nullptr : x.data_ptr<float>();                   // of SmolLM2's batch-1 FP8 decode)
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      buf[m * 2 * K2 + k] = up * (bf16 ? static_cast<float>(x.data_ptr<c10::BFloat16>()[m * K + k]) : x.data_ptr<float>()[m * K + k]);
+    for (int64_t k = 0; k < K; ++k) buf[m * 2 * K2 + k] = up * (x16 ? static_cast<float>(x16[m * K + k]) : x32[m * K + k]);
   j.x = buf.data();
 }
 
@@ -270,7 +280,8 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   std::vector<int64_t> pre(M + 1, 0);
   if (split_attention) {
     const auto lens = a.lens.contiguous();
-    for (int64_t s = 0; s < M; ++s) pre[s + 1] = pre[s] + lens.data_ptr<int64_t>()[s] + ROW_COST;
+    const int64_t* ln = lens.data_ptr<int64_t>();
+    for (int64_t s = 0; s < M; ++s) pre[s + 1] = pre[s] + ln[s] + ROW_COST;
   }
   const auto cut = [&](int64_t t, int64_t nt) -> int64_t {  // the first row with t / nt of the work before it
     if (t >= nt) return M;
