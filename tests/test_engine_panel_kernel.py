@@ -33,13 +33,13 @@ def test_matches_linear(dtype, rows, bias, inputs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["portable", "amx_emulated"])
 def test_same_bits_on_any_thread_count_and_batch(dtype, variant):
-    """Each output is summed in one order by one thread: 1 or 2 threads, and a row in a batch of 20 or of 2,
-    equal bits (so the adaptive thread count and the batch's company never change a token). The portable code
+    """Each output is summed in one order by one thread: 1 or 2 threads, and a row in a batch of 34 (row blocks
+    of 12, 11 and 11) or of 2, equal bits (so the adaptive thread count and the batch's company never change a token). The portable code
     also gives a row alone its batch bits; AMX's tiles sum a row alone (the one-row code) otherwise."""
     torch.manual_seed(1)
     n = 300  # 19 panels: a row alone runs passes of 8, 8 and 3 on one thread, 8, 2 and 8, 1 on two
     w = torch.randn(n, 320).to(dtype)
-    x = torch.randn(20, 320).to(dtype)
+    x = torch.randn(34, 320).to(dtype)
     panels = pk.pack_panels(w)
     before = torch.get_num_threads()
     try:
@@ -52,8 +52,8 @@ def test_same_bits_on_any_thread_count_and_batch(dtype, variant):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
-    for i in (0, 7, 16, 19):
-        pair = pk.panel_linear(x[[i, (i + 5) % 20]], panels, n, None, variant=variant)
+    for i in (0, 7, 16, 33):
+        pair = pk.panel_linear(x[[i, (i + 5) % 34]], panels, n, None, variant=variant)
         assert torch.equal(pair[:1], one[i:i + 1])
         if variant == "portable" or dtype == torch.float32:
             assert torch.equal(pk.panel_linear(x[i:i + 1], panels, n, None, variant=variant), one[i:i + 1])
