@@ -104,6 +104,8 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
     n = args.num_requests
     tasks = ",".join(t for t in ("b1", "mix") if t not in args.skip)
     medians = {}
+    if not tasks:  # --skip b1,mix: the HTTP rows only
+        return medians
     for dt in [d for d in ("float32", "bfloat16") if not (d == "bfloat16" and "bf16" in args.skip)]:
         res = {"ours": run_worker(OURS_PY, "ours", tasks, dt, spec, args.kv_bytes, n, args.repeats,
                                   compile_decode=args.compile_decode)}
