@@ -22,7 +22,7 @@ from engines.cpu.cpp_ext import build
 CSRC = Path(__file__).parent / "csrc"
 """The C++ sources beside this package (package data of the installed package)."""
 
-SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_kernel.cpp"),
+SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("panel_src", "panel_kernel.cpp"),
            ("fp8_src", "fp8_panel_kernel.cpp"),
            ("paged_src", "paged_kernel.cpp"), ("paged_src", "paged_cascade.cpp"), ("paged_src", "paged_decode.cpp"))
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused

@@ -1,268 +1,15 @@
-// The CPU panel Linear kernel: built and bound by engines/cpu/panel_kernel.py (see its docstring).
+// The CPU panel Linear kernel: built and bound by engines/cpu/panel_kernel.py (see its docstring); the blocks' and
+// rows' arithmetic is csrc/panel_rows.cpp, compiled just before this file in the same namespace.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
-#include <array>
-#include <utility>
 #include <cstring>
 #include <type_traits>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define PANEL_X86 1
-#endif
 
 namespace {
 
-constexpr int64_t NR = 16;  // outputs per panel
-constexpr int MR = 16;      // rows per block: MR vector accumulators
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-
-inline vf as_f(vu u) { vf v; std::memcpy(&v, &u, sizeof(vf)); return v; }
-inline vu load_u(const void* p) { vu u; std::memcpy(&u, p, sizeof(vu)); return u; }
-inline vu as_u(vf v) { vu u; std::memcpy(&u, &v, sizeof(vu)); return u; }
-// several rows: a panel's first row block reads it from memory a line per 8-16 cycles of arithmetic, and the hardware
-// prefetchers alone left that waiting; each line is asked for 4 KB ahead into L2 (prefetcht1: a deeper miss queue than
-// L1's). SmolLM2's bf16 offline mix, Zen 4, decode at ~34 rows: 729 (none) -> 751-806 (into L1, 2-4 KB) -> 826-843 tok/s
-// (fp32: no change). One row: 512 bytes ahead, into L2: bf16 +1.7 %, fp32 +2.1 % (into L1 256: -0.6 %; batch 1)
-inline void ahead(const void* p, int64_t by = 4096) { __builtin_prefetch(static_cast<const char*>(p) + by, 0, 2); }
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-// 16 fp32 rounded to bf16 as c10::BFloat16(float) rounds them (to nearest even; a NaN to 0x7FC0), as fp32
-inline vf round_bf16(vf v) {
-  const vu u = as_u(v), nan = (vu)(v != v);
-  const vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return as_f((r & ~nan) | (0x7FC00000u & nan));
-}
-
-// 16 outputs of a row: y = acc + bias rounded to T, then res + y rounded (the scalar store's arithmetic)
-inline void store16(const float* acc, const float* bias, const float* res, float* out) {
-  vf y = as_f(load_u(acc)) + (bias ? as_f(load_u(bias)) : vf{});
-  if (res) y = as_f(load_u(res)) + y;
-  std::memcpy(out, &y, sizeof(vf));
-}
-inline void store16(const float* acc, const float* bias, const c10::BFloat16* res, c10::BFloat16* out) {
-  vf y = round_bf16(as_f(load_u(acc)) + (bias ? as_f(load_u(bias)) : vf{}));
-  if (res) {
-    vh h;
-    std::memcpy(&h, res, sizeof(vh));
-    y = round_bf16(as_f(__builtin_convertvector(h, vu) << 16) + y);
-  }
-  const vh o = __builtin_convertvector(as_u(y) >> 16, vh);
-  std::memcpy(out, &o, sizeof(vh));
-}
-
-// fp32: acc (R, NR) = xt[:, :R]^T (R, K) @ w (K, NR); xt holds the rows transposed, ldx apart per k. With
-// AVX-512 written with intrinsics: GCC kept the vector-extension array's 16 sums in registers but also stored
-// each to the stack every k (its assembly: 16 stores a step), which halved the rate (65 GFLOP/s a core against
-// 124 without the stores); the same fused multiply-adds in the same order, the same bits
-template <int R>
-inline void block(const float* xt, int64_t ldx, const float* w, int64_t K, float* acc) {
-#if defined(__AVX512F__)
-  __m512 c[R];
-  for (int m = 0; m < R; ++m) c[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b = _mm512_loadu_ps(w + k * NR);
-    ahead(w + k * NR);
-    const float* xk = xt + k * ldx;
-    for (int m = 0; m < R; ++m) c[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), b, c[m]);
-  }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(acc + m * NR, c[m]);
-#else
-  vf c[R];
-  for (int m = 0; m < R; ++m) c[m] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    const vf b = as_f(load_u(w + k * NR));
-    ahead(w + k * NR);
-    const float* xk = xt + k * ldx;
-    for (int m = 0; m < R; ++m) c[m] += xk[m] * b;
-  }
-  for (int m = 0; m < R; ++m) std::memcpy(acc + m * NR, &c[m], sizeof(vf));
-#endif
-}
-
-#if defined(__AVX512F__)
-constexpr int MR2 = 12;  // rows per block of the two-panel fp32 pass: 24 sums in registers
-
-// fp32, two adjacent panels at once (w, and w + panel): each row's input is broadcast once for both, so a step
-// is 2 weight loads and R broadcasts for 2 R multiply-adds (one panel: 1 + R for R): 124 -> ~150 GFLOP/s a core.
-// Each output's sum is the same chain in the same order as block<R>'s: the same bits
-template <int R>
-inline void block2(const float* xt, int64_t ldx, const float* w, int64_t panel, int64_t K, float* acc) {
-  __m512 c[2 * R];
-  for (int m = 0; m < 2 * R; ++m) c[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(w + k * NR), b1 = _mm512_loadu_ps(w + panel + k * NR);
-    ahead(w + k * NR), ahead(w + panel + k * NR);
-    const float* xk = xt + k * ldx;
-    for (int m = 0; m < R; ++m) {
-      const __m512 a = _mm512_set1_ps(xk[m]);
-      c[2 * m] = _mm512_fmadd_ps(a, b0, c[2 * m]);
-      c[2 * m + 1] = _mm512_fmadd_ps(a, b1, c[2 * m + 1]);
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    _mm512_storeu_ps(acc + m * NR, c[2 * m]);
-    _mm512_storeu_ps(acc + (R + m) * NR, c[2 * m + 1]);
-  }
-}
-
-// block2 for r rows (1..MR2): acc holds the first panel's r x NR sums, then the second's
-inline void rows_block2(int r, const float* xt, int64_t ldx, const float* w, int64_t panel, int64_t K, float* acc) {
-  switch (r) {
-#define ROWS(i) case i: block2<i>(xt, ldx, w, panel, K, acc); break;
-    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11)
-#undef ROWS
-    default: block2<MR2>(xt, ldx, w, panel, K, acc); break;
-  }
-}
-#endif
-
-// bf16: the weight panel is (K2, NR) pairs, a 32-bit lane holding inputs 2k (low half) and 2k + 1
-// (high half) of one output; xp (K2, ldx) the rows' inputs paired the same way. With AVX512-BF16 one
-// vdpbf16ps does both products of a lane (fp32 sums, flushing denormals); elsewhere both halves are
-// widened (a bf16 is the high half of an fp32) and multiplied in fp32
-template <int R>
-inline void block(const uint32_t* xp, int64_t ldx, const c10::BFloat16* w, int64_t K2, float* acc) {
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
-#if defined(__AVX512BF16__)
-  __m512 c[R];
-  for (int m = 0; m < R; ++m) c[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m512bh b = (__m512bh)_mm512_loadu_si512(wp + k * NR);
-    ahead(wp + k * NR);
-    const uint32_t* xk = xp + k * ldx;
-    for (int m = 0; m < R; ++m) c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)_mm512_set1_epi32((int)xk[m]), b);
-  }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(acc + m * NR, c[m]);
-#else
-  vf c[R];
-  for (int m = 0; m < R; ++m) c[m] = vf{};
-  for (int64_t k = 0; k < K2; ++k) {
-    const vu u = load_u(wp + k * NR);
-    const vf lo = as_f(u << 16), hi = as_f(u & 0xFFFF0000u);
-    ahead(wp + k * NR);
-    const uint32_t* xk = xp + k * ldx;
-    for (int m = 0; m < R; ++m) {
-      uint32_t a = xk[m] << 16, z = xk[m] & 0xFFFF0000u;
-      float xa, xz;
-      std::memcpy(&xa, &a, 4);
-      std::memcpy(&xz, &z, 4);
-      c[m] += xa * lo;
-      c[m] += xz * hi;
-    }
-  }
-  for (int m = 0; m < R; ++m) std::memcpy(acc + m * NR, &c[m], sizeof(vf));
-#endif
-}
-
-// one row through G panels at once (fp32): one output's sum is still in order over k, but G
-// independent FMA chains keep the loads streaming where a single panel's chain would wait on each
-// FMA's latency (one 64-byte line per ~4 cycles, below a fast host's memory rate; BENCHMARKS.md issue 12)
-template <int G>
-inline void row_panels(const float* x, const float* w, int64_t panel, int64_t K, float* acc) {
-  vf c[G];
-  for (int g = 0; g < G; ++g) c[g] = vf{};
-  for (int64_t k = 0; k < K; ++k)
-    for (int g = 0; g < G; ++g) ahead(w + g * panel + k * NR, 512), c[g] += x[k] * as_f(load_u(w + g * panel + k * NR));
-  for (int g = 0; g < G; ++g) std::memcpy(acc + g * NR, &c[g], sizeof(vf));
-}
-
-// bf16, as block<R> above for one row
-template <int G>
-inline void row_panels(const uint32_t* xp, const c10::BFloat16* w, int64_t panel, int64_t K2, float* acc) {
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
-  const int64_t lanes = panel / 2;  // 32-bit lanes per panel
-#if defined(__AVX512BF16__)
-  __m512 c[G];
-  for (int g = 0; g < G; ++g) c[g] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[k]);
-    for (int g = 0; g < G; ++g)
-      ahead(wp + g * lanes + k * NR, 512), c[g] = _mm512_dpbf16_ps(c[g], a, (__m512bh)_mm512_loadu_si512(wp + g * lanes + k * NR));
-  }
-  for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * NR, c[g]);
-#else
-  vf c[G];
-  for (int g = 0; g < G; ++g) c[g] = vf{};
-  for (int64_t k = 0; k < K2; ++k) {
-    uint32_t a = xp[k] << 16, z = xp[k] & 0xFFFF0000u;
-    float xa, xz;
-    std::memcpy(&xa, &a, 4);
-    std::memcpy(&xz, &z, 4);
-    for (int g = 0; g < G; ++g) {
-      const vu u = load_u(wp + g * lanes + k * NR);
-      c[g] += xa * as_f(u << 16);
-      c[g] += xz * as_f(u & 0xFFFF0000u);
-    }
-  }
-  for (int g = 0; g < G; ++g) std::memcpy(acc + g * NR, &c[g], sizeof(vf));
-#endif
-}
-
-// bf16 rows, one row: ROW_BF16[g - 1] runs g panels at once, g <= ROW_G_BF16. One row is bound by the lines a core
-// has in flight: SmolLM2's batch-1 bf16 decode on the 2-core Zen 4 EPYC (2 threads, passes interleaved in one
-// process, median of 7) ran 107.5 tok/s at 4 panels a pass, 112-114 at 6 to 10 (fp32 rows: no change, 58 at 4, 6, 8)
-constexpr int ROW_G_BF16 = 8;
-using RowBf16 = void (*)(const uint32_t*, const c10::BFloat16*, int64_t, int64_t, float*);
-template <int... I>
-constexpr std::array<RowBf16, sizeof...(I)> row_bf16_table(std::integer_sequence<int, I...>) { return {&row_panels<I + 1>...}; }
-const auto ROW_BF16 = row_bf16_table(std::make_integer_sequence<int, ROW_G_BF16>());
-
-#if PANEL_X86
-// The one-row paths above written with AVX2 + FMA intrinsics, chosen at run time (variant 2): on an AVX2 host GCC
-// lowers the 64-byte vector types of the portable code poorly (the broadcast of each input and the accumulators go
-// through the stack, seen in its assembly; bf16 read ~3 GB/s a core against ~6 for FP8). The same fused
-// multiply-adds in the same order as the portable code (which GCC contracts to FMAs on such a host): the same bits.
-template <int G>
-__attribute__((target("avx2,fma"))) void row_avx2(const float* x, const float* w, int64_t panel, int64_t K,
-                                                   float* acc) {
-  __m256 c[2 * G];
-  for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 xv = _mm256_broadcast_ss(x + k);
-    for (int g = 0; g < G; ++g) {
-      const float* p = w + g * panel + k * NR;
-      c[2 * g] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p), c[2 * g]);
-      c[2 * g + 1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p + 8), c[2 * g + 1]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    _mm256_storeu_ps(acc + g * NR, c[2 * g]);
-    _mm256_storeu_ps(acc + g * NR + 8, c[2 * g + 1]);
-  }
-}
-
-// bf16: a 32-bit lane's low half (input 2k) widened by a 16-bit shift, its high half by a mask
-template <int G>
-__attribute__((target("avx2,fma"))) void row_avx2(const uint32_t* xp, const c10::BFloat16* w, int64_t panel,
-                                                   int64_t K2, float* acc) {
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
-  const int64_t lanes = panel / 2;
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 c[2 * G];
-  for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m256i xk = _mm256_set1_epi32(static_cast<int>(xp[k]));
-    const __m256 xa = _mm256_castsi256_ps(_mm256_slli_epi32(xk, 16)), xz = _mm256_castsi256_ps(_mm256_and_si256(xk, high));
-    for (int g = 0; g < G; ++g) {
-      const uint32_t* p = wp + g * lanes + k * NR;
-      for (int h = 0; h < 2; ++h) {
-        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * h));
-        c[2 * g + h] = _mm256_fmadd_ps(xa, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), c[2 * g + h]);
-        c[2 * g + h] = _mm256_fmadd_ps(xz, _mm256_castsi256_ps(_mm256_and_si256(u, high)), c[2 * g + h]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    _mm256_storeu_ps(acc + g * NR, c[2 * g]);
-    _mm256_storeu_ps(acc + g * NR + 8, c[2 * g + 1]);
-  }
-}
-#endif
-
-// the variant `variant` resolves to here: 1 portable (the vector code above, AVX-512 or AVX512-BF16 where the
+// the variant `variant` resolves to here: 1 portable (panel_rows.cpp's vector code, AVX-512 or AVX512-BF16 where the
 // build has them), 2 AVX2 + FMA for one row, 3 AMX for several bf16 rows (one row: portable), 4 AMX's layout
 // with its arithmetic in scalar C++ (tests; never auto's pick); 0: amx where the host runs it, else AVX2 where the
 // CPU has it and the build has no AVX-512F (whose portable code is already fast), else portable. An error names
@@ -289,13 +36,13 @@ int64_t row_variant(int64_t variant) {
 }
 
 template <typename X, typename T>
-void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc) {
+void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc, const Pf& f) {
   switch (r) {
-#define ROWS(i) case i: block<i>(xt, ldx, w, K, acc); break;
+#define ROWS(i) case i: block<i>(xt, ldx, w, K, acc, f); break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
     ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15)
 #undef ROWS
-    default: block<MR>(xt, ldx, w, K, acc); break;
+    default: block<MR>(xt, ldx, w, K, acc, f); break;
   }
 }
 
@@ -360,6 +107,10 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
       return;
     }
   }
+  // row block b > 0 of nb: its share of the panel (or pair) `next` panels on, a line every nb - 1 steps
+  auto pf = [&](int64_t next, int64_t b, int64_t nb) {
+    return b == 0 ? Pf{} : Pf{reinterpret_cast<const char*>(w + next * panel) + (b - 1) * (Kp / (nb - 1)) * 64, 65536 / (nb - 1)};
+  };
   float acc[2 * MR * NR];  // block2: two panels of up to MR2 rows
   int64_t p = p0;
   if (M == 1) {  // G panels a pass (the same sums, in the same order, as one panel at a time)
@@ -384,7 +135,7 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
       for (; p + 2 <= p1; p += 2)
         for (int64_t nb = (M + MR2 - 1) / MR2, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
           r = M / nb + (b < M % nb);  // blocks of near-equal rows (below)
-          rows_block2(static_cast<int>(r), xt + m0, M, w + p * panel, panel, Kp, acc);
+          rows_block2(static_cast<int>(r), xt + m0, M, w + p * panel, panel, Kp, acc, pf(p + 2, b, nb));
           store(p, m0, r, acc);
           store(p + 1, m0, r, acc + r * NR);
         }
@@ -393,7 +144,7 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
   for (; p < p1; ++p)  // blocks of near-equal rows (34: 12 + 11 + 11, not 16 + 16 + 2, whose 2 sums wait on latency)
     for (int64_t nb = (M + MR - 1) / MR, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
       r = M / nb + (b < M % nb);
-      rows_block(static_cast<int>(r), xt + m0, M, w + p * panel, Kp, acc);
+      rows_block(static_cast<int>(r), xt + m0, M, w + p * panel, Kp, acc, pf(p + 1, b, nb));
       store(p, m0, static_cast<int>(r), acc);
     }
 }
