@@ -225,3 +225,35 @@ def test_fused_step_team_at_any_thread_count(llama_dir, monkeypatch, threads):
     fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
     assert fused.executor.runner.fused is not None, fused.executor.runner.why_not
     _assert_fused_equals_module_path(off, fused, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, dtype, threads):
+    """With SPLIT_ROWS (16) rows or more, each thread of the team runs the norms, the activation and the next
+    Linear's layout of its own rows, and lays out the attention rows it computed (csrc/fused_team.cpp): 20 sequences
+    decoding at once (and fewer as they finish, across the threshold), bit for bit the module path's tokens and
+    logprobs, on a team of 2 and of 3."""
+    _force(monkeypatch, ("panel", "panel", "linear"), dtype)
+    base = {"num_kv_blocks": 200, "block_size": 4, "dtype": dtype, "max_num_batched_tokens": 512,
+            "worker_threads": threads, "adaptive_threads": False}
+    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
+    runner = fused.executor.runner
+    assert runner.fused is not None, runner.why_not
+    rows = []
+    run = runner.fused.run
+    monkeypatch.setattr(runner.fused, "run", lambda *a: rows.append(a[0].shape[1]) or run(*a))
+    results = []
+    for engine in (off, fused):
+        for i in range(20):
+            engine.add_request(f"r{i}", list(range(5 + i, 12 + 2 * i)),
+                               SamplingParams(temperature=0, max_tokens=6 + i % 7, ignore_eos=True, logprobs=2))
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = _tokens_and_logprobs(out.outputs[0])
+        results.append(final)
+    assert results[1] == results[0] and len(results[0]) == 20
+    assert max(rows) == 20 and min(rows) < 16  # split steps, and steps below the threshold

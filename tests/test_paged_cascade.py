@@ -148,16 +148,17 @@ def test_prefill_cascade_equals_per_sequence_attention(dtype, nh, nkv, monkeypat
     torch.testing.assert_close(got.float(), torch.cat(ref), rtol=tol, atol=tol)
 
 
-def _amx_variants() -> list[int]:
-    """The shared part's variants to check here: the fp32 products (0), AMX's arithmetic in scalar C++ (4) on any
-    host, the AMX tiles (3) where the host has them."""
+def _bf16_variants() -> list[int]:
+    """The products' variants to check here: the fp32 products (0), the panel kernel's bf16 row blocks (1: vdpbf16ps
+    in a build for AVX512-BF16, portable arithmetic elsewhere) and AMX's arithmetic in scalar C++ (4) on any host, the
+    AMX tiles (3) where the host has them."""
     from engines.cpu import panel_kernel
 
     try:
         amx = panel_kernel.panel_variant("auto") == "amx"
     except RuntimeError:
         amx = False
-    return [0, 4, 3] if amx else [0, 4]
+    return [0, 1, 4, 3] if amx else [0, 1, 4]
 
 
 @pytest.mark.parametrize("nh,nkv", [(9, 3), (4, 4)], ids=["gqa", "mha"])
@@ -184,9 +185,9 @@ def test_prefill_cascade_shared_part_variants(nh, nkv, monkeypatch):
     q = torch.randn(row, nh, hd, generator=g).to(torch.bfloat16)
     ref = _chunks_reference(q, kc, vc, chunks, bs)
     got = {}
-    for variant in _amx_variants():
+    for variant in _bf16_variants():
         monkeypatch.setattr(pc, "FORCE_VARIANT", variant)
-        assert pc.amx_prefill(q.dtype, hd, kc.dtype) == variant
+        assert pc.bf16_prefill(q.dtype, hd, kc.dtype) == variant
         got[variant] = pc.attend(group, q, kc, vc)
         assert got[variant].dtype == torch.bfloat16
         torch.testing.assert_close(got[variant].float(), torch.cat(ref), rtol=1e-2, atol=1e-2)
@@ -243,7 +244,7 @@ def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
     tables = torch.tensor([t + [0] * (mb - len(t)) for *_, t in chunks])
     spec = torch.tensor([c[:3] for c in chunks])
     tol = 2e-5 if dtype == torch.float32 else 1e-2
-    variants = _amx_variants() if dtype == torch.bfloat16 else [0]
+    variants = _bf16_variants() if dtype == torch.bfloat16 else [0]
     for variant in variants:
         monkeypatch.setattr(pc, "FORCE_VARIANT", variant)
         out = torch.full((row, nh, hd), 7.0, dtype=dtype)

@@ -127,13 +127,33 @@ void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>
 // src (M, K) -> dst (K, M): 16 rows at a time, so their 16 source lines stay in L1 while each destination line is
 // written whole (the element-wise scatter of bf16 pairs into a zeroed buffer: prepare 2.4 % of the perf samples of a
 // SmolLM2 bf16 mix's decode steps (34 rows on average, 2-core EPYC Zen 4), and the others' spin waits 9.0 %; now 1.2 and 6.3)
+// (rows [r0, r1) only: a team lays out its rows each, below)
 template <typename E>
-inline void transpose_rows(const E* src, int64_t M, int64_t K, E* dst) {
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t m1 = std::min(M, m0 + 16);
+inline void transpose_rows(const E* src, int64_t M, int64_t K, E* dst, int64_t r0 = 0, int64_t r1 = -1) {
+  for (int64_t m0 = r0, end = r1 < 0 ? M : r1; m0 < end; m0 += 16) {
+    const int64_t m1 = std::min(end, m0 + 16);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t m = m0; m < m1; ++m) dst[k * M + m] = src[m * K + k];
   }
+}
+
+// Whether prepare may leave the layout of x's rows to the team (lay_out below): a panel Linear's several rows, laid
+// out transposed (not AMX's row tiles, not an odd bf16 width's zero-padded pairs)
+bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (kind != 0 || M < 2) return false;
+  if (x.scalar_type() != at::kBFloat16) return true;
+  return K % 2 == 0 && !panel_src::amx_rows(panel_variant, M, K / 2);
+}
+
+// rows [r0, r1) of x (M, K) laid out for the Linear j that prepare(..., lay = false) readied (see deferrable)
+void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16)
+    transpose_rows(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K / 2,
+                   static_cast<uint32_t*>(const_cast<void*>(j.x)), r0, r1);
+  else
+    transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
 }
 
 // Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
@@ -142,7 +162,7 @@ inline void transpose_rows(const E* src, int64_t M, int64_t K, E* dst) {
 // vector variants); bias_keep holds a converted bias alive
 void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
              const torch::Tensor* res, const torch::Tensor& out, std::vector<float>& buf, torch::Tensor& bias_keep,
-             int64_t panel_variant) {
+             int64_t panel_variant, bool lay = true) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == out.scalar_type(),
               "decode_blocks: a Linear's input rows (M, K) contiguous, of the step's dtype");
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
@@ -176,6 +196,8 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
       return;
     }
     if (static_cast<int64_t>(buf.size()) < M * 2 * K2) buf.resize(M * 2 * K2);
+    j.x = buf.data();
+    if (!lay && deferrable(kind, x, panel_variant)) return;  // the team lays the rows out (lay_out)
     if (bf16 && K % 2) {  // (K2, M) pairs: input 2 k2 in the low half, the last pair's high half zero
       std::fill(buf.begin(), buf.begin() + M * K2, 0.f);
       auto* xp = reinterpret_cast<uint32_t*>(buf.data());
@@ -188,7 +210,6 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     } else {  // (K, M)
       transpose_rows(x.data_ptr<float>(), M, K, buf.data());
     }
-    j.x = buf.data();
     return;
   }
   j.variant = fp8_src::fp8_variant(kind - 5, bf16), j.Kp = K2, j.P = panels.size(0);
@@ -237,6 +258,42 @@ void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
   swiglu_rows(u.data_ptr<T>(), u.stride(0), ffn, out.data_ptr<T>(), M);
 }
 
+// Whether norm_into runs rms_rows on x (so that rows of it may run apart: norm_range)
+bool rms_direct(const torch::Tensor& x, const torch::Tensor& weight, bool rms) {
+  return rms && weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+         x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+// rows [r0, r1) of norm_into's RMSNorm (rms_direct), into out (M, C) allocated
+void norm_range(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out, int64_t r0,
+                int64_t r1) {
+  const int64_t C = x.size(1), ld = x.stride(0);
+  if (r0 >= r1) return;
+  if (x.scalar_type() == at::kFloat)
+    rms_rows(x.data_ptr<float>() + r0 * ld, ld, weight.data_ptr<float>(), out.data_ptr<float>() + r0 * C, r1 - r0, C, eps);
+  else
+    rms_rows(x.data_ptr<c10::BFloat16>() + r0 * ld, ld, weight.data_ptr<c10::BFloat16>(),
+             out.data_ptr<c10::BFloat16>() + r0 * C, r1 - r0, C, eps);
+}
+
+// rows [r0, r1) of swiglu_into, into out (M, ffn) allocated
+void swiglu_range(const torch::Tensor& u, int64_t ffn, torch::Tensor& out, int64_t r0, int64_t r1) {
+  if (r0 >= r1) return;
+  const int64_t ld = u.stride(0);
+  if (u.scalar_type() == at::kFloat)
+    swiglu_rows(u.data_ptr<float>() + r0 * ld, ld, ffn, out.data_ptr<float>() + r0 * ffn, r1 - r0);
+  else
+    swiglu_rows(u.data_ptr<c10::BFloat16>() + r0 * ld, ld, ffn, out.data_ptr<c10::BFloat16>() + r0 * ffn, r1 - r0);
+}
+
+// Rows a step needs for the team to split thread 0's row-wise small ops (the norms, the activation) and the next
+// Linear's layout over its threads, each its rows (a row's ops do not depend on the others: the same bits). Below
+// it the others warm the next Linear's panels meanwhile instead (batch 1 and a few rows read the weights from memory).
+// SmolLM2, 2-core EPYC Zen 4 (thread 0's serial phases ~8 % of a bf16 step of 64 rows, the other's spin waits 7.9 % of
+// the perf samples): decode steps, both ways switched in one process, median of 3: bf16 64 rows 63.3 -> 59.6 ms, 34
+// rows 35.2 -> 34.5, 16 rows 17.7 -> 17.4; fp32 64 rows 110.3 -> 107.5
+constexpr int64_t SPLIT_ROWS = 16;
+
 // Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows. The
 // attention is shared too: several sequences split by sequence, one sequence by kv heads (as paged_decode
 // splits them entered outside a parallel region), at any context length
@@ -264,6 +321,11 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   const int64_t panel_variant = panel_src::row_variant(0);
   TeamLinear job;
   torch::Tensor h, q, kr, att, act, bias_keep;  // thread 0's tensors between phases
+  const bool split = at::get_num_threads() > 1 && M >= SPLIT_ROWS;  // (SPLIT_ROWS)
+  if (split) {  // the split phases' outputs, before the threads write their rows
+    h = torch::empty_like(x);
+    if (a.act == 2) act = torch::empty({M, a.ffn}, x.options());
+  }
   const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
   std::exception_ptr error;
   std::atomic<bool> failed{false};
@@ -324,6 +386,23 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       ++serials;
     };
     auto linear = [&] { phase(true, [&] { job.run(tid); }); };
+    const int64_t r0 = tid * M / nt, r1 = (tid + 1) * M / nt;  // this thread's rows in a split phase
+    // the norm before a Linear (weights n) and its layout: over the team's rows where split allows, else on thread 0
+    auto norm_then = [&](const torch::Tensor* n, int64_t kind, const torch::Tensor* t, int64_t N, torch::Tensor& o,
+                         const torch::Tensor& next) {
+      if (split && rms_direct(x, n[0], a.rms) && deferrable(kind, h, panel_variant)) {
+        phase(tid == 0, [&] { prepare(job, kind, h, t, N, nullptr, o, buf, bias_keep, panel_variant, false); });
+        phase(true, [&] {
+          norm_range(x, n[0], a.eps, h, r0, r1);
+          lay_out(job, h, r0, r1);
+        });
+        return;
+      }
+      serial(next, [&] {
+        norm_into(x, n[0], n[1], a.rms, a.eps, h);
+        prepare(job, kind, h, t, N, nullptr, o, buf, bias_keep, panel_variant);
+      });
+    };
     for (int64_t l = 0; l < L; ++l) {
       const torch::Tensor* p = w.data() + PER_LAYER * l;
       const int64_t* kind = kinds.data() + 4 * l;
@@ -342,17 +421,17 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         write_rows(k_cache, slots, ks.reshape({n, kn}), nkv, hd);
         write_rows(v_cache, slots, qkv.narrow(1, qn + kn, kn).narrow(0, s0, n), nkv, hd);
       };
-      serial(p[8], [&] {
-        norm_into(x, p[0], p[1], a.rms, a.eps, h);
-        prepare(job, kind[0], h, p + 6, qn + 2 * kn, nullptr, qkv, buf, bias_keep, panel_variant);
-      });
+      norm_then(p, kind[0], p + 6, qn + 2 * kn, qkv, p[8]);
       linear();  // qkv (M, qn + 2 kn)
+      // the attention's rows laid out by the threads that computed them (split_attention, below)
+      const bool lay_y = split && split_attention && deferrable(kind[1], y, panel_variant);
       serial(p[13], [&] {
         q = qkv.narrow(1, 0, qn).view({M, a.n_head, hd});  // (M, nh, hd)
         auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});  // (M, nkv, hd)
         if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);
         if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
         kr = k;
+        if (lay_y) prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant, false);
         if (split_attention) return;  // each thread rotates and caches its own rows, then attends them (below)
         rotate_and_cache(0, M);
         if (split_heads) return;
@@ -376,17 +455,21 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
                                               a.lens.narrow(0, s0, n), a.block_size);  // (n, nh, hd) contiguous
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
                       n * qn * y.element_size());
+          if (lay_y) lay_out(job, y, s0, s0 + n);
         });
       }
-      if (split_heads || split_attention)  // the team's attention in y: thread 0 lays out the projection's input
+      if ((split_heads || split_attention) && !lay_y)  // the team's attention in y: thread 0 lays out the projection's input
         serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       linear();  // x + proj(y)
-      serial(p[18], [&] {
-        norm_into(x, p[2], p[3], a.rms, a.eps, h);
-        prepare(job, kind[2], h, p + 16, up_n, nullptr, u, buf, bias_keep, panel_variant);
-      });
+      norm_then(p + 2, kind[2], p + 16, up_n, u, p[18]);
       linear();  // u (M, up_n)
-      serial(p[23], [&] {
+      if (split && a.act == 2 && deferrable(kind[3], act, panel_variant)) {  // the activation's rows, each thread its own
+        phase(tid == 0, [&] { prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant, false); });
+        phase(true, [&] {
+          swiglu_range(u, a.ffn, act, r0, r1);
+          lay_out(job, act, r0, r1);
+        });
+      } else serial(p[23], [&] {
         const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
         if (a.act != 2) act = at::gelu(u, approximate).contiguous();
         else if (u.scalar_type() == at::kFloat) swiglu_into<float>(u, a.ffn, act);

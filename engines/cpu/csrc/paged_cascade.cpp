@@ -159,6 +159,20 @@ void cascade_gather_amx(const c10::BFloat16* kc, const c10::BFloat16* vc, const 
   }
 }
 
+// bf16 rows (M, K2 pairs) as run_range reads them for `variant`: as they are for AMX's tiles (3, 4); else (1, the
+// several-row blocks: vdpbf16ps in a build for AVX512-BF16) transposed to (K2, M) pairs in t, 16 rows at a time
+inline const uint32_t* rows_for(int64_t variant, const c10::BFloat16* x, int64_t M, int64_t K2, std::vector<uint32_t>& t) {
+  const auto* s = reinterpret_cast<const uint32_t*>(x);
+  if (variant >= 3) return s;
+  if (static_cast<int64_t>(t.size()) < K2 * M) t.resize(K2 * M);
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t m1 = std::min(M, m0 + 16);
+    for (int64_t k = 0; k < K2; ++k)
+      for (int64_t m = m0; m < m1; ++m) t[k * M + m] = s[m * K2 + k];
+  }
+  return t.data();
+}
+
 // cascade_part on the tiles: the R x group queries of kv head g (rows of a group) against its panels; variant 4: the
 // tiles' arithmetic in scalar C++ (panel_kernel.cpp row_variant; tests on hosts without AMX)
 void cascade_part_amx(const c10::BFloat16* qp, const torch::Tensor& kpan, const torch::Tensor& vpan, int64_t lp,
@@ -171,6 +185,7 @@ void cascade_part_amx(const c10::BFloat16* qp, const torch::Tensor& kpan, const 
   thread_local std::vector<BF> x;
   thread_local std::vector<float> sc, acc;
   thread_local std::vector<int64_t> idx;
+  thread_local std::vector<uint32_t> xt;
   if (static_cast<int64_t>(x.size()) < nq16 * std::max(hd, lpp)) x.resize(nq16 * std::max(hd, lpp));
   if (static_cast<int64_t>(sc.size()) < nq * lp) sc.resize(nq * lp);
   if (static_cast<int64_t>(acc.size()) < nq * hd) acc.resize(nq * hd);
@@ -181,14 +196,14 @@ void cascade_part_amx(const c10::BFloat16* qp, const torch::Tensor& kpan, const 
       idx[i] = rows[r] * nh + g * group + j;
       std::memcpy(x.data() + i * hd, qp + idx[i] * hd, hd * sizeof(BF));
     }
-  panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, hd / 2,
+  panel_src::run_range<uint32_t, BF, float>(rows_for(variant, x.data(), nq, hd / 2, xt), nq, hd / 2,
                                             kpan.data_ptr<BF>(), lp, nullptr, nullptr, sc.data(), variant, 0,
                                             (lp + 15) / 16);
   for (int64_t i = 0; i < nq; ++i) {
     const auto [mx, sum] = softmax_row(sc.data() + i * lp, lp, scale, x.data() + i * lpp, lpp);
     pm[idx[i]] = mx, pl[idx[i]] = sum;
   }
-  panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, lpp / 2,
+  panel_src::run_range<uint32_t, BF, float>(rows_for(variant, x.data(), nq, lpp / 2, xt), nq, lpp / 2,
                                             vpan.data_ptr<BF>(), hd, nullptr, nullptr, acc.data(), variant, 0, hd / 16);
   for (int64_t i = 0; i < nq; ++i) std::memcpy(pacc + idx[i] * hd, acc.data() + i * hd, hd * sizeof(float));
 }

@@ -168,8 +168,9 @@ void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, co
 // panels, cascade_gather_amx, or fp32 rows, cascade_gather); every query's partial over them (tasks of
 // PREFILL_QUERIES queries: rows x the kv head's query heads, cascade_part_amx or cascade_part, each its scores,
 // softmax and product with the values in the core's cache); then each row's own slots after the prefix, merged with
-// its partial (attend, as a decode row). variant: 0 the fp32 products (any dtype), 3 AMX tiles (bf16, a host with
-// AMX), 4 their arithmetic in scalar C++ (bf16; tests on any host). Before (SmolLM2, 43 chats' questions, 2,047 rows,
+// its partial (attend, as a decode row). variant: 0 the fp32 products (any dtype), 1 the panel kernel's bf16 row
+// blocks (vdpbf16ps where built for AVX512-BF16), 3 AMX tiles (bf16, a host with AMX), 4 their arithmetic in scalar
+// C++ (bf16; tests on any host). Before (SmolLM2, 43 chats' questions, 2,047 rows,
 // after 1,041 shared keys, 2 Xeon cores): panel_linear_f32 and a softmax over slices of up to 8 MB of scores through
 // memory, the own part and the merge in torch ops, ~26 ms a layer.
 constexpr int64_t PREFILL_QUERIES = 96;
@@ -188,9 +189,10 @@ torch::Tensor cascade_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t G = chunks.size(0), mb = tables.size(1), blocks = k_cache.size(0) / std::max<int64_t>(block_size, 1);
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "cascade_prefill: head shapes (nh a multiple of nkv)");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(variant == 0 || ((variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 && hd % 32 == 0),
-              "cascade_prefill: variant 0 (fp32 products), 3 (amx: bf16, hd a multiple of 32, a host with AMX tiles) or "
-              "4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+  TORCH_CHECK(variant == 0 || ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 &&
+                                hd % 32 == 0),
+              "cascade_prefill: variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), 3 (amx: bf16, hd a "
+              "multiple of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
   TORCH_CHECK(block_size >= 1 && shared_len >= block_size && shared_len % block_size == 0 && shared_len <= mb * block_size,
               "cascade_prefill: shared length ", shared_len, " must be whole blocks of ", block_size, " within the tables");
   const int64_t* tab = tables.data_ptr<int64_t>();
@@ -268,7 +270,7 @@ torch::Tensor cascade_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 }
 
 // One prefill chunk (n query rows from row r0, at positions start .. start + n - 1) and kv head g, causal: its keys /
-// values [0, start + n) gathered once (fp32 rows, or AMX panels for variant 3 / 4), then per piece of `piece` rows the
+// values [0, start + n) gathered once (fp32 rows, or bf16 panels for variant 1, 3, 4), then per piece of `piece` rows the
 // scores of its rows x group queries against the piece's context [0, lp) as one product, each query's softmax over
 // its own slots [0, its position] only (the later slots' exponentials are zeros), the exponentials times the
 // values as another product, each output row the sums over the exponentials' sum, rounded once into out
@@ -287,6 +289,7 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
       const int64_t L16 = (L + 15) / 16 * 16, L2 = pad32(L) / 2;
       thread_local std::vector<BF> x, kd, vd;
       thread_local std::vector<float> sc, acc;
+      thread_local std::vector<uint32_t> xt;
       kd.assign(L16 * hd, BF(0.f));
       vd.assign(hd * 2 * L2, BF(0.f));
       cascade_gather_amx(kc, vc, table, L, bs, row, hd, g, kd.data(), vd.data());
@@ -298,12 +301,13 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
         if (static_cast<int64_t>(acc.size()) < nq16 * hd) acc.resize(nq16 * hd);
         const auto head = [&](int64_t i) { return (r0 + i0 + i / group) * nh + g * group + i % group; };
         for (int64_t i = 0; i < nq; ++i) std::memcpy(x.data() + i * hd, qp + head(i) * hd, hd * sizeof(BF));
-        panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, hd / 2, kd.data(),
+        panel_src::run_range<uint32_t, BF, float>(rows_for(variant, x.data(), nq, hd / 2, xt), nq, hd / 2, kd.data(),
                                                   lp16, nullptr, nullptr, sc.data(), variant, 0, lp16 / 16);
         for (int64_t i = 0; i < nq; ++i)
           sums[i] = softmax_row(sc.data() + i * lp16, start + i0 + i / group + 1, scale, x.data() + i * lpp, lpp).second;
+        const uint32_t* e = rows_for(variant, x.data(), nq, lpp / 2, xt);  // the exponentials
         for (int64_t p = 0; p < hd / 16; ++p)  // panel p of the values at its place in vd, read as a run of lpp / 2
-          panel_src::run_range<uint32_t, BF, float>(reinterpret_cast<const uint32_t*>(x.data()), nq, lpp / 2,
+          panel_src::run_range<uint32_t, BF, float>(e, nq, lpp / 2,
                                                     vd.data() + p * (L2 - lpp / 2) * 32, hd, nullptr, nullptr,
                                                     acc.data(), variant, p, p + 1);
         for (int64_t i = 0; i < nq; ++i) {
@@ -366,9 +370,10 @@ void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "causal_prefill: head shapes (nh a multiple of nkv)");
   TORCH_CHECK(bs >= 1 && piece >= 1, "causal_prefill: block size and piece rows must be >= 1");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(variant == 0 || ((variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 && hd % 32 == 0),
-              "causal_prefill: variant 0 (fp32 products), 3 (amx: bf16, hd a multiple of 32, a host with AMX tiles) or "
-              "4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+  TORCH_CHECK(variant == 0 || ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 &&
+                                hd % 32 == 0),
+              "causal_prefill: variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), 3 (amx: bf16, hd a "
+              "multiple of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* ch = chunks.data_ptr<int64_t>();
   const int64_t blocks = k_cache.size(0) / bs;
