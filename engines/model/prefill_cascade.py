@@ -12,15 +12,16 @@ position, so
 
   - the shared part: the shared keys and values of each kv head are gathered once, and every query of
     the group (all chunks' rows, all query heads of a kv head) meets them as two matrix products a task of
-    rows (the scores, then the probabilities times the values: AMX tiles for a bf16 cache on a host that
-    has them, else fp32 products), each row keeping its maximum, sum of exponentials and weighted values;
+    rows (the scores, then the probabilities times the values: for a bf16 cache AMX tiles or vdpbf16ps row
+    blocks where the host has them, else fp32 products; bf16_prefill), each row keeping its maximum, sum of
+    exponentials and weighted values;
   - each row's own slots after the prefix (its chunk's cached and new keys up to its position): the
     decode kernel's loop, merged exactly with the row's shared partial (the log-sum-exp of both parts).
 
-Scores and sums are fp32 whatever the cache dtype, the softmax is the usual max-shifted one (on the tiles'
-path the probabilities are rounded to bf16 for the product with the values, as torch's bf16 SDPA does), and
-the result is rounded once to the step's dtype: the same attention as the per-sequence path up to the order
-of fp32 sums (tests/test_paged_cascade.py compares them).
+Scores and sums are fp32 whatever the cache dtype, the softmax is the usual max-shifted one (on the bf16
+products' paths the probabilities are rounded to bf16 for the product with the values, as torch's bf16 SDPA
+does), and the result is rounded once to the step's dtype: the same attention as the per-sequence path up to
+the order of fp32 sums (tests/test_paged_cascade.py compares them).
 
 Every other prefill chunk of a step (fresh prompts, continuations outside a group) goes through attend_causal:
 one C++ op a layer (causal_prefill), a task a chunk and kv head that gathers the chunk's context once and runs
