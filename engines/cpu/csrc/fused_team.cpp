@@ -204,11 +204,8 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
       const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xp[(k / 2) * M + m] |= static_cast<uint32_t>(src[m * K + k]) << (16 * (k % 2));
-    } else if (bf16) {  // the same pairs: the rows' 32-bit words (M, K2) transposed, 16 rows at a time
-      transpose_rows(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K2,
-                     reinterpret_cast<uint32_t*>(buf.data()));
-    } else {  // (K, M)
-      transpose_rows(x.data_ptr<float>(), M, K, buf.data());
+    } else {  // bf16: the same pairs, the rows' 32-bit words (M, K2) transposed; fp32: (K, M)
+      lay_out(j, x, 0, M);
     }
     return;
   }
@@ -230,33 +227,6 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
 }  // namespace
 
 namespace {
-
-// The block's norm of x (M, C) into out (M, C), as norm() computes it, without an allocation for RMSNorm (rms_rows
-// of csrc/fused_decode.cpp, one pass a row); LayerNorm, or a weight of another dtype: norm()
-void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
-               torch::Tensor& out) {
-  const int64_t M = x.size(0), C = x.size(1);
-  if (!rms || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.numel() != C ||
-      x.stride(1) != 1 || (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16)) {
-    out = norm(x, weight, bias, rms, eps).contiguous();
-    return;
-  }
-  if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
-  if (x.scalar_type() == at::kFloat)
-    rms_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(), M, C, eps);
-  else
-    rms_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), weight.data_ptr<c10::BFloat16>(),
-             out.data_ptr<c10::BFloat16>(), M, C, eps);
-}
-
-// SwiGLU's silu(gate) * up into out (M, ffn) without an allocation: swiglu_rows (csrc/fused_decode.cpp), as the
-// per-op loop; u (M, 2 ffn) the up Linear's rows, gate first
-template <typename T>
-void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
-  const int64_t M = u.size(0);
-  if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
-  swiglu_rows(u.data_ptr<T>(), u.stride(0), ffn, out.data_ptr<T>(), M);
-}
 
 // Whether norm_into runs rms_rows on x (so that rows of it may run apart: norm_range)
 bool rms_direct(const torch::Tensor& x, const torch::Tensor& weight, bool rms) {
@@ -284,6 +254,26 @@ void swiglu_range(const torch::Tensor& u, int64_t ffn, torch::Tensor& out, int64
     swiglu_rows(u.data_ptr<float>() + r0 * ld, ld, ffn, out.data_ptr<float>() + r0 * ffn, r1 - r0);
   else
     swiglu_rows(u.data_ptr<c10::BFloat16>() + r0 * ld, ld, ffn, out.data_ptr<c10::BFloat16>() + r0 * ffn, r1 - r0);
+}
+
+// The block's norm of x (M, C) into out (M, C), as norm() computes it, without an allocation for RMSNorm (rms_rows
+// of csrc/fused_decode.cpp, one pass a row); LayerNorm, or a weight of another dtype: norm()
+void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
+               torch::Tensor& out) {
+  if (!rms_direct(x, weight, rms)) {
+    out = norm(x, weight, bias, rms, eps).contiguous();
+    return;
+  }
+  if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
+  norm_range(x, weight, eps, out, 0, x.size(0));
+}
+
+// SwiGLU's silu(gate) * up into out (M, ffn) without an allocation: swiglu_rows (csrc/fused_decode.cpp), as the
+// per-op loop; u (M, 2 ffn) the up Linear's rows, gate first
+void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
+  const int64_t M = u.size(0);
+  if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
+  swiglu_range(u, ffn, out, 0, M);
 }
 
 // Rows a step needs for the team to split thread 0's row-wise small ops (the norms, the activation) and the next
@@ -472,8 +462,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       } else serial(p[23], [&] {
         const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
         if (a.act != 2) act = at::gelu(u, approximate).contiguous();
-        else if (u.scalar_type() == at::kFloat) swiglu_into<float>(u, a.ffn, act);
-        else swiglu_into<c10::BFloat16>(u, a.ffn, act);
+        else swiglu_into(u, a.ffn, act);
         prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant);
       });
       linear();  // x + down(act)
