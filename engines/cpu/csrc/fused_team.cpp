@@ -124,19 +124,6 @@ void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>
 #endif
 }
 
-// src (M, K) -> dst (K, M): 16 rows at a time, so their 16 source lines stay in L1 while each destination line is
-// written whole (the element-wise scatter of bf16 pairs into a zeroed buffer: prepare 2.4 % of the perf samples of a
-// SmolLM2 bf16 mix's decode steps (34 rows on average, 2-core EPYC Zen 4), and the others' spin waits 9.0 %; now 1.2 and 6.3)
-// (rows [r0, r1) only: a team lays out its rows each, below)
-template <typename E>
-inline void transpose_rows(const E* src, int64_t M, int64_t K, E* dst, int64_t r0 = 0, int64_t r1 = -1) {
-  for (int64_t m0 = r0, end = r1 < 0 ? M : r1; m0 < end; m0 += 16) {
-    const int64_t m1 = std::min(end, m0 + 16);
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t m = m0; m < m1; ++m) dst[k * M + m] = src[m * K + k];
-  }
-}
-
 // Whether prepare may leave the layout of x's rows to the team (lay_out below): a panel Linear's several rows, laid
 // out transposed (not AMX's row tiles, not an odd bf16 width's zero-padded pairs)
 bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
@@ -150,10 +137,10 @@ bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
 void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1) {
   const int64_t M = x.size(0), K = x.size(1);
   if (x.scalar_type() == at::kBFloat16)
-    transpose_rows(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K / 2,
+    panel_src::transpose_rows(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K / 2,
                    static_cast<uint32_t*>(const_cast<void*>(j.x)), r0, r1);
   else
-    transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
+    panel_src::transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
 }
 
 // Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of

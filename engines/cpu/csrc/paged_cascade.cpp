@@ -160,16 +160,12 @@ void cascade_gather_amx(const c10::BFloat16* kc, const c10::BFloat16* vc, const 
 }
 
 // bf16 rows (M, K2 pairs) as run_range reads them for `variant`: as they are for AMX's tiles (3, 4); else (1, the
-// several-row blocks: vdpbf16ps in a build for AVX512-BF16) transposed to (K2, M) pairs in t, 16 rows at a time
+// several-row blocks: vdpbf16ps in a build for AVX512-BF16) transposed to (K2, M) pairs in t (panel_src::transpose_rows)
 inline const uint32_t* rows_for(int64_t variant, const c10::BFloat16* x, int64_t M, int64_t K2, std::vector<uint32_t>& t) {
   const auto* s = reinterpret_cast<const uint32_t*>(x);
   if (variant >= 3) return s;
   if (static_cast<int64_t>(t.size()) < K2 * M) t.resize(K2 * M);
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t m1 = std::min(M, m0 + 16);
-    for (int64_t k = 0; k < K2; ++k)
-      for (int64_t m = m0; m < m1; ++m) t[k * M + m] = s[m * K2 + k];
-  }
+  panel_src::transpose_rows(s, M, K2, t.data());
   return t.data();
 }
 

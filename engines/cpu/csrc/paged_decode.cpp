@@ -159,6 +159,14 @@ void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, co
   else TORCH_CHECK(false, "paged_decode_heads: float32, bfloat16 or float16, got ", q.scalar_type());
 }
 
+// The products' variants of cascade_prefill and causal_prefill (engines/model/prefill_cascade.py bf16_prefill)
+void check_prefill_variant(const char* op, int64_t variant, bool bf16, int64_t hd) {
+  TORCH_CHECK(variant == 0 || ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 &&
+                                hd % 32 == 0),
+              op, ": variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), 3 (amx: bf16, hd a multiple "
+              "of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+}
+
 // Prefill chunks that continue one cached prefix (engines/model/prefill_cascade.py): each query row of a chunk is
 // a decode row of the cascade above whose context ends at its own position. chunks (G, 3) int64: a chunk's first
 // row in q (N, nh, hd), its query count n and start position (>= shared_len); tables (G, >= blocks) their block
@@ -189,10 +197,7 @@ torch::Tensor cascade_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t G = chunks.size(0), mb = tables.size(1), blocks = k_cache.size(0) / std::max<int64_t>(block_size, 1);
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "cascade_prefill: head shapes (nh a multiple of nkv)");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(variant == 0 || ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 &&
-                                hd % 32 == 0),
-              "cascade_prefill: variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), 3 (amx: bf16, hd a "
-              "multiple of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+  check_prefill_variant("cascade_prefill", variant, bf16, hd);
   TORCH_CHECK(block_size >= 1 && shared_len >= block_size && shared_len % block_size == 0 && shared_len <= mb * block_size,
               "cascade_prefill: shared length ", shared_len, " must be whole blocks of ", block_size, " within the tables");
   const int64_t* tab = tables.data_ptr<int64_t>();
@@ -370,10 +375,7 @@ void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "causal_prefill: head shapes (nh a multiple of nkv)");
   TORCH_CHECK(bs >= 1 && piece >= 1, "causal_prefill: block size and piece rows must be >= 1");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(variant == 0 || ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 &&
-                                hd % 32 == 0),
-              "causal_prefill: variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), 3 (amx: bf16, hd a "
-              "multiple of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+  check_prefill_variant("causal_prefill", variant, bf16, hd);
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* ch = chunks.data_ptr<int64_t>();
   const int64_t blocks = k_cache.size(0) / bs;

@@ -152,12 +152,17 @@ inline vf hsum16(vf* v) {
 // queue holds more misses than L1's (34 SmolLM2 rows x 250 positions, bf16, 30 layers, 2-core EPYC Zen 4:
 // 16.8-17.1 -> 11.8 ms into L2; the offline mix's decode steps 600-612 -> 665-675 tok/s; into L1 on the Xeon
 // made no difference). Widening a block's whole row span at once (one stream, not a kv head at a time): 13.6 ms
+// the rows [0, n) of a block's part of one kv head (rows `row` apart) requested into L2
+template <typename T, int HB>
+inline void prefetch_rows(const T* p, int64_t n, int64_t row) {
+  constexpr int64_t lines = (W * HB * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(reinterpret_cast<const char*>(p + i * row) + 64 * l, 0, 2);
+}
+
 template <typename T, int HB>
 inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int64_t& stride, const T* next) {
-  constexpr int64_t lines = (W * HB * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  if (next)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(reinterpret_cast<const char*>(next + i * row) + 64 * l, 0, 2);
+  if (next) prefetch_rows<T, HB>(next, n, row);
   if constexpr (std::is_same_v<T, float>) {
     stride = row;
     return src;
@@ -170,14 +175,6 @@ inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int6
     stride = W * HB;
     return buf;
   }
-}
-
-// the rows [0, n) of a block's part of one kv head (rows `row` apart) requested into L2
-template <typename T, int HB>
-inline void prefetch_rows(const T* p, int64_t n, int64_t row) {
-  constexpr int64_t lines = (W * HB * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(reinterpret_cast<const char*>(p + i * row) + 64 * l, 0, 2);
 }
 
 #if defined(__AVX512BF16__)
@@ -240,10 +237,7 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
       // the same rows' values, toward L2 for the pass after the softmax: two streams in flight instead of the
       // values' own stream starting cold (64 SmolLM2 rows x 158-230 positions, bf16, 2-core Xeon: a step's 30
       // layers 18.0 vs 19.3 ms, 25.1 vs 26.5, alternating builds 20.1-22.0 vs 22.5-22.6)
-      constexpr int64_t lines = (hd * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-      const char* vb = reinterpret_cast<const char*>(vc + table[b] * bs * row + g * hd);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(vb + (i * row) * sizeof(T) + 64 * l, 0, 2);
+      prefetch_rows<T, HB>(vc + table[b] * bs * row + g * hd, n, row);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         vf qv[HB];
         for (int u = 0; u < HB; ++u) qv[u] = load16(q + h * hd + u * W) * scale;
