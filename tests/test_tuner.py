@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import server_port
 from typer.testing import CliRunner
 
 from engines.core.config import ModelConfig
@@ -206,7 +207,6 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
     import os
     import shlex
     import signal
-    import socket
     import subprocess
     import sys
     import time
@@ -218,9 +218,7 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
                                    "--num-prompts", "20", "--weight-dtype", "float32", "--model-path", str(gpt2_dir),
                                    "--out", str(tmp_path)])
     assert run.exit_code == 0, run.output
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = server_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardserve", "serve", "--config", str(tmp_path / "tuned.yaml"),
                              "--port", str(port)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
