@@ -13,10 +13,11 @@ slot's key and value rows of its heads once, front to back (one sequential strea
 (sequence, head) read 128-256-byte pieces 1.5-3 KB apart and streamed 3-8 GB/s once the contexts
 outgrew the last-level cache); query heads that share a kv head (GQA) share its reads; the block
 table is walked block by block (no division per key); the softmax's exponentials are computed 16
-lanes at a time. For head sizes 16, 32, 64 and 128 (csrc attend_tiles) a block's keys and values of a kv
-head are widened to fp32 once for the query heads that share it, a query keeps its head in registers and
-scores 16 keys as 16 lane-wise partial sums reduced by one shuffle tree (not a horizontal sum a key), and a
-head's value sums stay in registers across a block, the next block's rows requested as this one's are read:
+lanes at a time. For head sizes 16, 32, 64 and 128 (csrc attend_tiles) each key and value row of a kv head is
+loaded once for up to 16 / (hd / 16) of the query heads that share it (fp16 keys and values widened to fp32 into a
+buffer first, bf16 values in registers), whose queries score 16 keys as 16 lane-wise partial sums reduced by one
+shuffle tree (not a horizontal sum a key) and whose value sums stay in registers across a block, the next block's
+rows requested as this one's are read:
 64 sequences x 220 keys, SmolLM2's shapes, one thread of the Xeon of BENCHMARKS.md, 2.58 -> 1.17 ms a layer
 in bf16, 2.20 -> 1.18 ms in fp32 (x 500 keys: 3.1 -> 2.6 ms both, ~19 GB/s of cache read in fp32). Other
 head sizes take the per-key loop.
