@@ -35,24 +35,6 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> int:
     return tk.get_vocab_size()
 
 
-def server_port() -> int:
-    """A free 127.0.0.1 port for a server a test starts, below the kernel's ephemeral range (32768-60999 by default):
-    a port that bind(0) handed out could be taken again by one of Ray's own processes (they bind ephemeral ports)
-    between the pick and the server's bind ("Address already in use" in a replica of test_emitted_yaml_serves)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
 def make_checkpoint(out_dir: Path, family: str, seed: int = 0, **overrides) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import server_port
+
+from training.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "shardserve", "serve"]
@@ -108,7 +109,7 @@ def test_an_embedded_ray_that_misses_its_start_wait_is_started_three_times(gpt2_
 def test_serve_prints_a_working_curl_and_drains_on_ctrl_c_or_sigterm(gpt2_dir, sig):
     """SIGTERM (docker stop, systemd) drains like Ctrl-C: Ray installs its own SIGTERM handler,
     which exits at once, so the CLI must take the signal back after starting Ray."""
-    port = server_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SHARDSERVE_API_KEYS", None)
     proc = subprocess.Popen([*CLI, "--model", str(gpt2_dir), "--name", "tiny", "--port", str(port)], cwd=ROOT,

@@ -7,13 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import server_port
 from typer.testing import CliRunner
 
 from engines.core.config import ModelConfig
 from engines.core.scheduler import SchedulerConfig
 from loadtest.config import SLO
 from shardserve.cli import app
+from training.distributed import free_port
 from tuner.cost import CostModel, LayoutError, StepWork, layout_problem, static_batch
 from tuner.profiles import HardwareProfile, ProfileError, builtin_names, load_profile
 from tuner.simulate import simulate, summarize
@@ -218,7 +218,7 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
                                    "--num-prompts", "20", "--weight-dtype", "float32", "--model-path", str(gpt2_dir),
                                    "--out", str(tmp_path)])
     assert run.exit_code == 0, run.output
-    port = server_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shardserve", "serve", "--config", str(tmp_path / "tuned.yaml"),
                              "--port", str(port)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
