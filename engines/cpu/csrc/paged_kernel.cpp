@@ -33,12 +33,7 @@ inline vf load16(const c10::BFloat16* p) {
 #endif
 }
 
-// the first c (<= W) lanes of v to p: a whole vector's store where c == W (a copy of c * 4 bytes, with c known only
-// at run time, became a loop of 4-byte moves)
-inline void store_first(float* p, const vf& v, int64_t c) {
-  if (c == W) std::memcpy(p, &v, sizeof(vf));
-  else std::memcpy(p, &v, c * sizeof(float));
-}
+
 inline vf load16(const c10::Half* p) { vf v; for (int64_t j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]); return v; }
 
 inline float hsum(vf v) { float s = 0.f; for (int64_t j = 0; j < W; ++j) s += v[j]; return s; }
@@ -150,6 +145,16 @@ inline vf hsum16(vf* v) {
   return v[0];
 }
 
+// the scores of c (<= W) keys from their lane-wise partial sums (part[i]: key i's 16 lanes), times scale, to dst:
+// the lanes past c zeroed, one shuffle tree, and a whole vector's store where c == W (a copy of c * 4 bytes, with c
+// known only at run time, became a loop of 4-byte moves)
+inline void store_scores(vf* part, int64_t c, float scale, float* dst) {
+  for (int64_t i = c; i < W; ++i) part[i] = vf{};
+  const vf r = hsum16(part) * scale;
+  if (c == W) std::memcpy(dst, &r, sizeof(vf));
+  else std::memcpy(dst, &r, c * sizeof(float));
+}
+
 // attend() for head size 16 x HB: a query head's HB vectors stay in registers while the keys of a block
 // pass (W keys' lane-wise products summed by hsum16, not one horizontal sum a key), and a head's value
 // sums likewise (a key's row widened once a head, in L1 after the group's first head). Keys and values
@@ -193,10 +198,9 @@ inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int6
 // weighted sum) stay in registers, HC x HB vectors of 16 lanes (<= 16); a head at a time loaded each row group
 // times. Same bits. SmolLM2 decode steps of 64 rows at 200-248 positions (3 query heads a kv head), 2-core EPYC
 // Zen 4, both ways switched in one process, median of 3: bf16 74.3 -> 66.8 ms, fp32 124.9 -> 121.1 ms
-// (bf16 attention alone, one thread, 32 rows x ~225 positions, with the one-load widening and whole-vector stores
-// below: 0.48 -> 0.42 ms a layer, three alternating runs of each build)
-// (AVX-512's 32 registers; a build without AVX-512 holds a vector of 16 lanes in two of its 16: one head a pass at
-// hd 64, as before)
+// (bf16 attention alone, one thread, 32 rows x ~225 positions, with load16's one widening load and store_scores'
+// whole-vector stores: 0.48 -> 0.42 ms a layer, three alternating runs of each build). HC fits AVX-512's 32
+// registers; a build without AVX-512 holds a 16-lane vector in two of its 16 (one head a pass at hd 64, as before)
 template <int HB>
 constexpr int heads_a_pass() {
 #if defined(__AVX512F__)
@@ -241,11 +245,7 @@ inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t 
             part[j][i] = (vf)p;
           }
       }
-      for (int64_t j = 0; j < hc; ++j) {
-        for (int64_t i = c; i < W; ++i) part[j][i] = vf{};
-        const vf r = hsum16(part[j]) * scale;
-        store_first(sc0 + (g0 + j) * lpad + i0, r, c);
-      }
+      for (int64_t j = 0; j < hc; ++j) store_scores(part[j], c, scale, sc0 + (g0 + j) * lpad + i0);
     }
   }
 }
@@ -303,11 +303,7 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
                 part[j][i] = p;
               }
           }
-          for (int64_t j = 0; j < hc; ++j) {
-            for (int64_t i = c; i < W; ++i) part[j][i] = vf{};
-            const vf r = hsum16(part[j]);
-            store_first(scores + (h0 + j) * lpad + t - t0 + i0, r, c);
-          }
+          for (int64_t j = 0; j < hc; ++j) store_scores(part[j], c, 1.f, scores + (h0 + j) * lpad + t - t0 + i0);
         }
       }
     }
