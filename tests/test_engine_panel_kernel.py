@@ -30,8 +30,19 @@ def test_matches_linear(dtype, rows, bias, inputs):
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
 
 
+def _row_variant_runs(variant: str) -> bool:
+    try:
+        return pk.panel_variant(variant) == variant
+    except ValueError:
+        return False
+
+
+AVX2 = pytest.param("avx2", marks=pytest.mark.skipif(
+    not _row_variant_runs("avx2"), reason="this CPU lacks AVX2 + FMA (the variant is tested where they exist)"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["portable", "amx_emulated"])
+@pytest.mark.parametrize("variant", ["portable", "amx_emulated", AVX2])
 def test_same_bits_on_any_thread_count_and_batch(dtype, variant):
     """Each output is summed in one order by one thread: 1 or 2 threads, and a row in a batch of 34 (row blocks
     of 12, 11 and 11) or of 2, equal bits (so the adaptive thread count and the batch's company never change a token). The portable code
@@ -55,7 +66,7 @@ def test_same_bits_on_any_thread_count_and_batch(dtype, variant):
     for i in (0, 7, 16, 33):
         pair = pk.panel_linear(x[[i, (i + 5) % 34]], panels, n, None, variant=variant)
         assert torch.equal(pair[:1], one[i:i + 1])
-        if variant == "portable" or dtype == torch.float32:
+        if variant != "amx_emulated" or dtype == torch.float32:
             assert torch.equal(pk.panel_linear(x[i:i + 1], panels, n, None, variant=variant), one[i:i + 1])
 
 
@@ -171,15 +182,7 @@ def test_kernel_calls_release_the_gil():
     assert len(inside) > 10, f"{len(inside)} Python iterations in the middle half of a {t1 - t0:.3f} s kernel call"
 
 
-def _row_variant_runs(variant: str) -> bool:
-    try:
-        return pk.panel_variant(variant) == variant
-    except ValueError:
-        return False
-
-
-@pytest.mark.parametrize("variant", [pytest.param("avx2", marks=pytest.mark.skipif(
-    not _row_variant_runs("avx2"), reason="this CPU lacks AVX2 + FMA (the variant is tested where they exist)"))])
+@pytest.mark.parametrize("variant", [AVX2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_variants_give_the_portable_bits(variant, dtype):
     """The one-row kernel forced to each variant: the portable code's bits (same FMAs, same order), on 4-panel
@@ -192,6 +195,28 @@ def test_one_row_variants_give_the_portable_bits(variant, dtype):
     got = pk.panel_linear(x[:1], panels, w.shape[0], b, variant=variant)
     assert torch.equal(got, pk.panel_linear(x[:1], panels, w.shape[0], b, variant="portable"))
     assert torch.equal(got, pk.panel_linear(x, panels, w.shape[0], b)[:1])
+
+
+@pytest.mark.parametrize("variant", [AVX2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs", [130, 131])
+def test_several_row_variants_give_the_portable_bits(variant, dtype, inputs):
+    """Several rows forced to each variant (AVX2: blocks of 6 fp32 / 4 bf16 rows, bf16 rows widened to fp32 pairs
+    first): the portable code's bits for every row count from 2 to 40 (one block and its remainders, near-equal
+    blocks), with a bias and a padded last panel, an odd input count (bf16: a padded pair); and the fp32 sums of
+    panel_linear_f32 likewise."""
+    torch.manual_seed(4)
+    n = 16 * 9 - 3
+    w = torch.randn(n, inputs).to(dtype)
+    b = torch.randn(n).to(dtype)
+    panels = pk.pack_panels(w)
+    for rows in [*range(2, 14), 17, 23, 34, 40]:
+        x = torch.randn(rows, inputs).to(dtype)
+        got = pk.panel_linear(x, panels, n, b, variant=variant)
+        assert torch.equal(got, pk.panel_linear(x, panels, n, b, variant="portable")), rows
+        if dtype == torch.bfloat16:
+            got32 = pk.panel_linear_f32(x, panels, n, variant=variant)
+            assert torch.equal(got32, pk.panel_linear_f32(x, panels, n, variant="portable")), rows
 
 
 def test_panel_variants_resolve_and_refuse_by_name():
@@ -229,7 +254,7 @@ def test_amx_rows_match_linear(variant, rows, shape):
     torch.testing.assert_close(got.float(), port.float(), rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("variant", ["portable", *AMX_VARIANTS])
+@pytest.mark.parametrize("variant", ["portable", AVX2, *AMX_VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stores_round_as_torch(variant, dtype):
     """The store loop (a full panel's 16 outputs a vector): small integers make every sum exact, so the output

@@ -19,7 +19,9 @@ buffer first, bf16 values in registers), whose queries score 16 keys as 16 lane-
 shuffle tree (not a horizontal sum a key) and whose value sums stay in registers across a block, the next block's
 rows requested as this one's are read:
 64 sequences x 220 keys, SmolLM2's shapes, one thread of the Xeon of BENCHMARKS.md, 2.58 -> 1.17 ms a layer
-in bf16, 2.20 -> 1.18 ms in fp32 (x 500 keys: 3.1 -> 2.6 ms both, ~19 GB/s of cache read in fp32). Other
+in bf16, 2.20 -> 1.18 ms in fp32 (x 500 keys: 3.1 -> 2.6 ms both, ~19 GB/s of cache read in fp32). A build for
+AVX2 without AVX-512 runs the same walk with 8-lane intrinsics (csrc attend_avx2: GCC kept the 16-lane arrays on the
+stack there; 64 x 200 keys on 2 threads of a Zen 3 EPYC, fp32 4.4 -> 1.7 ms a layer, bf16 3.8 -> 1.0). Other
 head sizes take the per-key loop.
 
 Shared prefixes (cascade decode): rows of a step whose block tables begin with the same >= 2 block

@@ -14,8 +14,9 @@ A bf16 weight is stored as pairs of inputs per output lane, (ceil(N / 16), ceil(
 the CPU has AVX512-BF16 one vdpbf16ps multiplies a lane's pair by the row's pair and adds both to
 the fp32 sum (twice the products of an fp32 FMA per instruction; oneDNN's bf16 kernel does the
 same); elsewhere both halves are widened (a bf16 is the high half of an fp32) and multiplied in
-fp32 (on an AVX2 host without AVX-512 the one-row path is AVX2 + FMA intrinsics chosen at run time,
-PANEL_VARIANTS: GCC's 64-byte vector code went through the stack there). Where the host has AMX (AMX-TILE and AMX-BF16, Sapphire
+fp32 (on an AVX2 host without AVX-512 the rows run AVX2 + FMA intrinsics chosen at run time, PANEL_VARIANTS: GCC's
+64-byte vector code went through the stack there; several bf16 rows are widened to fp32 pairs first, so a row's pair
+is two broadcasts). Where the host has AMX (AMX-TILE and AMX-BF16, Sapphire
 Rapids and later), two or more bf16 rows run on the tile unit instead: the bf16 panel is the tile multiply's
 weight operand as it lies, 16 rows at a time its other operand, and one instruction adds 16 rows x 16 outputs x
 32 inputs (32 rows of SmolLM2's 3072 x 576 on 2 threads: 0.19 ms against 0.94 for the vector code and 0.35 for
@@ -73,11 +74,11 @@ def unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> 
 
 PANEL_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2, "amx": 3, "amx_emulated": 4}
 """The panel kernel's variants: "portable" the GCC vector code (AVX-512 / AVX512-BF16 where the build has them),
-"avx2" AVX2 + FMA intrinsics for one row, the same bits; "amx" bfloat16 rows (2 or more, K a multiple of 32) as
+"avx2" AVX2 + FMA intrinsics (one row; several rows in blocks of 6 fp32 / 4 bf16 rows), the same bits; "amx" bfloat16 rows (2 or more, K a multiple of 32) as
 16-row tiles through AMX's tile multiply (csrc/panel_amx.cpp amx_block; one row and fp32 as portable);
 "amx_emulated" amx's tile layout with its sums in scalar C++ (any host; tests, never auto's pick); "auto"
 amx where the host runs it, else avx2 on an AVX2 host whose build lacks AVX-512F, else portable. Several fp32
-rows always run the portable code."""
+rows run the portable code except under avx2."""
 
 
 def panel_variant(variant: str = "auto") -> str:

@@ -89,7 +89,10 @@ struct TeamLinear {
 
   void range(int64_t p0, int64_t p1) const {
     using BF = c10::BFloat16;
-    if (kind == 0 && bf16)
+    if (kind == 0 && bf16 && panel_src::wide_rows(variant, M))  // rows widened to fp32 pairs (widen_rows)
+      panel_src::run_range(static_cast<const float*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
+                           static_cast<const BF*>(res), static_cast<BF*>(out), variant, p0, p1);
+    else if (kind == 0 && bf16)
       panel_src::run_range(static_cast<const uint32_t*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
                            static_cast<const BF*>(res), static_cast<BF*>(out), variant, p0, p1);
     else if (kind == 0)
@@ -136,7 +139,9 @@ bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
 // rows [r0, r1) of x (M, K) laid out for the Linear j that prepare(..., lay = false) readied (see deferrable)
 void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == at::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16 && panel_src::wide_rows(j.variant, M))
+    panel_src::widen_rows(x.data_ptr<c10::BFloat16>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
+  else if (x.scalar_type() == at::kBFloat16)
     panel_src::transpose_rows(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K / 2,
                    static_cast<uint32_t*>(const_cast<void*>(j.x)), r0, r1);
   else
@@ -185,7 +190,9 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     if (static_cast<int64_t>(buf.size()) < M * 2 * K2) buf.resize(M * 2 * K2);
     j.x = buf.data();
     if (!lay && deferrable(kind, x, panel_variant)) return;  // the team lays the rows out (lay_out)
-    if (bf16 && K % 2) {  // (K2, M) pairs: input 2 k2 in the low half, the last pair's high half zero
+    if (bf16 && panel_src::wide_rows(panel_variant, M)) {  // (K2, M, 2) fp32, an odd K's missing input zero
+      panel_src::widen_rows(x.data_ptr<c10::BFloat16>(), M, K, buf.data());
+    } else if (bf16 && K % 2) {  // (K2, M) pairs: input 2 k2 in the low half, the last pair's high half zero
       std::fill(buf.begin(), buf.begin() + M * K2, 0.f);
       auto* xp = reinterpret_cast<uint32_t*>(buf.data());
       const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());

@@ -10,7 +10,7 @@
 namespace {
 
 // the variant `variant` resolves to here: 1 portable (panel_rows.cpp's vector code, AVX-512 or AVX512-BF16 where the
-// build has them), 2 AVX2 + FMA for one row, 3 AMX for several bf16 rows (one row: portable), 4 AMX's layout
+// build has them), 2 AVX2 + FMA (one row, and several: rows_avx2), 3 AMX for several bf16 rows (one row: portable), 4 AMX's layout
 // with its arithmetic in scalar C++ (tests; never auto's pick); 0: amx where the host runs it, else AVX2 where the
 // CPU has it and the build has no AVX-512F (whose portable code is already fast), else portable. An error names
 // what a forced one lacks.
@@ -54,6 +54,7 @@ void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* a
 template <typename X, typename T, typename O = T>
 void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
                int64_t variant, int64_t p0, int64_t p1) {
+  constexpr bool wide = std::is_same_v<X, float> && !std::is_same_v<T, float>;  // bf16 rows widened (wide_rows)
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
   // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
   auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
@@ -72,7 +73,7 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
         out[i] = res ? static_cast<O>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
       }
   };
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && !wide) {
     if (amx_rows(variant, M, Kp)) {  // xt: (ceil(M / 16) * 16, Kp) rows, see amx_rows
       alignas(64) float tiles[4 * 256];
       const int64_t lanes = Kp * NR, M16 = (M + 15) / 16 * 16;
@@ -113,6 +114,7 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
   };
   float acc[2 * MR * NR];  // block2: two panels of up to MR2 rows
   int64_t p = p0;
+  if constexpr (!wide)
   if (M == 1) {  // G panels a pass (the same sums, in the same order, as one panel at a time)
     constexpr int G = 4;
     if constexpr (std::is_same_v<T, c10::BFloat16>)  // bf16 rows: up to ROW_G_BF16 panels a pass (see there)
@@ -129,6 +131,17 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
       for (int g = 0; g < G; ++g) store(p + g, 0, 1, acc + g * NR);
     }
   }
+#if PANEL_X86
+  if (variant == 2 && M > 1) {  // AVX2 + FMA blocks of near-equal rows (rows_avx2), before the AVX-512 pairs below
+    constexpr int64_t MRV = std::is_same_v<T, float> ? MR_AVX2 : MR_AVX2_BF16, XW = wide ? 2 : 1;
+    for (; p < p1; ++p)
+      for (int64_t nb = (M + MRV - 1) / MRV, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
+        r = M / nb + (b < M % nb);
+        rows_avx2(static_cast<int>(r), xt + XW * m0, XW * M, w + p * panel, Kp, acc, pf(p + 1, b, nb));
+        store(p, m0, static_cast<int>(r), acc);
+      }
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (M > 1)
@@ -141,6 +154,7 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
         }
   }
 #endif
+  if constexpr (!wide)
   for (; p < p1; ++p)  // blocks of near-equal rows (34: 12 + 11 + 11, not 16 + 16 + 2, whose 2 sums wait on latency)
     for (int64_t nb = (M + MR - 1) / MR, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
       r = M / nb + (b < M % nb);
@@ -160,6 +174,21 @@ inline void transpose_rows(const E* src, int64_t M, int64_t K, E* dst, int64_t r
     const int64_t m1 = std::min(end, m0 + 16);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t m = m0; m < m1; ++m) dst[k * M + m] = src[m * K + k];
+  }
+}
+
+// bf16 rows src (M, K) -> dst (K2, M, 2) fp32, each pair's two inputs widened (wide_rows' layout; an odd K's missing
+// input zero), rows [r0, r1) only, 16 at a time as transpose_rows
+inline void widen_rows(const c10::BFloat16* src, int64_t M, int64_t K, float* dst, int64_t r0 = 0, int64_t r1 = -1) {
+  const int64_t K2 = (K + 1) / 2;
+  for (int64_t m0 = r0, end = r1 < 0 ? M : r1; m0 < end; m0 += 16) {
+    const int64_t m1 = std::min(end, m0 + 16);
+    for (int64_t k2 = 0; k2 < K2; ++k2)
+      for (int64_t m = m0; m < m1; ++m) {
+        float* d = dst + (k2 * M + m) * 2;
+        d[0] = static_cast<float>(src[m * K + 2 * k2]);
+        d[1] = 2 * k2 + 1 < K ? static_cast<float>(src[m * K + 2 * k2 + 1]) : 0.f;
+      }
   }
 }
 
@@ -230,9 +259,17 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
                 "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
-    auto xt = bf16_rows(x, v);
-    run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
-        N, bp, with_res ? residual->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), v);
+    const auto* res = with_res ? residual->data_ptr<c10::BFloat16>() : nullptr;
+    if (wide_rows(v, M)) {
+      auto xc = x.contiguous();
+      auto xw = torch::empty({K2, M, 2}, x.options().dtype(torch::kFloat));
+      widen_rows(xc.data_ptr<c10::BFloat16>(), M, K, xw.data_ptr<float>());
+      run(xw.data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, bp, res, out.data_ptr<c10::BFloat16>(), v);
+    } else {
+      auto xt = bf16_rows(x, v);
+      run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(),
+          N, bp, res, out.data_ptr<c10::BFloat16>(), v);
+    }
   } else {
     TORCH_CHECK(false, "panel_linear: float32 or bfloat16, got ", x.scalar_type());
   }
@@ -254,6 +291,14 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(0) == (N + NR - 1) / NR &&
               panels.size(1) == K2 && panels.size(2) == NR, "panel_linear_f32: bf16 panels (P, ceil(K / 2), 16, 2)");
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (wide_rows(v, M)) {
+    auto xc = x.contiguous();
+    auto xw = torch::empty({K2, M, 2}, x.options().dtype(torch::kFloat));
+    widen_rows(xc.data_ptr<c10::BFloat16>(), M, K, xw.data_ptr<float>());
+    run(xw.data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, static_cast<const float*>(nullptr),
+        static_cast<const float*>(nullptr), out.data_ptr<float>(), v);
+    return out;
+  }
   auto xt = bf16_rows(x, v);
   run(reinterpret_cast<const uint32_t*>(xt.data_ptr<c10::BFloat16>()), M, K2, panels.data_ptr<c10::BFloat16>(), N,
       static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), out.data_ptr<float>(), v);
