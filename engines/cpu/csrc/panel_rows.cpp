@@ -303,37 +303,20 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* xt, int64_t ldx
   }
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) void block_avx2(const uint32_t* xp, int64_t ldx, const c10::BFloat16* w,
-                                                     int64_t K2, float* acc, const Pf& f) {
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 c[2 * R];
-  for (int i = 0; i < 2 * R; ++i) c[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + k * NR));
-    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + k * NR + 8));
-    f(wp + k * NR, k);
-    const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)), hi0 = _mm256_castsi256_ps(_mm256_and_si256(u0, high));
-    const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)), hi1 = _mm256_castsi256_ps(_mm256_and_si256(u1, high));
-    const uint32_t* xk = xp + k * ldx;
-    for (int m = 0; m < R; ++m) {
-      const __m256i xm = _mm256_set1_epi32(static_cast<int>(xk[m]));
-      const __m256 xa = _mm256_castsi256_ps(_mm256_slli_epi32(xm, 16)), xz = _mm256_castsi256_ps(_mm256_and_si256(xm, high));
-      c[2 * m] = _mm256_fmadd_ps(xz, hi0, _mm256_fmadd_ps(xa, lo0, c[2 * m]));
-      c[2 * m + 1] = _mm256_fmadd_ps(xz, hi1, _mm256_fmadd_ps(xa, lo1, c[2 * m + 1]));
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    _mm256_storeu_ps(acc + m * NR, c[2 * m]);
-    _mm256_storeu_ps(acc + m * NR + 8, c[2 * m + 1]);
-  }
+// a row's bf16 pair of inputs as two fp32 broadcasts: from its 32-bit pair (a shift and a mask), or already widened
+// (wide_rows: two broadcasts, no integer work; 45 -> ~100 GFLOP/s at 32 rows)
+__attribute__((target("avx2,fma"))) inline void pair_halves(const uint32_t* xk, int m, __m256& xa, __m256& xz) {
+  const __m256i xm = _mm256_set1_epi32(static_cast<int>(xk[m]));
+  xa = _mm256_castsi256_ps(_mm256_slli_epi32(xm, 16));
+  xz = _mm256_castsi256_ps(_mm256_and_si256(xm, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+__attribute__((target("avx2,fma"))) inline void pair_halves(const float* xk, int m, __m256& xa, __m256& xz) {
+  xa = _mm256_broadcast_ss(xk + 2 * m), xz = _mm256_broadcast_ss(xk + 2 * m + 1);
 }
 
-// bf16 weights with the rows already widened (wide_rows): xw (K2, ldx) holds each row's pair as two fp32, so a row
-// costs two broadcasts a pair instead of a broadcast, a shift and a mask (45 -> ~100 GFLOP/s at 32 rows)
-template <int R>
-__attribute__((target("avx2,fma"))) void block_avx2(const float* xw, int64_t ldx, const c10::BFloat16* w,
+// bf16 weights: xp (K2, ldx) the rows' pairs, as 32-bit pairs (X uint32_t) or widened (X float, wide_rows)
+template <int R, typename X>
+__attribute__((target("avx2,fma"))) void block_avx2(const X* xp, int64_t ldx, const c10::BFloat16* w,
                                                      int64_t K2, float* acc, const Pf& f) {
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -345,9 +328,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* xw, int64_t ldx
     f(wp + k * NR, k);
     const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)), hi0 = _mm256_castsi256_ps(_mm256_and_si256(u0, high));
     const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)), hi1 = _mm256_castsi256_ps(_mm256_and_si256(u1, high));
-    const float* xk = xw + k * ldx;
+    const X* xk = xp + k * ldx;
     for (int m = 0; m < R; ++m) {
-      const __m256 xa = _mm256_broadcast_ss(xk + 2 * m), xz = _mm256_broadcast_ss(xk + 2 * m + 1);
+      __m256 xa, xz;
+      pair_halves(xk, m, xa, xz);
       c[2 * m] = _mm256_fmadd_ps(xz, hi0, _mm256_fmadd_ps(xa, lo0, c[2 * m]));
       c[2 * m + 1] = _mm256_fmadd_ps(xz, hi1, _mm256_fmadd_ps(xa, lo1, c[2 * m + 1]));
     }
