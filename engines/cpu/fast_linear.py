@@ -213,8 +213,7 @@ def kinds_of(one: str, many: str, bulk: str, single: tuple[str, str, str] | None
 
 def droppable(kinds: tuple[set[str], set[str]]) -> bool:
     """Whether a FastLinear of these kernels can drop its dense weight: decode kernels among DENSE_FREE with
-    the panel kernel among them (its copy is what prefill unpacks, or reads: "panel"), prefill by "linear", "packed"
-    or "panel"."""
+    the panel kernel among them (what prefill unpacks, or reads), prefill by "linear", "packed" or "panel"."""
     decode, prefill = kinds
     return decode <= set(DENSE_FREE) and "panel" in decode and prefill <= {"linear", "packed", "panel"}
 
@@ -427,8 +426,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                          and (k != "panel" or panels)], 5),
                     (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
                                  and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
-                    (BULK_ROWS, ["linear", *(["packed"] if packs else []), *(["panel"] if panels else [])],
-                     3)):  # compute-bound
+                    (BULK_ROWS, ["linear", *(["packed"] * packs), *(["panel"] * panels)], 3)):  # compute-bound
                 x = torch.randn(rows, in_f).to(dtype)
                 runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds,
                                      team_first=rows < BULK_ROWS and torch.get_num_threads() >= 2))

@@ -279,107 +279,11 @@ inline void write_heads(const float* scores, int64_t m, int64_t lpad, int64_t nq
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// A build for AVX2 without AVX-512 (-march=native on such a host): attend_tiles' 16-lane vectors are two ymm
-// registers each there, and GCC kept their arrays (a key's partial sums, the shuffle tree's operands) on the stack:
-// 64 SmolLM2 rows x 200 positions took 4.4 ms a layer on 2 threads of a Zen 3 EPYC (4.5 GB/s of fp32 cache), against
-// 1.2 ms on one thread of an AVX-512 Xeon. Here with 8-lane intrinsics: a query head's scaled query in registers
-// (hd <= 64), 8 keys' partial sums reduced by one hadd tree, a head's value sums in registers (64 lanes a pass); bf16
-// rows widened in registers. The same walk (block by block in table order, each kv head's rows for its query heads,
-// the next block's rows requested as these are read) and the same softmax; sums in a different order than the
-// AVX-512 build's, so the bits are this build's own (any split of heads or sequences over threads gives the same)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-// lane i = the sum of r[i]'s 8 lanes
-inline __m256 hsum8(const __m256* r) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// dst[i] = qs . k[i] for the n key rows at k (`row` apart), qs the head's scaled fp32 query of 8 * H8 lanes
-template <typename T, int H8>
-inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, float* dst) {
-  constexpr int QR = H8 <= 8 ? H8 : 1;  // query vectors kept in registers (hd 128: read from L1)
-  __m256 qv[QR];
-  if constexpr (H8 <= 8)
-    for (int u = 0; u < H8; ++u) qv[u] = _mm256_loadu_ps(qs + 8 * u);
-  const auto Q = [&](int u) { if constexpr (H8 <= 8) return qv[u]; else return _mm256_loadu_ps(qs + 8 * u); };
-  __m256 part[8];
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const int64_t c = std::min<int64_t>(8, n - i0);
-    for (int64_t i = 0; i < c; ++i) {
-      const T* kr = k + (i0 + i) * row;
-      __m256 p0 = _mm256_mul_ps(Q(0), load8(kr)), p1 = _mm256_mul_ps(Q(1), load8(kr + 8));
-      for (int u = 2; u < H8; u += 2) {
-        p0 = _mm256_fmadd_ps(Q(u), load8(kr + 8 * u), p0);
-        p1 = _mm256_fmadd_ps(Q(u + 1), load8(kr + 8 * u + 8), p1);
-      }
-      part[i] = _mm256_add_ps(p0, p1);
-    }
-    for (int64_t i = c; i < 8; ++i) part[i] = _mm256_setzero_ps();
-    const __m256 r = hsum8(part);
-    if (c == 8) {
-      _mm256_storeu_ps(dst + i0, r);
-    } else {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, r);
-      std::memcpy(dst + i0, t, c * sizeof(float));
-    }
-  }
-}
-
-// acc (8 * H8 lanes) += p[i] * v[i] over the n value rows at v (`row` apart), 64 lanes of sums in registers a pass
-template <typename T, int H8>
-inline void values_avx2(const float* p, const T* v, int64_t n, int64_t row, float* acc) {
-  constexpr int C = H8 < 8 ? H8 : 8;
-  for (int u0 = 0; u0 < H8; u0 += C) {
-    __m256 a[C];
-    for (int u = 0; u < C; ++u) a[u] = _mm256_loadu_ps(acc + 8 * (u0 + u));
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 pi = _mm256_broadcast_ss(p + i);
-      const T* vr = v + i * row + 8 * u0;
-      for (int u = 0; u < C; ++u) a[u] = _mm256_fmadd_ps(pi, load8(vr + 8 * u), a[u]);
-    }
-    for (int u = 0; u < C; ++u) _mm256_storeu_ps(acc + 8 * (u0 + u), a[u]);
-  }
-}
-
-// attend_tiles' work (same arguments) with the loops above; hd = 8 * H8 (H8 = 2 HB)
+// attend_tiles' work on a build for AVX2 without AVX-512 (csrc/paged_avx2.cpp, later in this namespace)
 template <typename T, int H8>
 void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs, int64_t row,
                  int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out, int64_t lpad, int64_t t0,
-                 const float* pm, const float* pl, const float* pacc) {
-  constexpr int64_t hd = 8 * H8;
-  const int64_t m = len - t0, nkv = nq / group;
-  thread_local std::vector<float> qs;
-  if (static_cast<int64_t>(qs.size()) < nq * hd) qs.resize(nq * hd);
-  for (int64_t i = 0; i < nq * hd; ++i) qs[i] = static_cast<float>(q[i]) * scale;
-  for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
-    const int64_t n = std::min(bs, len - t);
-    const bool more = t + bs < len;
-    for (int64_t g = 0; g < nkv; ++g) {
-      const T* k = kc + table[b] * bs * row + g * hd;
-      if (more) prefetch_rows<T, H8 / 2>(kc + table[b + 1] * bs * row + g * hd, n, row);
-      prefetch_rows<T, H8 / 2>(vc + table[b] * bs * row + g * hd, n, row);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        scores_avx2<T, H8>(qs.data() + h * hd, k, n, row, scores + h * lpad + t - t0);
-    }
-  }
-  softmax_heads(scores, m, lpad, nq, hd, acc, pm, pl, pacc);
-  for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
-    const int64_t n = std::min(bs, len - t);
-    for (int64_t g = 0; g < nkv; ++g) {
-      const T* v = vc + table[b] * bs * row + g * hd;
-      if (t + bs < len) prefetch_rows<T, H8 / 2>(vc + table[b + 1] * bs * row + g * hd, n, row);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        values_avx2<T, H8>(scores + h * lpad + t - t0, v, n, row, acc + h * hd);
-    }
-  }
-  write_heads(scores, m, lpad, nq, hd, acc, out);
-}
+                 const float* pm, const float* pl, const float* pacc);
 #endif
 
 template <typename T, int HB>
