@@ -229,6 +229,15 @@ torch::Tensor bf16_rows(const torch::Tensor& x, int64_t v) {
                             : xs.view({M, K2, 2}).transpose(0, 1).contiguous();
 }
 
+// bf16 rows x (M, K) widened as wide_rows' blocks read them: (ceil(K / 2), M, 2) fp32 (widen_rows)
+torch::Tensor widened_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  auto xw = torch::empty({(K + 1) / 2, M, 2}, x.options().dtype(torch::kFloat));
+  widen_rows(xc.data_ptr<c10::BFloat16>(), M, K, xw.data_ptr<float>());
+  return xw;
+}
+
 // x (M, K), panels of a weight with N outputs, optional bias (N), optional residual (M, N) -> (M, N) in
 // x's dtype: x @ W^T + bias, plus the residual (added after the Linear's result is rounded, as torch's add)
 torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
@@ -261,9 +270,7 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
                 "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
     const auto* res = with_res ? residual->data_ptr<c10::BFloat16>() : nullptr;
     if (wide_rows(v, M)) {
-      auto xc = x.contiguous();
-      auto xw = torch::empty({K2, M, 2}, x.options().dtype(torch::kFloat));
-      widen_rows(xc.data_ptr<c10::BFloat16>(), M, K, xw.data_ptr<float>());
+      auto xw = widened_rows(x);
       run(xw.data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, bp, res, out.data_ptr<c10::BFloat16>(), v);
     } else {
       auto xt = bf16_rows(x, v);
@@ -292,9 +299,7 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N,
               panels.size(1) == K2 && panels.size(2) == NR, "panel_linear_f32: bf16 panels (P, ceil(K / 2), 16, 2)");
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (wide_rows(v, M)) {
-    auto xc = x.contiguous();
-    auto xw = torch::empty({K2, M, 2}, x.options().dtype(torch::kFloat));
-    widen_rows(xc.data_ptr<c10::BFloat16>(), M, K, xw.data_ptr<float>());
+    auto xw = widened_rows(x);
     run(xw.data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, static_cast<const float*>(nullptr),
         static_cast<const float*>(nullptr), out.data_ptr<float>(), v);
     return out;
