@@ -222,6 +222,18 @@ def test_a_single_lucky_round_does_not_choose_a_kernel():
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
 
 
+def test_a_hopeless_kernel_is_timed_once():
+    """A kernel whose first round takes over HOPELESS times the best one's is not called again (scripted one
+    round: a second call would exhaust it); its one round stands as its time, and "linear" is dropped likewise."""
+    fns, clock = _scripted({"linear": [1.0] * 5, "pretransposed": [9.0], "panel": [0.5] * 5})
+    chosen, med = fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)
+    assert chosen == "panel" and med["pretransposed"] == 9.0
+    fns, clock = _scripted({"linear": [4.5], "panel": [0.5] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock) == ("panel", {"linear": 4.5, "panel": 0.5})
+    fns, clock = _scripted({"linear": [1.0] * 5, "gemv": [7.9] * 5})  # under the factor: timed every round
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[1] == {"linear": 1.0, "gemv": 7.9}
+
+
 def test_one_row_on_several_threads_keeps_the_team_kernel_unless_another_is_far_faster():
     """At one row on several threads (team_first) the panel kernel stays unless a kernel's median is under
     TEAM_MARGIN of its own: the fused step runs panels without a fork and join each (a 30 % slower panel alone

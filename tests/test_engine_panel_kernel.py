@@ -219,6 +219,36 @@ def test_several_row_variants_give_the_portable_bits(variant, dtype, inputs):
             assert torch.equal(got32, pk.panel_linear_f32(x, panels, n, variant="portable")), rows
 
 
+@pytest.mark.parametrize("variant", [AVX2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs", [600, 1537])
+def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
+    """Prefill chunks on AVX2 (48 rows or more): the rows laid out in blocks, chunks of blocks through each panel a
+    256-step slice at a time, the sums carried between slices. The portable code's bits for near-equal blocks and
+    their remainders, several chunks (1,537 inputs: 5 fp32 blocks a chunk), 2-3 slices, an odd input count (bf16: a
+    padded pair), a bias, a residual, a padded last panel, on one thread and two; and panel_linear_f32's sums."""
+    torch.manual_seed(5)
+    n = 16 * 5 - 3
+    w = torch.randn(n, inputs).to(dtype)
+    b = torch.randn(n).to(dtype)
+    panels = pk.pack_panels(w)
+    mod, before = pk.load()[0], torch.get_num_threads()
+    try:
+        for threads, rows in ((1, 48), (1, 97), (2, 49), (2, 301)):
+            torch.set_num_threads(threads)
+            x = torch.randn(rows, inputs).to(dtype)
+            res = torch.randn(rows, n).to(dtype)
+            got = pk.panel_linear(x, panels, n, b, variant=variant)
+            assert torch.equal(got, pk.panel_linear(x, panels, n, b, variant="portable")), (rows, threads)
+            got = mod.panel_linear_res(x, panels, n, b, res, pk.PANEL_VARIANTS[variant])
+            assert torch.equal(got, mod.panel_linear_res(x, panels, n, b, res, pk.PANEL_VARIANTS["portable"])), rows
+            if dtype == torch.bfloat16:
+                got32 = pk.panel_linear_f32(x, panels, n, variant=variant)
+                assert torch.equal(got32, pk.panel_linear_f32(x, panels, n, variant="portable")), (rows, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_panel_variants_resolve_and_refuse_by_name():
     assert pk.panel_variant("auto") in ("portable", "avx2", "amx")
     assert pk.panel_variant("portable") == "portable"

@@ -1,10 +1,10 @@
 """A runtime transformation for CPU inference: each Linear gets the fastest kernel for its shape,
 chosen by timing at load, separately for one row, a decode batch and a prefill chunk.
 
-A decode matrix-vector product is memory-bound, and torch's kernels stream memory at very different rates
-by CPU, dtype and shape (2-core EPYC, AVX512-BF16: the bf16 GPT-2 head took 12-24 ms a row through
-`F.linear` / `mm` / `mv`, 5-6 ms through oneDNN on a once-reordered weight, `packed`). Which kernel wins flips between machines
-(AVX2-only, AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
+A decode matrix-vector product is memory-bound, and torch's kernels stream memory at very different rates by CPU,
+dtype and shape (2-core EPYC, AVX512-BF16: the bf16 GPT-2 head took 12-24 ms a row through `F.linear` / `mm` / `mv`,
+5-6 ms through oneDNN on a once-reordered weight, `packed`). Which kernel wins flips between machines (AVX2-only,
+AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
 (out, in, dtype, threads) shape is timed all ways once per process, on one row, on MANY_ROWS rows
 (a decode batch) and on BULK_ROWS rows (a prefill chunk), and `FastLinear` dispatches on the row
 count, on repeated interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its
@@ -42,7 +42,7 @@ the step runs on two threads or more and oneDNN packing is available; "panel" (e
 where its C++ kernel builds, for fp32 and bf16."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 13
+KERNEL_SET = 14
 """Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice saved
 before a kernel or the rule changed times again; git log has what each version changed)."""
 MANY_ROWS, BULK_ROWS = 32, 128
@@ -218,12 +218,7 @@ def droppable(kinds: tuple[set[str], set[str]]) -> bool:
     return decode <= set(DENSE_FREE) and "panel" in decode and prefill <= {"linear", "packed", "panel"}
 
 
-def _packed_for_linear(kind: str) -> str:
-    return "packed" if kind == "linear" else kind
-
-
-_HELPER: ThreadPoolExecutor | None = None
-"""One helper thread (one intra-op thread) that computes the upper half of a "halves" Linear."""
+_HELPER: ThreadPoolExecutor | None = None  # one helper thread (one intra-op thread): a "halves" Linear's upper half
 
 
 def _helper() -> ThreadPoolExecutor:
@@ -236,14 +231,12 @@ def _helper() -> ThreadPoolExecutor:
 
 def _two_halves(x2: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor | None,
                 half: int) -> torch.Tensor:
-    """One row through a Linear split by output features: [0, half) on this thread, the rest on the
-    helper thread, each on one intra-op thread, at the same time (torch releases the GIL in the op).
-
-    Why: oneDNN's one-row linear streams its weight at one core's rate (~15 GB/s on the EPYC of
-    BENCHMARKS.md, issue 12, the same on 1 and 2 threads) while two cores read ~30 GB/s; a one-row
-    product is memory-bound, so reading two halves on two cores at once nearly halves its time.
-    Each output element is the same dot product as in the whole-weight kernel (bitwise equal in
-    the tests). Costs a thread hand-off (~20-50 us), so it must win its timing to be used."""
+    """One row through a Linear split by output features: [0, half) on this thread, the rest on the helper thread,
+    each on one intra-op thread, at the same time (torch releases the GIL in the op). Why: oneDNN's one-row linear
+    streams its weight at one core's rate (~15 GB/s on the EPYC of BENCHMARKS.md, issue 12, the same on 1 and 2
+    threads) while two cores read ~30 GB/s; a memory-bound product of two halves on two cores nearly halves its time.
+    Each output is the same dot product as in the whole-weight kernel (bitwise equal in the tests). Costs a thread
+    hand-off (~20-50 us), so it must win its timing to be used."""
     from engines.cpu.cpu_threads import intra_op_threads
 
     b_lo, b_hi = (None, None) if b is None else (b[:half], b[half:])
@@ -297,14 +290,16 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    spent, rounds = 0.0, 0
+    spent, rounds, timed = 0.0, 0, dict(fns)
     while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
-        for k, fn in fns.items():
+        for k, fn in timed.items():
             t = clock()
             fn()
             dt = clock() - t
             times[k].append(dt)
             spent += dt
+        if not rounds:  # a kernel HOPELESS times the best one's first round keeps that one round
+            timed = {k: f for k, f in timed.items() if times[k][0] <= HOPELESS * min(v[0] for v in times.values())}
         rounds += 1
     med = {k: median(v) for k, v in times.items()}
     winner = min(med, key=med.get)
@@ -317,6 +312,9 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     return (team[0] if team else "linear"), med
 
 
+HOPELESS = 8.0
+"""A kernel whose first timed round takes over this many times the best one's is not timed again (AVX2 EPYC, bf16
+`pretransposed` took 5.7 s a call at 32 rows of SmolLM2's head: loading it with no saved choices 76 -> 46 s)."""
 TIMING_TRIES = 2
 """Timings of a shape on a disturbed host (engines/cpu/cpu_threads.FORK_JOIN_QUIET_S) before its choice is used
 unsaved (the next process times again)."""
@@ -491,8 +489,9 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
                     # prefill chunk (SmolLM2's down projection: 0.9 ms a call, 6 % of prefill): oneDNN's packed
                     # copy (timed within a few % of it) costs the dense weight's memory. fp32 keeps its timed
                     # choice (KERNEL_SET 12: "packed" in prefill's layout wins there on its own, 8 % of a prefill)
-                    kernels = (*kernels[:2], _packed_for_linear(kernels[2]))
-                    single = None if single is None else (*single[:2], _packed_for_linear(single[2]))
+                    packed = {"linear": "packed"}
+                    kernels = (*kernels[:2], packed.get(kernels[2], kernels[2]))
+                    single = None if single is None else (*single[:2], packed.get(single[2], single[2]))
                 setattr(parent, name, FastLinear(child, *kernels, single=single, dense=dense,
                                                  prepare=("panel",) if head else ()))
     if choices:

@@ -36,7 +36,7 @@ NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 """The namespaces the bindings look the kernels' functions up in."""
 
 FUNCTIONS = [
-    "pack_panels", "panel_linear", "panel_linear_f32", "panel_variant",   # panel_kernel.cpp
+    "pack_panels", "panel_linear", "panel_linear_res", "panel_linear_f32", "panel_variant",  # panel_kernel.cpp
     "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp

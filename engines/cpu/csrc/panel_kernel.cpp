@@ -46,6 +46,30 @@ void rows_block(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* a
   }
 }
 
+// the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out (M, N) (plus res)
+template <typename O>
+void store_sums(int64_t p, int64_t m0, int r, const float* acc, int64_t N, const float* bias, const O* res, O* out) {
+  const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
+  if (nn == NR) {  // a full panel: 16 outputs a vector, the same arithmetic
+    for (int m = 0; m < r; ++m) {
+      const int64_t i = (m0 + m) * N + n0;
+      store16(acc + m * NR, bias ? bias + n0 : nullptr, res ? res + i : nullptr, out + i);
+    }
+    return;
+  }
+  for (int m = 0; m < r; ++m)
+    for (int64_t j = 0; j < nn; ++j) {
+      const int64_t i = (m0 + m) * N + n0 + j;
+      const O y = static_cast<O>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
+      out[i] = res ? static_cast<O>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
+    }
+}
+
+// rows [m0, m0 + r) of block b: M rows in nb blocks of near-equal rows (34 in 3: 12 + 11 + 11)
+inline void row_block(int64_t b, int64_t M, int64_t nb, int64_t& m0, int64_t& r) {
+  m0 = b * (M / nb) + std::min(b, M % nb), r = M / nb + (b < M % nb);
+}
+
 // panels [p0, p1) of xt (Kp, M) the rows' inputs transposed (fp32, or bf16 pairs), w (P, Kp, NR) -> out (M, N); with
 // res (M, N), out = res + (the Linear's output rounded to T), rounded to T: what `res + linear(x)` gives (res may be
 // out: each element is read, then written, by the thread that owns its panel). Each panel's sums do not depend on how
@@ -56,23 +80,7 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
                int64_t variant, int64_t p0, int64_t p1) {
   constexpr bool wide = std::is_same_v<X, float> && !std::is_same_v<T, float>;  // bf16 rows widened (wide_rows)
   const int64_t panel = Kp * NR * (std::is_same_v<T, float> ? 1 : 2);  // elements of T per panel
-  // the sums of panel p for rows m0 .. m0 + r - 1 (acc: r x NR) plus the bias, rounded into out
-  auto store = [&](int64_t p, int64_t m0, int r, const float* acc) {
-    const int64_t n0 = p * NR, nn = std::min(NR, N - n0);
-    if (nn == NR) {  // a full panel: 16 outputs a vector, the same arithmetic
-      for (int m = 0; m < r; ++m) {
-        const int64_t i = (m0 + m) * N + n0;
-        store16(acc + m * NR, bias ? bias + n0 : nullptr, res ? res + i : nullptr, out + i);
-      }
-      return;
-    }
-    for (int m = 0; m < r; ++m)
-      for (int64_t j = 0; j < nn; ++j) {
-        const int64_t i = (m0 + m) * N + n0 + j;
-        const O y = static_cast<O>(acc[m * NR + j] + (bias ? bias[n0 + j] : 0.f));
-        out[i] = res ? static_cast<O>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
-      }
-  };
+  auto store = [&](int64_t p, int64_t m0, int r, const float* acc) { store_sums(p, m0, r, acc, N, bias, res, out); };
   if constexpr (std::is_same_v<T, c10::BFloat16> && !wide) {
     if (amx_rows(variant, M, Kp)) {  // xt: (ceil(M / 16) * 16, Kp) rows, see amx_rows
       alignas(64) float tiles[4 * 256];
@@ -192,6 +200,59 @@ inline void widen_rows(const c10::BFloat16* src, int64_t M, int64_t K, float* ds
   }
 }
 
+// Many rows on AVX2 (variant 2, BLOCKED_ROWS or more: prefill chunks). The decode layout (K, M) puts a 6-row block's
+// inputs M * 4 bytes apart (2,048 rows: a page a step, 6 values of each 64-byte line), and laying it out costs a pass
+// over x; so these blocks read the rows as they are (RM, fp32; bf16 widened to fp32, an odd K's missing input zero).
+// A thread takes a chunk of blocks whose rows fit in L2 (CHUNK_BYTES) through each of its panels, KC steps of the
+// panel at a time (16 KB of weights, kept in L1 for all the chunk's blocks); each output's sums go on from where
+// they were (carry): the same chain of multiply-adds as one pass, the same bits as the portable code.
+constexpr int64_t BLOCKED_ROWS = 48, CHUNK_BYTES = 256 << 10, KC = 256, CHUNK_MAX = 64;
+#if PANEL_X86
+inline bool blocked_rows(int64_t variant, int64_t M) { return variant == 2 && M >= BLOCKED_ROWS; }
+#else
+inline bool blocked_rows(int64_t, int64_t) { return false; }
+#endif
+
+// x (M, K) fp32 or bf16 -> the rows run_blocked reads: fp32 (M, K), or bf16 widened to fp32 (M, 2 * ceil(K / 2))
+torch::Tensor blocked_inputs(const torch::Tensor& x) {
+  if (x.scalar_type() == torch::kFloat) return x.contiguous();
+  return (x.size(1) % 2 ? torch::constant_pad_nd(x, {0, 1}) : x).to(torch::kFloat).contiguous();
+}
+
+// xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N)
+template <typename T, typename O>
+void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out) {
+#if PANEL_X86
+  constexpr bool bf16 = !std::is_same_v<T, float>;
+  constexpr int64_t MRV = bf16 ? MR_AVX2_BF16 : MR_AVX2, XW = bf16 ? 2 : 1;
+  const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MRV - 1) / MRV;
+  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MRV * 4), 1, CHUNK_MAX);
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR];
+    for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+      const int64_t c1 = std::min(nb, c0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t k0 = 0; k0 < Kp; k0 += KC)  // the chunk's first block reads the slice's weights, asking ahead
+          for (int64_t b = c0, m0, r; b < c1; ++b) {
+            row_block(b, M, nb, m0, r);
+            const float* xm = xb + m0 * ldx + k0 * XW;
+            const T* wk = w + p * panel + k0 * NR * XW;
+            float* am = acc + (b - c0) * MRV * NR;
+            if (b == c0) rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, Pf{}, k0 > 0);
+            else rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, NoPf{}, k0 > 0);
+          }
+        for (int64_t b = c0, m0, r; b < c1; ++b) {
+          row_block(b, M, nb, m0, r);
+          store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MRV * NR, N, bias, res, out);
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "panel kernel: the blocked rows need the avx2 variant");
+#endif
+}
+
 // all panels of the Linear (run_range) over torch's intra-op threads
 template <typename X, typename T, typename O = T>
 void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
@@ -261,15 +322,22 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
   }
   if (x.scalar_type() == torch::kFloat) {
     TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K, "panel_linear: fp32 panels (P, K, 16)");
+    const float* res = with_res ? residual->data_ptr<float>() : nullptr;
+    if (blocked_rows(v, M)) {
+      run_blocked(blocked_inputs(x).data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, res, out.data_ptr<float>());
+      return out;
+    }
     auto xt = x.t().contiguous();  // (K, M): one input's row values adjacent
-    run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, with_res ? residual->data_ptr<float>() : nullptr,
-        out.data_ptr<float>(), v);
+    run(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, res, out.data_ptr<float>(), v);
   } else if (x.scalar_type() == torch::kBFloat16) {
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
                 "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
     const auto* res = with_res ? residual->data_ptr<c10::BFloat16>() : nullptr;
-    if (wide_rows(v, M)) {
+    if (blocked_rows(v, M)) {
+      run_blocked(blocked_inputs(x).data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, bp, res,
+                  out.data_ptr<c10::BFloat16>());
+    } else if (wide_rows(v, M)) {
       auto xw = widened_rows(x);
       run(xw.data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, bp, res, out.data_ptr<c10::BFloat16>(), v);
     } else {
@@ -298,6 +366,11 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(0) == (N + NR - 1) / NR &&
               panels.size(1) == K2 && panels.size(2) == NR, "panel_linear_f32: bf16 panels (P, ceil(K / 2), 16, 2)");
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (blocked_rows(v, M)) {
+    run_blocked(blocked_inputs(x).data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N,
+                static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), out.data_ptr<float>());
+    return out;
+  }
   if (wide_rows(v, M)) {
     auto xw = widened_rows(x);
     run(xw.data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, static_cast<const float*>(nullptr),

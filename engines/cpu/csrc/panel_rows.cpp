@@ -39,6 +39,9 @@ struct Pf {  // where a row block asks: `share` null, 4 KB ahead of the line rea
     else ahead(static_cast<const char*>(line) + plus);
   }
 };
+struct NoPf {  // a block whose weights are already in L1 (run_blocked's later blocks): no asking
+  void operator()(const void*, int64_t, int64_t = 0) const {}
+};
 typedef uint16_t vh __attribute__((vector_size(32)));
 
 // 16 fp32 rounded to bf16 as c10::BFloat16(float) rounds them (to nearest even; a NaN to 0x7FC0), as fp32
@@ -282,85 +285,91 @@ __attribute__((target("avx2,fma"))) void row_avx2(const uint32_t* xp, const c10:
 // high half): the same bits.
 constexpr int MR_AVX2 = 6, MR_AVX2_BF16 = 4;
 
-template <int R>
+// RM (row-major, prefill chunks: run_blocked): row m's k-th input at x[m * ldx + k], the rows as the model holds them
+// (bf16: widened to fp32 in place, x[m * ldx + 2k], +1), no layout pass (a transpose of 2,048 x 576 fp32 took 2.2 ms,
+// 15 % of that Linear); else x[k * ldx + m] (transposed, the decode layout). C: the sums go on from acc (rows_avx2).
+// The loops over rows are unrolled first (GCC unroll): left to GCC, the sums' zeroing became a memset and all of them
+// lived on the stack (a load and a store each, every k: half the speed) wherever a block was not inlined.
+template <int R, bool RM, bool C, typename F>
 __attribute__((target("avx2,fma"))) void block_avx2(const float* xt, int64_t ldx, const float* w, int64_t K,
-                                                     float* acc, const Pf& f) {
+                                                     float* acc, const F& f) {
   __m256 c[2 * R];
-  for (int i = 0; i < 2 * R; ++i) c[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  _Pragma("GCC unroll 16") for (int i = 0; i < 2 * R; ++i) c[i] = C ? _mm256_loadu_ps(acc + (i / 2) * NR + (i % 2) * 8) : _mm256_setzero_ps();
+  _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(w + k * NR), b1 = _mm256_loadu_ps(w + k * NR + 8);
     f(w + k * NR, k);
-    const float* xk = xt + k * ldx;
-    for (int m = 0; m < R; ++m) {
-      const __m256 a = _mm256_broadcast_ss(xk + m);
+    _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
+      const __m256 a = _mm256_broadcast_ss(RM ? xt + m * ldx + k : xt + k * ldx + m);
       c[2 * m] = _mm256_fmadd_ps(a, b0, c[2 * m]);
       c[2 * m + 1] = _mm256_fmadd_ps(a, b1, c[2 * m + 1]);
     }
   }
-  for (int m = 0; m < R; ++m) {
+  _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
     _mm256_storeu_ps(acc + m * NR, c[2 * m]);
     _mm256_storeu_ps(acc + m * NR + 8, c[2 * m + 1]);
   }
 }
 
-// a row's bf16 pair of inputs as two fp32 broadcasts: from its 32-bit pair (a shift and a mask), or already widened
-// (wide_rows: two broadcasts, no integer work; 45 -> ~100 GFLOP/s at 32 rows)
-__attribute__((target("avx2,fma"))) inline void pair_halves(const uint32_t* xk, int m, __m256& xa, __m256& xz) {
-  const __m256i xm = _mm256_set1_epi32(static_cast<int>(xk[m]));
+// a row's bf16 pair of inputs (at p) as two fp32 broadcasts: from its 32-bit pair (a shift and a mask), or already
+// widened (wide_rows, RM: two broadcasts, no integer work; 45 -> ~100 GFLOP/s at 32 rows)
+__attribute__((target("avx2,fma"))) inline void pair_halves(const uint32_t* p, __m256& xa, __m256& xz) {
+  const __m256i xm = _mm256_set1_epi32(static_cast<int>(*p));
   xa = _mm256_castsi256_ps(_mm256_slli_epi32(xm, 16));
   xz = _mm256_castsi256_ps(_mm256_and_si256(xm, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-__attribute__((target("avx2,fma"))) inline void pair_halves(const float* xk, int m, __m256& xa, __m256& xz) {
-  xa = _mm256_broadcast_ss(xk + 2 * m), xz = _mm256_broadcast_ss(xk + 2 * m + 1);
+__attribute__((target("avx2,fma"))) inline void pair_halves(const float* p, __m256& xa, __m256& xz) {
+  xa = _mm256_broadcast_ss(p), xz = _mm256_broadcast_ss(p + 1);
 }
 
-// bf16 weights: xp (K2, ldx) the rows' pairs, as 32-bit pairs (X uint32_t) or widened (X float, wide_rows)
-template <int R, typename X>
+// bf16 weights: xp (K2, ldx) the rows' pairs, as 32-bit pairs (X uint32_t) or widened (X float, wide_rows); RM: rows
+// of widened pairs
+template <int R, bool RM, bool C, typename X, typename F>
 __attribute__((target("avx2,fma"))) void block_avx2(const X* xp, int64_t ldx, const c10::BFloat16* w,
-                                                     int64_t K2, float* acc, const Pf& f) {
+                                                     int64_t K2, float* acc, const F& f) {
+  constexpr int64_t S = std::is_same_v<X, float> ? 2 : 1;  // X elements a pair
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 c[2 * R];
-  for (int i = 0; i < 2 * R; ++i) c[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
+  _Pragma("GCC unroll 16") for (int i = 0; i < 2 * R; ++i) c[i] = C ? _mm256_loadu_ps(acc + (i / 2) * NR + (i % 2) * 8) : _mm256_setzero_ps();
+  _Pragma("GCC unroll 4") for (int64_t k = 0; k < K2; ++k) {
     const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + k * NR));
     const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + k * NR + 8));
     f(wp + k * NR, k);
     const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)), hi0 = _mm256_castsi256_ps(_mm256_and_si256(u0, high));
     const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)), hi1 = _mm256_castsi256_ps(_mm256_and_si256(u1, high));
-    const X* xk = xp + k * ldx;
-    for (int m = 0; m < R; ++m) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
       __m256 xa, xz;
-      pair_halves(xk, m, xa, xz);
+      pair_halves(RM ? xp + m * ldx + S * k : xp + k * ldx + S * m, xa, xz);
       c[2 * m] = _mm256_fmadd_ps(xz, hi0, _mm256_fmadd_ps(xa, lo0, c[2 * m]));
       c[2 * m + 1] = _mm256_fmadd_ps(xz, hi1, _mm256_fmadd_ps(xa, lo1, c[2 * m + 1]));
     }
   }
-  for (int m = 0; m < R; ++m) {
+  _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
     _mm256_storeu_ps(acc + m * NR, c[2 * m]);
     _mm256_storeu_ps(acc + m * NR + 8, c[2 * m + 1]);
   }
 }
 
-// block_avx2 for r rows (1 .. the dtype's rows a block)
-template <typename X, typename T>
-void rows_avx2(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc, const Pf& f) {
-  if constexpr (std::is_same_v<T, float>) {
-    switch (r) {
-      case 1: block_avx2<1>(xt, ldx, w, K, acc, f); break;
-      case 2: block_avx2<2>(xt, ldx, w, K, acc, f); break;
-      case 3: block_avx2<3>(xt, ldx, w, K, acc, f); break;
-      case 4: block_avx2<4>(xt, ldx, w, K, acc, f); break;
-      case 5: block_avx2<5>(xt, ldx, w, K, acc, f); break;
-      default: block_avx2<MR_AVX2>(xt, ldx, w, K, acc, f); break;
-    }
+// block_avx2 for r rows (1 .. the dtype's rows a block); carry: the sums go on from acc (a later slice of the inputs:
+// the same chain of multiply-adds, so the same bits as one pass)
+template <bool RM, bool C, typename X, typename T, typename F>
+void rows_avx2_(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc, const F& f) {
+  switch (std::is_same_v<T, float> ? r : std::min(r, MR_AVX2_BF16)) {
+    case 1: block_avx2<1, RM, C>(xt, ldx, w, K, acc, f); break;
+    case 2: block_avx2<2, RM, C>(xt, ldx, w, K, acc, f); break;
+    case 3: block_avx2<3, RM, C>(xt, ldx, w, K, acc, f); break;
+    case 4: block_avx2<4, RM, C>(xt, ldx, w, K, acc, f); break;
+    case 5: if constexpr (std::is_same_v<T, float>) block_avx2<5, RM, C>(xt, ldx, w, K, acc, f); break;
+    default: if constexpr (std::is_same_v<T, float>) block_avx2<MR_AVX2, RM, C>(xt, ldx, w, K, acc, f); break;
+  }
+}
+template <bool RM = false, typename X, typename T, typename F>
+void rows_avx2(int r, const X* xt, int64_t ldx, const T* w, int64_t K, float* acc, const F& f, bool carry = false) {
+  if constexpr (RM) {
+    if (carry) rows_avx2_<true, true>(r, xt, ldx, w, K, acc, f);
+    else rows_avx2_<true, false>(r, xt, ldx, w, K, acc, f);
   } else {
-    switch (r) {
-      case 1: block_avx2<1>(xt, ldx, w, K, acc, f); break;
-      case 2: block_avx2<2>(xt, ldx, w, K, acc, f); break;
-      case 3: block_avx2<3>(xt, ldx, w, K, acc, f); break;
-      default: block_avx2<MR_AVX2_BF16>(xt, ldx, w, K, acc, f); break;
-    }
+    rows_avx2_<false, false>(r, xt, ldx, w, K, acc, f);
   }
 }
 #endif
