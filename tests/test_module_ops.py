@@ -1,6 +1,6 @@
 """The module path's C++ SwiGLU (engines/cpu/module_ops.py, csrc/fused_decode.cpp swiglu_rows: 16 lanes at a time
-for bf16, a scalar tail) against torch's silu(gate) * up, special values included: bf16 bit for bit; fp32 within
-the exponential's error (its 16-lane polynomial, ~2e-7 relative)."""
+for bf16 and fp32, a scalar tail) against torch's silu(gate) * up, special values included: bf16 bit for bit; fp32
+within the exponential's error (its 16-lane polynomial, ~2e-7 relative)."""
 
 import pytest
 import torch

@@ -16,7 +16,8 @@ the fp32 sum (twice the products of an fp32 FMA per instruction; oneDNN's bf16 k
 same); elsewhere both halves are widened (a bf16 is the high half of an fp32) and multiplied in
 fp32 (on an AVX2 host without AVX-512 the rows run AVX2 + FMA intrinsics chosen at run time, PANEL_VARIANTS: GCC's
 64-byte vector code went through the stack there; several bf16 rows are widened to fp32 pairs first, so a row's pair
-is two broadcasts). Where the host has AMX (AMX-TILE and AMX-BF16, Sapphire
+is two broadcasts; a prefill chunk, 48 rows or more, is read as it lies, untransposed, in chunks of rows that stay in
+L2 through 16 KB slices of each panel that stay in L1: csrc/panel_kernel.cpp run_blocked). Where the host has AMX (AMX-TILE and AMX-BF16, Sapphire
 Rapids and later), two or more bf16 rows run on the tile unit instead: the bf16 panel is the tile multiply's
 weight operand as it lies, 16 rows at a time its other operand, and one instruction adds 16 rows x 16 outputs x
 32 inputs (32 rows of SmolLM2's 3072 x 576 on 2 threads: 0.19 ms against 0.94 for the vector code and 0.35 for

@@ -85,6 +85,12 @@ inline void exp_nonpos(float* x, int64_t n) {
     vf y = exp16(v);
 #if defined(__AVX512F__)  // one compare into a mask register, not a lane-by-lane test
     const bool low = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(-87.f), _CMP_LT_OQ) != 0;
+#elif defined(__AVX2__)  // two compares and their sign masks (the lane-by-lane test: half of SmolLM2's SwiGLU)
+    __m256 h[2];
+    std::memcpy(h, &v, sizeof(vf));
+    const __m256 t = _mm256_set1_ps(-87.f);
+    const bool low = (_mm256_movemask_ps(_mm256_cmp_ps(h[0], t, _CMP_LT_OQ)) |
+                      _mm256_movemask_ps(_mm256_cmp_ps(h[1], t, _CMP_LT_OQ))) != 0;
 #else
     bool low = false;
     for (int j = 0; j < W; ++j) low |= v[j] < -87.f;
