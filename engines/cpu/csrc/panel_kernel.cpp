@@ -143,8 +143,8 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
   if (variant == 2 && M > 1) {  // AVX2 + FMA blocks of near-equal rows (rows_avx2), before the AVX-512 pairs below
     constexpr int64_t MRV = std::is_same_v<T, float> ? MR_AVX2 : MR_AVX2_BF16, XW = wide ? 2 : 1;
     for (; p < p1; ++p)
-      for (int64_t nb = (M + MRV - 1) / MRV, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
-        r = M / nb + (b < M % nb);
+      for (int64_t nb = (M + MRV - 1) / MRV, b = 0, m0, r; b < nb; ++b) {
+        row_block(b, M, nb, m0, r);
         rows_avx2(static_cast<int>(r), xt + XW * m0, XW * M, w + p * panel, Kp, acc, pf(p + 1, b, nb));
         store(p, m0, static_cast<int>(r), acc);
       }
@@ -154,8 +154,8 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
   if constexpr (std::is_same_v<T, float>) {
     if (M > 1)
       for (; p + 2 <= p1; p += 2)
-        for (int64_t nb = (M + MR2 - 1) / MR2, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
-          r = M / nb + (b < M % nb);  // blocks of near-equal rows (below)
+        for (int64_t nb = (M + MR2 - 1) / MR2, b = 0, m0, r; b < nb; ++b) {
+          row_block(b, M, nb, m0, r);  // blocks of near-equal rows (below)
           rows_block2(static_cast<int>(r), xt + m0, M, w + p * panel, panel, Kp, acc, pf(p + 2, b, nb));
           store(p, m0, r, acc);
           store(p + 1, m0, r, acc + r * NR);
@@ -164,8 +164,8 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
 #endif
   if constexpr (!wide)
   for (; p < p1; ++p)  // blocks of near-equal rows (34: 12 + 11 + 11, not 16 + 16 + 2, whose 2 sums wait on latency)
-    for (int64_t nb = (M + MR - 1) / MR, m0 = 0, b = 0, r; m0 < M; m0 += r, ++b) {
-      r = M / nb + (b < M % nb);
+    for (int64_t nb = (M + MR - 1) / MR, b = 0, m0, r; b < nb; ++b) {
+      row_block(b, M, nb, m0, r);
       rows_block(static_cast<int>(r), xt + m0, M, w + p * panel, Kp, acc, pf(p + 1, b, nb));
       store(p, m0, static_cast<int>(r), acc);
     }
