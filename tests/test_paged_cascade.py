@@ -161,6 +161,16 @@ def _bf16_variants() -> list[int]:
     return [0, 1, 4, 3] if amx else [0, 1, 4]
 
 
+def _avx2() -> bool:
+    """Whether this CPU runs causal_prefill's AVX2 row blocks (variant 2: AVX2 and FMA, any x86 host here)."""
+    from engines.cpu import panel_kernel
+
+    try:
+        return panel_kernel.panel_variant("avx2") == "avx2"
+    except (RuntimeError, ValueError):
+        return False
+
+
 @pytest.mark.parametrize("nh,nkv", [(9, 3), (4, 4)], ids=["gqa", "mha"])
 def test_prefill_cascade_shared_part_variants(nh, nkv, monkeypatch):
     """The bf16 shared part on AMX's layout (cascade_prefill: panels gathered from the cache, tasks of rows x query
@@ -227,7 +237,7 @@ def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
     """attend_causal (causal_prefill: pieces of PIECE_ROWS queries, two products over a piece's context, each query's
     softmax masked to its own slots) equals each chunk's causal SDPA over its context, in fp32: fresh prompts shorter
     than, equal to and longer than a piece, and continuations that start inside a block; every variant of the
-    products that applies; the rows of the step's decode tokens (before the chunks) are left as they were."""
+    products that applies (2, the AVX2 row blocks, for fp32 and bf16 on any x86 host with AVX2); the rows of the step's decode tokens (before the chunks) are left as they were."""
     from engines.model import prefill_cascade as pc
 
     bs, hd, dec = 16, 32, 3
@@ -244,9 +254,10 @@ def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
     tables = torch.tensor([t + [0] * (mb - len(t)) for *_, t in chunks])
     spec = torch.tensor([c[:3] for c in chunks])
     tol = 2e-5 if dtype == torch.float32 else 1e-2
-    variants = _bf16_variants() if dtype == torch.bfloat16 else [0]
+    variants = (_bf16_variants() if dtype == torch.bfloat16 else [0]) + ([2] if _avx2() else [])
     for variant in variants:
         monkeypatch.setattr(pc, "FORCE_VARIANT", variant)
+        assert pc.causal_variant(dtype, hd, kc.dtype) == variant
         out = torch.full((row, nh, hd), 7.0, dtype=dtype)
         pc.attend_causal(tables, spec, q, kc, vc, bs, out)
         assert torch.equal(out[:dec], torch.full((dec, nh, hd), 7.0, dtype=dtype))
@@ -268,6 +279,10 @@ def test_causal_prefill_refuses_bad_input():
         args[i] = bad
         with pytest.raises(RuntimeError, match=match):
             mod.causal_prefill(*args)
+    q24, kc24 = torch.randn(6, 4, 24), torch.randn(8 * 4, 2, 24)  # the AVX2 row blocks take hd a multiple of 16
+    with pytest.raises(RuntimeError, match="2 .avx2 row blocks: hd a multiple of 16"):
+        mod.causal_prefill(q24, kc24, kc24, torch.tensor([[0, 1]]), torch.tensor([[0, 6, 0]]), 4, 2, 32,
+                           torch.empty_like(q24))
     with pytest.raises(RuntimeError, match="in two chunks"):
         mod.causal_prefill(q, kc, kc, torch.tensor([[0, 1], [0, 1]]), torch.tensor([[0, 4, 0], [3, 3, 0]]), 4, 0,
                            32, out)

@@ -26,7 +26,8 @@ the order of fp32 sums (tests/test_paged_cascade.py compares them).
 Every other prefill chunk of a step (fresh prompts, continuations outside a group) goes through attend_causal:
 one C++ op a layer (causal_prefill), a task a chunk and kv head that gathers the chunk's context once and runs
 each piece of PIECE_ROWS queries as the same two products over the piece's context, each query's softmax masked
-to its own slots. Per-sequence SDPA took one call (a fork and join of the threads) and a strided copy of its
+to its own slots (on an AVX2 host without AVX-512: blocks of 6 tokens of a query head instead, causal_variant).
+Per-sequence SDPA took one call (a fork and join of the threads) and a strided copy of its
 output per chunk and layer: on a SmolLM2 step of 14 fresh prompts (1,900 rows) 8.0 ms a layer in bf16, 2.7 ms
 here on AMX tiles (fp32: 7.3 against 5.6 ms).
 """
@@ -101,7 +102,7 @@ def attend(group: CascadeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 PIECE_ROWS = 32
-"""Query rows of a chunk that attend_causal runs as one pair of products over the slots up to the piece's last
+"""Query rows of a chunk that attend_causal's variants 0, 1, 3 and 4 run as one pair of products over the slots up to the piece's last
 query (each query's softmax masked to its own; on a SmolLM2 step 32 beat 16 and 64 on AMX tiles)."""
 
 
@@ -112,7 +113,7 @@ def attend_causal(tables: torch.Tensor, chunks: torch.Tensor, q: torch.Tensor, k
     piece's context and the values as two products (AMX tiles for bf16 where the host has them), masked per query."""
     from engines.cpu import kernels
 
-    variant = bf16_prefill(q.dtype, q.shape[2], k_cache.dtype)
+    variant = causal_variant(q.dtype, q.shape[2], k_cache.dtype)
     kernels.load()[0].causal_prefill(q, k_cache, v_cache, tables, chunks, block_size, variant, PIECE_ROWS, out)
 
 
@@ -132,9 +133,36 @@ def bf16_prefill(dtype: torch.dtype, hd: int, cache_dtype: torch.dtype) -> int:
     return _host_bf16() if FORCE_VARIANT is None else FORCE_VARIANT
 
 
+def causal_variant(dtype: torch.dtype, hd: int, cache_dtype: torch.dtype) -> int:
+    """The variant attend_causal runs on: bf16_prefill's where it has one for the host (AMX tiles, vdpbf16ps), else
+    2 (csrc/paged_causal.cpp: blocks of 6 tokens of a query head through the panel kernel's AVX2 row blocks, fp32
+    arithmetic on any dtype, the key panels up to each block's last token only) on a host whose Linears run the
+    avx2 variant (AVX2 without AVX-512: MKL's sgemm there is AVX2 as well), for a head size that is a multiple of
+    16; else 0. FORCE_VARIANT 2 forces 2 for any dtype.
+
+    Why 2 there: at::mm on pieces of 32 queries x 3 heads ran SmolLM2's 2,485-row step at ~35 GFLOP/s of causal
+    work a layer (call overhead, the masked half of each piece, its 16-lane exponentials' sums on the stack in an
+    AVX2 build); the row blocks ~75 (2-core Zen 3, the same minutes: 15.5 -> 7.3 ms a layer fp32, 19 -> 10.6 bf16)."""
+    v = bf16_prefill(dtype, hd, cache_dtype)
+    if FORCE_VARIANT is not None:
+        return 2 if FORCE_VARIANT == 2 else v
+    return v or (2 if hd % 16 == 0 and _host_avx2() else 0)
+
+
 FORCE_VARIANT: int | None = None
 """Tests: the variant every eligible chunk or group runs on (1: the bf16 row blocks, portable arithmetic where the
-build lacks AVX512-BF16; 4: AMX's arithmetic in scalar C++, on any host; 0: the fp32 products), whatever the host."""
+build lacks AVX512-BF16; 4: AMX's arithmetic in scalar C++, on any host; 0: the fp32 products; 2, causal chunks only:
+the AVX2 row blocks), whatever the host."""
+
+
+@functools.cache
+def _host_avx2() -> bool:
+    from engines.cpu import panel_kernel
+
+    try:
+        return panel_kernel.panel_variant("auto") == "avx2"
+    except (RuntimeError, ValueError):
+        return False
 
 
 @functools.cache

@@ -159,12 +159,20 @@ void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, co
   else TORCH_CHECK(false, "paged_decode_heads: float32, bfloat16 or float16, got ", q.scalar_type());
 }
 
-// The products' variants of cascade_prefill and causal_prefill (engines/model/prefill_cascade.py bf16_prefill)
-void check_prefill_variant(const char* op, int64_t variant, bool bf16, int64_t hd) {
-  TORCH_CHECK(variant == 0 || ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 &&
-                                hd % 32 == 0),
-              op, ": variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), 3 (amx: bf16, hd a multiple "
-              "of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), got ", variant);
+// The products' variants of cascade_prefill and causal_prefill (engines/model/prefill_cascade.py prefill_variant);
+// causal_prefill also runs 2 (csrc/paged_causal.cpp)
+void check_prefill_variant(const char* op, int64_t variant, bool bf16, int64_t hd, bool causal = false) {
+#if PANEL_X86
+  const bool avx2 = causal && hd % 16 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  const bool avx2 = false;
+#endif
+  TORCH_CHECK(variant == 0 || (variant == 2 && avx2) ||
+                  ((variant == 1 || variant == 4 || (variant == 3 && panel_src::amx_ready())) && bf16 && hd % 32 == 0),
+              op, ": variant 0 (fp32 products), 1 (bf16 rows: bf16, hd a multiple of 32), ",
+              causal ? "2 (avx2 row blocks: hd a multiple of 16, a CPU with AVX2 and FMA), " : "",
+              "3 (amx: bf16, hd a multiple of 32, a host with AMX tiles) or 4 (amx_emulated: bf16, hd a multiple of 32), "
+              "got ", variant);
 }
 
 // Prefill chunks that continue one cached prefix (engines/model/prefill_cascade.py): each query row of a chunk is
@@ -354,7 +362,8 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
 
 // Every prefill chunk of a step, causal (fresh prompts and continuations; their keys and values already in the
 // cache): one task a chunk and kv head (causal_chunk: its context gathered once, then per piece of `piece` query
-// rows two products over the piece's context, each query's softmax masked to its own slots). Rows are written to
+// rows two products over the piece's context, each query's softmax masked to its own slots; variant 2: blocks of 6
+// query rows through AVX2 row blocks, csrc/paged_causal.cpp causal_chunk_avx2). Rows are written to
 // `out` (N, nh, hd) in place, at their rows of q. One parallel region a layer, tasks claimed costliest first:
 // per-sequence SDPA took 68 calls a layer on a SmolLM2 step of 14 fresh prompts (2,048 rows), each a fork and join,
 // and a strided copy of its output.
@@ -375,7 +384,7 @@ void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "causal_prefill: head shapes (nh a multiple of nkv)");
   TORCH_CHECK(bs >= 1 && piece >= 1, "causal_prefill: block size and piece rows must be >= 1");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  check_prefill_variant("causal_prefill", variant, bf16, hd);
+  check_prefill_variant("causal_prefill", variant, bf16, hd, true);
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* ch = chunks.data_ptr<int64_t>();
   const int64_t blocks = k_cache.size(0) / bs;
@@ -407,6 +416,13 @@ void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t i; (i = next.fetch_add(1)) < nt;) {
         const int64_t c = tasks[i].second / nkv, g = tasks[i].second % nkv;
+#if PANEL_X86
+        if (variant == 2) {
+          causal_chunk_avx2<T>(qp, kp, vp, tab + c * mb, bs, row, hd, nh, group, g, ch[3 * c], ch[3 * c + 1],
+                               ch[3 * c + 2], scale, op);
+          continue;
+        }
+#endif
         causal_chunk<T>(qp, kp, vp, tab + c * mb, bs, row, hd, nh, group, g, ch[3 * c], ch[3 * c + 1], ch[3 * c + 2],
                         piece, scale, op, variant);
       }
