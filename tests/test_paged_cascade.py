@@ -237,7 +237,8 @@ def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
     """attend_causal (causal_prefill: pieces of PIECE_ROWS queries, two products over a piece's context, each query's
     softmax masked to its own slots) equals each chunk's causal SDPA over its context, in fp32: fresh prompts shorter
     than, equal to and longer than a piece, and continuations that start inside a block; every variant of the
-    products that applies (2, the AVX2 row blocks, for fp32 and bf16 on any x86 host with AVX2); the rows of the step's decode tokens (before the chunks) are left as they were."""
+    products that applies (2, the AVX2 row blocks, for fp32 and bf16 on any x86 host with AVX2); the rows of the
+    step's decode tokens (before the chunks) are left as they were; q's rows apart (read in place)."""
     from engines.model import prefill_cascade as pc
 
     bs, hd, dec = 16, 32, 3
@@ -248,7 +249,7 @@ def test_causal_prefill_equals_per_chunk_attention(dtype, nh, nkv, monkeypatch):
         chunks.append((row, n, start, [next(free) for _ in range(-(-(start + n) // bs))]))
         row += n
     kc, vc = (torch.randn(80 * bs, nkv, hd, generator=g).to(dtype) for _ in range(2))
-    q = torch.randn(row, nh, hd, generator=g).to(dtype)
+    q = torch.randn(row, nh + 2, hd, generator=g).to(dtype)[:, :nh]  # rows apart, as the step's q, k, v split
     ref = _chunks_reference(q, kc, vc, chunks, bs)
     mb = max(len(t) for *_, t in chunks)
     tables = torch.tensor([t + [0] * (mb - len(t)) for *_, t in chunks])

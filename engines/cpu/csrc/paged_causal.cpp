@@ -76,7 +76,7 @@ __attribute__((target("avx2,fma"))) inline void store_scaled(const float* a, flo
 
 template <typename T>
 void causal_chunk_avx2(const T* qp, const T* kc, const T* vc, const int64_t* table, int64_t bs, int64_t row,
-                       int64_t hd, int64_t nh, int64_t group, int64_t g, int64_t r0, int64_t n, int64_t start,
+                       int64_t hd, int64_t nh, int64_t qs, int64_t group, int64_t g, int64_t r0, int64_t n, int64_t start,
                        float scale, T* out) {
   constexpr int64_t NR = panel_src::NR, MB = panel_src::MR_AVX2;
   const int64_t L = start + n, P = (L + NR - 1) / NR, H = hd / NR;
@@ -105,16 +105,16 @@ void causal_chunk_avx2(const T* qp, const T* kc, const T* vc, const int64_t* tab
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < NR; ++i) vs[(h * L + p * NR + jj) * NR + i] = static_cast<float>(vc[o[jj] + h * NR + i]);
   }
-  const float* xb;  // head h's query of token t at xb + h * hs + t * ldq
+  const float* xb;  // head h's query of token t at xb + h * hs + t * ldq (q's tokens qs apart)
   int64_t ldq, hs;
   if constexpr (std::is_same_v<T, float>) {
-    xb = qp + (r0 * nh + g * group) * hd, ldq = nh * hd, hs = hd;
+    xb = qp + r0 * qs + g * group * hd, ldq = qs, hs = hd;
   } else {  // widened once, (group, n, hd)
     xq.resize(group * n * hd);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t h = 0; h < group; ++h)
         for (int64_t d = 0; d < hd; ++d)
-          xq[(h * n + t) * hd + d] = static_cast<float>(qp[((r0 + t) * nh + g * group + h) * hd + d]);
+          xq[(h * n + t) * hd + d] = static_cast<float>(qp[(r0 + t) * qs + (g * group + h) * hd + d]);
     xb = xq.data(), ldq = hd, hs = n * hd;
   }
   float sums[MB];

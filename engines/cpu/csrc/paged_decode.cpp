@@ -289,7 +289,7 @@ torch::Tensor cascade_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 // values as another product, each output row the sums over the exponentials' sum, rounded once into out
 template <typename T>
 void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, int64_t bs, int64_t row, int64_t hd,
-                  int64_t nh, int64_t group, int64_t g, int64_t r0, int64_t n, int64_t start, int64_t piece,
+                  int64_t nh, int64_t qs, int64_t group, int64_t g, int64_t r0, int64_t n, int64_t start, int64_t piece,
                   float scale, T* out, int64_t variant) {
   const int64_t L = start + n;
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
@@ -313,7 +313,8 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
         if (static_cast<int64_t>(sc.size()) < nq16 * lp16) sc.resize(nq16 * lp16);
         if (static_cast<int64_t>(acc.size()) < nq16 * hd) acc.resize(nq16 * hd);
         const auto head = [&](int64_t i) { return (r0 + i0 + i / group) * nh + g * group + i % group; };
-        for (int64_t i = 0; i < nq; ++i) std::memcpy(x.data() + i * hd, qp + head(i) * hd, hd * sizeof(BF));
+        const auto query = [&](int64_t i) { return qp + (r0 + i0 + i / group) * qs + (g * group + i % group) * hd; };
+        for (int64_t i = 0; i < nq; ++i) std::memcpy(x.data() + i * hd, query(i), hd * sizeof(BF));
         panel_src::run_range<uint32_t, BF, float>(rows_for(variant, x.data(), nq, hd / 2, xt), nq, hd / 2, kd.data(),
                                                   lp16, nullptr, nullptr, sc.data(), variant, 0, lp16 / 16);
         for (int64_t i = 0; i < nq; ++i)
@@ -339,10 +340,11 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
   for (int64_t i0 = 0; i0 < n; i0 += piece) {
     const int64_t R = std::min(piece, n - i0), nq = R * group, lp = start + i0 + R;
     const auto head = [&](int64_t i) { return (r0 + i0 + i / group) * nh + g * group + i % group; };
+    const auto query = [&](int64_t i) { return qp + (r0 + i0 + i / group) * qs + (g * group + i % group) * hd; };
     auto qf = torch::empty({nq, hd}, f32);
     float* qd = qf.data_ptr<float>();
     for (int64_t i = 0; i < nq; ++i)
-      for (int64_t d = 0; d < hd; ++d) qd[i * hd + d] = static_cast<float>(qp[head(i) * hd + d]) * scale;
+      for (int64_t d = 0; d < hd; ++d) qd[i * hd + d] = static_cast<float>(query(i)[d]) * scale;
     auto scores = at::mm(qf, keys.narrow(0, 0, lp).t());  // (nq, lp)
     float* sd = scores.data_ptr<float>();
     for (int64_t i = 0; i < nq; ++i) {
@@ -378,8 +380,10 @@ void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   TORCH_CHECK(tables.scalar_type() == torch::kLong && chunks.scalar_type() == torch::kLong && tables.dim() == 2 &&
               chunks.dim() == 2 && chunks.size(1) == 3 && tables.size(0) == chunks.size(0),
               "causal_prefill: int64 tables (G, blocks) and chunks (G, 3: first row, queries, start)");
-  q = q.contiguous(), tables = tables.contiguous(), chunks = chunks.contiguous();
-  const int64_t N = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), row = nkv * hd;
+  // q's rows may lie apart (a view of the step's fused q, k, v output: no copy), each row's heads together
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  tables = tables.contiguous(), chunks = chunks.contiguous();
+  const int64_t N = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), row = nkv * hd, qs = q.stride(0);
   const int64_t G = chunks.size(0), mb = tables.size(1), bs = block_size;
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(2) == hd, "causal_prefill: head shapes (nh a multiple of nkv)");
   TORCH_CHECK(bs >= 1 && piece >= 1, "causal_prefill: block size and piece rows must be >= 1");
@@ -418,12 +422,12 @@ void causal_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
         const int64_t c = tasks[i].second / nkv, g = tasks[i].second % nkv;
 #if PANEL_X86
         if (variant == 2) {
-          causal_chunk_avx2<T>(qp, kp, vp, tab + c * mb, bs, row, hd, nh, group, g, ch[3 * c], ch[3 * c + 1],
+          causal_chunk_avx2<T>(qp, kp, vp, tab + c * mb, bs, row, hd, nh, qs, group, g, ch[3 * c], ch[3 * c + 1],
                                ch[3 * c + 2], scale, op);
           continue;
         }
 #endif
-        causal_chunk<T>(qp, kp, vp, tab + c * mb, bs, row, hd, nh, group, g, ch[3 * c], ch[3 * c + 1], ch[3 * c + 2],
+        causal_chunk<T>(qp, kp, vp, tab + c * mb, bs, row, hd, nh, qs, group, g, ch[3 * c], ch[3 * c + 1], ch[3 * c + 2],
                         piece, scale, op, variant);
       }
     });
