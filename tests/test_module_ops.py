@@ -38,3 +38,30 @@ def test_swiglu_equals_torch(dtype, rows, ffn):
         assert torch.equal(got[finite], want[finite])
     else:
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-6, atol=1e-37)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 80])
+def test_linear_add_equals_the_torch_add(dtype, rows):
+    """module_ops.linear_add (a block's projection plus the residual stream): through the panel kernel's store where
+    the layer's kernel for the rows is the panel one (with a bias, 80 rows: the blocked rows on AVX2), the same bits
+    as res + layer(x); a layer on another kernel, or a plain Linear, takes the torch add (the same bits too)."""
+    from engines.cpu.fast_linear import FastLinear, panel_available
+
+    if not panel_available(dtype):
+        pytest.skip(f"the {dtype} panel kernel is not available here")
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(72, 40, bias=True).to(dtype)
+    x, res = torch.randn(2, rows, 72, generator=g).to(dtype), torch.randn(2, rows, 40, generator=g).to(dtype)
+    calls = []
+    with torch.no_grad():
+        for layer in (FastLinear(lin, "panel", "panel", "panel"), FastLinear(lin), lin):
+            mod = kernels.load()[0]
+            orig = mod.panel_linear_res
+            mod.panel_linear_res = lambda *a, orig=orig: calls.append(layer) or orig(*a)
+            try:
+                got = module_ops.linear_add(layer, x, res)
+            finally:
+                mod.panel_linear_res = orig
+            assert got.shape == res.shape and torch.equal(got, res + layer(x)), type(layer)
+    assert len(calls) == 1 and calls[0].kind_for(2 * rows) == "panel"  # only the panel layer took the kernel

@@ -45,9 +45,8 @@ MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 KERNEL_SET = 14
 """Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice saved
 before a kernel or the rule changed times again; git log has what each version changed)."""
-MANY_ROWS, BULK_ROWS = 32, 128
+MANY_ROWS, BULK_ROWS, BULK_FROM = 32, 128, 65
 """Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
-BULK_FROM = 65
 WIDE_MIN_OUT = 16384
 """Linears with at least this many outputs (vocabulary heads) also time the sliced kernel."""
 COLD_BYTES = 96 << 20
@@ -147,11 +146,13 @@ class FastLinear(nn.Module):
         if torch.compiler.is_compiling():  # the graph must not depend on this process's timings
             return F.linear(x, self.dense_weight(), self.bias)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
-        m = x2.shape[0]
+        return self.run(self.kind_for(x2.shape[0]), x2).view(*x.shape[:-1], self.out_features)
+
+    def kind_for(self, m: int) -> str:
+        """The kernel chosen for m rows on this thread count."""
         one, many, bulk = (self.single if self.single is not None and torch.get_num_threads() == 1
                            else (self.one, self.many, self.bulk))
-        kind = one if m == 1 else many if m < BULK_FROM else bulk
-        return self.run(kind, x2).view(*x.shape[:-1], self.out_features)
+        return one if m == 1 else many if m < BULK_FROM else bulk
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """The output in fp32 (a vocabulary head's logits): for bf16 rows through the bf16 panels, the kernel's fp32 sums

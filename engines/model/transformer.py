@@ -85,7 +85,8 @@ class Attention(nn.Module):
         k/v (B, T, nkv, hd) after rotary embedding, as the engine's backend sees them. None here."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                backend: AttentionBackend | None) -> torch.Tensor:
+                backend: AttentionBackend | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention's output (B, T, C), plus residual when given (at inference in the projection's kernel)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.hd, self.n_kv_head * self.hd, self.n_kv_head * self.hd], dim=-1)
@@ -106,7 +107,18 @@ class Attention(nn.Module):
         else:
             y = backend(self.layer, q.view(T, self.n_head, self.hd), k.view(T, self.n_kv_head, self.hd),
                         v.view(T, self.n_kv_head, self.hd))  # (T, nh, hd); the engine runs B == 1
-        return self.resid_drop(self.proj(y.reshape(B, T, self.n_head * self.hd)))
+        return _project(self.proj, self.resid_drop, y.reshape(B, T, self.n_head * self.hd), residual, self.training)
+
+
+def _project(layer: nn.Module, drop: nn.Module, y: torch.Tensor, residual: torch.Tensor | None,
+             training: bool) -> torch.Tensor:
+    """drop(layer(y)), plus residual when given: at inference on CPU the sum in the Linear's kernel
+    (module_ops.linear_add, the same bits as the add)."""
+    if residual is None:
+        return drop(layer(y))
+    if not training and module_ops.applies(y):
+        return module_ops.linear_add(layer, y, residual)
+    return residual + drop(layer(y))
 
 
 class MLP(nn.Module):
@@ -119,7 +131,8 @@ class MLP(nn.Module):
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.drop = _dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output (..., C), plus residual when given (at inference in the down projection's kernel)."""
         h = self.up(x)
         if self.gated and module_ops.applies(h):  # the same steps in one pass a row
             h = module_ops.swiglu(h)
@@ -128,7 +141,7 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate=self.approximate)
-        return self.drop(self.down(h))
+        return _project(self.down, self.drop, h, residual, self.training)
 
 
 class Block(nn.Module):
@@ -140,8 +153,8 @@ class Block(nn.Module):
         self.norm2, self.mlp = norm(), MLP(cfg)
 
     def forward(self, x, rope, backend):
-        x = x + self.attn(self.norm1(x), rope, backend)
-        return x + self.mlp(self.norm2(x))
+        x = self.attn(self.norm1(x), rope, backend, residual=x)  # x + attn(norm1(x))
+        return self.mlp(self.norm2(x), residual=x)  # x + mlp(norm2(x))
 
 
 class GPT(nn.Module):
