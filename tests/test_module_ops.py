@@ -58,7 +58,7 @@ def test_linear_add_equals_the_torch_add(dtype, rows):
         for layer in (FastLinear(lin, "panel", "panel", "panel"), FastLinear(lin), lin):
             mod = kernels.load()[0]
             orig = mod.panel_linear_res
-            mod.panel_linear_res = lambda *a, orig=orig: calls.append(layer) or orig(*a)
+            mod.panel_linear_res = lambda *a, orig=orig, layer=layer: calls.append(layer) or orig(*a)
             try:
                 got = module_ops.linear_add(layer, x, res)
             finally:
