@@ -65,3 +65,43 @@ def test_linear_add_equals_the_torch_add(dtype, rows):
                 mod.panel_linear_res = orig
             assert got.shape == res.shape and torch.equal(got, res + layer(x)), type(layer)
     assert len(calls) == 1 and calls[0].kind_for(2 * rows) == "panel"  # only the panel layer took the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "k"), [(7, 72), (80, 72), (300, 601)])
+def test_panel_swiglu_gives_the_two_steps_bits(dtype, rows, k):
+    """panel_swiglu (a SwiGLU MLP's gate / up Linear with SwiGLU in its store: csrc/mlp_rows.cpp) equals
+    swiglu(panel_linear(x)) bit for bit, forced to the AVX2 blocks (blocked rows from 48: several chunks of row blocks
+    and slices of an odd K at 300 x 601) and on the host's own variant; 7 rows take the two steps; through
+    module_ops.linear_swiglu for a FastLinear on the panel kernel, and the plain Linear's two steps for another."""
+    from engines.cpu import panel_kernel as pk
+    from engines.cpu.fast_linear import FastLinear, panel_available
+
+    if not panel_available(dtype):
+        pytest.skip(f"the {dtype} panel kernel is not available here")
+    mod = kernels.load()[0]
+    g = torch.Generator().manual_seed(rows + k)
+    ffn = 48
+    w, x = (torch.randn(2 * ffn, k, generator=g) / 8).to(dtype), (torch.randn(rows, k, generator=g) * 2).to(dtype)
+    x[0, :4] = torch.tensor([30.0, -30.0, 0.0, -0.0])
+    panels = pk.pack_panels(w)
+    variants = ["auto"]
+    try:
+        variants.append(pk.panel_variant("avx2"))
+    except ValueError:
+        pass
+    for variant in variants:
+        code = pk.PANEL_VARIANTS[variant]
+        want = mod.swiglu_rows_(mod.panel_linear(x, panels, 2 * ffn, None, code), ffn)
+        got = mod.panel_swiglu(x, panels, ffn, code)
+        assert got.dtype == dtype and got.shape == (rows, ffn)
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), variant
+    lin = torch.nn.Linear(k, 2 * ffn, bias=False).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        fast = FastLinear(lin, "panel", "panel", "panel")
+        assert torch.equal(module_ops.linear_swiglu(fast, x), module_ops.swiglu(fast(x)))
+        assert torch.equal(module_ops.linear_swiglu(lin, x), module_ops.swiglu(lin(x)))
+    with pytest.raises(RuntimeError, match="panels of 2 ffn"):
+        mod.panel_swiglu(x, panels, ffn + 16, 0)

@@ -29,8 +29,9 @@ SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("pa
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
 step (fused_decode.cpp) comes last, at namespace scope, and calls into them."""
 
-LOOP = ("fused_decode.cpp", "fused_team.cpp")
-"""The fused step's sources, last, at namespace scope: the per-op loop, then the step as one parallel region."""
+LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "fused_team.cpp")
+"""The fused step's sources, last, at namespace scope: the MLP's activation rows, the per-op loop, then the step as one
+parallel region."""
 
 NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 """The namespaces the bindings look the kernels' functions up in."""
@@ -41,7 +42,7 @@ FUNCTIONS = [
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
-    "argmax_rows",
+    "argmax_rows", "panel_swiglu",                                        # mlp_rows.cpp
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
 call them)."""

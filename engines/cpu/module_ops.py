@@ -82,3 +82,19 @@ def linear_add(layer: torch.nn.Module, x: torch.Tensor, res: torch.Tensor) -> to
             return _module().panel_linear_res(x2.contiguous(), layer.panels, layer.out_features, layer.bias,
                                               res.reshape(-1, layer.out_features), 0).view(res.shape)
     return res + layer(x)
+
+
+def linear_swiglu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """swiglu(layer(x)) for a SwiGLU MLP's fused gate / up Linear (2 ffn outputs, gate first): where layer is a
+    FastLinear (no hooks, no bias) whose kernel for x's rows is the panel one, SwiGLU in the kernel's store on a
+    prefill chunk (csrc/mlp_rows.cpp panel_swiglu: the (M, 2 ffn) product, 25 MB a layer for SmolLM2's 2,048 fp32
+    rows, is never written nor read back; the same bits); else the Linear, then swiglu."""
+    from engines.cpu.fast_linear import FastLinear
+
+    if (isinstance(layer, FastLinear) and not layer._forward_hooks and layer.panels is not None and layer.bias is None
+            and layer.out_features % 2 == 0):
+        x2 = x.reshape(-1, layer.in_features)  # (M, in)
+        if layer.kind_for(x2.shape[0]) == "panel":
+            out = _module().panel_swiglu(x2.contiguous(), layer.panels, layer.out_features // 2, 0)
+            return out.view(*x.shape[:-1], layer.out_features // 2)
+    return swiglu(layer(x))

@@ -133,14 +133,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output (..., C), plus residual when given (at inference in the down projection's kernel)."""
-        h = self.up(x)
-        if self.gated and module_ops.applies(h):  # the same steps in one pass a row
-            h = module_ops.swiglu(h)
+        if self.gated and module_ops.applies(x):  # the same steps in one pass a row (in the Linear's store)
+            h = module_ops.linear_swiglu(self.up, x)
         elif self.gated:
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = self.up(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate=self.approximate)
+            h = F.gelu(self.up(x), approximate=self.approximate)
         return _project(self.down, self.drop, h, residual, self.training)
 
 
