@@ -90,7 +90,8 @@ class ParallelAttention(nn.Module):
         with self.tracker.fork() if p > 0 and self.tracker is not None else contextlib.nullcontext():
             return causal_attention(q, k, v, dropout_p=p)
 
-    def forward(self, x: torch.Tensor, rope, backend=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, backend=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention's output, plus residual when given (transformer.Block passes its input)."""
         qkv = self.qkv(x)  # (T, B, (nq + 2 nkv) hd): gathered to the whole sequence under SP
         T, B, _ = qkv.shape
         nq, nkv, hd = self.n_head, self.n_kv_head, self.hd
@@ -103,7 +104,8 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (B, heads, T, hd)
         y = recompute(self._core, self.tracker, q, k, v) if self.selective else self._core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(T, B, nq * hd)  # (T, B, nh/t * hd)
-        return self.resid_drop(self.proj(y))
+        y = self.resid_drop(self.proj(y))
+        return y if residual is None else residual + y
 
 
 def _column(linear: nn.Linear, name: str, cfg, tp, r, group, sp) -> ColumnParallelLinear:
