@@ -234,6 +234,27 @@ def test_a_hopeless_kernel_is_timed_once():
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[1] == {"linear": 1.0, "gemv": 7.9}
 
 
+def test_a_kernel_hopeless_at_its_warm_up_is_not_called_again():
+    """A warm-up call over HOPELESS_WARM_S and HOPELESS times the fastest warm-up is that kernel's only call and its
+    time ("linear" is timed whatever its warm-up); a slow warm-up under the floor (a first call's one-time cost)
+    drops nothing. Scripted: the first value of each list is the warm-up call's seconds."""
+    def scripted(times):
+        now, calls = [0.0], {k: iter(v) for k, v in times.items()}
+
+        def fn(k):
+            now[0] += next(calls[k])  # a call past the script raises StopIteration
+
+        return {k: (lambda k=k: fn(k)) for k in times}, lambda: now[0]
+
+    fns, clock = scripted({"linear": [0.9] * 6, "pretransposed": [6.0], "panel": [0.05] * 6})
+    chosen, med = fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)
+    assert chosen == "panel" and med == pytest.approx({"linear": 0.9, "pretransposed": 6.0, "panel": 0.05})
+    fns, clock = scripted({"linear": [9.0] + [1.0] * 5, "panel": [0.5] * 6})  # linear: timed on
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock) == ("panel", {"linear": 1.0, "panel": 0.5})
+    fns, clock = scripted({"linear": [0.001] * 6, "packed": [0.4] + [0.0005] * 5})  # oneDNN's first call: under 0.5 s
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "packed"
+
+
 def test_one_row_on_several_threads_keeps_the_team_kernel_unless_another_is_far_faster():
     """At one row on several threads (team_first) the panel kernel stays unless a kernel's median is under
     TEAM_MARGIN of its own: the fused step runs panels without a fork and join each (a 30 % slower panel alone

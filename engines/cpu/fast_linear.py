@@ -4,12 +4,11 @@ chosen by timing at load, separately for one row, a decode batch and a prefill c
 A decode matrix-vector product is memory-bound, and torch's kernels stream memory at very different rates by CPU,
 dtype and shape (2-core EPYC, AVX512-BF16: the bf16 GPT-2 head took 12-24 ms a row through `F.linear` / `mm` / `mv`,
 5-6 ms through oneDNN on a once-reordered weight, `packed`). Which kernel wins flips between machines (AVX2-only,
-AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct
-(out, in, dtype, threads) shape is timed all ways once per process, on one row, on MANY_ROWS rows
-(a decode batch) and on BULK_ROWS rows (a prefill chunk), and `FastLinear` dispatches on the row
-count, on repeated interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its
-best round to replace it (a single lucky or disturbed round decides nothing). Choices persist per machine
-(~/.cache/shardserve/fast_linear.json): a later start skips the timing and rounds the same way.
+AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct (out, in, dtype, threads) shape
+is timed all ways once per process, on one row, on MANY_ROWS rows (a decode batch) and on BULK_ROWS rows (a prefill
+chunk), and `FastLinear` dispatches on the row count, on repeated interleaved rounds: a kernel must beat plain
+`F.linear` by 10% on its median and on its best round to replace it (a single lucky or disturbed round decides
+nothing). Choices persist per machine (~/.cache/shardserve/fast_linear.json): a later start skips the timing.
 
 The weight stays the module's `weight` Parameter (a tied head stays tied, state_dict keys unchanged); transposed
 and packed copies are extra non-persistent buffers, built for the kernels chosen. Under torch.compile a FastLinear
@@ -37,9 +36,8 @@ from engines.cpu.host_memory import huge_page_copy
 log = logging.getLogger(__name__)
 
 ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves", "panel")
-"""Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where
-the step runs on two threads or more and oneDNN packing is available; "panel" (engines/cpu/panel_kernel.py)
-where its C++ kernel builds, for fp32 and bf16."""
+"""Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where the step runs on
+two threads or more and oneDNN packing is available; "panel" (engines/cpu/panel_kernel.py) where it builds."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
 KERNEL_SET = 14
@@ -94,20 +92,16 @@ class FastLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
-        self.one, self.many, self.bulk, self.chunk = one, many, bulk, chunk
-        self.single = single
+        self.one, self.many, self.bulk, self.chunk, self.single = one, many, bulk, chunk, single
         """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
         adaptive thread count, engines.cpu.cpu_threads); None: the kernels above at any count."""
         kinds = {one, many, bulk, *(single or ()), *prepare}
         decode = {one, many, *(single[:2] if single else ()), *prepare}
         w = linear.weight.detach()
         self.packed_rows = 1 if "packed" in decode else BULK_ROWS  # `packed`'s layout: prefill's if only it reads it
-        self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None,
-                             persistent=False)  # (in, out)
-        self.register_buffer("packed", pack_weight(w, self.packed_rows) if "packed" in kinds else None,
-                             persistent=False)
-        half = (self.out_features + 1) // 2
-        self.half = half
+        self.register_buffer("weight_t", w.t().contiguous() if "pretransposed" in kinds else None, persistent=False)
+        self.register_buffer("packed", pack_weight(w, self.packed_rows) if "packed" in kinds else None, persistent=False)
+        self.half = half = (self.out_features + 1) // 2
         self.register_buffer("packed_lo", pack_weight(w[:half].contiguous()) if "halves" in kinds else None,
                              persistent=False)  # output features [0, half)
         self.register_buffer("packed_hi", pack_weight(w[half:].contiguous()) if "halves" in kinds else None,
@@ -185,8 +179,7 @@ class FastLinear(nn.Module):
         if kind == "gemv":
             if x2.shape[0] != 1:
                 raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
-            w = self.dense_weight()
-            return (torch.mv(w, x2[0]) if b is None else torch.addmv(b, w, x2[0]))[None]
+            return (torch.mv(self.dense_weight(), x2[0]) if b is None else torch.addmv(b, self.dense_weight(), x2[0]))[None]
         if kind == "sliced":
             out, w = x2.new_empty(x2.shape[0], self.out_features), self.dense_weight()  # (M, out)
             for s in range(0, self.out_features, self.chunk):
@@ -279,19 +272,24 @@ every fp32 decode batch ran the per-op loop)."""
 
 def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
              clock: Callable[[], float] = time.perf_counter, team_first: bool = False) -> tuple[str, dict[str, float]]:
-    """(the chosen kernel, each kernel's median seconds) over rounds of one call each (after a warm-up
-    call each), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
-    interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet
-    moments. The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on
-    its best round; else a TEAM_KERNELS one unless "linear" beats it by MARGIN on its median; "linear" otherwise.
-    team_first (one row or a decode batch, several threads): a TEAM_KERNELS kernel first, unless another's median is under TEAM_MARGIN
-    of its own. `clock` is injectable (tests)."""
+    """(the chosen kernel, each kernel's median seconds) over rounds of one call each (after a warm-up call each,
+    HOPELESS ones dropped), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
+    interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet moments.
+    The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on its best round; else a
+    TEAM_KERNELS one unless "linear" beats it by MARGIN on its median; "linear" otherwise. team_first (one row or a
+    decode batch, several threads): a TEAM_KERNELS kernel first, unless another's median is under TEAM_MARGIN of its
+    own. `clock` is injectable (tests)."""
     from engines.cpu.cpu_threads import median
 
-    for fn in fns.values():
+    warm = {}  # each warm-up call's seconds (HOPELESS_WARM_S)
+    for k, fn in fns.items():
+        t = clock()
         fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    spent, rounds, timed = 0.0, 0, dict(fns)
+        warm[k] = clock() - t
+    cut = max(HOPELESS_WARM_S, HOPELESS * min(warm.values()))
+    timed = {k: f for k, f in fns.items() if k == "linear" or warm[k] <= cut}
+    times: dict[str, list[float]] = {k: [] if k in timed else [warm[k]] for k in fns}
+    spent, rounds = 0.0, 0
     while rounds < min_rounds or (spent < budget_s and rounds < max_rounds):
         for k, fn in timed.items():
             t = clock()
@@ -313,17 +311,19 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     return (team[0] if team else "linear"), med
 
 
-HOPELESS = 8.0
-"""A kernel whose first timed round takes over this many times the best one's is not timed again (AVX2 EPYC, bf16
-`pretransposed` took 5.7 s a call at 32 rows of SmolLM2's head: loading it with no saved choices 76 -> 46 s)."""
+HOPELESS, HOPELESS_WARM_S = 8.0, 0.5
+"""A kernel whose first timed round takes over HOPELESS times the best one's is not timed again (AVX2 EPYC, bf16
+`pretransposed` took 5.7 s a call at 32 rows of SmolLM2's head: loading it with no saved choices 76 -> 46 s), nor one
+whose warm-up call did and took over HOPELESS_WARM_S (one-time costs of a first call stay under it; that call stands
+as its time; "linear" is always timed): 6.2 s there, twice per thread count and try."""
 TIMING_TRIES = 2
 """Timings of a shape on a disturbed host (engines/cpu/cpu_threads.FORK_JOIN_QUIET_S) before its choice is used
 unsaved (the next process times again)."""
 
 
 _CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}
-"""Choices already made in this process: every engine built here uses the same kernels for a
-shape (the same rounding, hence the same tokens) and pays for the timing once."""
+"""Choices made in this process: every engine built here uses the same kernels for a shape (the same rounding,
+hence the same tokens) and pays for the timing once."""
 
 
 def choices_file() -> Path | None:

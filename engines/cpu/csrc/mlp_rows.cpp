@@ -18,7 +18,8 @@ namespace {
 // A build for AVX2 without AVX-512: swiglu_rows' 16-lane vector code kept its lanes on the stack there (the clamp at
 // -87 a scalar max a lane; 2,048 rows of SmolLM2's MLP ~7 ms on 2 Zen 3 cores, torch's silu * up ~4). The same
 // steps 8 lanes at a time in intrinsics, as GCC contracted exp16 in that build (y = v log2 e never rounded: the
-// rounding constant and f = y - r are fused multiply-adds; the polynomial in fused multiply-adds): the same bits.
+// rounding constant and f = y - r are fused multiply-adds; the polynomial in fused multiply-adds; paged_src::exp8,
+// csrc/paged_causal.cpp): the same bits.
 inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8f(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -41,15 +42,8 @@ inline void store8(c10::BFloat16* o, __m256 y) {  // y already bf16 values
 template <typename T>
 inline void swiglu8(const T* g, const T* up, T* o) {
   const __m256 x = load8f(g), v = _mm256_or_ps(x, _mm256_set1_ps(-0.f));  // -|g|
-  const __m256 c = _mm256_max_ps(v, _mm256_set1_ps(-87.f)), l2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 r = _mm256_sub_ps(_mm256_fmadd_ps(c, l2e, _mm256_set1_ps(12582912.f)), _mm256_set1_ps(12582912.f));
-  const __m256 f = _mm256_fmsub_ps(c, l2e, r);
-  __m256 p = _mm256_set1_ps(1.5403530e-4f);
-  for (const float k : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(k));
-  __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23)));
-  if (const int low = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(-87.f), _CMP_LT_OQ))) {  // rare
+  __m256 e = paged_src::exp8(v);
+  if (const int low = _mm256_movemask_ps(paged_src::below_87(v))) {  // rare
     alignas(32) float ev[8], vv[8];
     _mm256_store_ps(ev, e), _mm256_store_ps(vv, v);
     for (int j = 0; j < 8; ++j)

@@ -19,17 +19,23 @@ namespace {
 // was a tenth of the time, this host's memory being slow), its rows' scaled softmax masked to their own positions
 // (the later slots' weights zero), then the value strips over those slots; each output divided by its row's sum
 // and rounded once into out. A block's keys and values stay in L2 (256 keys: 64 KB each), its scores in L1.
-// exp(v) for v <= 0, 8 lanes: exp16's steps (csrc/paged_kernel.cpp), a lane below -87 zero (a softmax weight)
+// exp(v) for v <= 0, 8 lanes: exp16's steps (csrc/paged_kernel.cpp) as GCC contracts them in an AVX2 build (v log2 e
+// never rounded: the rounding constant and f = y - r are fused multiply-adds, the polynomial too), on v clamped at
+// -87: a lane below that is the caller's (the softmax zeroes it, SwiGLU in csrc/mlp_rows.cpp takes std::exp)
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 v) {
-  const __m256 low = _mm256_cmp_ps(v, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  v = _mm256_max_ps(v, _mm256_set1_ps(-87.f));
-  const __m256 y = _mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(y, r);
+  const __m256 c = _mm256_max_ps(v, _mm256_set1_ps(-87.f)), l2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 r = _mm256_sub_ps(_mm256_fmadd_ps(c, l2e, _mm256_set1_ps(12582912.f)), _mm256_set1_ps(12582912.f));
+  const __m256 f = _mm256_fmsub_ps(c, l2e, r);
   __m256 p = _mm256_set1_ps(1.5403530e-4f);
-  for (const float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(low, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  for (const float k : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(k));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r),
+                                                                                  _mm256_set1_epi32(127)), 23)));
+}
+
+// lanes of v below -87
+__attribute__((target("avx2,fma"))) inline __m256 below_87(__m256 v) {
+  return _mm256_cmp_ps(v, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
 }
 
 // lanes j .. j + 7 below `valid`, as a mask
@@ -53,7 +59,8 @@ __attribute__((target("avx2,fma"))) inline float softmax_avx2(const float* s, in
   __m256 sum = _mm256_setzero_ps();
   for (int64_t j = 0; j < pb * 16; j += 8) {
     const __m256 x = _mm256_fmsub_ps(_mm256_loadu_ps(s + (j / 16) * ld + j % 16), sc, shift);
-    const __m256 y = _mm256_and_ps(exp8(_mm256_min_ps(x, _mm256_setzero_ps())), below(j, valid));
+    const __m256 v = _mm256_min_ps(x, _mm256_setzero_ps());
+    const __m256 y = _mm256_and_ps(_mm256_andnot_ps(below_87(v), exp8(v)), below(j, valid));
     sum = _mm256_add_ps(sum, y);
     _mm256_storeu_ps(w + j, y);
   }
