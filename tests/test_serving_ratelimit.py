@@ -40,7 +40,8 @@ def url(tmp_path_factory):
     cfg = validate_config({
         "models": [{"name": "gpt2", "path": str(model),
                     "engine": {"num_kv_blocks": 256, "max_num_seqs": 8, "cpu_linear_autotune": False}}],
-        "server": {"log_requests": False, "rate_limit_rps": 0.5, "rate_limit_burst": 3,
+        # 0.02/s: a token back after 50 s; at 0.5/s a CI run's three burst requests outlasted the 2 s refill
+        "server": {"log_requests": False, "rate_limit_rps": 0.02, "rate_limit_burst": 3,
                    "max_concurrent_per_key": 1}})
     server = uvicorn.Server(uvicorn.Config(create_local_app(cfg, api_keys=["k1", "k2", "k3"]), host="127.0.0.1",
                                           port=free_port(), log_level="error"))
