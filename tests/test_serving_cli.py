@@ -128,8 +128,10 @@ def test_serve_prints_a_working_curl_and_drains_on_ctrl_c_or_sigterm(gpt2_dir, s
                 curl = line.strip()
         ready = next(x for x in lines if "ready in" in x)
         assert f"http://127.0.0.1:{port}" in ready
-        # where the start's seconds went, in order (serving/launcher.py Running.phases)
-        assert re.search(r"ready in [0-9.]+ s \(ray [0-9.]+ s, serve [0-9.]+ s, application [0-9.]+ s\) at ", ready), ready
+        # where the start's seconds went, in order (serving/launcher.py Running.phases; "retry" first when a loaded
+        # host made Ray's start fail once: CI on 310c25e, "retry 50.9 s, ray 16.3 s, ...")
+        assert re.search(r"ready in [0-9.]+ s \((retry [0-9.]+ s, )?ray [0-9.]+ s, serve [0-9.]+ s, application [0-9.]+ s\) at ",
+                         ready), ready
         out = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
         assert out.returncode == 0, out.stderr
         assert '"object":"text_completion"' in out.stdout and '"model":"tiny"' in out.stdout
