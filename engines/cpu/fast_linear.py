@@ -179,7 +179,8 @@ class FastLinear(nn.Module):
         if kind == "gemv":
             if x2.shape[0] != 1:
                 raise ValueError(f"gemv takes one row, got {x2.shape[0]}")
-            return (torch.mv(self.dense_weight(), x2[0]) if b is None else torch.addmv(b, self.dense_weight(), x2[0]))[None]
+            w = self.dense_weight()
+            return (torch.mv(w, x2[0]) if b is None else torch.addmv(b, w, x2[0]))[None]
         if kind == "sliced":
             out, w = x2.new_empty(x2.shape[0], self.out_features), self.dense_weight()  # (M, out)
             for s in range(0, self.out_features, self.chunk):
