@@ -7,6 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from engines.cpu.cpu_threads import configure_openmp_env
+
+# The engine's OpenMP wait (GOMP_SPINCOUNT 10,000 pauses, engines/cpu/cpu_threads.py) is set when `engines` is
+# imported before torch, as the CLI and the servers do; libgomp reads it once, when torch loads. Test files import
+# torch first (isort order), so without this line every worker, and every engine process and Ray node it starts,
+# ran libgomp's default 300,000-pause spin after each parallel region: on make test's 4 workers over 2 cores,
+# an idle thread's spin took the slice its partner, or another worker, was waiting for.
+configure_openmp_env()
+
 CORPUS = (
     "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
     "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles "
