@@ -37,6 +37,15 @@ class ShardSpec:
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The rank's part of the full tensor `t` (works on meta tensors too)."""
+        if t.is_meta and (len(self.ranges) > 1 or self.pad_to):
+            # only the shape: torch.cat of meta tensors runs a Python decomposition whose first call imports
+            # torch._dynamo (3.5-4 s of a 2-core host, ~10 s under load, in every TP shard's start: load_shard
+            # builds the sharded model on meta; nothing else a shard runs needs dynamo)
+            shape = list(t.shape)
+            shape[self.dim] = self.size
+            if self.pad_to and shape[0] < self.pad_to:
+                shape[0] = self.pad_to
+            return torch.empty(shape, dtype=t.dtype, device=t.device)
         parts = [t.narrow(self.dim, a, b - a) for a, b in self.ranges]
         out = torch.cat(parts, self.dim) if len(parts) > 1 else parts[0]
         if self.pad_to and out.shape[0] < self.pad_to:
