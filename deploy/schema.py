@@ -167,7 +167,8 @@ class RequestLimits(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Tokens of one prompt; None: up to the model's max_model_len."""
     max_tokens: int | None = Field(None, ge=1)
-    """Tokens generated per completion (max_tokens); None: up to the model's max_model_len."""
+    """Tokens generated per completion (max_tokens; also the default of a chat that names none, where the
+    context has more room); None: up to the model's max_model_len."""
     max_stop: int = Field(16, ge=0, le=16)
     """Stop sequences per request."""
     max_stop_chars: int = Field(256, ge=1)

@@ -347,9 +347,13 @@ def build_application(cfg: DeploymentConfig, api_key_hashes: list[str], admin_ke
         # Spread over a cluster, a replica on a worker node would listen on that node, and losing
         # the node would cut every connection it held (not answer them with 503).
         gateway_actor["resources"] = {HEAD_NODE: 0.001}
+    # the drain's wait loop as the model's: Ray Serve sleeps one loop before it first counts a replica's ongoing
+    # requests, and at its default of 2 s every stop (serve.delete, Ctrl-C) waited 2 s on an idle Gateway after
+    # the model replicas were gone (4.9 s stops of tests/test_serving_ray.py's app, the Gateway last by 2.0 s)
     return GatewayDeployment.options(
         name="Gateway", num_replicas=cfg.server.gateway_replicas, max_ongoing_requests=100_000,
         ray_actor_options=gateway_actor, graceful_shutdown_timeout_s=cfg.server.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=0.25,
     ).bind(models, server, sorted(api_key_hashes), hub, sorted(admin_key_hashes))
 
 

@@ -53,3 +53,14 @@ def test_openapi_states_the_configured_limits(client):
 
     assert bound(comp["n"], "maximum") == 2 and bound(comp["logprobs"], "maximum") == 1
     assert bound(comp["max_tokens"], "maximum") == 6 and bound(comp["stop"], "maxItems") == 2
+
+
+def test_a_chat_that_names_no_length_stops_at_the_served_limit(gpt2_dir):
+    """server.limits.max_tokens bounds a chat without max_tokens too: the default "up to the context"
+    ran past it (the fuzz test's chats generated to the end of a 96-token context under a limit of 8)."""
+    with local_client(gpt2_dir, server={"limits": {"max_tokens": 6}}) as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                  "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["finish_reason"] == "length", body
