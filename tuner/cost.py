@@ -85,6 +85,11 @@ class CostModel:
         problem = layout_problem(self.model, self.tp, self.pp)
         if problem:
             raise LayoutError(problem)
+        # step_time by work (not a field: equality and hashing stay the model's). A simulated schedule
+        # repeats its steps' work: requests of one length admitted together decode in lock step (792
+        # steps of a 129-request validation burst are 48 distinct works), and each simulation of the
+        # refit's polish and the goodput search asks the same model again
+        object.__setattr__(self, "_step_times", {})
 
     # shapes ----------------------------------------------------------------------------------
     @property
@@ -256,7 +261,10 @@ class CostModel:
         """Seconds of one engine step."""
         if w.tokens <= 0:
             return 0.0
-        return sum(self.components(w).values())
+        t = self._step_times.get(w)
+        if t is None:
+            t = self._step_times[w] = sum(self.components(w).values())
+        return t
 
     # memory ----------------------------------------------------------------------------------
     def kv_budget_bytes(self, gpu_memory_utilization: float = 0.9) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from tuner.profiles import HardwareProfile
@@ -120,11 +121,22 @@ SERVER_PROCESSES = ("raylet", "gcs_server", "ray::", "shardserve.cli serve", "de
 """Command-line fragments of a served deployment's processes (the CLI, Ray's daemons and workers)."""
 
 
-def server_processes(proc: Path = Path("/proc")) -> int:
+def _session(pid_dir: Path) -> int | None:
+    """The session id of a /proc/<pid> entry (its stat's sixth field, after the parenthesised name)."""
+    try:
+        return int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def server_processes(proc: Path = Path("/proc"), sessions: Collection[int] | None = None) -> int:
     """How many processes of a shardserve server (SERVER_PROCESSES) run on this host (Linux /proc;
-    0 elsewhere)."""
+    0 elsewhere); with `sessions`, only those in these sessions (a tuner.server.Server starts the CLI
+    in a session of its own, and Ray's daemons and workers stay in it)."""
     n = 0
     for cmd in proc.glob("[0-9]*/cmdline"):
+        if sessions is not None and _session(cmd.parent) not in sessions:
+            continue
         try:
             text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
@@ -133,16 +145,22 @@ def server_processes(proc: Path = Path("/proc")) -> int:
     return n
 
 
-def reference_without_server(max_wait_s: float = 15.0, budget_s: float = 0.6, cache_mib: float = 32.0
-                             ) -> dict[str, float]:
+def reference_without_server(max_wait_s: float = 15.0, budget_s: float = 0.6, cache_mib: float = 32.0,
+                             sessions: Collection[int] | None = None) -> dict[str, float]:
     """host_reference once no server process is left (at most max_wait_s of waiting): a server that
     was just stopped keeps its Ray processes exiting for seconds, which slowed one reference 34% in
-    pass 23 (BENCHMARKS.md). The wait is recorded as waited_s, what was still running as left."""
+    pass 23 (BENCHMARKS.md). The wait is recorded as waited_s, what was still running as left.
+    `sessions`: wait only for the processes of these sessions (the servers this process stopped,
+    tuner.server.stopped_sessions); those of other servers on the host (left_others) do not exit
+    for waiting, and on a shared host (a CI whose test workers start servers of their own) waiting
+    for them spent the whole max_wait_s before every validated candidate."""
     t0 = time.monotonic()
-    while (left := server_processes()) and time.monotonic() - t0 < max_wait_s:
+    while (left := server_processes(sessions=sessions)) and time.monotonic() - t0 < max_wait_s:
         time.sleep(0.25)
     waited = time.monotonic() - t0
-    return {**host_reference(budget_s=budget_s, cache_mib=cache_mib), "waited_s": round(waited, 2), "left": float(left)}
+    others = {} if sessions is None else {"left_others": float(server_processes() - left)}
+    return {**host_reference(budget_s=budget_s, cache_mib=cache_mib), "waited_s": round(waited, 2), "left": float(left),
+            **others}
 
 
 def combine(refs: list[dict[str, float]]) -> dict[str, float]:

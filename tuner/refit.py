@@ -133,7 +133,11 @@ def _rows(run: Run, cost: CostModel, unit: CostModel) -> tuple[list[np.ndarray],
                       text_share=run.text_share)
     ends = np.array([s.end for s in steps])
     starts = np.array([s.start for s in steps])
-    comp = np.array([[unit.components(s.work)[c] for c in COMPONENTS] for s in steps])  # (steps, parts)
+    parts: dict = {}  # by work: a schedule repeats its steps' work (tuner.cost.CostModel.step_time)
+    for s in steps:
+        if s.work not in parts:
+            parts[s.work] = [unit.components(s.work)[c] for c in COMPONENTS]
+    comp = np.array([parts[s.work] for s in steps])  # (steps, parts)
     rows, ys = [], []
     for i, tr in enumerate(traces):
         if len(tr.token_times) == 0:

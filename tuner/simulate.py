@@ -30,7 +30,7 @@ from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import Scheduler, SchedulerConfig
 from engines.core.sequence import Sequence
 from tuner.cost import StepWork
-from tuner.stream import stream_interval_s
+from tuner.stream import stream_intervals_s
 
 _TOKEN = 1  # any non-EOS token id: the simulation never stops on EOS
 _SHARED = 0  # the token of every shared prefix; request i's own tokens are _OWN + i
@@ -168,17 +168,23 @@ def seen_last_times(traces: list[RequestTrace], text_share: float) -> list[float
     token is the chunk sent before it. A request is active from its arrival to its last token."""
     ends = np.sort([t.token_times[-1] for t in traces if t.token_times])
     starts = np.sort([t.arrival for t in traces])
+    # the least interval at every token between a request's first and last, all requests at once (one
+    # searchsorted per token took a sixth of each refit simulation)
+    mids = np.array([t for tr in traces for t in tr.token_times[1:-1]], dtype=float)
+    active = np.searchsorted(starts, mids, "right") - np.searchsorted(ends, mids, "left")
+    intervals = stream_intervals_s(np.maximum(active, 1)).tolist()
     out: list[float | None] = []
+    at = 0
     for tr in traces:
         times = tr.token_times
         if len(times) < 2:
             out.append(None)
             continue
         last_sent, k = times[0], len(times) - 1  # tokens after the last chunk sent
-        for j, t in enumerate(times[1:-1], start=1):
-            active = int(np.searchsorted(starts, t, "right") - np.searchsorted(ends, t, "left"))
-            if t - last_sent >= stream_interval_s(max(active, 1)):
+        for j, (t, interval) in enumerate(zip(times[1:-1], intervals[at:at + len(times) - 2], strict=True), start=1):
+            if t - last_sent >= interval:
                 last_sent, k = t, len(times) - 1 - j
+        at += len(times) - 2
         p_text = 1.0 - (1.0 - min(max(text_share, 0.0), 1.0)) ** k
         out.append(p_text * times[-1] + (1.0 - p_text) * last_sent)
     return out

@@ -156,7 +156,7 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     from tuner.emit import deployment, write_yaml
     from tuner.hostref import host_reference, recalibrated, reference_without_server
     from tuner.probe_model import prompt_extra_tokens, text_token_share
-    from tuner.server import Server
+    from tuner.server import Server, stopped_sessions
 
     settings = settings or ValidateSettings()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,8 @@ def measure(cand: Candidate, model: ModelConfig, profile: HardwareProfile, w: Wo
     share = text_token_share(tok, model.vocab_size) if tok.is_file() else 1.0
     points, runs, sw = [], [], None
     recal = bool(settings.recalibrate and profile.host_reference)
-    now = reference_without_server(cache_mib=profile.cache_mib or 32.0) if recal else {}  # no server up
+    # no server of ours up: the last candidate's (if any) has stopped, and its processes have exited
+    now = reference_without_server(cache_mib=profile.cache_mib or 32.0, sessions=stopped_sessions()) if recal else {}
     prof = recalibrated(profile, now) if recal else profile
     with Server(["--config", str(yaml_path)], out_dir / "serve.log", settings.startup_timeout_s) as url:
         base = {"url": url, "model": "tuned", "backend": "openai-completions", "arrival": w.arrival,
