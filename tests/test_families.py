@@ -49,6 +49,19 @@ def family_checkpoint(out: Path, name: str, **overrides) -> Path:
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """This file's own torch work (transformers' references, load_model, the reference forwards, the thread
+    shards) on one intra-op thread; the engines set their own counts (worker_threads, engine_threads). Its
+    tensors are tiny (hidden 64): on the pytest worker's default two threads every op paid an OpenMP fork-join,
+    which on make test's 4 workers over 2 cores waits for a descheduled partner (tests/test_training_parallel.py
+    measured 8x the CPU for such a model's steps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     made: dict[str, Path] = {}
@@ -105,12 +118,27 @@ def _sharded_run(d: Path, executor, base: EngineConfig) -> tuple[dict, float]:
     return got, max_logit_error(d, PROMPTS, got, rec.logits)
 
 
+@pytest.fixture(scope="module")
+def one_device(ckpt):
+    """Greedy tokens of PROMPTS on one in-process device, per family: computed once and shared by the
+    thread-TP and the process-shard tests (qwen2 is the reference of three of them)."""
+    made: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in made:
+            d = ckpt(name)
+            base = EngineConfig(num_kv_blocks=64, worker_threads=1)
+            made[name], _ = run_engine(d, InProcessExecutor(d, base), base)
+        return made[name]
+    return get
+
+
 @pytest.mark.parametrize("name", SHARDED)
-def test_family_tp2_matches_one_device(ckpt, name):
+def test_family_tp2_matches_one_device(ckpt, one_device, name):
     """TP=2 as threads over one process (the tensor-parallel layers and runner, no process group)."""
     d = ckpt(name)
     base = EngineConfig(num_kv_blocks=64, worker_threads=1)
-    expect, _ = run_engine(d, InProcessExecutor(d, base), base)
+    expect = one_device(name)
     got, err = _sharded_run(d, ThreadTPExecutor(d, base.replace(tensor_parallel_size=2)), base)
     assert got == expect and len(got) == len(PROMPTS)
     assert err <= 1e-4, err
@@ -118,12 +146,12 @@ def test_family_tp2_matches_one_device(ckpt, name):
 
 @pytest.mark.parametrize(("name", "tp", "pp"), [(n, 1, 2) for n in SHARDED] + [("qwen2", 2, 1)],
                          ids=[f"pp2-{n}" for n in SHARDED] + ["tp2-qwen2"])
-def test_family_shards_match_one_device(ckpt, name, tp, pp):
+def test_family_shards_match_one_device(ckpt, one_device, name, tp, pp):
     """Shards as processes (gloo) that load only their slice: PP=2 for every family, and TP=2 where
     the loader slices a bias (Qwen2's qkv)."""
     d = ckpt(name)
     base = EngineConfig(num_kv_blocks=64, worker_threads=1, dist_timeout_s=60)
-    expect, _ = run_engine(d, InProcessExecutor(d, base), base)
+    expect = one_device(name)
     got, err = _sharded_run(d, MultiprocExecutor(d, base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp)),
                             base)
     assert got == expect and len(got) == len(PROMPTS)

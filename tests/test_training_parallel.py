@@ -42,7 +42,19 @@ CASES = [("tp2", GPT2, 2, 1, ParallelSpec(), "1f1b"), ("tp2_sp", GPT2, 2, 1, SP,
 
 
 def reference(cfg: ModelConfig, dp: int):
-    """The plain trainer's path in one process: losses and gradients of each step."""
+    """The plain trainer's path in one process: losses and gradients of each step, on one thread as the
+    ranks run (the worker's set_num_threads(1)). On the pytest worker's default two threads these
+    (8 x 32)-row matmuls paid an OpenMP fork-join per op: 31 s of CPU and 138 s wall for the five
+    references on the 2-core host at load 10, against 3.9 s and 17 s on one thread (first-call imports included)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(cfg, dp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(cfg: ModelConfig, dp: int):
     model = GPT(cfg).init_weights(0).train()
     opt, lm = build_optimizer(model, OPTIM), NextTokenLoss(model)
     losses, grads = [], []

@@ -250,6 +250,10 @@ def launch_ray(fn: Callable[[dict], Any], config: dict, num_workers: int, device
     if started:
         if not os.environ.get("RAY_ADDRESS"):  # a local instance: workers at the caller's priority,
             os.environ.setdefault("RAY_worker_niceness", "0")  # not Ray's nice 15 (serving/launcher.py)
+            # and no preemption watcher: Ray Train's controller (Ray 2.60) starts one more actor process to poll
+            # the node's drain state every 5 s, which a one-node Ray we started and stop never reports (on 2 busy
+            # cores, one more Ray worker's start beside the controller's and the ranks': ~3 s of CPU)
+            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         init_ray(os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
     resources = ray.cluster_resources()
     use_gpu = device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= num_workers)
