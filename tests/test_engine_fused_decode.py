@@ -179,11 +179,20 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
     torch.testing.assert_close(torch.cat(got)[:, :, :].transpose(0, 1), expect, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def llama_odd_dir(tmp_path_factory):
+    """A Llama whose MLP width (72) makes its gate / up Linear 9 panels of 16 outputs: a team's claims end in a
+    single panel past the last whole pass of 4, which a thread claiming from the back runs first (fused_team.cpp)."""
+    return make_checkpoint(tmp_path_factory.mktemp("llama_odd"), "llama", intermediate_size=72)
+
+
 @pytest.mark.parametrize(("dtype", "variant"), [("float32", "portable"), ("bfloat16", "auto"),
                                               ("bfloat16", "avx512_on_avx2")])
-def test_fp8_fused_step_equals_the_module_path(llama_dir, monkeypatch, dtype, variant):
+def test_fp8_fused_step_equals_the_module_path(llama_odd_dir, monkeypatch, dtype, variant):
     """FP8 weight-only blocks (quantized at load, kept one byte a weight in Fp8PanelLinear panels): the fused
-    step runs them through the same FP8 kernel variant as the module path, bit for bit (tokens and logprobs)."""
+    step runs them through the same FP8 kernel variant as the module path, bit for bit (tokens and logprobs),
+    on a team of the host's cores (the threads claiming panels from the back run their passes backwards)."""
+    llama_dir = llama_odd_dir
     from engines.cpu.panel_kernel import FP8_VARIANTS
 
     _force(monkeypatch, dtype=dtype)

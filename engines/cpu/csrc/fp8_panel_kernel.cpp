@@ -125,15 +125,17 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
 // bytes ahead, 4.7-5.1 ms at 2048 (21-22 GB/s)
 constexpr int64_t F8_AHEAD = 2048;
 
-// one row (scaled) through G panels (panel bytes apart): acc (G, F8_NR)
-template <int G>
+// one row (scaled) through G panels (panel bytes apart): acc (G, F8_NR); BACK: the passes run from the last, so
+// near a panel's end the request goes to the same slot of the group before (G panels back), not after
+template <int G, bool BACK = false>
 __attribute__((target("avx2,fma"))) void row_avx2(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
                                                    float* acc) {
   __m256 c[2 * G];
   for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const __m256 xa = _mm256_broadcast_ss(x + 2 * k2), xb = _mm256_broadcast_ss(x + 2 * k2 + 1);
-    const int64_t ahead = k2 * 32 + F8_AHEAD, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
+    const int64_t ahead = k2 * 32 + F8_AHEAD;
+    const int64_t line = ahead < panel ? ahead : BACK ? ahead - (G + 1) * panel : ahead + (G - 1) * panel;
     for (int g = 0; g < G; ++g) {
       if ((k2 & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);  // a line / 2 chunks
       __m256 a0, b0, a1, b1;
@@ -189,13 +191,14 @@ __attribute__((always_inline)) inline void block_wide(const float* x, int64_t ld
 }
 
 // row_avx2's loop (prefetch included) on 16-lane vectors: one row through G panels
-template <int G>
+template <int G, bool BACK = false>
 __attribute__((always_inline)) inline void row_wide(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
                                                     float* acc) {
   f8_f32x16 c[G] = {};
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const float xa = x[2 * k2], xb = x[2 * k2 + 1];
-    const int64_t ahead = k2 * 32 + F8_AHEAD, line = ahead < panel ? ahead : ahead + (G - 1) * panel;
+    const int64_t ahead = k2 * 32 + F8_AHEAD;
+    const int64_t line = ahead < panel ? ahead : BACK ? ahead - (G + 1) * panel : ahead + (G - 1) * panel;
     for (int g = 0; g < G; ++g) {
       if ((k2 & 1) == 0) __builtin_prefetch(w + g * panel + line, 0, 3);
       f8_f32x16 a, b;
@@ -215,6 +218,10 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void row4_avx512(const floa
                                                                        int64_t K2, float* acc) {
   row_wide<F8_G>(x, w, panel, K2, acc);
 }
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void row4_avx512_back(const float* x, const uint8_t* w,
+                                                                            int64_t panel, int64_t K2, float* acc) {
+  row_wide<F8_G, true>(x, w, panel, K2, acc);
+}
 // variant 4: the same body on AVX2 + FMA (each 16-lane vector in two ymm); on a host whose -march=native has
 // AVX-512 the build may still use zmm here (the target only adds to the native one), and variant 3 runs there
 __attribute__((target("avx2,fma"))) void block_wide_avx2(const float* x, int64_t ldx, int r, const uint8_t* w,
@@ -224,6 +231,10 @@ __attribute__((target("avx2,fma"))) void block_wide_avx2(const float* x, int64_t
 __attribute__((target("avx2,fma"))) void row4_wide_avx2(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
                                                         float* acc) {
   row_wide<F8_G>(x, w, panel, K2, acc);
+}
+__attribute__((target("avx2,fma"))) void row4_wide_avx2_back(const float* x, const uint8_t* w, int64_t panel,
+                                                             int64_t K2, float* acc) {
+  row_wide<F8_G, true>(x, w, panel, K2, acc);
 }
 
 // Variant 5, AVX512-BF16, for bf16 rows (their values, scaled by X_UP, are exact bf16 numbers): the 16-bit
@@ -340,10 +351,13 @@ void block_bf16_emulated(const float* x, int64_t ldx, int r, const uint8_t* w, i
 
 // the sums of panels [p, p + g) for rows [m0, m0 + r) of x (M, ldx) -> acc (g or r, F8_NR)
 void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r, int g, const uint8_t* wp,
-          float* acc) {
+          float* acc, bool back = false) {
   const int64_t panel = K2 * 32;
 #if F8_X86
   if (r == 1 && v == 5) return ROW_BF16[g - 1](x + m0 * ldx, wp, panel, K2, acc);
+  if (back && r == 1 && g == F8_G && v == 3) return row4_avx512_back(x + m0 * ldx, wp, panel, K2, acc);
+  if (back && r == 1 && g == F8_G && v == 4) return row4_wide_avx2_back(x + m0 * ldx, wp, panel, K2, acc);
+  if (back && r == 1 && g == F8_G && v == 2) return row_avx2<F8_G, true>(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 3) return row4_avx512(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 4) return row4_wide_avx2(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 2) return row_avx2<F8_G>(x + m0 * ldx, wp, panel, K2, acc);
@@ -367,7 +381,7 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
 // the rest one at a time, in the same order), so any split over threads gives the same bits; res may be out
 template <typename T>
 void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
-               const float* s, const float* bias, const T* res, T* out, int64_t p0, int64_t p1) {
+               const float* s, const float* bias, const T* res, T* out, int64_t p0, int64_t p1, bool backward = false) {
   const float back = v == 1 ? 0x1p8f : 1.f / (X_UP * W_DOWN);
   float acc[F8_GW * F8_NR];
   // rows [m0, m0 + r) of panel p from acc (r, F8_NR)
@@ -389,6 +403,20 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
         out[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(y)) : y;
       }
   };
+  // backward (one row, variants 2-4: a team thread claiming from the back, fused_team.cpp): the same passes from the
+  // last to the first, the single panels past the last whole pass first, each pass requesting the one before it
+  if (M == 1 && backward && v >= 2 && v <= 4) {
+    const int64_t whole = p0 + (p1 - p0) / F8_G * F8_G;
+    for (int64_t p = p1 - 1; p >= whole; --p) {
+      sums(v, x, ldx, K2, 0, 1, 1, w + p * K2 * 32, acc);
+      store(p, 0, 1, acc);
+    }
+    for (int64_t p = whole - F8_G; p >= p0; p -= F8_G) {
+      sums(v, x, ldx, K2, 0, 1, F8_G, w + p * K2 * 32, acc, true);
+      for (int i = 0; i < F8_G; ++i) store(p + i, 0, 1, acc + i * F8_NR);
+    }
+    return;
+  }
   for (int64_t p = p0; p < p1;) {
     if (M == 1) {
       const int g = v == 5 ? static_cast<int>(std::min<int64_t>(F8_GW, p1 - p)) : p + F8_G <= p1 ? F8_G : 1;

@@ -91,11 +91,14 @@ struct TeamLinear {
     while (left.fetch_sub(1, std::memory_order_relaxed) > 0) {
       const int64_t g = tid == 0 ? front.fetch_add(1, std::memory_order_relaxed)
                                  : back.fetch_sub(1, std::memory_order_relaxed) - 1;
-      range(g * group, std::min(P, (g + 1) * group));
+      range(g * group, std::min(P, (g + 1) * group), back_passes && tid != 0);
     }
   }
 
-  void range(int64_t p0, int64_t p1) const {
+  bool back_passes = false;  // whether the threads claiming from the back run their claims' passes backwards (prepare)
+
+  // panels [p0, p1); backward: a one-row FP8 claim's passes from the last (fp8_range)
+  void range(int64_t p0, int64_t p1, bool backward = false) const {
     using BF = c10::BFloat16;
     if (kind == 0 && bf16 && panel_src::wide_rows(variant, M))  // rows widened to fp32 pairs (widen_rows)
       panel_src::run_range(static_cast<const float*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
@@ -108,10 +111,10 @@ struct TeamLinear {
                            static_cast<const float*>(res), static_cast<float*>(out), variant, p0, p1);
     else if (bf16)
       fp8_src::fp8_range<BF>(variant, static_cast<const float*>(x), M, 2 * Kp, Kp, static_cast<const uint8_t*>(w), N,
-                             scales, bias, static_cast<const BF*>(res), static_cast<BF*>(out), p0, p1);
+                             scales, bias, static_cast<const BF*>(res), static_cast<BF*>(out), p0, p1, backward);
     else
       fp8_src::fp8_range<float>(variant, static_cast<const float*>(x), M, 2 * Kp, Kp, static_cast<const uint8_t*>(w),
-                                N, scales, bias, static_cast<const float*>(res), static_cast<float*>(out), p0, p1);
+                                N, scales, bias, static_cast<const float*>(res), static_cast<float*>(out), p0, p1, backward);
   }
 };
 
@@ -218,11 +221,18 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
   j.w = panels.data_ptr(), j.scales = t[0].data_ptr<float>();
   if (M == 1 && j.variant == 5) j.claim_up_to(fp8_src::F8_GW);
   // the 4-panel passes of variants 2-4 request the next pass's panels near their end (row_avx2 / row_wide: the group
-  // after, F8_G panels on); a claim of one pass left that request on panels already read for a thread taking its
-  // claims from the back. Two passes a claim: its second pass's panels requested by the first. SmolLM2 FP8, batch 1,
-  // 2 threads, 2-core AVX2 EPYC, both ways switched in one process, median of 10 (two processes): 14.92 / 15.21 ms a
-  // token -> 14.37 / 14.81 (4 passes a claim: 14.32 / 14.67; the bf16 AVX2 passes, which request nothing: no change)
-  else if (M == 1 && j.variant >= 2 && j.variant <= 4) j.claim_passes(2 * fp8_src::F8_G, fp8_src::F8_G);
+  // after, F8_G panels on); for a thread taking its claims from the back, the group after is one it has already read,
+  // so those threads run each claim's passes from its last to its first and request the group before (BACK), which
+  // is where their next claim ends: every claim but the first starts on panels already on their way. SmolLM2 FP8,
+  // batch 1, 2 threads, 2-core AVX2 EPYC, both ways switched in one process (median of 10-16, three processes): claims
+  // of one pass 14.92 / 15.21 ms a token -> two passes 14.37 / 14.81 (0ae9006) -> two passes run from the back 13.93 /
+  // 14.15 / 13.46 -> 13.66 / 13.82 / 12.80 (claims of 1 or 4 passes so: 13.88, 14.03; thread 0 requesting its first
+  // claim's first 1-2 KB a panel as it lays out the input: no gain). Bits unchanged: a panel's sums do not depend on the
+  // order the panels run in
+  else if (M == 1 && j.variant >= 2 && j.variant <= 4) {
+    j.back_passes = true;
+    j.claim_passes(2 * fp8_src::F8_G, fp8_src::F8_G);
+  }
   const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
   buf.assign(M * 2 * K2, 0.f);
   const c10::BFloat16* x16 = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;  // (not a data_ptr call an element: 3 %
