@@ -23,7 +23,7 @@ CSRC = Path(__file__).parent / "csrc"
 """The C++ sources beside this package (package data of the installed package)."""
 
 SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("panel_src", "panel_kernel.cpp"),
-           ("fp8_src", "fp8_panel_kernel.cpp"),
+           ("fp8_src", "fp8_panel_kernel.cpp"), ("fp8_src", "fp8_range.cpp"),
            ("paged_src", "paged_kernel.cpp"), ("paged_src", "paged_avx2.cpp"), ("paged_src", "paged_cascade.cpp"),
            ("paged_src", "paged_causal.cpp"), ("paged_src", "paged_decode.cpp"))
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
@@ -38,7 +38,7 @@ NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 
 FUNCTIONS = [
     "pack_panels", "panel_linear", "panel_linear_res", "panel_linear_f32", "panel_variant",  # panel_kernel.cpp
-    "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_panel_kernel.cpp
+    "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_range.cpp
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
