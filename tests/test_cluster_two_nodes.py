@@ -188,23 +188,31 @@ def test_tp2_shards_on_two_nodes_survive_losing_a_node(tmp_path_factory):
     temp.mkdir(parents=True)
     model = make_checkpoint(tmp_path_factory.mktemp("gpt2-long"), "gpt2", n_positions=2048)
     cluster = Cluster(temp)
-    port = free_port()
     cfg = tmp_path_factory.mktemp("cfg") / "tp2.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "models": [{"name": "tp2", "path": str(model), "num_cpus": 1, "shard_num_cpus": 1,
-                    "engine": {"tensor_parallel_size": 2, "worker_threads": 1, "num_kv_blocks": 256,
-                               "cpu_linear_autotune": False, "dist_timeout_s": 20}}],
-        "server": {"port": port, "log_requests": False, "drain_timeout_s": 2}}))
-    url = f"http://127.0.0.1:{port}"
     server = None
     passed = False
+
+    def ready() -> bool:
+        if server.poll() is not None:  # its log is printed below
+            raise AssertionError(f"shardserve serve exited ({server.returncode}) before it was ready")
+        return _ok(url)
+
     try:
         cluster.join("head", cpus=2, head=True)  # the replica's bundle + one shard
         cluster.join("worker1", cpus=1)  # the other shard
+        # the port chosen once the nodes run: chosen before them, a port one of their processes then took made the
+        # server exit at start ("already in use", CI on c0a9160), and the wait below spent its 240 s on a dead server
+        port = free_port()
+        cfg.write_text(yaml.safe_dump({
+            "models": [{"name": "tp2", "path": str(model), "num_cpus": 1, "shard_num_cpus": 1,
+                        "engine": {"tensor_parallel_size": 2, "worker_threads": 1, "num_kv_blocks": 256,
+                                   "cpu_linear_autotune": False, "dist_timeout_s": 20}}],
+            "server": {"port": port, "log_requests": False, "drain_timeout_s": 2}}))
+        url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen([SHARDSERVE, "serve", "--config", str(cfg), "--address", cluster.address],
                                   stdout=open(temp / "serve.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                   env=cluster.env, start_new_session=True)
-        wait_until(lambda: server.poll() is None and _ok(url), "the server did not become ready", 240)
+        wait_until(ready, "the server did not become ready", 240)
         assert complete(url).status_code == 200
         nodes = cluster.shard_nodes()
         assert len(nodes) == 2 and len(set(nodes)) == 2, f"both shards on one node: {nodes}"
