@@ -200,6 +200,10 @@ class ServerSpec(_Strict):
     """A request still running after this long is aborted (408)."""
     drain_timeout_s: float = Field(30.0, ge=0)
     """On shutdown, in-flight requests get this long to finish before they are aborted."""
+    start_timeout_s: float = Field(900.0, gt=0)
+    """`shardserve serve` gives up when the application does not run this long after it starts
+    (Ray's start, the replicas' model loads included): it names each deployment still starting and
+    Ray Serve's message for it, stops Ray and exits 1. A slow start says where it waits once a minute."""
     api_keys_file: str | None = None
     """File of accepted API keys, one per line (# comments). When keys are set, every route but the
     health checks needs `Authorization: Bearer <key>`."""

@@ -132,7 +132,13 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
                             logging_config=logs)
             phases["serve"], t = time.monotonic() - t, time.monotonic()
             app = build_application(cfg, [hash_key(k) for k in api_keys], [hash_key(k) for k in admin_keys])
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False, logging_config=logs)
+            # not serve.run: it waits for the replicas without a limit (a replica whose start hangs hung
+            # `shardserve serve` with no word: CI on 380a0aa); wait_running bounds it and names what is pending
+            serve.run_many([serve.RunTarget(app, name=APP_NAME, route_prefix="/", logging_config=logs)],
+                           wait_for_applications_running=False)
+            wait_running(APP_NAME, t0 + cfg.server.start_timeout_s, since=t0)
+            if cfg.ingress == "ray-proxy":
+                _wait_http_ready(cfg, t0 + cfg.server.start_timeout_s)
             phases["application"] = time.monotonic() - t
             break
         except Exception as exc:  # Ray's start races are retried on an embedded Ray
@@ -160,6 +166,67 @@ RAY_INIT_IMPORTS = ("ray._common.usage.usage_lib", "ray.dashboard.optional_deps"
 autoscaler code), imported on the main thread before _import_serve's thread starts: with these loaded,
 ray.init (Ray 2.60) imports nothing more, so the two threads never import modules at once (a circular
 import met from two threads can end in Python's _DeadlockError)."""
+
+
+class StartTimeout(RuntimeError):
+    """The application did not run within server.start_timeout_s; the message names what was pending."""
+
+
+def wait_running(app_name: str, deadline: float, since: float, poll_s: float = 0.25) -> None:
+    """Wait until Ray Serve reports the application RUNNING. Raises RuntimeError when it failed to deploy
+    (Ray Serve's message), StartTimeout at `deadline` (time.monotonic) with each deployment still
+    starting, its replica states and Ray Serve's message (e.g. a replica whose __init__ is slow or
+    stuck); logs the same once a minute while it waits, so a slow start is never silent. Seconds are
+    counted from `since` (the start's beginning)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    said = time.monotonic()
+    while True:
+        app = serve.status().applications.get(app_name)
+        if app is not None and app.status == ApplicationStatus.RUNNING:
+            return
+        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"deploying the application failed: {app.message}")
+        waited = time.monotonic() - since
+        if time.monotonic() >= deadline:
+            raise StartTimeout(f"the application did not start in {waited:.0f} s (server.start_timeout_s): "
+                               f"{_pending(app)}")
+        if time.monotonic() - said >= 60:
+            said = time.monotonic()
+            logging.getLogger(__name__).warning("still starting after %.0f s: %s", waited, _pending(app))
+        time.sleep(poll_s)
+
+
+def _pending(app) -> str:
+    if app is None:
+        return "Ray Serve has not created it yet"
+    parts = []
+    for name, dep in app.deployments.items():
+        if dep.status != "HEALTHY":
+            states = ", ".join(f"{n} {state.lower()}" for state, n in sorted(dep.replica_states.items()))
+            parts.append(f"{name}: {dep.status.lower()} ({states or 'no replicas yet'})"
+                         + (f": {dep.message}" if dep.message else ""))
+    return "; ".join(parts) or f"application {app.status.lower()}" + (f": {app.message}" if app.message else "")
+
+
+def _wait_http_ready(cfg: DeploymentConfig, deadline: float) -> None:
+    """Ray Serve's proxy routes to a new application a moment after it runs: wait for its health route."""
+    import httpx
+
+    host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    deadline = max(deadline, time.monotonic() + 5.0)
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            try:
+                if client.get(f"http://{host}:{cfg.server.port}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise StartTimeout(f"Ray Serve's proxy on port {cfg.server.port} did not answer /health "
+                                   "within server.start_timeout_s")
+            time.sleep(0.1)
 
 
 def _import_serve() -> None:

@@ -11,11 +11,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from proc_output import ProcOutput
 
 from training.distributed import free_port
 
@@ -73,6 +73,22 @@ def test_ctrl_c_and_sigterm_take_the_same_drain_path():
             signal.signal(s, h)
 
 
+def test_a_start_past_start_timeout_names_what_is_pending_and_exits(tmp_path, gpt2_dir):
+    """A start that does not finish in server.start_timeout_s (here 1 s: Ray's own start takes longer, so
+    the replicas are still starting) fails with each deployment still starting and its replicas' states,
+    stops Ray and exits 1, instead of waiting without a limit (serve.run's wait hung CI on 380a0aa)."""
+    cfg = tmp_path / "slow.yaml"
+    cfg.write_text(f"models:\n  - name: tiny\n    path: {gpt2_dir}\nserver:\n  port: {free_port()}\n"
+                   "  start_timeout_s: 1\n")
+    out = run_cli("--config", str(cfg), timeout=240)
+    assert out.returncode == 1, out.stdout + out.stderr
+    err = out.stderr
+    assert re.search(r"error: the server did not start: the application did not start in \d+ s "
+                     r"\(server\.start_timeout_s\): ", err), err
+    assert re.search(r"ModelServer:tiny: (updating|unhealthy) \((no replicas yet|\d+ [a-z_]+)", err) \
+        or "has not created it yet" in err, err
+
+
 def test_an_embedded_ray_that_misses_its_start_wait_is_started_three_times(gpt2_dir, monkeypatch):
     """Ray's raylet missing its fixed 30 s registration wait (a loaded host; CI met it twice in a
     row) is retried on the embedded Ray, three starts in all, then reported as Ray's own error; a
@@ -115,26 +131,19 @@ def test_serve_prints_a_working_curl_and_drains_on_ctrl_c_or_sigterm(gpt2_dir, s
     proc = subprocess.Popen([*CLI, "--model", str(gpt2_dir), "--name", "tiny", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    lines: list[str] = []
+    out = ProcOutput(proc)
     try:
-        deadline = time.monotonic() + 300  # three Ray starts on a loaded host fit (serving/launcher.py)
-        curl = None
-        while curl is None:
-            assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited:\n" + "".join(lines)
-            lines.append(line)
-            if line.strip().startswith("curl "):
-                curl = line.strip()
-        ready = next(x for x in lines if "ready in" in x)
+        # three Ray starts on a loaded host fit (serving/launcher.py)
+        curl = out.wait_line(lambda line: line.startswith("curl "), timeout=300)
+        ready = next(x for x in out.lines if "ready in" in x)
         assert f"http://127.0.0.1:{port}" in ready
         # where the start's seconds went, in order (serving/launcher.py Running.phases; "retry" first when a loaded
         # host made Ray's start fail once: CI on 310c25e, "retry 50.9 s, ray 16.3 s, ...")
         assert re.search(r"ready in [0-9.]+ s \((retry [0-9.]+ s, )?ray [0-9.]+ s, serve [0-9.]+ s, application [0-9.]+ s\) at ",
                          ready), ready
-        out = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
-        assert out.returncode == 0, out.stderr
-        assert '"object":"text_completion"' in out.stdout and '"model":"tiny"' in out.stdout
+        res = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
+        assert res.returncode == 0, res.stderr
+        assert '"object":"text_completion"' in res.stdout and '"model":"tiny"' in res.stdout
         # Ctrl-C / SIGTERM while a request runs (its first tokens are out): it is drained, not cut
         in_flight: dict = {"events": []}
         started = threading.Event()
@@ -156,15 +165,16 @@ def test_serve_prints_a_working_curl_and_drains_on_ctrl_c_or_sigterm(gpt2_dir, s
         t = threading.Thread(target=long_request)
         t.start()
         assert started.wait(timeout=60) and "error" not in in_flight, in_flight
+        mark = len(out.lines)
         proc.send_signal(sig)
-        rest, _ = proc.communicate(timeout=120)
+        rc = out.finish(timeout=120)
+        rest = out.text(mark)
         t.join(timeout=60)
         events = in_flight["events"]
         assert in_flight.get("status") == 200 and "error" not in in_flight, in_flight
         assert events[-1] == "[DONE]", events[-3:]
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 200 * 8
-        lines.append(rest)
-        assert proc.returncode == 0, "".join(lines)
+        assert rc == 0, out.text()
         assert "shardserve: stopped" in rest
         assert not re.search(r"Traceback", rest), rest
     finally:

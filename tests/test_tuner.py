@@ -209,8 +209,9 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
+
+    from proc_output import ProcOutput
 
     root = Path(__file__).resolve().parents[1]
     run = CliRunner().invoke(app, ["tune", "search", "--model", str(gpt2_dir / "config.json"), "--hardware",
@@ -222,22 +223,14 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
     proc = subprocess.Popen([sys.executable, "-m", "shardserve", "serve", "--config", str(tmp_path / "tuned.yaml"),
                              "--port", str(port)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    lines: list[str] = []
+    out = ProcOutput(proc)
     try:
-        deadline = time.monotonic() + 300  # three Ray starts on a loaded host fit (serving/launcher.py)
-        curl = None
-        while curl is None:
-            assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited:\n" + "".join(lines)
-            lines.append(line)
-            if line.strip().startswith("curl "):
-                curl = line.strip()
-        out = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
-        assert out.returncode == 0 and '"object":"text_completion"' in out.stdout, out.stdout + out.stderr
+        # three Ray starts on a loaded host fit (serving/launcher.py)
+        curl = out.wait_line(lambda line: line.startswith("curl "), timeout=300)
+        res = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60, check=False)
+        assert res.returncode == 0 and '"object":"text_completion"' in res.stdout, res.stdout + res.stderr
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
-        assert proc.returncode == 0
+        assert out.finish(timeout=120) == 0, out.text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
