@@ -118,6 +118,32 @@ def test_every_ray_replica_reports_its_steps(url):
         assert len(tp2) == 1 and tp2[0]["layout"]["tensor_parallel_size"] == 2 and tp2[0]["steps"]
 
 
+def test_a_start_past_its_limit_names_the_deployment_still_starting(url):
+    """serve.run waits for an application's replicas without a limit (a start hung CI on 380a0aa without a
+    word); the launcher's wait (server.start_timeout_s) fails at its deadline naming each deployment still
+    starting and its replicas' states. A real replica whose constructor does not return, beside the served app."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=0)
+    class SlowStart:
+        def __init__(self):
+            time.sleep(300)
+
+        def __call__(self, request):
+            return "never"
+
+    t0 = time.monotonic()
+    serve.run_many([serve.RunTarget(SlowStart.bind(), name="slow-start", route_prefix="/slow-start")],
+                   wait_for_applications_running=False)
+    try:
+        with pytest.raises(launcher.StartTimeout, match=r"did not start in \d+ s \(server\.start_timeout_s\): "
+                                                         r"SlowStart: updating \(1 starting\)"):
+            launcher.wait_running("slow-start", time.monotonic() + 3, since=t0)
+    finally:
+        serve.delete("slow-start")
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the served app never noticed
+
+
 def test_openai_client_completions(openai_client):
     out = openai_client.completions.create(model="gpt2", prompt="To be, or not", max_tokens=8, temperature=0)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8
