@@ -151,11 +151,21 @@ def test_kernel_asked_for_but_unavailable_fails_at_load(gpt2_dir, monkeypatch):
     assert auto.executor.runner.decode_kernel is False
 
 
+ARGMAX_VARIANTS = {"auto": 0, "portable": 1, "avx2": 2}
+
+
+@pytest.mark.parametrize("variant", ARGMAX_VARIANTS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_argmax_rows_is_torch_argmax(threads):
-    """The vectorized greedy pick: first index of the maximum, ties across lanes and the tail, -inf
-    rows, +inf, NaN (torch counts a NaN as the maximum: its first NaN), short rows and a GPT-2 row."""
-    argmax_rows = load()[0].argmax_rows
+def test_argmax_rows_is_torch_argmax(threads, variant):
+    """The vectorized greedy pick, each variant forced: first index of the maximum, ties across lanes and
+    the tail, -inf rows, +inf, NaN (torch counts a NaN as the maximum: its first NaN), short rows and a
+    GPT-2 row."""
+    from engines.core.hardware import read_cpu_flags
+
+    if variant == "avx2" and "avx2" not in (read_cpu_flags() or ()):
+        pytest.skip("this CPU has no AVX2")
+    mod = load()[0]
+    argmax_rows = mod.argmax_rows if variant == "auto" else lambda x: mod.argmax_rows_variant(x, ARGMAX_VARIANTS[variant])
     torch.manual_seed(0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -171,9 +181,14 @@ def test_argmax_rows_is_torch_argmax(threads):
             x[7] = torch.randint(0, 3, (V,)).float()  # many ties at 2
             x[8, 0] = float("nan")
             assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), V
+        zeros = torch.full((1, 100), -1.0)
+        zeros[0, 40], zeros[0, 70] = -0.0, 0.0  # -0 and +0 tie: the first
+        assert argmax_rows(zeros).tolist() == [40] == zeros.argmax(dim=-1).tolist()
         half = torch.randn(4, 2 * 50257)[:, ::2]  # not contiguous
         assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
     finally:
         torch.set_num_threads(before)
     with pytest.raises(RuntimeError, match="float32"):
         argmax_rows(torch.randn(2, 8).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="variant 0 .auto., 1 .portable. or 2 .AVX2., got 3"):
+        mod.argmax_rows_variant(torch.randn(2, 8), 3)

@@ -42,7 +42,8 @@ FUNCTIONS = [
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
-    "argmax_rows", "panel_swiglu",                                        # mlp_rows.cpp
+    "argmax_rows", "argmax_rows_variant",                                 # fused_decode.cpp: greedy
+    "panel_swiglu",                                                       # mlp_rows.cpp
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
 call them)."""
