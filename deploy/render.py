@@ -158,7 +158,8 @@ def compose(cfg: DeploymentConfig, image: str = "shardserve:latest") -> dict[str
                     "test": ["CMD", "python", "-c", (f"import urllib.request; urllib.request.urlopen("
                              f"'http://127.0.0.1:{s.port}/health', timeout=5)")],
                     "interval": "10s", "timeout": "6s", "retries": 3,
-                    "start_period": "600s"},  # the first start trains the default model
+                    # the server gives up by itself past server.start_timeout_s (the first start builds the default model)
+                    "start_period": f"{math.ceil(s.start_timeout_s)}s"},
             },
             "prometheus": {
                 "image": "prom/prometheus:v2.53.0",
