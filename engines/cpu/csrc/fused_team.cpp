@@ -183,7 +183,7 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
   const torch::Tensor& panels = t[2];
   if (kind == 0) {
     j.variant = panel_variant, j.Kp = bf16 ? K2 : K, j.P = panels.size(0);
-    if (M == 1 && bf16 && panel_variant != 2) j.claim_up_to(panel_src::ROW_G_BF16);
+    if (M == 1 && bf16) j.claim_up_to(panel_variant == 2 ? panel_src::ROW_G_AVX2_BF16 : panel_src::ROW_G_BF16);
     TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
                 panels.size(1) == j.Kp, "decode_blocks: panels of the Linear's shape and the step's dtype");
     j.w = panels.data_ptr();

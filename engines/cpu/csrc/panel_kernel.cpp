@@ -130,6 +130,13 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
         ROW_BF16[g - 1](xt, w + p * panel, panel, Kp, acc);
         for (int64_t i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * NR);
       }
+#if PANEL_X86
+    if constexpr (std::is_same_v<T, c10::BFloat16>)  // AVX2: up to ROW_G_AVX2_BF16 panels a pass, to the last
+      for (int64_t g; variant == 2 && (g = std::min<int64_t>(ROW_G_AVX2_BF16, p1 - p)) > 0; p += g) {
+        ROW_AVX2_BF16[g - 1](xt, w + p * panel, panel, Kp, acc);
+        for (int64_t i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * NR);
+      }
+#endif
     for (; p + G <= p1; p += G) {
 #if PANEL_X86
       if (variant == 2) row_avx2<G>(xt, w + p * panel, panel, Kp, acc);
