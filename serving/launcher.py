@@ -138,7 +138,7 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
                            wait_for_applications_running=False)
             wait_running(APP_NAME, t0 + cfg.server.start_timeout_s, since=t0)
             if cfg.ingress == "ray-proxy":
-                _wait_http_ready(cfg, t0 + cfg.server.start_timeout_s)
+                _wait_http_ready(client_url(cfg), t0 + cfg.server.start_timeout_s)
             phases["application"] = time.monotonic() - t
             break
         except Exception as exc:  # Ray's start races are retried on an embedded Ray
@@ -151,8 +151,7 @@ def start(cfg: DeploymentConfig, api_keys: list[str], quiet: bool = True, admin_
                 wait_port_free(f"http://{cfg.server.host}:{cfg.server.port}")
             time.sleep(RETRY_PAUSE_S * attempt)  # let the load that slowed Ray's start pass
             phases = {"retry": time.monotonic() - t0}
-    host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    return Running(f"http://{host}:{cfg.server.port}", owns_ray and cfg.ray.address is None,
+    return Running(client_url(cfg), owns_ray and cfg.ray.address is None,
                    time.monotonic() - t0, phases)
 
 
@@ -210,22 +209,26 @@ def _pending(app) -> str:
     return "; ".join(parts) or f"application {app.status.lower()}" + (f": {app.message}" if app.message else "")
 
 
-def _wait_http_ready(cfg: DeploymentConfig, deadline: float) -> None:
+def client_url(cfg: DeploymentConfig) -> str:
+    """The server's base URL as a client on this host reaches it (a wildcard bind: the loopback)."""
+    host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host}:{cfg.server.port}"
+
+
+def _wait_http_ready(url: str, deadline: float) -> None:
     """Ray Serve's proxy routes to a new application a moment after it runs: wait for its health route."""
     import httpx
 
-    host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
     deadline = max(deadline, time.monotonic() + 5.0)
     with httpx.Client(timeout=5.0) as client:
         while True:
             try:
-                if client.get(f"http://{host}:{cfg.server.port}/health").status_code == 200:
+                if client.get(f"{url}/health").status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise StartTimeout(f"Ray Serve's proxy on port {cfg.server.port} did not answer /health "
-                                   "within server.start_timeout_s")
+                raise StartTimeout(f"Ray Serve's proxy at {url} did not answer /health within server.start_timeout_s")
             time.sleep(0.1)
 
 
