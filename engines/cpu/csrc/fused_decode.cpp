@@ -13,13 +13,14 @@ c10::optional<torch::Tensor> given(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-// cache[slots[m]] = src[m] for each of the step's M rows (what index_copy_ does): src (M, nkv * hd), rows
-// any stride apart, elements adjacent; one memcpy a row where the cache is a contiguous (slots, nkv, hd)
+// cache[slots[m]] = src[m] for each of the step's M rows (what index_copy_ does): src (M, nkv * hd) or (M, nkv, hd),
+// rows any stride apart, a row's elements adjacent; one memcpy a row where the cache is a contiguous (slots, nkv, hd)
 // table of src's dtype, index_copy_ otherwise
 void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& src, int64_t nkv,
                 int64_t hd) {
   const int64_t M = src.size(0), n = nkv * hd;
-  if (!cache.is_contiguous() || cache.scalar_type() != src.scalar_type() || src.stride(1) != 1 ||
+  const bool packed = src.dim() == 2 ? src.stride(1) == 1 : src.dim() == 3 && src.stride(2) == 1 && src.stride(1) == hd;
+  if (!cache.is_contiguous() || cache.scalar_type() != src.scalar_type() || !packed ||
       slots.scalar_type() != at::kLong || !slots.is_contiguous() || cache.numel() != cache.size(0) * n) {
     cache.index_copy_(0, slots, src.reshape({M, nkv, hd}));
     return;

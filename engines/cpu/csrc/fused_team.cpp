@@ -324,6 +324,12 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   auto qkv = torch::empty({M, qn + 2 * kn}, x.options());
   auto y = torch::empty({M, qn}, x.options());  // the attention's output
   auto u = torch::empty({M, up_n}, x.options());
+  // the views of qkv and y every layer takes, made once a step: at batch 1 a layer's ~14 view calls (narrow, view,
+  // reshape: 1-3 us each under torch's profiler, ~400 a SmolLM2 token) sat on thread 0's serial path while the
+  // others wait; end to end the change was not separable from a noisy host's spread (7 interleaved process pairs)
+  const auto q_all = qkv.narrow(1, 0, qn).view({M, a.n_head, hd}), k_all = qkv.narrow(1, qn, kn).view({M, nkv, hd});
+  const auto v_all = qkv.narrow(1, qn + kn, kn);
+  auto y3 = y.view({M, a.n_head, hd});  // (one sequence: the heads the team's threads write)
   const int64_t widest = std::max({C, qn, a.ffn});
   std::vector<float> buf(M * (widest + 1));
   const int64_t panel_variant = panel_src::row_variant(0);
@@ -416,26 +422,31 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       const int64_t* kind = kinds.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
       // rows [s0, s0 + n): RoPE on their queries and keys (in place), their keys and values into the caches; a row
-      // depends on itself only, so any split of the rows over threads gives the same bits
+      // depends on itself only, so any split of the rows over threads gives the same bits (all the rows: the step's
+      // tensors as they are, no views)
       auto rotate_and_cache = [&](int64_t s0, int64_t n) {
-        const auto qs = q.narrow(0, s0, n), ks = kr.narrow(0, s0, n);
-        if (a.cos.numel() > 0) {
+        const bool all = s0 == 0 && n == M;
+        const auto qs = all ? q : q.narrow(0, s0, n), ks = all ? kr : kr.narrow(0, s0, n);
+        if (a.cos.numel() > 0 && all) {
+          rope_(qs, a.cos, a.sin);
+          rope_(ks, a.cos, a.sin);
+        } else if (a.cos.numel() > 0) {
           const int64_t half = hd / 2;
           const auto cs = a.cos.view({M, half}).narrow(0, s0, n), sn = a.sin.view({M, half}).narrow(0, s0, n);
           rope_(qs, cs, sn);
           rope_(ks, cs, sn);
         }
-        const auto slots = a.slots.narrow(0, s0, n);
-        write_rows(k_cache, slots, ks.reshape({n, kn}), nkv, hd);
-        write_rows(v_cache, slots, qkv.narrow(1, qn + kn, kn).narrow(0, s0, n), nkv, hd);
+        const auto slots = all ? a.slots : a.slots.narrow(0, s0, n);
+        write_rows(k_cache, slots, ks, nkv, hd);
+        write_rows(v_cache, slots, all ? v_all : v_all.narrow(0, s0, n), nkv, hd);
       };
       norm_then(p, kind[0], p + 6, qn + 2 * kn, qkv, p[8]);
       linear();  // qkv (M, qn + 2 kn)
       // the attention's rows laid out by the threads that computed them (split_attention, below)
       const bool lay_y = split && split_attention && deferrable(kind[1], y, panel_variant);
       serial(p[13], [&] {
-        q = qkv.narrow(1, 0, qn).view({M, a.n_head, hd});  // (M, nh, hd)
-        auto k = qkv.narrow(1, qn, kn).view({M, nkv, hd});  // (M, nkv, hd)
+        q = q_all;  // (M, nh, hd)
+        auto k = k_all;  // (M, nkv, hd)
         if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);
         if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
         kr = k;
@@ -450,7 +461,6 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         phase(true, [&] {
           const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
           if (g0 >= g1) return;
-          auto y3 = y.view({1, a.n_head, hd});
           paged_src::paged_decode_heads(q.contiguous(), k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
         });
       }
