@@ -324,12 +324,10 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   auto qkv = torch::empty({M, qn + 2 * kn}, x.options());
   auto y = torch::empty({M, qn}, x.options());  // the attention's output
   auto u = torch::empty({M, up_n}, x.options());
-  // the views of qkv and y every layer takes, made once a step: at batch 1 a layer's ~14 view calls (narrow, view,
-  // reshape: 1-3 us each under torch's profiler, ~400 a SmolLM2 token) sat on thread 0's serial path while the
-  // others wait; end to end the change was not separable from a noisy host's spread (7 interleaved process pairs)
+  // the views of qkv and y the layers take, once a step (were ~400 calls on thread 0's path a batch-1 SmolLM2 token)
   const auto q_all = qkv.narrow(1, 0, qn).view({M, a.n_head, hd}), k_all = qkv.narrow(1, qn, kn).view({M, nkv, hd});
   const auto v_all = qkv.narrow(1, qn + kn, kn);
-  auto y3 = y.view({M, a.n_head, hd});  // (one sequence: the heads the team's threads write)
+  auto y3 = y.view({M, a.n_head, hd});
   const int64_t widest = std::max({C, qn, a.ffn});
   std::vector<float> buf(M * (widest + 1));
   const int64_t panel_variant = panel_src::row_variant(0);
@@ -421,9 +419,8 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       const torch::Tensor* p = w.data() + PER_LAYER * l;
       const int64_t* kind = kinds.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
-      // rows [s0, s0 + n): RoPE on their queries and keys (in place), their keys and values into the caches; a row
-      // depends on itself only, so any split of the rows over threads gives the same bits (all the rows: the step's
-      // tensors as they are, no views)
+      // rows [s0, s0 + n): RoPE on their queries and keys (in place), their keys and values into the caches (all rows:
+      // no views); a row depends on itself only, so any split of the rows over threads gives the same bits
       auto rotate_and_cache = [&](int64_t s0, int64_t n) {
         const bool all = s0 == 0 && n == M;
         const auto qs = all ? q : q.narrow(0, s0, n), ks = all ? kr : kr.narrow(0, s0, n);
