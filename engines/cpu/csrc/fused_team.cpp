@@ -424,12 +424,10 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       auto rotate_and_cache = [&](int64_t s0, int64_t n) {
         const bool all = s0 == 0 && n == M;
         const auto qs = all ? q : q.narrow(0, s0, n), ks = all ? kr : kr.narrow(0, s0, n);
-        if (a.cos.numel() > 0 && all) {
-          rope_(qs, a.cos, a.sin);
-          rope_(ks, a.cos, a.sin);
-        } else if (a.cos.numel() > 0) {
+        if (a.cos.numel() > 0) {
           const int64_t half = hd / 2;
-          const auto cs = a.cos.view({M, half}).narrow(0, s0, n), sn = a.sin.view({M, half}).narrow(0, s0, n);
+          const auto cs = all ? a.cos : a.cos.view({M, half}).narrow(0, s0, n);
+          const auto sn = all ? a.sin : a.sin.view({M, half}).narrow(0, s0, n);
           rope_(qs, cs, sn);
           rope_(ks, cs, sn);
         }
