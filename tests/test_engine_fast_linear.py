@@ -89,7 +89,7 @@ def test_wide_head_forced_sliced_keeps_the_tie_and_outputs(monkeypatch, gpt2_dir
     from engines.loading.checkpoint import load_model
 
     model, cfg = load_model(gpt2_dir)
-    monkeypatch.setattr(fl, "choose_kernels", lambda w, b: ("linear", "sliced", "linear"))
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b: ("linear", "sliced", "linear", "linear"))
     idx = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
         before = model.logits(model(idx))
@@ -107,7 +107,7 @@ def test_choices_persist_per_machine_and_are_reused(monkeypatch, tmp_path):
     first = fl.choose_kernels(w, None)
     saved = json.loads((tmp_path / "fast_linear.json").read_text())
     entry = saved[fl.machine_key()]["40x24 float32"]
-    assert tuple(entry["kernels"]) == first and len(entry["ms"]) == 3
+    assert tuple(entry["kernels"]) == first and len(entry["ms"]) == 4
 
     def no_timing(*a, **k):
         raise AssertionError("timed although a saved choice exists")
@@ -134,7 +134,7 @@ def test_one_thread_steps_use_the_kernels_timed_on_one_thread(monkeypatch):
 
     torch.manual_seed(0)
     lin = nn.Linear(16, 24)
-    fast = FastLinear(lin, "linear", "linear", "linear", single=("pretransposed", "pretransposed", "pretransposed"))
+    fast = FastLinear(lin, "linear", "linear", "linear", single=("pretransposed",) * 4)
     ran = []
     real = FastLinear.run
 
@@ -153,6 +153,32 @@ def test_one_thread_steps_use_the_kernels_timed_on_one_thread(monkeypatch):
     assert "one thread=pretransposed" in repr(fast)
 
 
+def test_long_prefill_chunks_take_their_own_timed_kernel(monkeypatch):
+    """Rows from LARGE_FROM on run `large` (a kernel's rank moves with the rows: BULK_ROWS rows misjudged a 2,048-token
+    chunk), fewer run `bulk`, each the Linear's result; choose_kernels times LARGE_ROWS rows for a block Linear and
+    gives a vocabulary head its `bulk` choice untimed there."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    fast = FastLinear(lin, "linear", "linear", "linear", large="pretransposed")
+    assert FastLinear(lin, "linear", "linear", "packed").large == "packed"  # not given: bulk's
+    ran = []
+    real = FastLinear.run
+    monkeypatch.setattr(FastLinear, "run", lambda self, kind, x2: ran.append(kind) or real(self, kind, x2))
+    with torch.no_grad():
+        for rows in (fl.LARGE_FROM - 1, fl.LARGE_FROM):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(fast(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert ran == ["linear", "pretransposed"] and "large=pretransposed" in repr(fast)
+    timed = []
+    monkeypatch.setattr(fl, "_fastest", lambda fns, budget_s, min_rounds, **kw: timed.append(min_rounds) or (
+        "linear", {k: 1.0 for k in fns}))
+    assert fl.choose_kernels(torch.randn(40, 24), None, budget_s=0.0) == ("linear",) * 4 and len(timed) == 4
+    timed.clear()
+    monkeypatch.setattr(fl, "WIDE_MIN_OUT", 32)
+    fl.choose_kernels(torch.randn(48, 24), None, budget_s=0.0)
+    assert len(timed) == 3  # one row, a decode batch, a short chunk
+
+
 def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
     from engines.cpu.cpu_threads import intra_op_threads
     from engines.loading.checkpoint import load_model
@@ -161,12 +187,12 @@ def test_apply_times_one_thread_too_when_asked(monkeypatch, tmp_path, gpt2_dir):
     monkeypatch.setattr(fl, "_CHOSEN", {})
     seen = []
     monkeypatch.setattr(fl, "choose_kernels", lambda w, b: seen.append(torch.get_num_threads()) or
-                        ("pretransposed", "linear", "linear"))
+                        ("pretransposed", "linear", "linear", "linear"))
     model, _ = load_model(gpt2_dir, dtype=torch.float32)
     with intra_op_threads(2):
         apply_fast_linear(model, single_thread_too=True)
     assert seen and set(seen) == {1, 2} and seen.count(1) == seen.count(2)
-    assert all(m.single == ("pretransposed", "linear", "linear") for m in model.modules() if isinstance(m, FastLinear))
+    assert all(m.single == ("pretransposed", "linear", "linear", "linear") for m in model.modules() if isinstance(m, FastLinear))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,6 +246,11 @@ def test_a_single_lucky_round_does_not_choose_a_kernel():
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "panel"
     fns, clock = _scripted({"linear": [1.0] * 5, "panel": [0.9, 1.2, 1.15, 1.2, 1.2]})
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "linear"
+    # a long prefill chunk (outright): the lowest median, neither linear's margin nor the team kernel
+    for times, won in (({"linear": [1.0] * 5, "packed": [0.95] * 5, "panel": [0.97] * 5}, "packed"),
+                       ({"linear": [1.0] * 5, "packed": [1.1] * 5, "panel": [1.05] * 5}, "linear")):
+        fns, clock = _scripted(times)
+        assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, outright=True)[0] == won
 
 
 def test_a_hopeless_kernel_is_timed_once():
@@ -304,7 +335,7 @@ def test_apply_drops_dense_weights_but_never_a_tied_heads(monkeypatch, llama_dir
     model, cfg = load_model(llama_dir)
     tied, _ = load_model(llama_dir)
     idx = torch.randint(0, cfg.vocab_size, (1, 9))
-    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("panel", "panel", "linear"))
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("panel", "panel", "linear", "linear"))
     held = shard_bytes(model)
     with torch.no_grad():
         before = model.logits(model(idx))
@@ -337,7 +368,7 @@ def test_a_bf16_linear_without_its_dense_weight_prefills_through_a_packed_copy(m
     model, cfg = load_model(llama_dir)
     model = model.to(torch.bfloat16)
     idx = torch.randint(0, cfg.vocab_size, (1, fl.BULK_FROM + 3))  # a prefill chunk
-    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("panel", "panel", "linear"))
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("panel", "panel", "linear", "linear"))
     with torch.no_grad():
         before = model.logits(model(idx))
         apply_fast_linear(model, drop_dense=True)
@@ -359,17 +390,17 @@ def test_a_timing_on_a_busy_host_is_taken_again_and_never_saved(monkeypatch, tmp
     monkeypatch.setattr(cpu_threads, "fork_join_s", lambda: 1.0)  # 1 s a fork and join: busy
     w = torch.randn(24, 16)
     choice = fl.choose_kernels(w, None, budget_s=0.0)
-    assert len(tries) == 3 * fl.TIMING_TRIES and set(choice) <= set(fl.ONE_ROW + fl.MULTI_ROW)
+    assert len(tries) == 4 * fl.TIMING_TRIES and set(choice) <= set(fl.ONE_ROW + fl.MULTI_ROW)
     assert not (tmp_path / "fast_linear.json").exists()
     monkeypatch.setattr(fl, "_CHOSEN", {})
     monkeypatch.setattr(fl, "RETRY_MAX_S", 0.0)  # a timing longer than this is not taken again
     tries.clear()
     fl.choose_kernels(w, None, budget_s=0.0)
-    assert len(tries) == 3 and not (tmp_path / "fast_linear.json").exists()
+    assert len(tries) == 4 and not (tmp_path / "fast_linear.json").exists()
     monkeypatch.setattr(fl, "_CHOSEN", {})
     monkeypatch.setattr(cpu_threads, "fork_join_s", lambda: 0.0)
     tries.clear()
-    assert fl.choose_kernels(w, None, budget_s=0.0) and len(tries) == 3
+    assert fl.choose_kernels(w, None, budget_s=0.0) and len(tries) == 4
     assert "24x16 float32" in json.loads((tmp_path / "fast_linear.json").read_text())[fl.machine_key()]
 
 
@@ -400,7 +431,7 @@ def test_a_bf16_vocabulary_head_gets_fp32_logits_whatever_its_timings_chose(monk
     are the unrounded fp32 sums on every host (greedy near-ties are not decided by bf16 rounding)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, fl.WIDE_MIN_OUT, bias=False)).to(torch.bfloat16)
-    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("linear", "linear", "linear"))
+    monkeypatch.setattr(fl, "choose_kernels", lambda w, b, budget_s=0.4: ("linear",) * 4)
     apply_fast_linear(model)
     head = model[0]
     assert isinstance(head, FastLinear) and head.panels is not None and head.one == "linear"

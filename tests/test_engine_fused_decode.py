@@ -25,10 +25,11 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=
 
 
 def _force(monkeypatch, kinds=("panel", "panel", "linear"), dtype="float32"):
-    """Every Linear takes these kernels (one row, decode batch, prefill) instead of the timed ones."""
+    """Every Linear takes these kernels (one row, decode batch, prefill: short and long chunks alike) instead of the
+    timed ones."""
     if "packed" in kinds and not fl.packing_available(getattr(torch, dtype)):
         pytest.skip(f"oneDNN's prepacked {dtype} linear needs CPU features this host lacks")
-    monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: kinds)
+    monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: (*kinds, kinds[2]))
 
 
 def _tokens_and_logprobs(completion) -> list[tuple]:

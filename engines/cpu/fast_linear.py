@@ -5,14 +5,15 @@ A decode matrix-vector product is memory-bound, and torch's kernels stream memor
 dtype and shape (2-core EPYC, AVX512-BF16: the bf16 GPT-2 head took 12-24 ms a row through `F.linear` / `mm` / `mv`,
 5-6 ms through oneDNN on a once-reordered weight, `packed`). Which kernel wins flips between machines (AVX2-only,
 AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each distinct (out, in, dtype, threads) shape
-is timed all ways once per process, on one row, on MANY_ROWS rows (a decode batch) and on BULK_ROWS rows (a prefill
-chunk), and `FastLinear` dispatches on the row count, on repeated interleaved rounds: a kernel must beat plain
-`F.linear` by 10% on its median and on its best round to replace it (a single lucky or disturbed round decides
-nothing). Choices persist per machine (~/.cache/shardserve/fast_linear.json): a later start skips the timing.
+is timed all ways once per process, on one row, on MANY_ROWS rows (a decode batch), on BULK_ROWS rows (a short prefill
+chunk) and on LARGE_ROWS rows (a step budget's chunk), and `FastLinear` dispatches on the row count, on repeated
+interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its best round to replace it (a
+single lucky or disturbed round decides nothing). Choices persist per machine (~/.cache/shardserve/fast_linear.json):
+a later start skips the timing.
 
-The weight stays the module's `weight` Parameter (a tied head stays tied, state_dict keys unchanged); transposed
-and packed copies are extra non-persistent buffers, built for the kernels chosen. Under torch.compile a FastLinear
-is plain `F.linear` (the graph does not depend on timings); only exact nn.Linear modules are swapped.
+The weight stays the module's `weight` Parameter (a tied head stays tied, state_dict keys unchanged); transposed and
+packed copies are extra non-persistent buffers, built for the kernels chosen. Under torch.compile a FastLinear is
+plain `F.linear` (the graph does not depend on timings); only exact nn.Linear modules are swapped.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves", "panel")
 two threads or more and oneDNN packing is available; "panel" (engines/cpu/panel_kernel.py) where it builds."""
 MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
 """Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 14
+KERNEL_SET = 15
 """Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice saved
 before a kernel or the rule changed times again; git log has what each version changed)."""
 MANY_ROWS, BULK_ROWS, BULK_FROM = 32, 128, 65
-"""Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a prefill chunk (more)."""
+"""Rows timed for a decode batch (used for 2..BULK_FROM-1 rows) and for a short prefill chunk (up to LARGE_FROM - 1)."""
+LARGE_ROWS, LARGE_FROM = 1024, 384
+"""Rows timed for a long prefill chunk (from LARGE_FROM rows; a busy server's steps fill 2,048 tokens): on the AVX-512
+EPYC the panel kernel led oneDNN's packed one at 128 rows of SmolLM2's fp32 3072 x 576 (cold: 2.28 ms against 2.64)
+and trailed it at 2,048 (190 GFLOP/s against 214; 576 x 1536: 75 against 222). The lowest median wins there."""
 WIDE_MIN_OUT = 16384
 """Linears with at least this many outputs (vocabulary heads) also time the sliced kernel."""
 COLD_BYTES = 96 << 20
@@ -56,9 +61,7 @@ def packing_available(dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear can run `dtype` in this build on this CPU."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def panel_available(dtype: torch.dtype) -> bool:
@@ -72,30 +75,30 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weight(weight: torch.Tensor, rows: int = 1) -> torch.Tensor:
-    """weight (out, in) reordered once into oneDNN's layout for `_linear_pointwise` on `rows` rows. fp32 on the AVX-512
-    EPYC of BENCHMARKS.md: the one-row layout is plain, packed again by oneDNN's brgemm every call (a 1,473-row chunk
-    184-199 GFLOP/s, F.linear 179-195), the BULK_ROWS one 214-220 (vLLM prefills on such prepacked weights); bf16 the same."""
+    """weight (out, in) reordered once into oneDNN's layout for `_linear_pointwise` on `rows` rows (fp32, AVX-512 EPYC:
+    the one-row layout is plain, repacked every call: a 1,473-row chunk 184-199 GFLOP/s; the BULK_ROWS one 214-220)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
 class FastLinear(nn.Module):
     """y = x @ W^T + b with a kernel per row count: `one` for a single row, `many` for up to
-    BULK_FROM - 1 rows, `bulk` above. Kernels: linear (F.linear), pretransposed (addmm on a
+    BULK_FROM - 1 rows, `bulk` up to LARGE_FROM - 1, `large` above (`bulk`'s where not given). Kernels: linear (F.linear), pretransposed (addmm on a
     contiguous W^T), gemv (mv, one row only), packed (oneDNN on a prepacked W), sliced (F.linear
     over WIDE_CHUNK output features at a time, for a vocabulary head), panel (engines/cpu/panel_kernel.py
     on a copy of W stored in 16-output panels). `prepare` names more kernels to build copies for
     (the timing probes run every candidate)."""
 
     def __init__(self, linear: nn.Module, one: str = "linear", many: str = "linear", bulk: str = "linear",
-                 chunk: int = WIDE_CHUNK, single: tuple[str, str, str] | None = None, prepare: tuple[str, ...] = (),
-                 dense: bool = True):
+                 chunk: int = WIDE_CHUNK, single: tuple[str, ...] | None = None, prepare: tuple[str, ...] = (),
+                 dense: bool = True, large: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared: a tied head stays tied
-        self.one, self.many, self.bulk, self.chunk, self.single = one, many, bulk, chunk, single
-        """(one, many, bulk) timed on one thread, used when a step runs on one thread (the engine's
+        large = bulk if large is None else large
+        self.one, self.many, self.bulk, self.large, self.chunk, self.single = one, many, bulk, large, chunk, single
+        """(one, many, bulk, large) timed on one thread, used when a step runs on one thread (the engine's
         adaptive thread count, engines.cpu.cpu_threads); None: the kernels above at any count."""
-        kinds = {one, many, bulk, *(single or ()), *prepare}
+        kinds = {one, many, bulk, large, *(single or ()), *prepare}
         decode = {one, many, *(single[:2] if single else ()), *prepare}
         w = linear.weight.detach()
         self.packed_rows = 1 if "packed" in decode else BULK_ROWS  # `packed`'s layout: prefill's if only it reads it
@@ -109,9 +112,9 @@ class FastLinear(nn.Module):
         self.register_buffer("panels", _panels(w) if "panel" in kinds else None,
                              persistent=False)  # (ceil(out / 16), in, 16)
         if not dense:  # see dense_droppable: the panels (and a packed copy) are the only copy kept
-            if not droppable(kinds_of(one, many, bulk, single)) or self.panels is None:
+            if not droppable(kinds_of(one, many, bulk, large, single)) or self.panels is None:
                 raise ValueError(f"FastLinear: dense=False needs decode kernels among {sorted(DENSE_FREE)} and the "
-                                 f"panels; got one={one}, many={many}, bulk={bulk}, single={single}")
+                                 f"panels; got one={one}, many={many}, bulk={bulk}, large={large}, single={single}")
             self.register_parameter("weight", None)
 
     def probe_copy(self) -> FastLinear:
@@ -126,8 +129,8 @@ class FastLinear(nn.Module):
     def extra_repr(self) -> str:
         one_thread = f", one thread={'/'.join(self.single)}" if self.single else ""
         dense = "" if self.weight is not None else ", dense weight dropped (panels only)"
-        return (f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}"
-                f"{one_thread}{dense}")
+        return (f"{self.in_features} -> {self.out_features}, one={self.one}, many={self.many}, bulk={self.bulk}, "
+                f"large={self.large}{one_thread}{dense}")
 
     def dense_weight(self) -> torch.Tensor:
         """The (out, in) weight: the Parameter, or, where it was dropped (dense=False), a copy unpacked from the
@@ -144,17 +147,14 @@ class FastLinear(nn.Module):
 
     def kind_for(self, m: int) -> str:
         """The kernel chosen for m rows on this thread count."""
-        one, many, bulk = (self.single if self.single is not None and torch.get_num_threads() == 1
-                           else (self.one, self.many, self.bulk))
-        return one if m == 1 else many if m < BULK_FROM else bulk
+        one, many, bulk, large = (self.single if self.single is not None and torch.get_num_threads() == 1
+                                  else (self.one, self.many, self.bulk, self.large))
+        return one if m == 1 else many if m < BULK_FROM else bulk if m < LARGE_FROM else large
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """The output in fp32 (a vocabulary head's logits): for bf16 rows through the bf16 panels, the kernel's fp32 sums
-        unrounded, at any row count; otherwise forward(x).float(). Rounded to bf16, near-equal logits become equal: on
-        SmolLM2 bf16 (2-core EPYC, no AMX) the first answer token to "What is the capital of France?" had fp32
-        log-probabilities -1.864 ("The") and -1.963 ("L"), both -1.905 after the rounding, and greedy took "L".
-        apply_fast_linear gives a bf16 vocabulary head panels whatever kernels its timings chose, so this holds on
-        every host."""
+        unrounded, at any row count; otherwise forward(x).float(). Rounded to bf16, near-equal logits become equal (SmolLM2
+        bf16: "The" -1.864 and "L" -1.963 both -1.905, and greedy took "L"); a bf16 head always has panels (apply)."""
         if (self.panels is not None and x.dtype == torch.bfloat16 and self.bias is None and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):
             x2 = x.reshape(-1, self.in_features).contiguous()
@@ -197,12 +197,11 @@ unpacking the panels per call. Before, a bf16 SmolLM2-135M engine held 583 MB of
 model: each block Linear's Parameter beside its panel copy, the Parameter read by prefill chunks only."""
 
 
-def kinds_of(one: str, many: str, bulk: str, single: tuple[str, str, str] | None) -> tuple[set[str], set[str]]:
+def kinds_of(one: str, many: str, bulk: str, large: str, single: tuple[str, ...] | None) -> tuple[set[str], set[str]]:
     """(the decode kernels, the prefill kernels) of a FastLinear's choices."""
-    decode, prefill = {one, many}, {bulk}
+    decode, prefill = {one, many}, {bulk, large}
     if single is not None:
-        decode |= {single[0], single[1]}
-        prefill.add(single[2])
+        decode, prefill = decode | set(single[:2]), prefill | set(single[2:])
     return decode, prefill
 
 
@@ -224,8 +223,7 @@ def _helper() -> ThreadPoolExecutor:
     return _HELPER
 
 
-def _two_halves(x2: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor | None,
-                half: int) -> torch.Tensor:
+def _two_halves(x2: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor | None, half: int) -> torch.Tensor:
     """One row through a Linear split by output features: [0, half) on this thread, the rest on the helper thread,
     each on one intra-op thread, at the same time (torch releases the GIL in the op). Why: oneDNN's one-row linear
     streams its weight at one core's rate (~15 GB/s on the EPYC of BENCHMARKS.md, issue 12, the same on 1 and 2
@@ -255,28 +253,26 @@ MARGIN = 0.9
 """A kernel replaces plain F.linear only when both its median and its best time are under this fraction
 of linear's (the two statistics must agree: a lucky round alone, or a disturbed one, decides nothing)."""
 TEAM_KERNELS = ("panel",)
-"""Kernels the fused decode step runs inside its one parallel region (engines/cpu/csrc/fused_team.cpp): timed
-alone each call pays a fork and a join that the fused step does not, and a Linear on any other kernel sends the
-whole step to the per-op loop, so one is kept unless linear beats it by MARGIN (KERNEL_SET 6 asked it to be no
-slower: on the AVX2 EPYC SmolLM2's bf16 576 x 576 kept linear, 0.080 ms against panel 0.083, and bf16 batch 1
-ran the per-op loop, 46 tok/s against 57 on the team)."""
+"""Kernels the fused decode step runs inside its one parallel region (engines/cpu/csrc/fused_team.cpp): timed alone
+each call pays a fork and a join that the fused step does not, and a Linear on any other kernel sends the whole step
+to the per-op loop, so one is kept unless linear beats it by MARGIN (git log: KERNEL_SET 6, 46 against 57 tok/s)."""
 TEAM_MARGIN = 1 / 1.5
 """At one row and at a decode batch on several threads a TEAM_KERNELS kernel is kept unless another's median is
-under this fraction of its own (KERNEL_SET 8 compared it with linear only: on the Xeon of BENCHMARKS.md SmolLM2's bf16
-576 x 576 timed gemv 0.079 ms, panel 0.103, linear 0.107; gemv kept for three shapes ran batch 1 at 69 tok/s against
-97 with the team; KERNEL_SET 11: fp32 576 x 576 at 32 rows kept pretransposed, 0.136 ms against panel 0.175, and
-every fp32 decode batch ran the per-op loop)."""
+under this fraction of its own (git log: KERNEL_SET 8 and 11; gemv kept for three of SmolLM2's bf16 shapes on the Xeon
+ran batch 1 at 69 tok/s against 97 with the team)."""
 
 
 def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: int, max_rounds: int = 50,
-             clock: Callable[[], float] = time.perf_counter, team_first: bool = False) -> tuple[str, dict[str, float]]:
+             clock: Callable[[], float] = time.perf_counter, team_first: bool = False, outright: bool = False
+             ) -> tuple[str, dict[str, float]]:
     """(the chosen kernel, each kernel's median seconds) over rounds of one call each (after a warm-up call each,
     HOPELESS ones dropped), until `budget_s` is spent (at least `min_rounds`, at most `max_rounds`): call by call
     interleaving, so that a neighbour's burst on a shared host hits all kernels alike and each gets quiet moments.
     The kernel of the lowest median wins if it beats "linear" by MARGIN on its median and on its best round; else a
     TEAM_KERNELS one unless "linear" beats it by MARGIN on its median; "linear" otherwise. team_first (one row or a
     decode batch, several threads): a TEAM_KERNELS kernel first, unless another's median is under TEAM_MARGIN of its
-    own. `clock` is injectable (tests)."""
+    own. outright (a long prefill chunk: compute-bound GEMMs, no team to keep): the lowest median wins. `clock` is
+    injectable (tests)."""
     from engines.cpu.cpu_threads import median
 
     warm = {}  # each warm-up call's seconds (HOPELESS_WARM_S)
@@ -300,6 +296,8 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
         rounds += 1
     med = {k: median(v) for k, v in times.items()}
     winner = min(med, key=med.get)
+    if outright:
+        return winner, med
     first = [k for k in TEAM_KERNELS if k in med] if team_first else []
     if first and med[winner] >= TEAM_MARGIN * med[first[0]]:
         return first[0], med
@@ -320,7 +318,7 @@ unsaved (the next process times again); a timing that took over RETRY_MAX_S is n
 the AVX2 EPYC under make test's load: 92 s for two tries; a busy host's second try is mostly busy too)."""
 
 
-_CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str]] = {}
+_CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str, str]] = {}
 """Choices made in this process: every engine built here uses the same kernels for a shape (the same rounding,
 hence the same tokens) and pays for the timing once."""
 
@@ -361,7 +359,7 @@ def _load_saved() -> dict:
         return {}
 
 
-def _save(machine: str, shape: str, choice: tuple[str, str, str], times: list[dict[str, float]]) -> None:
+def _save(machine: str, shape: str, choice: tuple[str, str, str, str], times: list[dict[str, float]]) -> None:
     path = choices_file()
     if path is None:
         return
@@ -377,10 +375,11 @@ def _save(machine: str, shape: str, choice: tuple[str, str, str], times: list[di
         log.warning("fast_linear: could not save choices to %s (%s)", path, exc)
 
 
-def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.4) -> tuple[str, str, str]:
-    """(one, many, bulk) kernels of this Linear's shape, timed on first use on this machine on its
-    own weight (a transposed and a prepacked copy made for the timing only), ~`budget_s` for each
-    row count (the prefill one at least one round): ~5 s for the GPT-2-124M shapes on 2 cores."""
+def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.4) -> tuple[str, ...]:
+    """(one, many, bulk, large) kernels of this Linear's shape, timed on first use on this machine on its own weight
+    (transposed and prepacked copies made for the timing only), ~`budget_s` for each row count (prefill's at least a
+    few rounds): ~5 s for the GPT-2-124M shapes on 2 cores. A vocabulary head (WIDE_MIN_OUT outputs) takes its `bulk`
+    as `large` untimed: a prefill chunk runs it on each prompt's last row only (58 GFLOP a call at LARGE_ROWS)."""
     out_f, in_f = weight.shape
     dtype = weight.dtype
     key = (out_f, in_f, dtype, torch.get_num_threads())
@@ -388,10 +387,10 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
         return _CHOSEN[key]
     machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
     saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
-    if isinstance(saved, list) and len(saved) == 3 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
+    if isinstance(saved, list) and len(saved) == 4 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
             not {"packed", "halves"} & set(saved) or packing_available(dtype)) and (
             "panel" not in saved or panel_available(dtype)):
-        _CHOSEN[key] = (saved[0], saved[1], saved[2])
+        _CHOSEN[key] = (saved[0], saved[1], saved[2], saved[3])
         return _CHOSEN[key]
     packs = packing_available(dtype)
     # in a model every Linear's weight is read after the others evicted it from the caches, so a
@@ -410,6 +409,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
         probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
         bulk_probes = [bulk, *(bulk.probe_copy() for _ in range(copies - 1))] if packs else probes
     turn = iter(range(1 << 62))
+    prefill = ["linear", *(["packed"] * packs), *(["panel"] * panels)]  # compute-bound
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
         ring = bulk_probes if kind == "packed" and x.shape[0] >= BULK_FROM else probes
@@ -424,17 +424,18 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                          and (k != "panel" or panels)], 5),
                     (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
                                  and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
-                    (BULK_ROWS, ["linear", *(["packed"] * packs), *(["panel"] * panels)], 3)):  # compute-bound
+                    (BULK_ROWS, prefill, 3),
+                    *([(LARGE_ROWS, prefill, 3)] if out_f < WIDE_MIN_OUT else [])):
                 x = torch.randn(rows, in_f).to(dtype)
                 runs.append(_fastest({k: (lambda k=k, x=x: call(k, x)) for k in kinds}, budget_s, min_rounds,
-                                     team_first=rows < BULK_ROWS and torch.get_num_threads() >= 2))
+                                     team_first=rows < BULK_ROWS and torch.get_num_threads() >= 2,
+                                     outright=rows == LARGE_ROWS))
         quiet = quiet and fork_join_s() < FORK_JOIN_QUIET_S
         if quiet or time.perf_counter() - t0 > RETRY_MAX_S:
             break
         log.info("fast_linear %s: the host was busy while timing (try %d of %d)", key, attempt + 1, TIMING_TRIES)
-    probes.clear()  # the copies (up to COLD_BYTES in three layouts, and the prefill layout's) go now
-    bulk_probes.clear()
-    _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0])
+    probes.clear(), bulk_probes.clear()  # the copies (up to COLD_BYTES in three layouts, and prefill's) go now
+    _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0], runs[-1][0])
     if quiet:
         _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
     else:  # used by this process only: the next one times again
@@ -445,10 +446,10 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
 
 
 def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_dense: bool = False
-                      ) -> dict[tuple[int, int], tuple[str, str, str]]:
+                      ) -> dict[tuple[int, int], tuple[str, str, str, str]]:
     """Swap each plain CPU nn.Linear (fp32 / bf16 / fp16) for a FastLinear with its shape's timed
-    kernels (one row, decode batch, prefill chunk); returns the choices by (out, in). A shape whose
-    three choices are all plain linear keeps its nn.Linear.
+    kernels (one row, decode batch, short and long prefill chunks); returns the choices by (out, in). A shape whose
+    four choices are all plain linear keeps its nn.Linear.
 
     drop_dense: a Linear whose decode kernels all read their own copy (DENSE_FREE) and whose weight no other
     module holds (a tied head's is the embedding's) keeps only that copy: the replica's weight memory is
@@ -462,7 +463,7 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
     were the scheduler's, not the kernels' (BENCHMARKS.md, issue 12, run 7)."""
     from engines.cpu.cpu_threads import intra_op_threads
 
-    choices: dict[tuple[int, int], tuple[str, str, str]] = {}
+    choices: dict[tuple[int, int], tuple[str, str, str, str]] = {}
     holders: dict[int, int] = {}  # id(parameter) -> modules holding it (a tied head's weight: 2)
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
@@ -480,7 +481,7 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
             # a bf16 vocabulary head keeps panels whatever its timings chose: its forward_float (fp32 logits) reads them
             head = (child.out_features >= WIDE_MIN_OUT and child.weight.dtype == torch.bfloat16
                     and child.bias is None and panel_available(torch.bfloat16))
-            if choices[key] != ("linear", "linear", "linear") or single not in (None, ("linear",) * 3) or head:
+            if choices[key] != ("linear",) * 4 or single not in (None, ("linear",) * 4) or head:
                 kernels = choices[key]
                 dense = not (drop_dense and holders.get(id(child.weight)) == 1
                              and droppable(kinds_of(*kernels, single)))
@@ -490,10 +491,10 @@ def apply_fast_linear(model: nn.Module, single_thread_too: bool = False, drop_de
                     # copy (timed within a few % of it) costs the dense weight's memory. fp32 keeps its timed
                     # choice (KERNEL_SET 12: "packed" in prefill's layout wins there on its own, 8 % of a prefill)
                     packed = {"linear": "packed"}
-                    kernels = (*kernels[:2], packed.get(kernels[2], kernels[2]))
-                    single = None if single is None else (*single[:2], packed.get(single[2], single[2]))
-                setattr(parent, name, FastLinear(child, *kernels, single=single, dense=dense,
+                    kernels = (*kernels[:2], *(packed.get(k, k) for k in kernels[2:]))
+                    single = None if single is None else (*single[:2], *(packed.get(k, k) for k in single[2:]))
+                setattr(parent, name, FastLinear(child, *kernels[:3], large=kernels[3], single=single, dense=dense,
                                                  prepare=("panel",) if head else ()))
     if choices:
-        log.info("fast_linear kernels (one row, decode batch, prefill chunk): %s", choices)
+        log.info("fast_linear kernels (one row, decode batch, short and long prefill chunks): %s", choices)
     return choices
