@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engines.core.hardware import read_cpu_flags
 from engines.cpu import panel_kernel as pk
 
 pytestmark = pytest.mark.skipif(pk.load()[0] is None, reason="no C++ compiler to build the panel kernel")
@@ -39,6 +40,24 @@ def _row_variant_runs(variant: str) -> bool:
 
 AVX2 = pytest.param("avx2", marks=pytest.mark.skipif(
     not _row_variant_runs("avx2"), reason="this CPU lacks AVX2 + FMA (the variant is tested where they exist)"))
+DPBF16 = "avx512_bf16" in (read_cpu_flags() or ())
+"""Whether the portable code's bf16 sums are vdpbf16ps (the kernels build with -march=native): it adds a pair's high
+product before its low one (and flushes denormals), so the AVX2 variant's bf16 sums (the low product first) match
+them within rounding on such a host, bit for bit elsewhere (a Zen 4 EPYC: 1,537 inputs changed a bf16 output)."""
+
+
+def _portable_match(got: torch.Tensor, ref: torch.Tensor, bf16: bool, what, res: torch.Tensor | None = None) -> None:
+    """The AVX2 variant against the portable code: the same bits, or on a vdpbf16ps host (DPBF16) for bf16 weights
+    the same sums in another order: fp32 sums within a few ulps; bf16 outputs equal but for rare rounding flips, each
+    within a bf16 ulp of the Linear's output (plus the residual `res` added after its rounding)."""
+    if not (bf16 and DPBF16):
+        assert torch.equal(got, ref), what
+    elif got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4, msg=lambda m: f"{what}: {m}")
+    else:
+        diff, r = (got.float() - ref.float()).abs(), ref.float()
+        bound = 2 ** -7 * (r.abs() if res is None else (r - res.float()).abs() + res.float().abs()) + 1e-3
+        assert (diff <= bound).all() and (diff > 0).float().mean() < 0.01, (what, diff.max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -212,11 +231,12 @@ def test_several_row_variants_give_the_portable_bits(variant, dtype, inputs):
     panels = pk.pack_panels(w)
     for rows in [*range(2, 14), 17, 23, 34, 40]:
         x = torch.randn(rows, inputs).to(dtype)
+        bf16 = dtype == torch.bfloat16
         got = pk.panel_linear(x, panels, n, b, variant=variant)
-        assert torch.equal(got, pk.panel_linear(x, panels, n, b, variant="portable")), rows
-        if dtype == torch.bfloat16:
+        _portable_match(got, pk.panel_linear(x, panels, n, b, variant="portable"), bf16, rows)
+        if bf16:
             got32 = pk.panel_linear_f32(x, panels, n, variant=variant)
-            assert torch.equal(got32, pk.panel_linear_f32(x, panels, n, variant="portable")), rows
+            _portable_match(got32, pk.panel_linear_f32(x, panels, n, variant="portable"), bf16, rows)
 
 
 @pytest.mark.parametrize("variant", [AVX2])
@@ -238,13 +258,15 @@ def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
             torch.set_num_threads(threads)
             x = torch.randn(rows, inputs).to(dtype)
             res = torch.randn(rows, n).to(dtype)
+            bf16 = dtype == torch.bfloat16
             got = pk.panel_linear(x, panels, n, b, variant=variant)
-            assert torch.equal(got, pk.panel_linear(x, panels, n, b, variant="portable")), (rows, threads)
+            _portable_match(got, pk.panel_linear(x, panels, n, b, variant="portable"), bf16, (rows, threads))
             got = mod.panel_linear_res(x, panels, n, b, res, pk.PANEL_VARIANTS[variant])
-            assert torch.equal(got, mod.panel_linear_res(x, panels, n, b, res, pk.PANEL_VARIANTS["portable"])), rows
-            if dtype == torch.bfloat16:
+            _portable_match(got, mod.panel_linear_res(x, panels, n, b, res, pk.PANEL_VARIANTS["portable"]), bf16, rows,
+                            res)
+            if bf16:
                 got32 = pk.panel_linear_f32(x, panels, n, variant=variant)
-                assert torch.equal(got32, pk.panel_linear_f32(x, panels, n, variant="portable")), (rows, threads)
+                _portable_match(got32, pk.panel_linear_f32(x, panels, n, variant="portable"), bf16, (rows, threads))
     finally:
         torch.set_num_threads(before)
 
