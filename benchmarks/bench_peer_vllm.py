@@ -12,7 +12,9 @@ GPT-2-124M shape (random weights written by transformers). Workloads:
     `shardserve serve`, vLLM's OpenAI server and llama.cpp's `llama-server` (parallel slots), fp32
     (llama.cpp's F32 file) and bf16 (its BF16 file; `--http-dtypes`).
 Every figure is the median of 3 repetitions, printed with its spread (min-max); "ours 3x" is our
-max/min. vLLM runs with `VLLM_CPU_OMP_THREADS_BIND` over all cores and with its default binding
+max/min. The repetitions run in rounds (--rounds, the default: each round runs every engine once, each in a
+fresh process or server): this host's speed drifts by a third within minutes (fp32 matmul 102 -> 189 GFLOP/s
+in one minute), and an engine's three repetitions run back to back met another host than its peer's. vLLM runs with `VLLM_CPU_OMP_THREADS_BIND` over all cores and with its default binding
 (which reserves a core on small hosts); each row says which was faster and the ratio uses that one.
 llama.cpp (SmolLM2 only: the GPT-2 shape's trained tokenizer is unknown to its converter) is built
 natively from the `llama-cpp-python` sdist into .llama-build/ (benchmarks/peer_llamacpp.py); its
@@ -94,6 +96,22 @@ def run_worker(py: Path, engine: str, tasks: str, dtype: str, spec, kv_bytes: in
     return out
 
 
+def rounds(args) -> list[int]:
+    """Repetitions per round: one each (args.repeats rounds), or all in one round with --no-rounds."""
+    return [1] * args.repeats if args.rounds else [args.repeats]
+
+
+def merge(before: dict | None, new: dict) -> dict:
+    """One engine's results over rounds: repetitions (and the read ceilings beside them) appended, the rest the
+    last round's; an error ends the engine's rows."""
+    if before is None or "error" in new:
+        return new
+    for key in ("runs", "bw"):
+        for task, xs in new.get(key, {}).items():
+            new[key][task] = before.get(key, {}).get(task, []) + xs
+    return new
+
+
 def fig(xs: list[float], unit: str = "") -> str:
     """'median (min-max)' of the repetitions."""
     return f"{statistics.median(xs):.1f}{unit} ({min(xs):.1f}-{max(xs):.1f})"
@@ -107,13 +125,16 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
     if not tasks:  # --skip b1,mix: the HTTP rows only
         return medians
     for dt in [d for d in ("float32", "bfloat16") if not (d == "bfloat16" and "bf16" in args.skip)]:
-        res = {"ours": run_worker(OURS_PY, "ours", tasks, dt, spec, args.kv_bytes, n, args.repeats,
-                                  compile_decode=args.compile_decode)}
+        jobs = {"ours": (OURS_PY, "ours", {}, args.compile_decode)}
         if vllm_py is not None:
             for label, bind in binds.items():
-                env = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
-                res[f"vllm[{label}]"] = run_worker(vllm_py, "vllm", tasks, dt, spec, args.kv_bytes, n, args.repeats,
-                                                   env_extra=env)
+                jobs[f"vllm[{label}]"] = (vllm_py, "vllm", {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}, "auto")
+        res: dict = {}
+        for per_round in rounds(args):  # every engine once a round (one round of all repetitions: --no-rounds)
+            for eng, (py, kind, env, comp) in jobs.items():
+                if "error" not in res.get(eng, {}):
+                    res[eng] = merge(res.get(eng), run_worker(py, kind, tasks, dt, spec, args.kv_bytes, n, per_round,
+                                                              env_extra=env, compile_decode=comp))
         record[f"{spec.name}/{dt}"] = res
         for eng, r in res.items():
             if "error" in r:
@@ -125,7 +146,8 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
             ours = ok["ours"]["runs"][task]
             med = statistics.median(ours)
             medians[(task, dt)] = med
-            line = f"{spec.name:8s} {task:4s} {dt:9s} | ours {fig(ours)} tok/s, 3 runs max/min {max(ours) / min(ours):.2f}"
+            line = (f"{spec.name:8s} {task:4s} {dt:9s} | ours {fig(ours)} tok/s, {len(ours)} runs max/min "
+                    f"{max(ours) / min(ours):.2f}")
             vl = {e: statistics.median(r["runs"][task]) for e, r in ok.items() if e.startswith("vllm")}
             for e in vl:
                 line += f" | {e} {fig(ok[e]['runs'][task])}"
@@ -188,16 +210,24 @@ def http_rows(spec, args, vllm_py, vllm_bind: dict, bin_dir, files: dict, record
 def http_dtype(spec, args, vllm_py, vllm_bind: dict, bin_dir, files: dict, record, dtype: str) -> None:
     n = args.num_requests
     work = Path(tempfile.mkdtemp(prefix="bench-peer-http-", dir=ROOT / "runs"))
-    res = {"ours": peer_http.http_mix("ours", spec.path, dtype, args.kv_bytes, n, work, args.repeats)}
+    servers = {"ours": ("ours", {})}
     if vllm_py is not None:
-        res["vllm"] = peer_http.http_mix("vllm", spec.path, dtype, args.kv_bytes, n, work, args.repeats,
-                                         vllm_py=vllm_py, vllm_env=vllm_bind)
+        servers["vllm"] = ("vllm", {"vllm_py": vllm_py, "vllm_env": vllm_bind})
     gguf = "F32" if dtype == "float32" else "BF16"
     if bin_dir is not None and gguf in files:
-        threads = len(os.sched_getaffinity(0))
-        res["llama-server"] = peer_http.http_mix(  # 512 tokens a slot: the longest prompt + output
-            "llama", spec.path, dtype, args.kv_bytes, n, work, args.repeats,
-            llama_cmd=lambda port: peer_llamacpp.server_cmd(bin_dir, files[gguf], port, threads, n, 512))
+        threads = len(os.sched_getaffinity(0))  # 512 tokens a slot: the longest prompt + output
+        servers["llama-server"] = ("llama", {"llama_cmd": lambda port: peer_llamacpp.server_cmd(
+            bin_dir, files[gguf], port, threads, n, 512)})
+    res: dict = {}
+    done = 0
+    for per_round in rounds(args):  # each round starts every server afresh and runs its repetitions
+        for eng, (server, kw) in servers.items():
+            if "error" not in res.get(eng, {}):
+                r = peer_http.http_mix(server, spec.path, dtype, args.kv_bytes, n, work, reps=range(done, done + per_round),
+                                       **kw)
+                res[eng] = r if eng not in res or "error" in r else {
+                    **r, "runs": res[eng]["runs"] + r["runs"], "start_s": max(res[eng]["start_s"], r["start_s"])}
+        done += per_round
     name = f"{spec.name}/http" if dtype == "float32" else f"{spec.name}/http-{dtype}"
     spec_name = f"{spec.name} {dtype}"
     record[name] = res
@@ -232,6 +262,8 @@ def main() -> None:
     ap.add_argument("--vllm-binds", default="all,default",
                     help="vLLM thread bindings to run: all (VLLM_CPU_OMP_THREADS_BIND over every core), default")
     ap.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--rounds", action=argparse.BooleanOptionalAction, default=True,
+                    help="repetitions in rounds of every engine (default); --no-rounds: each engine's back to back")
     args = ap.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
     if args.quick:

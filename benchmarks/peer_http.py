@@ -60,10 +60,10 @@ def server_command(server: str, model: Path, dtype: str, port: int, kv_bytes: in
     return [str(OURS_PY), "-m", "shardserve", "serve", "--config", str(cfg)], {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def http_mix(server: str, model: Path, dtype: str, kv_bytes: int, n: int, work: Path, repeats: int = 3,
+def http_mix(server: str, model: Path, dtype: str, kv_bytes: int, n: int, work: Path, reps=range(3),
              **server_kw) -> dict:
-    """`repeats` loadtest runs (n streams at once, prompt and output lengths uniform in 16-256,
-    ignore_eos) against one server started once; every run's output tok/s and TTFT p50/p90. The runs share their
+    """A loadtest run for each repetition in `reps` (n streams at once, prompt and output lengths uniform in 16-256,
+    ignore_eos) against one server started for them; every run's output tok/s and TTFT p50/p90. The runs share their
     lengths (--seed 0) and differ in their words (--content-seed), so the server's prefix cache serves none of a
     repetition and the spread measures the server, not three workloads (seeds 0-2 differed by ~8 % in prompt tokens).
     Each server first serves a warm-up run of n // 4 streams (other words), not counted, as vLLM's serving benchmark
@@ -71,7 +71,7 @@ def http_mix(server: str, model: Path, dtype: str, kv_bytes: int, n: int, work: 
     first samples; the first repetition was the slowest of three, 133.5 against 148.0-153.3 tok/s)."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    log = open(work / f"{server}-{dtype}-server.log", "w")  # noqa: SIM115 (closed in finally, after the server)
+    log = open(work / f"{server}-{dtype}-server.log", "a")  # noqa: SIM115 (closed in finally, after the server)
     proc = None
     try:
         cmd, env = server_command(server, model, dtype, port, kv_bytes, n, work, **server_kw)
@@ -80,7 +80,7 @@ def http_mix(server: str, model: Path, dtype: str, kv_bytes: int, n: int, work: 
         wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 900)
         start_s = time.time() - t
         runs = []
-        for rep in range(-1, repeats):  # -1: a warm-up of n // 4 streams, not counted (every server gets it)
+        for rep in (-1, *reps):  # -1: a warm-up of n // 4 streams, not counted (every server gets it)
             res = work / f"{server}-{dtype}-loadtest-{rep if rep >= 0 else 'warmup'}"
             r = subprocess.run([str(OURS_PY), "-m", "shardserve", "loadtest", "--url", f"http://127.0.0.1:{port}",
                                 "--model", "peer", "--num-prompts", str(n if rep >= 0 else max(1, n // 4)),
