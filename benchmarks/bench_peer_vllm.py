@@ -11,11 +11,12 @@ GPT-2-124M shape (random weights written by transformers). Workloads:
   - the HTTP mix: the same lengths, 64 streams at once, `shardserve loadtest` against
     `shardserve serve`, vLLM's OpenAI server and llama.cpp's `llama-server` (parallel slots), fp32
     (llama.cpp's F32 file) and bf16 (its BF16 file; `--http-dtypes`).
-Every figure is the median of 3 repetitions, printed with its spread (min-max); "ours 3x" is our
-max/min. The repetitions run in rounds (--rounds, the default: each round runs every engine once, each in a
-fresh process or server): this host's speed drifts by a third within minutes (fp32 matmul 102 -> 189 GFLOP/s
-in one minute), and an engine's three repetitions run back to back met another host than its peer's. vLLM runs with `VLLM_CPU_OMP_THREADS_BIND` over all cores and with its default binding
-(which reserves a core on small hosts); each row says which was faster and the ratio uses that one.
+Every figure is the median of 3 repetitions, printed with its spread (min-max); "ours 3x" is our max/min. The
+repetitions run in rounds (--rounds, the default: each round runs every engine once, each in a fresh process
+or server): this host's speed drifts by a third within minutes (fp32 matmul 102 -> 189 GFLOP/s in one minute),
+and an engine's three repetitions run back to back met another host than its peer's. vLLM runs with
+`VLLM_CPU_OMP_THREADS_BIND` over all cores and with its default binding (which reserves a core on small
+hosts); each row says which was faster and the ratio uses that one.
 llama.cpp (SmolLM2 only: the GPT-2 shape's trained tokenizer is unknown to its converter) is built
 natively from the `llama-cpp-python` sdist into .llama-build/ (benchmarks/peer_llamacpp.py); its
 batch-1 rows are llama-bench tg96 with F32, BF16, F16 GGUF written by the sdist's converter, plus
