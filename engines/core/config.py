@@ -80,6 +80,10 @@ class EngineConfig:
     """Admission keeps the blocks the running sequences will still need (their max_tokens), so an
     admitted stream is not preempted mid-way by later arrivals (bounded inter-token gaps); off
     admits optimistically (more sequences per step, recompute preemption when blocks run out)."""
+    admission_overtakes: int = 64
+    """Waiting requests are admitted shortest prompt first while the KV cache and max_num_seqs take every one of
+    them (a burst: the mean time to first token falls by about a fifth, engines/core/scheduler.py), but no
+    request is passed over by more than this many later arrivals; 0 admits in arrival order."""
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
@@ -173,6 +177,8 @@ class EngineConfig:
                  f"must be a number in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_kv_blocks >= 0, "num_kv_blocks", "must be >= 0 (0 derives it from kv_cache_bytes)")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
+        _require(isinstance(self.admission_overtakes, int) and self.admission_overtakes >= 0, "admission_overtakes",
+                 f"must be an integer >= 0 (0: arrival order), got {self.admission_overtakes!r}")
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
         _require(self.static_decode in ("auto", "on", "off"), "static_decode",
                  f"must be auto, on or off, got {self.static_decode!r}")

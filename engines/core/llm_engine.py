@@ -97,6 +97,7 @@ class LLMEngine:
             block_size=self.config.block_size, num_blocks=self.executor.num_blocks,
             max_model_len=self.max_model_len, eos_token_ids=eos,
             admission_reserves_growth=self.config.admission_reserves_growth,
+            admission_overtakes=self.config.admission_overtakes,
             enable_prefix_caching=self.config.enable_prefix_caching))
         self.tasks = TaskRegistry(model_dir, ModelShape.of(self.model_config))
         """P-tuned tasks (engines/transforms/ptuning.py); requests name one to prepend its virtual tokens."""

@@ -5,17 +5,28 @@ Each step: running sequences first (decode, or the next chunk of a long prompt),
 first; when KV blocks run out, the *youngest* running sequence by arrival (not by admission) is
 preempted (its blocks are freed and it is recomputed later) and goes back to the waiting queue in
 arrival order, ahead of every request that arrived after it; then waiting sequences are admitted
-in that order while the token budget, the sequence cap and the free blocks allow. An admitted
-sequence starts after the longest prefix of its tokens whose blocks are cached (prefix caching,
+while the token budget, the sequence cap and the free blocks allow. An admitted sequence starts
+after the longest prefix of its tokens whose blocks are cached (prefix caching,
 engines/core/block_manager.py): those tokens are neither computed nor counted against the budget, and
 a resumed preempted sequence finds its own blocks again if nothing evicted them. Blocks are
 registered in the cache in update(), once their keys and values are computed.
 
-Why arrival order and not admission order: a resumed sequence is the most recently admitted one,
-so admission-order (LIFO) preemption picks it again and again while younger streams run, and it
-starves (a 52 s mid-stream stall in a 64-stream burst). With arrival order the oldest request
-always progresses, so every request's wait is bounded by the work of those that arrived before it.
-Sequence ids are handed out in arrival order, so they are the priority.
+Which waiting sequence goes next: while the sequence cap and the free KV blocks take every waiting
+request whole (their growth reserved), the one with the fewest tokens (shortest prompt first, ties by
+arrival), except that a preempted one, or one that later arrivals have passed over
+`admission_overtakes` times, goes first (oldest first). Otherwise, in arrival order: a request passed
+over for memory or a slot would wait for whole requests to end, not for a prefill. In a burst, short
+prompts no longer queue behind long ones: 64 prompts of 16-256 tokens at once (this class under a cost
+model of a 2-core fp32 SmolLM2, 2,048-token steps, 30 draws) got their first tokens 20 % sooner on
+average (6.93 -> 5.52 s), the 90th percentile 2.6 % sooner (11.10 -> 10.81 s: first tokens come at the
+end of 2,048-token steps, so a percentile moves a whole step or not at all) and the last one when it
+always did (every prompt prefilled).
+
+Why arrival order and not admission order for preemption: a resumed sequence is the most recently
+admitted one, so admission-order (LIFO) preemption picks it again and again while younger streams
+run, and it starves (a 52 s mid-stream stall in a 64-stream burst). With arrival order the oldest
+running request always progresses. Sequence ids are handed out in arrival order, so they are the
+priority.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     """Reuse the cached keys and values of the longest cached prefix of a new (or resumed)
     sequence's tokens (engines/core/block_manager.py)."""
+    admission_overtakes: int = 64
+    """Shortest prompt first among waiting requests, but a waiting request is passed over by at most
+    this many later arrivals before it goes next; 0: arrival order (first come, first served)."""
 
 
 def _arrival(seq: Sequence) -> int:
@@ -140,11 +154,12 @@ class Scheduler:
             i += 1
         # admission reserves what the running sequences will still grow by, so that a new request
         # does not take blocks that force a running one out later (which would stall its stream);
-        # with nothing running, the head of the queue is admitted on what it needs now
+        # with nothing running, the first in admission order is admitted on what it needs now
         room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.cfg.max_num_seqs):
-            seq = self.waiting[0]
+        order = self._admission_order(room) if not preempted else []
+        for seq in order:
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
             hits = self.blocks.match(seq)  # a waiting sequence holds no blocks and has none computed
             cached = len(hits) * self.cfg.block_size
             n = min(seq.num_tokens - cached, budget)
@@ -154,9 +169,9 @@ class Scheduler:
                 break
             whole = self.blocks.growth(seq) - len(hits) + claim
             if self.cfg.admission_reserves_growth and self.running and whole > room:
-                break  # FIFO: later requests never overtake the head, so the head cannot starve
+                break  # nothing after it in the order goes first, so it cannot starve
             room -= whole
-            self.waiting.popleft()
+            self._take(seq)
             self.blocks.share(seq, hits)
             seq.num_computed = cached
             if seq.num_cached_tokens < 0:
@@ -182,6 +197,35 @@ class Scheduler:
                 seq.worker_has_state = True
         plan.released_seq_ids, self._released = self._released, []
         return plan
+
+    def _admission_order(self, room: int) -> list[Sequence]:
+        """The waiting sequences in the order admission tries them (see the module docstring): shortest first only
+        while the sequence cap and the free blocks (less what the running ones will still grow by) take every
+        waiting request whole; then the order decides only whose prefill runs first. Otherwise in arrival order: a
+        request passed over for memory or a slot would wait for whole requests to end (a burst of 10x the cache on
+        shortest first: the first request's first token came after 510 steps instead of at once)."""
+        limit = self.cfg.admission_overtakes
+        if (limit <= 0 or len(self.waiting) < 2
+                or len(self.running) + len(self.waiting) > self.cfg.max_num_seqs
+                or sum(self.blocks.growth(s) for s in self.waiting) > room):
+            return list(self.waiting)
+
+        def key(s: Sequence) -> tuple[int, int]:
+            due = s.num_preemptions > 0 or s.overtaken >= limit
+            return (0, s.seq_id) if due else (1 + s.num_tokens, s.seq_id)
+
+        return sorted(self.waiting, key=key)
+
+    def _take(self, seq: Sequence) -> None:
+        """Remove `seq` from the waiting queue; every older request still waiting was overtaken once."""
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+            return
+        self.waiting.remove(seq)
+        for older in self.waiting:
+            if older.seq_id > seq.seq_id:
+                break  # the queue is in arrival order
+            older.overtaken += 1
 
     @staticmethod
     def _prompt_lp(seq: Sequence, start: int, end: int) -> dict:

@@ -31,6 +31,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    overtaken: int = 0
+    """Requests that arrived after this one and were admitted while it waited (engines/core/scheduler.py)."""
     worker_has_state: bool = False
     prompt_logprobs_done: int = 0
     """Prompt positions whose logprobs were already returned (they are not returned twice after a
