@@ -20,7 +20,8 @@ hosts); each row says which was faster and the ratio uses that one.
 llama.cpp (SmolLM2 only: the GPT-2 shape's trained tokenizer is unknown to its converter) is built
 natively from the `llama-cpp-python` sdist into .llama-build/ (benchmarks/peer_llamacpp.py); its
 batch-1 rows are llama-bench tg96 with F32, BF16, F16 GGUF written by the sdist's converter, plus
-its own Q8_0 and the shipped Q4_1 as references. vLLM lives in .vllm-venv/ (created here; never in
+its own Q8_0 and the shipped Q4_1 as references; F32 and BF16 run in the batch-1 rounds, one
+repetition a round beside ours and vLLM's. vLLM lives in .vllm-venv/ (created here; never in
 .venv). A peer that cannot be installed, built or run is reported with the reason; ours still runs.
 Raw results: runs/bench_peer.json.
 """
@@ -118,8 +119,15 @@ def fig(xs: list[float], unit: str = "") -> str:
     return f"{statistics.median(xs):.1f}{unit} ({min(xs):.1f}-{max(xs):.1f})"
 
 
-def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
-    """Batch-1 and offline-mix rows of one model, fp32 and bf16; returns {(task, dtype): ours median}."""
+LLAMA_LABEL = {"float32": "F32", "bfloat16": "BF16"}
+"""The llama.cpp GGUF whose llama-bench runs in the batch-1 rounds of each of our dtypes."""
+
+
+def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path, dict] | None = None) -> dict:
+    """Batch-1 and offline-mix rows of one model, fp32 and bf16; returns {(task, dtype): ours median}. With `llama`
+    (its bin folder and GGUF files), llama-bench of the dtype's GGUF (LLAMA_LABEL) runs in every batch-1 round too,
+    so that its repetitions meet the same host as ours (run after ours' rounds, its BF16 row met another: 0.88x
+    there, 1.23x beside bench_decode --real the same hour)."""
     n = args.num_requests
     tasks = ",".join(t for t in ("b1", "mix") if t not in args.skip)
     medians = {}
@@ -131,12 +139,19 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
             for label, bind in binds.items():
                 jobs[f"vllm[{label}]"] = (vllm_py, "vllm", {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}, "auto")
         res: dict = {}
+        gguf = llama[1].get(LLAMA_LABEL[dt]) if llama and "b1" in tasks else None
+        lb: dict = {"samples": []}
         for per_round in rounds(args):  # every engine once a round (one round of all repetitions: --no-rounds)
             for eng, (py, kind, env, comp) in jobs.items():
                 if "error" not in res.get(eng, {}):
                     res[eng] = merge(res.get(eng), run_worker(py, kind, tasks, dt, spec, args.kv_bytes, n, per_round,
                                                               env_extra=env, compile_decode=comp))
+            if gguf is not None and "error" not in lb:
+                r = peer_llamacpp.bench(llama[0], gguf, len(os.sched_getaffinity(0)), per_round)
+                lb = r if "error" in r else {**r, "samples": lb["samples"] + r["samples"]}
         record[f"{spec.name}/{dt}"] = res
+        if gguf is not None:
+            record[f"{spec.name}/llama.cpp/{LLAMA_LABEL[dt]}"] = lb
         for eng, r in res.items():
             if "error" in r:
                 print(f"  {spec.name} {dt} {eng}: ERROR {r['error'][-600:]}")
@@ -160,6 +175,10 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
                 near = statistics.median(ok["ours"]["bw"]["b1"])
                 line += f" | ours {rate / near:.0%} of the memory roofline beside the run ({near / 1e9:.1f} GB/s), " \
                         f"{rate / bw:.0%} at the start's {bw / 1e9:.1f} GB/s"
+                if gguf is not None:
+                    line += (f" | llama.cpp {LLAMA_LABEL[dt]} in the same rounds: {lb['error'][-300:]}" if "error" in lb
+                             else f" | llama.cpp {LLAMA_LABEL[dt]} in the same rounds {fig(lb['samples'])}, ours / "
+                                  f"llama.cpp {med / statistics.median(lb['samples']):.2f}x")
             elif dt == "float32":
                 out_tokens = sum(o for _, o in mix_requests(n, spec.vocab))
                 flops_per_s = spec.mix_flops(mix_requests(n, spec.vocab)) * med / out_tokens
@@ -172,8 +191,8 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record) -> dict:
     return medians
 
 
-def llama_rows(spec, args, ours_b1: dict, record) -> tuple[Path | None, dict]:
-    """llama.cpp batch-1 rows (SmolLM2); returns the build's bin folder (or None) and the GGUF files."""
+def llama_tools(spec) -> tuple[Path | None, dict]:
+    """llama.cpp's build (its bin folder, or None) and the GGUF files of SmolLM2, each failure printed."""
     t = time.time()
     bin_dir, why = peer_llamacpp.tools()
     if bin_dir is None:
@@ -183,9 +202,17 @@ def llama_rows(spec, args, ours_b1: dict, record) -> tuple[Path | None, dict]:
     files, missing = peer_llamacpp.ggufs(spec.path, spec.name, spec.shipped_gguf, bin_dir)
     for m in missing:
         print(f"  llama.cpp GGUF not written: {m}")
+    return bin_dir, files
+
+
+def llama_rows(spec, args, ours_b1: dict, record, bin_dir: Path, files: dict) -> None:
+    """llama.cpp batch-1 rows (SmolLM2): the reference GGUFs (F16, Q8_0, Q4_1) run here, the F32 and BF16 ones
+    in offline_rows' rounds (their rows printed there)."""
     threads = len(os.sched_getaffinity(0))
     ours_of = {"F32": ("float32", "fp32"), "BF16": ("bfloat16", "bf16"), "F16": ("bfloat16", "bf16")}
     for label, f in files.items():
+        if f"{spec.name}/llama.cpp/{label}" in record:
+            continue  # run in the batch-1 rounds
         r = peer_llamacpp.bench(bin_dir, f, threads, args.repeats)
         record[f"{spec.name}/llama.cpp/{label}"] = r
         if "error" in r:
@@ -196,9 +223,8 @@ def llama_rows(spec, args, ours_b1: dict, record) -> tuple[Path | None, dict]:
             ours = ours_b1[("b1", ours_of[label][0])]
             line += f" | ours {ours_of[label][1]} / llama.cpp {label} {ours / statistics.median(r['samples']):.2f}x"
         print(line + f" | load {os.getloadavg()[0]:.1f}", flush=True)
-        if label == "F32":
+        if label == "F16":
             print(f"     llama.cpp build {r['build']}, backends {r['backends']}, cpu_info {r['cpu_info']}")
-    return bin_dir, files
 
 
 def http_rows(spec, args, vllm_py, vllm_bind: dict, bin_dir, files: dict, record) -> None:
@@ -298,16 +324,13 @@ def main() -> None:
         else:
             ap.error(f"--models: each must be smollm2 or gpt2, got {name!r}")
         print(f"\n== {name}: {spec.path} ({spec.params / 1e6:.1f} M weights, vocab {spec.vocab})", flush=True)
-        ours_med = offline_rows(spec, args, vllm_py, binds, peak, bw, record)
         bin_dir, files = None, {}
-        if name == "smollm2" and "llama" not in args.skip and "b1" not in args.skip:
-            bin_dir, files = llama_rows(spec, args, ours_med, record)
-        elif name == "smollm2" and "llama" not in args.skip and "http" not in args.skip:  # llama-server only
-            bin_dir, why = peer_llamacpp.tools()
-            if bin_dir is None:
-                print(f"  llama-server not run: {why}")
-            else:
-                files = peer_llamacpp.ggufs(spec.path, spec.name, spec.shipped_gguf, bin_dir)[0]
+        if name == "smollm2" and "llama" not in args.skip and not {"b1", "http"} <= args.skip:
+            bin_dir, files = llama_tools(spec)
+        ours_med = offline_rows(spec, args, vllm_py, binds, peak, bw, record,
+                                (bin_dir, files) if bin_dir is not None else None)
+        if bin_dir is not None and "b1" not in args.skip:
+            llama_rows(spec, args, ours_med, record, bin_dir, files)
         if "http" not in args.skip:
             http_bind = {"VLLM_CPU_OMP_THREADS_BIND": binds["all"]} if binds.get("all") else {}
             http_rows(spec, args, vllm_py, http_bind, bin_dir, files, record)
