@@ -210,6 +210,7 @@ def llama_rows(spec, args, ours_b1: dict, record, bin_dir: Path, files: dict) ->
     in offline_rows' rounds (their rows printed there)."""
     threads = len(os.sched_getaffinity(0))
     ours_of = {"F32": ("float32", "fp32"), "BF16": ("bfloat16", "bf16"), "F16": ("bfloat16", "bf16")}
+    build_shown = False
     for label, f in files.items():
         if f"{spec.name}/llama.cpp/{label}" in record:
             continue  # run in the batch-1 rounds
@@ -223,8 +224,9 @@ def llama_rows(spec, args, ours_b1: dict, record, bin_dir: Path, files: dict) ->
             ours = ours_b1[("b1", ours_of[label][0])]
             line += f" | ours {ours_of[label][1]} / llama.cpp {label} {ours / statistics.median(r['samples']):.2f}x"
         print(line + f" | load {os.getloadavg()[0]:.1f}", flush=True)
-        if label == "F16":
+        if not build_shown:  # once, under the first row run here (F16 unless its file is missing)
             print(f"     llama.cpp build {r['build']}, backends {r['backends']}, cpu_info {r['cpu_info']}")
+            build_shown = True
 
 
 def http_rows(spec, args, vllm_py, vllm_bind: dict, bin_dir, files: dict, record) -> None:

@@ -82,8 +82,9 @@ class EngineConfig:
     admits optimistically (more sequences per step, recompute preemption when blocks run out)."""
     admission_overtakes: int = 64
     """Waiting requests are admitted shortest prompt first while the KV cache and max_num_seqs take every one of
-    them (a burst: the mean time to first token falls by about a fifth, engines/core/scheduler.py), but no
-    request is passed over by more than this many later arrivals; 0 admits in arrival order."""
+    them (64 streams of 16-256-token prompts at once, served fp32 SmolLM2 on 2 cores: time to first token mean
+    7.47 -> 6.26 s, p50 8.79 -> 5.97 s, p90 11.83 -> 12.13 s; engines/core/scheduler.py), but no request is passed
+    over by more than this many later arrivals; 0 admits in arrival order."""
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
