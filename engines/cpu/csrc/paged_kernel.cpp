@@ -169,8 +169,8 @@ inline void store_scores(vf* part, int64_t c, float scale, float* dst) {
 // other heads of the task (any split of the heads over tasks gives the same bits)
 // rows [0, n) of one kv head's part of a block (rows `row` apart) as fp32, and the stride between
 // them: in place for float, else widened once into buf (n x W * HB) for all the heads that share it. next: the
-// same part of the next block (nullptr at the last), requested row by row as this one is read: a steady
-// trickle of prefetches rather than a burst that overflows the core's miss queue, into L2 (prefetcht1), whose
+// same part of the next block (nullptr at the last), requested before this one is read (where the rows are read in
+// place, fp32 or bf16 scores by vdpbf16ps, the caller trickles them instead: see attend_tiles), into L2 (prefetcht1), whose
 // queue holds more misses than L1's (34 SmolLM2 rows x 250 positions, bf16, 30 layers, 2-core EPYC Zen 4:
 // 16.8-17.1 -> 11.8 ms into L2; the offline mix's decode steps 600-612 -> 665-675 tok/s; into L1 on the Xeon
 // made no difference). Widening a block's whole row span at once (one stream, not a kv head at a time): 13.6 ms
@@ -226,10 +226,14 @@ constexpr int heads_a_pass() {
 // widening path (the panel kernel's bf16 row blocks are chosen the same way, at build time)
 template <int HB>
 inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t n, int64_t row, const c10::BFloat16* next,
-                        int64_t h0, int64_t h1, float scale, float* sc0, int64_t lpad, vf (*part)[W]) {
+                        int64_t h0, int64_t h1, float scale, float* sc0, int64_t lpad, vf (*part)[W],
+                        const c10::BFloat16* also = nullptr) {
+  // also: the values of these rows, requested with the next block's keys a row at a time as each key row is read
+  // (the trickle of attend_tiles' fp32 rows) rather than the next block's keys in a burst here
   constexpr int64_t hd = W * HB;
   constexpr int HC = heads_a_pass<HB>();
-  if (next) prefetch_rows<c10::BFloat16, HB>(next, n, row);
+  const bool trickle = also != nullptr;
+  if (next && !trickle) prefetch_rows<c10::BFloat16, HB>(next, n, row);
   for (int64_t g0 = h0; g0 < h1; g0 += HC) {
     const int64_t hc = std::min<int64_t>(HC, h1 - g0);
     __m512bh qb[HC][HB / 2];
@@ -241,6 +245,10 @@ inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t 
       const int64_t c = std::min<int64_t>(W, n - i0);
       for (int64_t i = 0; i < c; ++i) {
         const c10::BFloat16* kr = k + (i0 + i) * row;
+        if (trickle && g0 == h0) {
+          if (next) prefetch_rows<c10::BFloat16, HB>(next + (i0 + i) * row, 1, row);
+          prefetch_rows<c10::BFloat16, HB>(also + (i0 + i) * row, 1, row);
+        }
         __m512bh kv[HB / 2];
         for (int u = 0; u < HB / 2; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(kr + 32 * u);
 #pragma GCC unroll 16
@@ -318,17 +326,26 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16> && HB % 2 == 0) {  // scores_bf16: no widened rows
         scores_bf16<HB>(q, kc + table[b] * bs * row + g * hd, n, row, more ? kc + table[b + 1] * bs * row + g * hd : nullptr,
-                        g * group, (g + 1) * group, scale, scores + t - t0, lpad, part);
-        prefetch_rows<T, HB>(vc + table[b] * bs * row + g * hd, n, row);
+                        g * group, (g + 1) * group, scale, scores + t - t0, lpad, part, vc + table[b] * bs * row + g * hd);
         continue;
       }
 #endif
+      // rows read in place (fp32): the next block's keys and this block's values requested a row's lines as each
+      // key row is read (first pass of the group's heads), not both blocks' whole parts before the scores: ~130 lines
+      // at once overflowed the core's miss queue and the values came back to the value pass from memory, not L2
+      // (64 rows x 145-290 positions, 30 layers' tables, caches cold, 2-core EPYC Zen 4, both builds alternating
+      // in one process, median of 15: fp32 1.63 -> 1.29 ms a layer; bf16 by vdpbf16ps, scores_bf16's `also`,
+      // 0.83 -> 0.75 ms). Keys and values in one pass with a running softmax instead
+      // was slower: fp32 1.36 against this 1.29 ms in the same run, bf16 1.14 against the two-pass 0.98
+      constexpr bool trickle = std::is_same_v<T, float>;
+      const T* knext = more ? kc + table[b + 1] * bs * row + g * hd : nullptr;
+      const T* vnow = vc + table[b] * bs * row + g * hd;
       const float* kf = widen<T, HB>(kc + table[b] * bs * row + g * hd, n, row, wide.data(), st,
-                                     more ? kc + table[b + 1] * bs * row + g * hd : nullptr);
+                                     trickle ? nullptr : knext);
       // the same rows' values, toward L2 for the pass after the softmax: two streams in flight instead of the
       // values' own stream starting cold (64 SmolLM2 rows x 158-230 positions, bf16, 2-core Xeon: a step's 30
       // layers 18.0 vs 19.3 ms, 25.1 vs 26.5, alternating builds 20.1-22.0 vs 22.5-22.6)
-      prefetch_rows<T, HB>(vc + table[b] * bs * row + g * hd, n, row);
+      if constexpr (!trickle) prefetch_rows<T, HB>(vnow, n, row);
       for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC) {
         const int64_t hc = std::min<int64_t>(HC, (g + 1) * group - h0);
         vf qv[HC][HB];
@@ -340,6 +357,11 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
           const int64_t c = std::min<int64_t>(W, n - i0);
           for (int64_t i = 0; i < c; ++i) {
             const float* k = kf + (i0 + i) * st;
+            if constexpr (trickle)
+              if (h0 == g * group) {
+                if (knext) prefetch_rows<T, HB>(knext + (i0 + i) * row, 1, row);
+                prefetch_rows<T, HB>(vnow + (i0 + i) * row, 1, row);
+              }
             vf kr[HB];
             for (int u = 0; u < HB; ++u) kr[u] = load16(k + u * W);
 #pragma GCC unroll 16
