@@ -1,0 +1,99 @@
+"""Decode attention on CPU: the paged kernel's read rate against a streaming read measured in the same run.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py [--rows 64] [--context 145-290] [--dtypes float32,bfloat16]
+
+A batched decode step's attention reads every running sequence's keys and values once per layer: at 64 rows of
+SmolLM2's shape (3 kv heads of 64, 9 query heads) and ~220 positions that is 28 MB a layer in fp32, and none of it is
+in the caches (every Linear's weights stream through them between two layers). So the kernel is bound by memory, and
+its ceiling is the host's streaming read. Here `paged_decode` (engines/cpu/csrc/paged_kernel.cpp, the kernel the fused
+decode step calls) runs over 30 layers' worth of block tables in a cache of huge pages as the engine allocates it
+(blocks scattered as a long-running server leaves them), and each repetition's 30 calls are timed against an fp32 sum
+over 1 GiB in the same process, alternating; the figure is the median ratio of achieved bytes/s to that read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import cpu_line  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64, help="sequences in the decode step")
+    ap.add_argument("--context", default="145-290", help="positions per sequence, uniform in LO-HI")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--layers", type=int, default=30, help="distinct block tables (one a layer)")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    try:
+        lo, hi = (int(v) for v in args.context.split("-"))
+        assert 1 <= lo <= hi
+    except (ValueError, AssertionError):
+        ap.error(f"--context: LO-HI with 1 <= LO <= HI, got {args.context!r}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in ("float32", "bfloat16"):
+            ap.error(f"--dtypes: each must be float32 or bfloat16, got {d!r}")
+
+    from engines.cpu import kernels
+    from engines.cpu.host_memory import huge_page_zeros
+
+    mod, why = kernels.load()
+    if mod is None:
+        sys.exit(f"the CPU kernels are unavailable here: {why}")
+    print(f"CPU: {cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    nh, nkv, hd, bs = 9, 3, 64, 16  # SmolLM2-135M's attention
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(lo, hi + 1, (args.rows,), generator=g, dtype=torch.long)
+    per_seq = (hi + bs - 1) // bs
+    blocks = args.rows * per_seq * args.layers + 16
+    stream = torch.ones((1 << 30) // 4)
+    stream.sum()
+    print(f"{args.rows} rows x {lo}-{hi} positions (mean {lens.float().mean():.0f}), {nh} query / {nkv} kv heads of "
+          f"{hd}, block size {bs}, {args.layers} layers' tables over {blocks} blocks; median of {args.repeats}")
+    print("| dtype | attention ms a layer | read GB/s | streaming read GB/s | fraction |")
+    print("|---|---|---|---|---|")
+    for name in dtypes:
+        dt = getattr(torch, name)
+        es = torch.tensor([], dtype=dt).element_size()
+
+        def cache() -> torch.Tensor:
+            raw = huge_page_zeros(blocks * bs * nkv * hd * es)
+            t = (raw.view(dt) if raw is not None else torch.empty(blocks * bs * nkv * hd, dtype=dt))
+            t = t.view(blocks * bs, nkv, hd)
+            t.copy_(torch.randn(blocks * bs, nkv, hd, generator=g))
+            return t
+
+        kc, vc = cache(), cache()
+        tables = [torch.randperm(blocks, generator=g)[: args.rows * per_seq].view(args.rows, per_seq).contiguous()
+                  for _ in range(args.layers)]
+        q = torch.randn(args.rows, nh, hd, generator=g).to(dt)
+        nbytes = int(lens.sum()) * nkv * hd * 2 * es  # keys and values, once
+        for t in tables[:3]:
+            mod.paged_decode(q, kc, vc, t, lens, bs)
+        attn, read = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for t in tables:
+                mod.paged_decode(q, kc, vc, t, lens, bs)
+            attn.append((time.perf_counter() - t0) / len(tables))
+            t0 = time.perf_counter()
+            stream.sum()
+            read.append(stream.numel() * 4 / (time.perf_counter() - t0))
+        a, r = statistics.median(attn), statistics.median(read)
+        ratio = statistics.median(nbytes / x / y for x, y in zip(attn, read))
+        print(f"| {name} | {a * 1e3:.3f} | {nbytes / a / 1e9:.1f} | {r / 1e9:.1f} | **{ratio:.0%}** |", flush=True)
+        del kc, vc
+
+
+if __name__ == "__main__":
+    main()
