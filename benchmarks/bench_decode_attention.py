@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import cpu_line  # noqa: E402
+from benchmarks.common import cpu_line
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
         dt = getattr(torch, name)
         es = torch.tensor([], dtype=dt).element_size()
 
-        def cache() -> torch.Tensor:
+        def cache(dt: torch.dtype = dt, es: int = es) -> torch.Tensor:
             raw = huge_page_zeros(blocks * bs * nkv * hd * es)
             t = (raw.view(dt) if raw is not None else torch.empty(blocks * bs * nkv * hd, dtype=dt))
             t = t.view(blocks * bs, nkv, hd)
