@@ -8,6 +8,8 @@ GPT-2-124M shape (random weights written by transformers). Workloads:
   - batch-1 greedy decode: 8-token prompt, 96 new tokens (fp32 and bf16);
   - the offline mix: 64 requests, prompt and output lengths uniform in 16-256, all queued at t=0
     (fp32 and bf16), equal KV-cache bytes on both sides;
+  - prefill: the mix's prompts with one output token each, prompt tok/s (fp32 and bf16): the engines'
+    prefill alone, offline, against which the HTTP mix's first tokens (TTFT) can be read;
   - the HTTP mix: the same lengths, 64 streams at once, `shardserve loadtest` against
     `shardserve serve`, vLLM's OpenAI server and llama.cpp's `llama-server` (parallel slots), fp32
     (llama.cpp's F32 file) and bf16 (its BF16 file; `--http-dtypes`).
@@ -129,9 +131,9 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
     so that its repetitions meet the same host as ours (run after ours' rounds, its BF16 row met another: 0.88x
     there, 1.23x beside bench_decode --real the same hour)."""
     n = args.num_requests
-    tasks = ",".join(t for t in ("b1", "mix") if t not in args.skip)
+    tasks = ",".join(t for t in ("b1", "mix", "prefill") if t not in args.skip)
     medians = {}
-    if not tasks:  # --skip b1,mix: the HTTP rows only
+    if not tasks:  # --skip b1,mix,prefill: the HTTP rows only
         return medians
     for dt in [d for d in ("float32", "bfloat16") if not (d == "bfloat16" and "bf16" in args.skip)]:
         jobs = {"ours": (OURS_PY, "ours", {}, args.compile_decode)}
@@ -162,7 +164,8 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
             ours = ok["ours"]["runs"][task]
             med = statistics.median(ours)
             medians[(task, dt)] = med
-            line = (f"{spec.name:8s} {task:4s} {dt:9s} | ours {fig(ours)} tok/s, {len(ours)} runs max/min "
+            unit = "prompt tok/s" if task == "prefill" else "tok/s"
+            line = (f"{spec.name:8s} {task:4s} {dt:9s} | ours {fig(ours)} {unit}, {len(ours)} runs max/min "
                     f"{max(ours) / min(ours):.2f}")
             vl = {e: statistics.median(r["runs"][task]) for e, r in ok.items() if e.startswith("vllm")}
             for e in vl:
@@ -179,7 +182,7 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
                     line += (f" | llama.cpp {LLAMA_LABEL[dt]} in the same rounds: {lb['error'][-300:]}" if "error" in lb
                              else f" | llama.cpp {LLAMA_LABEL[dt]} in the same rounds {fig(lb['samples'])}, ours / "
                                   f"llama.cpp {med / statistics.median(lb['samples']):.2f}x")
-            elif dt == "float32":
+            elif dt == "float32" and task == "mix":
                 out_tokens = sum(o for _, o in mix_requests(n, spec.vocab))
                 flops_per_s = spec.mix_flops(mix_requests(n, spec.vocab)) * med / out_tokens
                 line += f" | ours {flops_per_s / peak:.0%} of the fp32 matmul ceiling"
@@ -287,7 +290,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 requests, 1 repetition (a smoke run, not the targets)")
     ap.add_argument("--http-dtypes", default="float32,bfloat16",
                     help="comma list of the HTTP mix's weights: float32 (llama.cpp F32), bfloat16 (its BF16)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, llama, http, bf16, b1, mix")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, llama, http, bf16, b1, mix, prefill")
     ap.add_argument("--vllm-binds", default="all,default",
                     help="vLLM thread bindings to run: all (VLLM_CPU_OMP_THREADS_BIND over every core), default")
     ap.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])

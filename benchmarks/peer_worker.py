@@ -1,9 +1,10 @@
 """One engine's side of the peer benchmark, run in that engine's own process and venv.
 
-    <python> benchmarks/peer_worker.py --engine ours|vllm --tasks b1,mix --dtype float32 --model DIR ...
+    <python> benchmarks/peer_worker.py --engine ours|vllm --tasks b1,mix,prefill --dtype float32 --model DIR ...
 
 Loads the engine once, warms it, then runs each task `--repeats` times and prints one line
-`RESULT {json}` with the output tok/s of every repetition. Each repetition starts with an empty prefix
+`RESULT {json}` with the output tok/s of every repetition (prefill: the mix's prompts with one output
+token each, prompt tok/s: the engines' prefill alone, which the HTTP mix's first tokens wait for). Each repetition starts with an empty prefix
 cache (both engines' reset_prefix_cache; both cache prefixes by default): the same prompts again would
 otherwise skip most of their prefill from the second repetition on, and the three would not be the same
 workload. Imports nothing of ours at module level:
@@ -38,6 +39,11 @@ def mix_requests(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int
         p, o = rng.randint(16, 256), rng.randint(16, 256)
         out.append(([rng.randrange(1, min(vocab, 50257)) for _ in range(p)], o))
     return out
+
+
+def prefill_requests(n: int, vocab: int) -> list[tuple[list[int], int]]:
+    """The mix's prompts (mix_requests), one output token each: a run is the prefill of all of them."""
+    return [(ids, 1) for ids, _ in mix_requests(n, vocab)]
 
 
 def adjacent_ceiling(threads: int) -> float:
@@ -111,8 +117,9 @@ def worker(args) -> dict:
     gen([(b1_request(args.vocab)[0][0], 4)])  # warm-up: first-call work out of the timed runs
     result: dict = {"runs": {}, "bw": {}}
     for task in args.tasks.split(","):
-        reqs = b1_request(args.vocab) if task == "b1" else mix_requests(args.num_requests, args.vocab)
-        if task == "mix":
+        reqs = (b1_request(args.vocab) if task == "b1" else prefill_requests(args.num_requests, args.vocab)
+                if task == "prefill" else mix_requests(args.num_requests, args.vocab))
+        if task != "b1":
             gen(reqs[:4])  # warm the batched shapes once
         rates = []
         bws = []
@@ -121,6 +128,8 @@ def worker(args) -> dict:
                 bws.append(adjacent_ceiling(threads))
             t = time.perf_counter()
             tokens = gen(reqs)
+            if task == "prefill":  # the rate of prompt tokens
+                tokens = sum(len(ids) for ids, _ in reqs)
             rates.append(tokens / (time.perf_counter() - t))
             progress(f"{args.engine} {args.dtype} {task} rep {len(rates)}: {rates[-1]:.1f} tok/s "
                      f"(bind {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '-')}, load {os.getloadavg()[0]:.1f})")
@@ -139,7 +148,7 @@ def worker(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["ours", "vllm"], required=True)
-    ap.add_argument("--tasks", default="b1,mix", help="comma list of b1, mix")
+    ap.add_argument("--tasks", default="b1,mix", help="comma list of b1, mix, prefill")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", required=True)
     ap.add_argument("--vocab", type=int, required=True)
@@ -149,8 +158,8 @@ def main() -> None:
     ap.add_argument("--compile-decode", default="auto")
     args = ap.parse_args()
     for t in args.tasks.split(","):
-        if t not in ("b1", "mix"):
-            ap.error(f"--tasks: each must be b1 or mix, got {t!r}")
+        if t not in ("b1", "mix", "prefill"):
+            ap.error(f"--tasks: each must be b1, mix or prefill, got {t!r}")
     print("RESULT " + json.dumps(worker(args)), flush=True)
 
 
