@@ -4,8 +4,8 @@
 
 Loads the engine once, warms it, then runs each task `--repeats` times and prints one line
 `RESULT {json}` with the output tok/s of every repetition (prefill: the mix's prompts with one output
-token each, prompt tok/s: the engines' prefill alone, which the HTTP mix's first tokens wait for). Each repetition starts with an empty prefix
-cache (both engines' reset_prefix_cache; both cache prefixes by default): the same prompts again would
+token each, prompt tok/s: the engines' prefill alone, which the HTTP mix's first tokens wait for).
+Each repetition starts with an empty prefix cache (both engines' reset_prefix_cache; both cache prefixes by default): the same prompts again would
 otherwise skip most of their prefill from the second repetition on, and the three would not be the same
 workload. Imports nothing of ours at module level:
 vLLM's process must not see our packages (benchmarks/common.py is loaded by path where needed), and
@@ -117,8 +117,9 @@ def worker(args) -> dict:
     gen([(b1_request(args.vocab)[0][0], 4)])  # warm-up: first-call work out of the timed runs
     result: dict = {"runs": {}, "bw": {}}
     for task in args.tasks.split(","):
-        reqs = (b1_request(args.vocab) if task == "b1" else prefill_requests(args.num_requests, args.vocab)
-                if task == "prefill" else mix_requests(args.num_requests, args.vocab))
+        make = {"b1": lambda: b1_request(args.vocab), "mix": lambda: mix_requests(args.num_requests, args.vocab),
+                "prefill": lambda: prefill_requests(args.num_requests, args.vocab)}
+        reqs = make[task]()
         if task != "b1":
             gen(reqs[:4])  # warm the batched shapes once
         rates = []
