@@ -5,9 +5,9 @@
 Loads the engine once, warms it, then runs each task `--repeats` times and prints one line
 `RESULT {json}` with the output tok/s of every repetition (prefill: the mix's prompts with one output
 token each, prompt tok/s: the engines' prefill alone, which the HTTP mix's first tokens wait for).
-Each repetition starts with an empty prefix cache (both engines' reset_prefix_cache; both cache prefixes by default): the same prompts again would
-otherwise skip most of their prefill from the second repetition on, and the three would not be the same
-workload. Imports nothing of ours at module level:
+Each repetition starts with an empty prefix cache (both engines' reset_prefix_cache; both cache
+prefixes by default): the same prompts again would otherwise skip most of their prefill from the second
+repetition on, and the three would not be the same workload. Imports nothing of ours at module level:
 vLLM's process must not see our packages (benchmarks/common.py is loaded by path where needed), and
 ours must not import torch before the engine (it sets libgomp's spin count before torch loads it).
 """
