@@ -5,7 +5,8 @@
 One invocation runs every engine in its own process, one after the other, on the same model
 directories: SmolLM2-135M-Instruct (the real default model, `shardserve fetch-default`) and the
 GPT-2-124M shape (random weights written by transformers). Workloads:
-  - batch-1 greedy decode: 8-token prompt, 96 new tokens (fp32 and bf16);
+  - batch-1 greedy decode: 8-token prompt, 96 new tokens, 4 generations back to back a repetition
+    (`--b1-gens`; fp32 and bf16);
   - the offline mix: 64 requests, prompt and output lengths uniform in 16-256, all queued at t=0
     (fp32 and bf16), equal KV-cache bytes on both sides;
   - prefill: the mix's prompts with one output token each, prompt tok/s (fp32 and bf16): the engines'
@@ -74,16 +75,23 @@ def ensure_vllm() -> tuple[Path | None, str]:
     return py, ""
 
 
+B1_GENS = 4
+"""Batch-1 generations a repetition (--b1-gens), every engine: one 96-token generation is about a second on
+this host, and single seconds differ by a fifth at one read ceiling (SmolLM2 bf16, 2-core Zen 4, 40 generations
+in a row at 33-36 GB/s: 79-119 tok/s); four in a row are a repetition (95-106 there)."""
+
+
 def all_cores_bind() -> str:
     cores = sorted(os.sched_getaffinity(0))
     return f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
 
 
 def run_worker(py: Path, engine: str, tasks: str, dtype: str, spec, kv_bytes: int, n: int, repeats: int,
-               env_extra: dict | None = None, compile_decode: str = "auto", timeout: float = 3600) -> dict:
+               env_extra: dict | None = None, compile_decode: str = "auto", timeout: float = 3600,
+               b1_gens: int = B1_GENS) -> dict:
     cmd = [str(py), str(WORKER), "--engine", engine, "--tasks", tasks, "--dtype", dtype, "--model", str(spec.path),
            "--vocab", str(spec.vocab), "--kv-bytes", str(kv_bytes), "--num-requests", str(n), "--repeats",
-           str(repeats), "--compile-decode", compile_decode]
+           str(repeats), "--compile-decode", compile_decode, "--b1-gens", str(b1_gens)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)} if engine == "ours" else {
         k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(env_extra or {})
@@ -147,9 +155,10 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
             for eng, (py, kind, env, comp) in jobs.items():
                 if "error" not in res.get(eng, {}):
                     res[eng] = merge(res.get(eng), run_worker(py, kind, tasks, dt, spec, args.kv_bytes, n, per_round,
-                                                              env_extra=env, compile_decode=comp))
+                                                              env_extra=env, compile_decode=comp,
+                                                              b1_gens=args.b1_gens))
             if gguf is not None and "error" not in lb:
-                r = peer_llamacpp.bench(llama[0], gguf, len(os.sched_getaffinity(0)), per_round)
+                r = peer_llamacpp.bench(llama[0], gguf, len(os.sched_getaffinity(0)), per_round, gens=args.b1_gens)
                 lb = r if "error" in r else {**r, "samples": lb["samples"] + r["samples"]}
         record[f"{spec.name}/{dt}"] = res
         if gguf is not None:
@@ -217,7 +226,7 @@ def llama_rows(spec, args, ours_b1: dict, record, bin_dir: Path, files: dict) ->
     for label, f in files.items():
         if f"{spec.name}/llama.cpp/{label}" in record:
             continue  # run in the batch-1 rounds
-        r = peer_llamacpp.bench(bin_dir, f, threads, args.repeats)
+        r = peer_llamacpp.bench(bin_dir, f, threads, args.repeats, gens=args.b1_gens)
         record[f"{spec.name}/llama.cpp/{label}"] = r
         if "error" in r:
             print(f"{spec.name:8s} b1   llama.cpp {label}: ERROR {r['error']}")
@@ -287,6 +296,8 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=4 * GiB, help="KV-cache bytes of ours and vLLM (4 GiB)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="repetitions of every figure (median and spread)")
+    ap.add_argument("--b1-gens", type=int, default=B1_GENS,
+                    help=f"batch-1 generations of 96 tokens a repetition, every engine ({B1_GENS})")
     ap.add_argument("--quick", action="store_true", help="16 requests, 1 repetition (a smoke run, not the targets)")
     ap.add_argument("--http-dtypes", default="float32,bfloat16",
                     help="comma list of the HTTP mix's weights: float32 (llama.cpp F32), bfloat16 (its BF16)")
@@ -298,6 +309,8 @@ def main() -> None:
                     help="repetitions in rounds of every engine (default); --no-rounds: each engine's back to back")
     args = ap.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
+    if args.b1_gens < 1:
+        ap.error(f"--b1-gens: at least 1, got {args.b1_gens}")
     if args.quick:
         args.num_requests, args.repeats = 16, 1
     import torch

@@ -120,11 +120,12 @@ def ggufs(model_dir: Path, name: str, shipped: Path | None, bin_dir: Path) -> tu
     return files, why
 
 
-def bench(bin_dir: Path, gguf: Path, threads: int, repeats: int = 3, n_gen: int = 96) -> dict:
-    """llama-bench's batch-1 decode: tg`n_gen` (greedy-free token generation from an empty context,
-    `repeats` timed repetitions after its warm-up), every repetition's tok/s and the CPU it reports."""
+def bench(bin_dir: Path, gguf: Path, threads: int, repeats: int = 3, n_gen: int = 96, gens: int = 1) -> dict:
+    """llama-bench's batch-1 decode: tg`n_gen` (greedy-free token generation from an empty context),
+    `repeats` repetitions of `gens` timed generations each after its warm-up; a repetition's tok/s is
+    its generations' tokens over their time (as peer_worker's --b1-gens), with the CPU it reports."""
     cmd = [bin_dir / "llama-bench", "-m", gguf, "-p", "0", "-n", str(n_gen), "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
+           "-r", str(repeats * gens), "-o", "json"]
     try:
         r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=1200)
         rows = json.loads(r.stdout) if r.returncode == 0 else None
@@ -133,7 +134,9 @@ def bench(bin_dir: Path, gguf: Path, threads: int, repeats: int = 3, n_gen: int 
     if not rows:
         return {"error": f"llama-bench rc {r.returncode}: {r.stderr[-800:]}"}
     row = rows[-1]
-    return {"samples": row["samples_ts"], "cpu_info": row.get("cpu_info", ""), "backends": row.get("backends", ""),
+    each = row["samples_ts"]
+    samples = [len(g) / sum(1 / r for r in g) for g in (each[i:i + gens] for i in range(0, len(each), gens))]
+    return {"samples": samples, "generations": each, "cpu_info": row.get("cpu_info", ""), "backends": row.get("backends", ""),
             "type": row.get("model_type", ""), "build": row.get("build_commit", "")}
 
 

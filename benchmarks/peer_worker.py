@@ -128,7 +128,7 @@ def worker(args) -> dict:
             if task == "b1":
                 bws.append(adjacent_ceiling(threads))
             t = time.perf_counter()
-            tokens = gen(reqs)
+            tokens = sum(gen(reqs) for _ in range(args.b1_gens if task == "b1" else 1))
             if task == "prefill":  # the rate of prompt tokens
                 tokens = sum(len(ids) for ids, _ in reqs)
             rates.append(tokens / (time.perf_counter() - t))
@@ -157,7 +157,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-decode", default="auto")
+    ap.add_argument("--b1-gens", type=int, default=4, help="batch-1 generations a repetition, back to back (its rate "
+                    "is their tokens over their time)")
     args = ap.parse_args()
+    if args.b1_gens < 1:
+        ap.error(f"--b1-gens: at least 1, got {args.b1_gens}")
     for t in args.tasks.split(","):
         if t not in ("b1", "mix", "prefill"):
             ap.error(f"--tasks: each must be b1, mix or prefill, got {t!r}")
