@@ -115,6 +115,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         if (g0 >= g1) continue;
         const int64_t h0 = g0 * group;
         const bool part = shared[s] > 0;
+        if (i + 1 < end) {  // the keys of this thread's next task, for attend's value pass to request (NextKeys)
+          const int64_t s1 = (i + 1) / chunks, n0 = (i + 1) % chunks * per, n1 = std::min(nkv, n0 + per);
+          set_next_keys(n0 < n1 ? kp + n0 * hd : nullptr, tab + s1 * mb, ln[s1], shared[s1], n1 - n0, block_size, row);
+        }
         attend<T>(qp + (s * nh + h0) * hd, kp + g0 * hd, vp + g0 * hd, tab + s * mb, ln[s], block_size, row, hd,
                   (g1 - g0) * group, group, scale, qf, scores, acc, op + (s * nh + h0) * hd, lpad, shared[s],
                   part ? pm.data() + s * nh + h0 : nullptr, part ? pl.data() + s * nh + h0 : nullptr,
