@@ -24,8 +24,8 @@ CSRC = Path(__file__).parent / "csrc"
 
 SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("panel_src", "panel_kernel.cpp"),
            ("fp8_src", "fp8_panel_kernel.cpp"), ("fp8_src", "fp8_range.cpp"),
-           ("paged_src", "paged_kernel.cpp"), ("paged_src", "paged_avx2.cpp"), ("paged_src", "paged_cascade.cpp"),
-           ("paged_src", "paged_causal.cpp"), ("paged_src", "paged_decode.cpp"))
+           ("paged_src", "paged_kernel.cpp"), ("paged_src", "paged_avx2.cpp"), ("paged_src", "paged_attend.cpp"),
+           ("paged_src", "paged_cascade.cpp"), ("paged_src", "paged_causal.cpp"), ("paged_src", "paged_decode.cpp"))
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
 step (fused_decode.cpp) comes last, at namespace scope, and calls into them."""
 
