@@ -1,6 +1,6 @@
 // Decode attention's entry for one task (csrc/paged_kernel.cpp's attend_tiles for the head sizes served, a plain
-// walk for the rest): compiled after paged_kernel.cpp and paged_avx2.cpp in the paged kernel's namespace; paged_decode.cpp
-// calls it.
+// walk for the rest): compiled after paged_kernel.cpp and paged_avx2.cpp in the paged kernel's namespace;
+// paged_decode.cpp calls it.
 #include <torch/types.h>
 #include <algorithm>
 #include <cmath>

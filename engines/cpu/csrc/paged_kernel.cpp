@@ -306,7 +306,7 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
 // next key pass finds its rows near (fp32 only). SmolLM2's heads, 64 rows at 145-290 positions, 30 layers' tables,
 // caches cold, 2-core EPYC Zen 4, both builds alternating in one process, median of 21, three runs: fp32 1.016 ->
 // 0.964, 1.005 -> 0.948, 1.011 -> 0.968 ms a layer (two parts a value row: 0.971); bf16 (its keys scored by
-// vdpbf16ps) went both ways in four runs (0.514 -> 0.490, 0.608 -> 0.627, 0.583 -> 0.634, 0.549 -> 0.523): not asked
+// vdpbf16ps) went both ways in four runs (0.514 -> 0.490, 0.608 -> 0.627, 0.583 -> 0.634, 0.549 -> 0.523): it does not ask
 struct NextKeys {
   const void* kc = nullptr;  // the next task's first kv head's part of slot 0
   const int64_t* table = nullptr;
@@ -429,11 +429,12 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
             // keys': the same quiet host, alternating, median of 25, with the first block's keys above: fp32 1.11 ->
             // 1.06 ms a layer, bf16 0.61 -> 0.59)
             if (next && h0 == g * group) prefetch_rows<T, HB>(next + i * row, 1, row);
-          if (std::is_same_v<T, float> && nx.kc && nt < nx.len && h0 == g * group) {
-            prefetch_rows<T, HB>(static_cast<const T*>(nx.kc) + (nx.table[nt / nx.bs] * nx.bs + nt % nx.bs) * nx.row + ng * hd,
-                                 1, nx.row);
-            if (++ng == nx.nkv) ng = 0, ++nt;
-          }
+          if constexpr (std::is_same_v<T, float>)
+            if (nx.kc && nt < nx.len && h0 == g * group) {
+              const int64_t slot = nx.table[nt / nx.bs] * nx.bs + nt % nx.bs;
+              prefetch_rows<T, HB>(static_cast<const T*>(nx.kc) + slot * nx.row + ng * hd, 1, nx.row);
+              if (++ng == nx.nkv) ng = 0, ++nt;
+            }
           vf v[HB];
           for (int u = 0; u < HB; ++u) {
             if constexpr (direct) v[u] = load16(v0 + i * rs + u * W);
