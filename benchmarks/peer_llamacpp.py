@@ -136,8 +136,8 @@ def bench(bin_dir: Path, gguf: Path, threads: int, repeats: int = 3, n_gen: int 
     row = rows[-1]
     each = row["samples_ts"]
     samples = [len(g) / sum(1 / r for r in g) for g in (each[i:i + gens] for i in range(0, len(each), gens))]
-    return {"samples": samples, "generations": each, "cpu_info": row.get("cpu_info", ""), "backends": row.get("backends", ""),
-            "type": row.get("model_type", ""), "build": row.get("build_commit", "")}
+    return {"samples": samples, "generations": each, "cpu_info": row.get("cpu_info", ""),
+            "backends": row.get("backends", ""), "type": row.get("model_type", ""), "build": row.get("build_commit", "")}
 
 
 def server_cmd(bin_dir: Path, gguf: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:

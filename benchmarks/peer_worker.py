@@ -157,8 +157,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-decode", default="auto")
-    ap.add_argument("--b1-gens", type=int, default=4, help="batch-1 generations a repetition, back to back (its rate "
-                    "is their tokens over their time)")
+    ap.add_argument("--b1-gens", type=int, required=True, help="batch-1 generations a repetition, back to back (its "
+                    "rate is their tokens over their time; bench_peer_vllm's B1_GENS)")
     args = ap.parse_args()
     if args.b1_gens < 1:
         ap.error(f"--b1-gens: at least 1, got {args.b1_gens}")
