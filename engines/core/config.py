@@ -88,6 +88,10 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
+    greedy_head_screen: bool = True
+    """On CPU with an fp32 head: the tokens of greedy rows (nothing that needs their whole logit row) from a bf16 pass
+    over the head and fp32 logits of the entries within a proven bound of the best (engines/cpu/greedy_head.py), where
+    that times faster than the full head at load; off: every sampled row's fp32 logits."""
     cpu_linear_autotune: bool = True
     """On CPU, time each Linear shape's kernels (F.linear, addmm on a transposed weight, mv, oneDNN
     on a reordered weight) at load for one row, a decode batch and a prefill chunk, keep the fastest
@@ -208,6 +212,8 @@ class EngineConfig:
                  f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
         _require(isinstance(self.adaptive_threads, bool), "adaptive_threads",
                  f"must be true or false, got {self.adaptive_threads!r}")
+        _require(isinstance(self.greedy_head_screen, bool), "greedy_head_screen",
+                 f"must be true or false, got {self.greedy_head_screen!r}")
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                  f"must be true or false, got {self.enable_prefix_caching!r}")
         _require(isinstance(self.step_record_len, int) and not isinstance(self.step_record_len, bool)

@@ -29,9 +29,9 @@ SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("pa
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
 step (fused_decode.cpp) comes last, at namespace scope, and calls into them."""
 
-LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "fused_team.cpp")
+LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "fused_team.cpp", "head_screen.cpp")
 """The fused step's sources, last, at namespace scope: the MLP's activation rows, the per-op loop, then the step as one
-parallel region."""
+parallel region, and the greedy screen's candidate rows (engines/cpu/greedy_head.py)."""
 
 NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 """The namespaces the bindings look the kernels' functions up in."""
@@ -42,7 +42,7 @@ FUNCTIONS = [
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
-    "argmax_rows", "argmax_rows_variant",                                 # fused_decode.cpp: greedy
+    "argmax_rows", "argmax_rows_variant", "near_max_rows",                # fused_decode.cpp: greedy
     "panel_swiglu",                                                       # mlp_rows.cpp
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py

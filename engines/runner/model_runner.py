@@ -147,7 +147,14 @@ class ModelRunner:
         sampler = Sampler(cfg.vocab_size, engine_cfg.seed, self.device, argmax=argmax,
                           grammars=Grammars(tokenizer_bytes(model_dir), cfg.vocab_size)) if self.samples else None
         self.sampler = sampler  # grammars lazily built
-        self.head = StepHead(model, self.comm, sampler, cfg.vocab_size, self.tp_rank) if self.last else None
+        screen = None
+        if (self.samples and self.comm.tp_size == 1 and engine_cfg.greedy_head_screen and self.device.type == "cpu"
+                and self.dtype == torch.float32 and engine_cfg.lm_head_dtype == "auto"):
+            from engines.cpu.greedy_head import build_screen
+
+            screen, why = build_screen(getattr(model, "lm_head", None), cfg.vocab_size, cfg.n_embd)
+            log.info("greedy_head_screen: %s%s", "on, " if screen is not None else "off: ", why)
+        self.head = StepHead(model, self.comm, sampler, cfg.vocab_size, self.tp_rank, screen) if self.last else None
         # p-tuning: input tasks' embedding rows on the first stage, every-layer tasks' keys/values on
         # every rank (its layers and KV heads); prefill only
         self.prompt_tables = SeqTables(cfg.vocab_size, self.device, self.dtype, cfg.n_layer, cfg.kv_heads, cfg.hd,

@@ -26,9 +26,14 @@ def plain_greedy(p: SamplingParams) -> bool:
 class StepHead:
     """Logits and sampling of a last-stage rank; `sampler` only on the sampling rank (TP rank 0)."""
 
-    def __init__(self, model: torch.nn.Module, comm: Comm, sampler: Sampler | None, vocab_size: int, tp_rank: int):
+    def __init__(self, model: torch.nn.Module, comm: Comm, sampler: Sampler | None, vocab_size: int, tp_rank: int,
+                 screen=None):
         self.model, self.comm, self.sampler = model, comm, sampler
         self.vocab_size, self.tp_rank = vocab_size, tp_rank
+        self.screen = screen if comm.tp_size == 1 and sampler is not None else None
+        """engines/cpu/greedy_head.GreedyScreen (an fp32 CPU head): the tokens of plain greedy rows without their full
+        logits; None: every sampled row's logits."""
+        self._screen_rows: list[tuple[list[int], torch.Tensor]] = []  # (seq ids, hidden rows) of screened micro-batches
         self.params: dict[int, SamplingParams] = {}
         """Sampling options of the live sequences, kept by every last-stage rank so that all of
         them take the same (combined-argmax or gathered) path."""
@@ -49,12 +54,12 @@ class StepHead:
 
     def add_rows(self, ws: list[SeqWork], hidden: torch.Tensor) -> None:
         """Local logits of one micro-batch's rows to sample and its prompt-logprob rows; hidden (n, C)."""
-        rows = []
+        rows, ids = [], []
         offset = 0
         for w in ws:
             if w.sample:
                 rows.append(offset + len(w.token_ids) - 1)
-                self._sample_ids.append(w.seq_id)
+                ids.append(w.seq_id)
             if w.prompt_lp_targets:
                 first = offset + w.prompt_lp_from - w.start_pos
                 self._lp_logits.append((w.seq_id, w.prompt_lp_targets,
@@ -62,6 +67,11 @@ class StepHead:
             offset += len(w.token_ids)
         if rows:
             h = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            if (self.screen is not None and self.screen.applies(len(rows))
+                    and all(plain_greedy(self.params[s]) for s in ids)):
+                self._screen_rows.append((ids, h))  # logits later only if the step wants them (sample)
+                return
+            self._sample_ids.extend(ids)
             self._sample_logits.append(self.model.logits(h))  # (rows, Vp)
 
     def sample(self, result: StepResult | None, want_logits: bool) -> dict[int, torch.Tensor] | None:
@@ -69,6 +79,16 @@ class StepHead:
         each sampled sequence when want_logits (sampling rank only)."""
         sample_ids, sample_logits, lp_logits = self._sample_ids, self._sample_logits, self._lp_logits
         self._sample_ids, self._sample_logits, self._lp_logits = [], [], []
+        screened, self._screen_rows = self._screen_rows, []
+        for ids, h in screened:  # plain greedy micro-batches: their tokens, or their logits where wanted or unsure
+            tokens = None if want_logits else self.screen.tokens(h)
+            if tokens is None:
+                sample_ids.extend(ids)
+                sample_logits.append(self.model.logits(h))
+                continue
+            for seq_id, tok in zip(ids, tokens.tolist()):
+                self.sampler.states[seq_id].num_output += 1
+                result.seqs[seq_id] = SeqResult(token_id=tok)
         logits_out = None
         if sample_ids:
             local = torch.cat(sample_logits, 0) if len(sample_logits) > 1 else sample_logits[0]  # (S, Vp)

@@ -199,7 +199,8 @@ inline const float* widen(const T* src, int64_t n, int64_t row, float* buf, int6
   }
 }
 
-// query heads of one kv head a pass over a block's rows: each key or value row is loaded (bf16 values: widened in
+// query heads of one kv head a pass over a block's rows (the values, and the keys scored by vdpbf16ps; fp32 keys go a
+// head at a time, tile_scores): each key or value row is loaded (bf16 values: widened in
 // registers, not copied into a buffer first) once for HC heads, whose query vectors (scores) or value sums (the
 // weighted sum) stay in registers, HC x HB vectors of 16 lanes (<= 16); a head at a time loaded each row group
 // times. Same bits. SmolLM2 decode steps of 64 rows at 200-248 positions (3 query heads a kv head), 2-core EPYC
@@ -264,6 +265,37 @@ inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t 
   }
 }
 #endif
+
+// the scores of one query head (qv: its HB vectors, scaled) against c (<= W) fp32 key rows at k (`st` apart): each row's
+// lane-wise products in a register of its own, the 16 reduced by hsum16, the rows past c zero; a whole tile unrolled
+// with no test a row. pv (not null): the first head of a kv head, which requests this block's values and (pk) the next
+// block's keys a row at a time as it reads (the trickle, attend_tiles)
+// Same bits as the group's heads a pass (heads_a_pass), whose 16 rows' sums per head and query vectors GCC kept on
+// the stack (a multiply-add with a memory operand a lane group, a store a row): 64 SmolLM2 rows x 145-290 positions,
+// fp32, 30 layers' tables, caches cold, 2-core EPYC Zen 4, both ways alternating in one process, median of 21 pair
+// ratios: 1.12x and 1.07x (1.28 -> 1.17, 1.22 -> 1.14 ms a layer); 16 rows in L3: 1.12x. bf16 keys by vdpbf16ps a
+// head at a time were 0.94x (a key row's two loads then feed one head, not three): scores_bf16 keeps the group pass
+template <typename T, int HB>
+inline vf tile_scores(const vf* qv, const float* k, int64_t c, int64_t st, const T* pk, const T* pv, int64_t row) {
+  vf p[W];
+  const auto one = [&](int64_t i) {
+    if (pv) {
+      if (pk) prefetch_rows<T, HB>(pk + i * row, 1, row);
+      prefetch_rows<T, HB>(pv + i * row, 1, row);
+    }
+    const float* kr = k + i * st;
+    vf s = qv[0] * load16(kr);
+    for (int u = 1; u < HB; ++u) s += qv[u] * load16(kr + u * W);
+    return s;
+  };
+  if (c == W) {
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i) p[i] = one(i);
+  } else {
+    for (int i = 0; i < W; ++i) p[i] = i < c ? one(i) : vf{};
+  }
+  return hsum16(p);
+}
 
 // each head's scores [0, m) -> exponentials of (score - max) in place, 1 / their sum at m (lpad > m: it rides in the
 // padding), and its value sums started: 0, or the partial's (pm, pl, pacc: see attend) rescaled to the common max
@@ -367,33 +399,17 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
       // values' own stream starting cold (64 SmolLM2 rows x 158-230 positions, bf16, 2-core Xeon: a step's 30
       // layers 18.0 vs 19.3 ms, 25.1 vs 26.5, alternating builds 20.1-22.0 vs 22.5-22.6)
       if constexpr (!trickle) prefetch_rows<T, HB>(vnow, n, row);
-      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC) {
-        const int64_t hc = std::min<int64_t>(HC, (g + 1) * group - h0);
-        vf qv[HC][HB];
-#pragma GCC unroll 16
-        for (int j = 0; j < HC; ++j)
-          if (j < hc)
-            for (int u = 0; u < HB; ++u) qv[j][u] = load16(q + (h0 + j) * hd + u * W) * scale;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {  // a head at a time: tile_scores
+        vf qv[HB];
+        for (int u = 0; u < HB; ++u) qv[u] = load16(q + h * hd + u * W) * scale;
+        const bool first = trickle && h == g * group;
         for (int64_t i0 = 0; i0 < n; i0 += W) {
           const int64_t c = std::min<int64_t>(W, n - i0);
-          for (int64_t i = 0; i < c; ++i) {
-            const float* k = kf + (i0 + i) * st;
-            if constexpr (trickle)
-              if (h0 == g * group) {
-                if (knext) prefetch_rows<T, HB>(knext + (i0 + i) * row, 1, row);
-                prefetch_rows<T, HB>(vnow + (i0 + i) * row, 1, row);
-              }
-            vf kr[HB];
-            for (int u = 0; u < HB; ++u) kr[u] = load16(k + u * W);
-#pragma GCC unroll 16
-            for (int j = 0; j < HC; ++j)
-              if (j < hc) {
-                vf p = qv[j][0] * kr[0];
-                for (int u = 1; u < HB; ++u) p += qv[j][u] * kr[u];
-                part[j][i] = p;
-              }
-          }
-          for (int64_t j = 0; j < hc; ++j) store_scores(part[j], c, 1.f, scores + (h0 + j) * lpad + t - t0 + i0);
+          const vf r = tile_scores<T, HB>(qv, kf + i0 * st, c, st, first && knext ? knext + i0 * row : nullptr,
+                                          first ? vnow + i0 * row : nullptr, row);
+          float* dst = scores + h * lpad + t - t0 + i0;
+          if (c == W) std::memcpy(dst, &r, sizeof(vf));
+          else std::memcpy(dst, &r, c * sizeof(float));
         }
       }
     }
