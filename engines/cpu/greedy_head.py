@@ -20,8 +20,8 @@ a batch and one row). On SmolLM2-135M the bound is ~10x the error seen (0.16 aga
 1 to a few hundred candidates.
 
 Used where it times faster than the full head (`decide`: the head in fp32 and bf16 on this CPU, one row and a
-decode batch); on SmolLM2-135M, 2-core EPYC Zen 4: 64 rows 22.9 -> 12.x ms, one row 2.45 -> 1.x ms
-(benchmarks/bench_greedy_head.py). EngineConfig.greedy_head_screen turns it off.
+decode batch); on SmolLM2-135M, 2-core EPYC Zen 4, the head with its argmax: 64 rows 19.7 -> 12.1 ms, one row 3.7 ->
+2.4 ms, a 64-row decode step 1.06x (benchmarks/bench_greedy_head.py). EngineConfig.greedy_head_screen turns it off.
 """
 
 from __future__ import annotations
