@@ -26,14 +26,11 @@ decode batch); on SmolLM2-135M, 2-core EPYC Zen 4, the head with its argmax: 64 
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
 from engines.cpu import panel_kernel
-
-log = logging.getLogger(__name__)
 
 MAX_CANDIDATES_PER_ROW = 256
 """More candidates than this a row on average (flat or broken rows): the full head for the batch instead."""
@@ -112,7 +109,7 @@ class GreedyScreen:
         return "; ".join(out)
 
 
-def build_screen(head: torch.nn.Module, vocab_size: int, in_features: int) -> tuple[GreedyScreen | None, str]:
+def build_screen(head: torch.nn.Module | None, vocab_size: int) -> tuple[GreedyScreen | None, str]:
     """The screen of an fp32 CPU head with its dense weight and bf16 panels available, timed (decide); else (None, why)."""
     w = getattr(head, "weight", None)
     if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
@@ -122,7 +119,7 @@ def build_screen(head: torch.nn.Module, vocab_size: int, in_features: int) -> tu
     from engines.model.transformer import head_logits
 
     screen = GreedyScreen(w, vocab_size)
-    timing = screen.decide(lambda h: head_logits(head, h), in_features)
+    timing = screen.decide(lambda h: head_logits(head, h), w.shape[1])
     if not (screen.rows_one or screen.rows_many):
         return None, f"slower than the full head here ({timing})"
     return screen, timing

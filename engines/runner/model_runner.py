@@ -152,7 +152,7 @@ class ModelRunner:
                 and self.dtype == torch.float32 and engine_cfg.lm_head_dtype == "auto"):
             from engines.cpu.greedy_head import build_screen
 
-            screen, why = build_screen(getattr(model, "lm_head", None), cfg.vocab_size, cfg.n_embd)
+            screen, why = build_screen(getattr(model, "lm_head", None), cfg.vocab_size)
             log.info("greedy_head_screen: %s%s", "on, " if screen is not None else "off: ", why)
         self.head = StepHead(model, self.comm, sampler, cfg.vocab_size, self.tp_rank, screen) if self.last else None
         # p-tuning: input tasks' embedding rows on the first stage, every-layer tasks' keys/values on

@@ -86,9 +86,7 @@ class StepHead:
                 sample_ids.extend(ids)
                 sample_logits.append(self.model.logits(h))
                 continue
-            for seq_id, tok in zip(ids, tokens.tolist()):
-                self.sampler.states[seq_id].num_output += 1
-                result.seqs[seq_id] = SeqResult(token_id=tok)
+            self._record_greedy(result, ids, tokens.tolist())
         logits_out = None
         if sample_ids:
             local = torch.cat(sample_logits, 0) if len(sample_logits) > 1 else sample_logits[0]  # (S, Vp)
@@ -96,9 +94,7 @@ class StepHead:
                     and all(plain_greedy(self.params[s]) for s in sample_ids)):
                 tokens = self._combined_argmax(local)
                 if self.sampler is not None:
-                    for seq_id, tok in zip(sample_ids, tokens):
-                        self.sampler.states[seq_id].num_output += 1
-                        result.seqs[seq_id] = SeqResult(token_id=tok)
+                    self._record_greedy(result, sample_ids, tokens)
             else:
                 full = self._gather_full(local)
                 if self.sampler is not None:
@@ -114,6 +110,12 @@ class StepHead:
                 result.seqs.setdefault(seq_id, SeqResult()).prompt_logprobs = [
                     Sampler.logprob_entry(lp[j], tok, top_n) for j, tok in enumerate(targets)]
         return logits_out
+
+    def _record_greedy(self, result: StepResult, seq_ids: list[int], tokens: list[int]) -> None:
+        """Greedy tokens chosen without the sampler (a combined TP argmax, the screen): counted and reported as its own."""
+        for seq_id, tok in zip(seq_ids, tokens):
+            self.sampler.states[seq_id].num_output += 1
+            result.seqs[seq_id] = SeqResult(token_id=tok)
 
     def _gather_full(self, local: torch.Tensor) -> torch.Tensor | None:
         """(rows, Vp) vocabulary shards -> (rows, V) full logits on TP rank 0, None elsewhere."""

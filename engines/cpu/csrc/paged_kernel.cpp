@@ -368,7 +368,9 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
   const int64_t m = len - t0, nkv = nq / group;
   thread_local std::vector<float> wide;  // a block's rows of one kv head, widened
   if (static_cast<int64_t>(wide.size()) < bs * hd) wide.resize(bs * hd);
-  vf part[HC][W];
+#if defined(__AVX512BF16__)
+  vf part[HC][W];  // scores_bf16's rows' sums
+#endif
   int64_t st = 0;
   // the walk's first block's keys (nothing asked for them while the block before was read: there is none)
   for (int64_t g = 0; g < nkv; ++g) prefetch_rows<T, HB>(kc + table[t0 / bs] * bs * row + g * hd, std::min(bs, len - t0), row);
