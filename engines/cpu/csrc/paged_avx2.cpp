@@ -28,15 +28,31 @@ inline __m256 hsum8(const __m256* r) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// A task's slots [t, len) one kv head's part at a time in memory order (slot t's heads g = 0 .. nkv - 1, then slot
+// t + 1), each part's lines requested toward L2 as next() is called: the pass that reads one row calls it once a row,
+// so the parts come in step with the pass and as a sequential stream, whatever the order the rows are read in
+template <typename T, int H8>
+struct PartCursor {
+  const T* base = nullptr;  // slot 0's first kv head's part (nullptr: nothing to ask for)
+  const int64_t* table = nullptr;
+  int64_t t = 0, len = 0, bs = 1, row = 0, nkv = 1, g = 0;
+  inline void next() {
+    if (!base || t >= len) return;
+    prefetch_rows<T, H8 / 2>(base + (table[t / bs] * bs + t % bs) * row + g * 8 * H8, 1, row);
+    if (++g == nkv) g = 0, ++t;
+  }
+};
+
 // dst[i] = qs . k[i] for the n key rows at k (`row` apart), qs the head's scaled fp32 query of 8 * H8 lanes; row i of
-// ka (the next block's keys) and of va (this block's values) requested as key row i is read: a trickle, not both
-// blocks' 128 lines at once before the scores, which overflowed the core's miss queue as on AVX-512 (attend_tiles).
+// ka (the next block's keys) requested, and a part of vs (this task's values) asked for, as key row i is read: a
+// trickle, not both blocks' 128 lines at once before the scores, which overflowed the core's miss queue as on AVX-512
+// (attend_tiles).
 // With values_avx2's trickle of the next block's values: 64 rows x 145-290 positions, 30 layers' tables, 2-core EPYC
 // Zen 3, both builds alternating in one process, median of 21, two runs: fp32 2.34 -> 2.09, 2.49 -> 2.26 ms a layer;
 // bf16 1.67 -> 1.44, 1.79 -> 1.48 (the key trickle alone: fp32 1.07-1.08x, bf16 1.08-1.11x)
 template <typename T, int H8>
 inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, float* dst, const T* ka = nullptr,
-                        const T* va = nullptr) {
+                        PartCursor<T, H8>* vs = nullptr) {
   constexpr int QR = H8 <= 8 ? H8 : 1;  // query vectors kept in registers (hd 128: read from L1)
   __m256 qv[QR];
   if constexpr (H8 <= 8)
@@ -48,7 +64,7 @@ inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, flo
     for (int64_t i = 0; i < c; ++i) {
       const T* kr = k + (i0 + i) * row;
       if (ka) prefetch_rows<T, H8 / 2>(ka + (i0 + i) * row, 1, row);
-      if (va) prefetch_rows<T, H8 / 2>(va + (i0 + i) * row, 1, row);
+      if (vs) vs->next();
       __m256 p0 = _mm256_mul_ps(Q(0), load8(kr)), p1 = _mm256_mul_ps(Q(1), load8(kr + 8));
       for (int u = 2; u < H8; u += 2) {
         p0 = _mm256_fmadd_ps(Q(u), load8(kr + 8 * u), p0);
@@ -69,15 +85,20 @@ inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, flo
 }
 
 // acc (8 * H8 lanes) += p[i] * v[i] over the n value rows at v (`row` apart), 64 lanes of sums in registers a pass;
-// row i of va (the next block's values) requested as value row i is read (first pass)
+// row i of va (the next block's values) requested and a part of nk (the thread's next task's keys, NextKeys) asked
+// for as value row i is read (first pass)
 template <typename T, int H8>
-inline void values_avx2(const float* p, const T* v, int64_t n, int64_t row, float* acc, const T* va = nullptr) {
+inline void values_avx2(const float* p, const T* v, int64_t n, int64_t row, float* acc, const T* va = nullptr,
+                        PartCursor<T, H8>* nk = nullptr) {
   constexpr int C = H8 < 8 ? H8 : 8;
   for (int u0 = 0; u0 < H8; u0 += C) {
     __m256 a[C];
     for (int u = 0; u < C; ++u) a[u] = _mm256_loadu_ps(acc + 8 * (u0 + u));
     for (int64_t i = 0; i < n; ++i) {
-      if (va && u0 == 0) prefetch_rows<T, H8 / 2>(va + i * row, 1, row);
+      if (u0 == 0) {
+        if (va) prefetch_rows<T, H8 / 2>(va + i * row, 1, row);
+        if (nk) nk->next();
+      }
       const __m256 pi = _mm256_broadcast_ss(p + i);
       const T* vr = v + i * row + 8 * u0;
       for (int u = 0; u < C; ++u) a[u] = _mm256_fmadd_ps(pi, load8(vr + 8 * u), a[u]);
@@ -90,9 +111,19 @@ inline void values_avx2(const float* p, const T* v, int64_t n, int64_t row, floa
 template <typename T, int H8>
 void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs, int64_t row,
                  int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out, int64_t lpad, int64_t t0,
-                 const float* pm, const float* pl, const float* pacc) {
+                 const float* pm, const float* pl, const float* pacc, const NextKeys& nx) {
   constexpr int64_t hd = 8 * H8;
   const int64_t m = len - t0, nkv = nq / group;
+  // the first block's keys (the task before on this thread asked for them already, unless there was none); then as
+  // the keys are scored, this task's values in memory order, and as the values are summed, the next task's keys:
+  // 64 rows x 145-290 positions, 30 layers' tables, 2-core EPYC Zen 3, alternating in one process, median of 21-25,
+  // against the values' parts asked for a kv head at a time and no next task's keys: fp32 1.07x, 1.07x, 1.11x; bf16
+  // 1.13x, 1.11x (the next keys alone: fp32 1.02-1.14x, bf16 1.06-1.09x; all parts spread evenly over both passes as
+  // one stream: fp32 0.89x, bf16 0.81x)
+  for (int64_t g = 0; g < nkv; ++g)
+    prefetch_rows<T, H8 / 2>(kc + table[t0 / bs] * bs * row + g * hd, std::min(bs, len - t0), row);
+  PartCursor<T, H8> vs{vc, table, t0, len, bs, row, nkv};
+  PartCursor<T, H8> nk{static_cast<const T*>(nx.kc), nx.table, nx.t0, nx.len, nx.bs, nx.row, nx.nkv};
   thread_local std::vector<float> qs;
   if (static_cast<int64_t>(qs.size()) < nq * hd) qs.resize(nq * hd);
   for (int64_t i = 0; i < nq * hd; ++i) qs[i] = static_cast<float>(q[i]) * scale;
@@ -102,10 +133,9 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
     for (int64_t g = 0; g < nkv; ++g) {
       const T* k = kc + table[b] * bs * row + g * hd;
       const T* kn = more ? kc + table[b + 1] * bs * row + g * hd : nullptr;
-      const T* vn = vc + table[b] * bs * row + g * hd;
       for (int64_t h = g * group; h < (g + 1) * group; ++h)  // the group's first head asks, a row at a time
         scores_avx2<T, H8>(qs.data() + h * hd, k, n, row, scores + h * lpad + t - t0,
-                           h == g * group ? kn : nullptr, h == g * group ? vn : nullptr);
+                           h == g * group ? kn : nullptr, h == g * group ? &vs : nullptr);
     }
   }
   softmax_heads(scores, m, lpad, nq, hd, acc, pm, pl, pacc);
@@ -115,7 +145,8 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
       const T* v = vc + table[b] * bs * row + g * hd;
       const T* vn = t + bs < len ? vc + table[b + 1] * bs * row + g * hd : nullptr;
       for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        values_avx2<T, H8>(scores + h * lpad + t - t0, v, n, row, acc + h * hd, h == g * group ? vn : nullptr);
+        values_avx2<T, H8>(scores + h * lpad + t - t0, v, n, row, acc + h * hd, h == g * group ? vn : nullptr,
+                           h == g * group ? &nk : nullptr);
     }
   }
   write_heads(scores, m, lpad, nq, hd, acc, out);

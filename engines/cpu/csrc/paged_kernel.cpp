@@ -324,13 +324,6 @@ inline void write_heads(const float* scores, int64_t m, int64_t lpad, int64_t nq
   }
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// attend_tiles' work on a build for AVX2 without AVX-512 (csrc/paged_avx2.cpp, later in this namespace)
-template <typename T, int H8>
-void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs, int64_t row,
-                 int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out, int64_t lpad, int64_t t0,
-                 const float* pm, const float* pl, const float* pacc);
-#endif
 
 // The keys the thread's next decode task will read (paged_decode names them before each task; none: kc null, and
 // attend forgets them after one call). The value pass, which reads values the key pass already requested, asks for
@@ -351,13 +344,21 @@ inline void set_next_keys(const void* kc, const int64_t* table, int64_t len, int
   next_keys = NextKeys{kc, table, len, t0, nkv, bs, row};
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// attend_tiles' work on a build for AVX2 without AVX-512 (csrc/paged_avx2.cpp, later in this namespace)
+template <typename T, int H8>
+void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs, int64_t row,
+                 int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out, int64_t lpad, int64_t t0,
+                 const float* pm, const float* pl, const float* pacc, const NextKeys& nx);
+#endif
+
 template <typename T, int HB>
 void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t bs,
                   int64_t row, int64_t nq, int64_t group, float scale, float* scores, float* acc, T* out,
                   int64_t lpad, int64_t t0, const float* pm, const float* pl, const float* pacc, const NextKeys& nx) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if constexpr (!std::is_same_v<T, c10::Half>) {  // fp16 rows: the widening path below (F16C conversions)
-    attend_avx2<T, 2 * HB>(q, kc, vc, table, len, bs, row, nq, group, scale, scores, acc, out, lpad, t0, pm, pl, pacc);
+    attend_avx2<T, 2 * HB>(q, kc, vc, table, len, bs, row, nq, group, scale, scores, acc, out, lpad, t0, pm, pl, pacc, nx);
     return;
   }
 #endif
