@@ -19,31 +19,6 @@ namespace {
 // was a tenth of the time, this host's memory being slow), its rows' scaled softmax masked to their own positions
 // (the later slots' weights zero), then the value strips over those slots; each output divided by its row's sum
 // and rounded once into out. A block's keys and values stay in L2 (256 keys: 64 KB each), its scores in L1.
-// exp(v) for v <= 0, 8 lanes: exp16's steps (csrc/paged_kernel.cpp) as GCC contracts them in an AVX2 build (v log2 e
-// never rounded: the rounding constant and f = y - r are fused multiply-adds, the polynomial too), on v clamped at
-// -87: a lane below that is the caller's (the softmax zeroes it, SwiGLU in csrc/mlp_rows.cpp takes std::exp)
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 v) {
-  const __m256 c = _mm256_max_ps(v, _mm256_set1_ps(-87.f)), l2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 r = _mm256_sub_ps(_mm256_fmadd_ps(c, l2e, _mm256_set1_ps(12582912.f)), _mm256_set1_ps(12582912.f));
-  const __m256 f = _mm256_fmsub_ps(c, l2e, r);
-  __m256 p = _mm256_set1_ps(1.5403530e-4f);
-  for (const float k : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(k));
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r),
-                                                                                  _mm256_set1_epi32(127)), 23)));
-}
-
-// lanes of v below -87
-__attribute__((target("avx2,fma"))) inline __m256 below_87(__m256 v) {
-  return _mm256_cmp_ps(v, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-}
-
-// lanes j .. j + 7 below `valid`, as a mask
-__attribute__((target("avx2,fma"))) inline __m256 below(int64_t j, int64_t valid) {
-  const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(j)));
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane));
-}
-
 // A query row's softmax weights over slots [0, pb * 16): its scores at s (pb panels of 16, `ld` apart), scaled;
 // exp(scale (s - max)) over [0, valid), zero after; returns their sum. One pass for the max, one for the rest (the
 // 16-lane vector code of exp_shifted kept its sums and maxima on the stack in an AVX2 build: a third of the time)
