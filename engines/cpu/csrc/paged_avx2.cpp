@@ -94,14 +94,7 @@ inline void decode_softmax_avx2(float* scores, int64_t m, int64_t lpad, int64_t 
     _mm256_store_ps(lanes, vs);
     float sum = 0.f;
     for (int j = 0; j < 8; ++j) sum += lanes[j];
-    float alpha = 0.f;
-    if (pm) {
-      alpha = std::exp(pm[h] - mx);
-      sum += alpha * pl[h];
-    }
-    sc[m] = 1.f / sum;
-    if (pm) for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] = alpha * pacc[h * hd + d];
-    else std::fill(acc + h * hd, acc + (h + 1) * hd, 0.f);
+    finish_head(sc, m, mx, sum, h, hd, acc, pm, pl, pacc);
   }
 }
 

@@ -297,21 +297,28 @@ inline vf tile_scores(const vf* qv, const float* k, int64_t c, int64_t st, const
   return hsum16(p);
 }
 
+// head h's softmax finished from its exponentials' max mx and sum: 1 / the sum (with the partial's, pm, pl: see
+// attend, rescaled to the common max) at sc[m], and its value sums started: 0, or the partial's pacc rescaled
+inline void finish_head(float* sc, int64_t m, float mx, float sum, int64_t h, int64_t hd, float* acc, const float* pm,
+                        const float* pl, const float* pacc) {
+  float alpha = 0.f;
+  if (pm) {
+    alpha = std::exp(pm[h] - mx);
+    sum += alpha * pl[h];
+  }
+  sc[m] = 1.f / sum;
+  if (pm) for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] = alpha * pacc[h * hd + d];
+  else std::fill(acc + h * hd, acc + (h + 1) * hd, 0.f);
+}
+
 // each head's scores [0, m) -> exponentials of (score - max) in place, 1 / their sum at m (lpad > m: it rides in the
-// padding), and its value sums started: 0, or the partial's (pm, pl, pacc: see attend) rescaled to the common max
+// padding), and its value sums started (finish_head)
 inline void softmax_heads(float* scores, int64_t m, int64_t lpad, int64_t nq, int64_t hd, float* acc, const float* pm,
                           const float* pl, const float* pacc) {
   for (int64_t h = 0; h < nq; ++h) {
     float* sc = scores + h * lpad;
-    auto [mx, sum] = exp_shifted(sc, m, pm ? pm[h] : -INFINITY);
-    float alpha = 0.f;
-    if (pm) {
-      alpha = std::exp(pm[h] - mx);
-      sum += alpha * pl[h];
-    }
-    sc[m] = 1.f / sum;
-    if (pm) for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] = alpha * pacc[h * hd + d];
-    else std::fill(acc + h * hd, acc + (h + 1) * hd, 0.f);
+    const auto [mx, sum] = exp_shifted(sc, m, pm ? pm[h] : -INFINITY);
+    finish_head(sc, m, mx, sum, h, hd, acc, pm, pl, pacc);
   }
 }
 
