@@ -98,28 +98,6 @@ inline void decode_softmax_avx2(float* scores, int64_t m, int64_t lpad, int64_t 
   }
 }
 
-// A task's slots [t, len) one kv head's part at a time in memory order (slot t's heads g = 0 .. nkv - 1, then slot
-// t + 1), each part's lines requested toward L2 as next() is called: the pass that reads one row calls it once a row,
-// so the parts come in step with the pass and as a sequential stream, whatever the order the rows are read in
-template <typename T, int H8>
-struct PartCursor {
-  const T* base = nullptr;  // slot 0's first kv head's part (nullptr: nothing to ask for)
-  const int64_t* table = nullptr;
-  int64_t t = 0, len = 0, bs = 1, row = 0, nkv = 1;
-  int64_t g = 0, b = 0, o = 0;  // kv head, table entry and offset in its block of slot t (no division a part)
-  PartCursor(const T* base_, const int64_t* table_, int64_t t_, int64_t len_, int64_t bs_, int64_t row_, int64_t nkv_)
-      : base(base_), table(table_), t(t_), len(len_), bs(bs_), row(row_), nkv(nkv_), b(bs_ > 0 ? t_ / bs_ : 0),
-        o(bs_ > 0 ? t_ % bs_ : 0) {}
-  inline void next() {
-    if (!base || t >= len) return;
-    prefetch_rows<T, H8 / 2>(base + (table[b] * bs + o) * row + g * 8 * H8, 1, row);
-    if (++g == nkv) {
-      g = 0, ++t;
-      if (++o == bs) o = 0, ++b;
-    }
-  }
-};
-
 // dst[i] = qs . k[i] for the n key rows at k (`row` apart), qs the head's scaled fp32 query of 8 * H8 lanes; row i of
 // ka (the next block's keys) requested, and a part of vs (this task's values) asked for, as key row i is read: a
 // trickle, not both blocks' 128 lines at once before the scores, which overflowed the core's miss queue as on AVX-512
@@ -129,7 +107,7 @@ struct PartCursor {
 // bf16 1.67 -> 1.44, 1.79 -> 1.48 (the key trickle alone: fp32 1.07-1.08x, bf16 1.08-1.11x)
 template <typename T, int H8>
 inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, float* dst, const T* ka = nullptr,
-                        PartCursor<T, H8>* vs = nullptr) {
+                        PartCursor<T, H8 / 2>* vs = nullptr) {
   constexpr int QR = H8 <= 8 ? H8 : 1;  // query vectors kept in registers (hd 128: read from L1)
   __m256 qv[QR];
   if constexpr (H8 <= 8)
@@ -166,7 +144,7 @@ inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, flo
 // for as value row i is read (first pass)
 template <typename T, int H8>
 inline void values_avx2(const float* p, const T* v, int64_t n, int64_t row, float* acc, const T* va = nullptr,
-                        PartCursor<T, H8>* nk = nullptr) {
+                        PartCursor<T, H8 / 2>* nk = nullptr) {
   constexpr int C = H8 < 8 ? H8 : 8;
   for (int u0 = 0; u0 < H8; u0 += C) {
     __m256 a[C];
@@ -199,8 +177,8 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
   // one stream: fp32 0.89x, bf16 0.81x)
   for (int64_t g = 0; g < nkv; ++g)
     prefetch_rows<T, H8 / 2>(kc + table[t0 / bs] * bs * row + g * hd, std::min(bs, len - t0), row);
-  PartCursor<T, H8> vs(vc, table, t0, len, bs, row, nkv);
-  PartCursor<T, H8> nk(static_cast<const T*>(nx.kc), nx.table, nx.t0, nx.len, nx.bs, nx.row, nx.nkv);
+  PartCursor<T, H8 / 2> vs(vc, table, t0, len, bs, row, nkv);
+  PartCursor<T, H8 / 2> nk(nx);
   thread_local std::vector<float> qs;
   if (static_cast<int64_t>(qs.size()) < nq * hd) qs.resize(nq * hd);
   for (int64_t i = 0; i < nq * hd; ++i) qs[i] = static_cast<float>(q[i]) * scale;

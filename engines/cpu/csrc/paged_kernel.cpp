@@ -351,6 +351,31 @@ inline void set_next_keys(const void* kc, const int64_t* table, int64_t len, int
   next_keys = NextKeys{kc, table, len, t0, nkv, bs, row};
 }
 
+// A task's slots [t, len) one kv head's part at a time in memory order (slot t's heads g = 0 .. nkv - 1, then slot
+// t + 1), each part's lines requested toward L2 (prefetch_rows) as next() is called: the pass that reads one row calls
+// it once a row, so the parts come in step with the pass and as a sequential stream, whatever the order the rows are
+// read in. Walks NextKeys' slots (the value passes) and, on AVX2, a task's own values (csrc/paged_avx2.cpp)
+template <typename T, int HB>
+struct PartCursor {
+  const T* base;  // slot 0's first kv head's part (nullptr: nothing to ask for)
+  const int64_t* table;
+  int64_t t, len, bs, row, nkv;
+  int64_t g = 0, b, o;  // kv head, table entry and offset in its block of slot t (no division a part)
+  PartCursor(const T* base_, const int64_t* table_, int64_t t_, int64_t len_, int64_t bs_, int64_t row_, int64_t nkv_)
+      : base(base_), table(table_), t(t_), len(len_), bs(bs_), row(row_), nkv(nkv_), b(bs_ > 0 ? t_ / bs_ : 0),
+        o(bs_ > 0 ? t_ % bs_ : 0) {}
+  explicit PartCursor(const NextKeys& nx)
+      : PartCursor(static_cast<const T*>(nx.kc), nx.table, nx.t0, nx.len, nx.bs, nx.row, nx.nkv) {}
+  inline void next() {
+    if (!base || t >= len) return;
+    prefetch_rows<T, HB>(base + (table[b] * bs + o) * row + g * W * HB, 1, row);
+    if (++g == nkv) {
+      g = 0, ++t;
+      if (++o == bs) o = 0, ++b;
+    }
+  }
+};
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // attend_tiles' work on a build for AVX2 without AVX-512 (csrc/paged_avx2.cpp, later in this namespace)
 template <typename T, int H8>
@@ -425,7 +450,7 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
     }
   }
   softmax_heads(scores, m, lpad, nq, hd, acc, pm, pl, pacc);
-  int64_t nt = nx.t0, ng = 0;  // the next task's keys: slot nt of its kv head ng, the next to request (NextKeys)
+  PartCursor<T, HB> nk(nx);  // the next task's keys, the next part to request (NextKeys)
   for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
     const int64_t n = std::min(bs, len - t);
     const bool more = t + bs < len;
@@ -456,11 +481,7 @@ void attend_tiles(const T* q, const T* kc, const T* vc, const int64_t* table, in
             // 1.06 ms a layer, bf16 0.61 -> 0.59)
             if (next && h0 == g * group) prefetch_rows<T, HB>(next + i * row, 1, row);
           if constexpr (std::is_same_v<T, float>)
-            if (nx.kc && nt < nx.len && h0 == g * group) {
-              const int64_t slot = nx.table[nt / nx.bs] * nx.bs + nt % nx.bs;
-              prefetch_rows<T, HB>(static_cast<const T*>(nx.kc) + slot * nx.row + ng * hd, 1, nx.row);
-              if (++ng == nx.nkv) ng = 0, ++nt;
-            }
+            if (h0 == g * group) nk.next();
           vf v[HB];
           for (int u = 0; u < HB; ++u) {
             if constexpr (direct) v[u] = load16(v0 + i * rs + u * W);
