@@ -33,7 +33,6 @@ inline vf load16(const c10::BFloat16* p) {
 #endif
 }
 
-
 inline vf load16(const c10::Half* p) { vf v; for (int64_t j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]); return v; }
 
 inline float hsum(vf v) { float s = 0.f; for (int64_t j = 0; j < W; ++j) s += v[j]; return s; }
@@ -351,16 +350,14 @@ inline void set_next_keys(const void* kc, const int64_t* table, int64_t len, int
   next_keys = NextKeys{kc, table, len, t0, nkv, bs, row};
 }
 
-// A task's slots [t, len) one kv head's part at a time in memory order (slot t's heads g = 0 .. nkv - 1, then slot
-// t + 1), each part's lines requested toward L2 (prefetch_rows) as next() is called: the pass that reads one row calls
-// it once a row, so the parts come in step with the pass and as a sequential stream, whatever the order the rows are
-// read in. Walks NextKeys' slots (the value passes) and, on AVX2, a task's own values (csrc/paged_avx2.cpp)
+// A task's slots [t, len) a kv head's part at a time in memory order (slot t's heads, then slot t + 1), a part's lines
+// requested toward L2 at each next(): called once a row read, the parts stream in step with the pass. NextKeys'
+// slots (the value passes) and, on AVX2, a task's own values (csrc/paged_avx2.cpp)
 template <typename T, int HB>
 struct PartCursor {
   const T* base;  // slot 0's first kv head's part (nullptr: nothing to ask for)
   const int64_t* table;
-  int64_t t, len, bs, row, nkv;
-  int64_t g = 0, b, o;  // kv head, table entry and offset in its block of slot t (no division a part)
+  int64_t t, len, bs, row, nkv, g = 0, b, o;  // g, b, o: slot t's kv head, table entry, offset (no division a part)
   PartCursor(const T* base_, const int64_t* table_, int64_t t_, int64_t len_, int64_t bs_, int64_t row_, int64_t nkv_)
       : base(base_), table(table_), t(t_), len(len_), bs(bs_), row(row_), nkv(nkv_), b(bs_ > 0 ? t_ / bs_ : 0),
         o(bs_ > 0 ? t_ % bs_ : 0) {}
@@ -369,10 +366,9 @@ struct PartCursor {
   inline void next() {
     if (!base || t >= len) return;
     prefetch_rows<T, HB>(base + (table[b] * bs + o) * row + g * W * HB, 1, row);
-    if (++g == nkv) {
-      g = 0, ++t;
-      if (++o == bs) o = 0, ++b;
-    }
+    if (++g < nkv) return;
+    g = 0, ++t;
+    if (++o == bs) o = 0, ++b;
   }
 };
 
