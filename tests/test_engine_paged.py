@@ -1,6 +1,7 @@
 """Block placement (contiguous runs when the pool allows), the two decode strategies of the
 paged attention backend: in place per sequence (CPU) and one padded gather (CUDA's), and the idle
-engine mapping the cache's pages ahead of their first writes (KVCache.prefault)."""
+engine mapping the cache's pages ahead of their first writes (KVCache.prefault), or all of a cache the user sized
+before it serves."""
 
 from __future__ import annotations
 
@@ -213,11 +214,12 @@ def test_prefault_maps_the_cache_without_changing_it():
     cache.data[1, 0, 5] = 3.0
     cache.data[0, 1, -1] = -2.0
     before = _resident_bytes()
-    assert cache.prefault(1 << 20, 0) is False and not cache._prefaulted  # no block wanted: nothing mapped
-    pieces = 0
-    while cache.prefault(1 << 20, 1024):
-        pieces += 1
-    assert pieces == cache.nbytes // (2 << 20) and cache.prefault(1 << 20, 1024) is False  # a 2 MiB piece a call
+    assert cache.prefault(1 << 20, 0) == 0 and not cache._prefaulted  # no block wanted: nothing mapped
+    got = [cache.prefault(1 << 20, 1024)]
+    while got[-1] < 1024:
+        got.append(cache.prefault(1 << 20, 1024))
+    # a 2 MiB piece a call, slab by slab (2 layers x keys, values of 4 MiB): blocks [0, n) mapped once every slab is
+    assert got == [0, 0, 0, 512, 512, 512, 512, 1024] and cache.prefault(1 << 20, 1024) == 1024
     assert _resident_bytes() - before >= 0.9 * (cache.nbytes - (4 << 20))  # mapped now, bar the two 2 MiB pages written
     assert cache.data[1, 0, 5].eq(3.0).all() and cache.data[0, 1, -1].eq(-2.0).all()
     assert cache.data.float().abs().sum().item() == 128 * 3.0 + 128 * 2.0  # a row is 2 x 64; all else still zero
@@ -229,8 +231,9 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
     from engines import AsyncLLMEngine
     from engines.core import async_engine
 
-    monkeypatch.setattr(async_engine, "PREFAULT_AHEAD", 64 << 10)  # of a 48 MiB cache: a few blocks
-    engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=48 << 20))
+    monkeypatch.setattr(async_engine, "PREFAULT_AHEAD", 64 << 10)  # a few blocks
+    # sized from free memory (GiBs, untouched): mapped as used and ahead, not whole
+    engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_memory_fraction=0.5))
     cache = engine.engine.executor.runner.cache
     per_block = cache.nbytes // cache.num_blocks
     longest = 64 * -(-engine.engine.max_model_len // 16)  # max_num_seqs sequences of the longest length
@@ -245,6 +248,7 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
 
     try:
         assert mapped_to(ahead) == ahead and not cache._prefaulted  # PREFAULT_AHEAD's worth, not the whole cache
+        assert ahead <= engine.engine.scheduler.blocks.mapped < cache.num_blocks  # told to the block manager
 
         async def main():
             outs = [o async for o in engine.generate("r", list(range(1, 200)),
@@ -260,6 +264,26 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
     finally:
         engine.shutdown()
     assert out.finished and len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _populate_works(),
+                    reason="madvise(MADV_POPULATE_WRITE) needs Linux 5.14+")
+def test_a_cache_the_user_sized_is_mapped_before_the_engine_serves(gpt2_dir):
+    from engines import AsyncLLMEngine
+
+    before = _resident_bytes()
+    engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=96 << 20))
+    try:
+        cache = engine.engine.executor.runner.cache
+        assert cache._prefaulted and engine.engine.scheduler.blocks.mapped == cache.num_blocks
+        assert _resident_bytes() - before >= cache.nbytes  # the cache's pages and the model's
+
+        async def main():
+            return [o async for o in engine.generate("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]
+
+        assert len(asyncio.run(main())[-1].outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")

@@ -118,6 +118,29 @@ def test_a_full_cache_still_places_each_sequence_in_one_run():
     assert bm.num_cached == 40 and bm.num_free == 40
 
 
+def test_a_lazily_mapped_pool_reuses_cold_cached_blocks_before_fresh_pages():
+    # blocks [0, 8) mapped (the idle engine's prefault; the rest would fault on first write): a new prompt takes the
+    # least recently released cached run below them, not the empty blocks above, and the recent content survives
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    bm.mapped = 8
+    a = computed(bm, seq(0, list(range(100, 112))))  # 3 full blocks + max_tokens 4: a run of 4
+    b = computed(bm, seq(1, list(range(200, 212))))
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [4, 5, 6]  # first fit, inside the mapped blocks
+    bm.free(a)
+    bm.free(b)  # released last: the hotter content
+    c = computed(bm, seq(2, [7] * 12))
+    assert c.block_ids == [0, 1, 2] and bm.high_water == 7  # a's mapped blocks again, nothing fresh touched
+    assert bm.match(seq(3, list(range(200, 213)))) == [4, 5, 6] and bm.match(seq(4, list(range(100, 113)))) == []
+    # what the cold cached blocks cannot hold now goes to fresh blocks, in one run
+    d = computed(bm, seq(5, [8] * 20))  # 5 blocks now, 6 expected: b's run [4, 8) is too short
+    assert d.block_ids == list(range(7, 12)) and bm.match(seq(6, list(range(200, 213)))) == [4, 5, 6]
+    # fully mapped (a device cache, a host that cannot map): plain first fit, cached content kept
+    bm2 = BlockManager(num_blocks=32, block_size=BS)
+    bm2.free(computed(bm2, seq(0, list(range(100, 112)))))
+    assert computed(bm2, seq(1, [7] * 12)).block_ids == [3, 4, 5]
+    assert bm2.match(seq(2, list(range(100, 113)))) == [0, 1, 2]
+
+
 def _tokens(plan) -> StepResult:
     return StepResult(plan.step, {w.seq_id: SeqResult(token_id=7) for w in (*plan.decode, *plan.prefill) if w.sample})
 

@@ -33,6 +33,13 @@ instead of gathering them (on 2 cores the gather cost 10x the attention itself):
   nothing hits. When no unreserved unheld block is left, blocks reserved by others are taken
   (reservations are hints: every block that no sequence holds counts in `num_free`), and only
   then cached blocks are evicted one by one.
+- a lazily mapped pool (a CPU cache whose pages the kernel maps on first write: `mapped` below the
+  pool's size) prefers mapped memory: a reservation whose blocks needed now would reach past the
+  mapped blocks takes, where one is long enough, the run around one of the least recently
+  released cached blocks below them instead (evicting cold prefix-cache content rather than
+  faulting fresh pages in the middle of a burst: on a 2-core EPYC VM mapping cost 1.8-10.4 s a
+  GiB, and a fresh server's first 64-stream burst ran at 15-20 % system time). The idle engine
+  maps more ahead (engines/core/async_engine.py), so the cache still grows between bursts.
 
 Block tables stay correct whatever the placement; contiguity only makes attention cheaper.
 Pure Python (no torch): the tuner's simulator runs it too.
@@ -45,11 +52,14 @@ import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 from engines.core.sequence import Sequence
 
 _ALLOCATED, _FREE, _RESERVED, _CACHED = 0, 1, 2, 3  # _CACHED: no holder, content kept for hits
 _FREE_RUN = re.compile(rb"\x01+")
+LRU_CANDIDATES = 8
+"""Least recently released cached blocks a new run is sought around (the first long enough wins)."""
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -88,6 +98,9 @@ class BlockManager:
         self._reservations: dict[int, list[int]] = {}  # seq_id -> its reserved (not yet taken) blocks
         self._num_free = num_blocks
         self.high_water = 0
+        self.mapped = num_blocks
+        """Blocks [0, max(mapped, high_water)) are known to have their pages mapped; the serving engine's idle loop
+        lowers it to what it mapped so far (KVCache.prefault). The pool's size: every block alike (plain first fit)."""
         """Blocks [0, high_water) have been taken at least once (first fit fills the pool from the bottom): the
         idle engine keeps the KV cache's pages mapped some way above it (engines/core/async_engine.py)."""
         self._by_hash: dict[bytes, int] = {}  # content key -> cached block
@@ -213,10 +226,10 @@ class BlockManager:
         if n > self._num_free:
             raise RuntimeError(f"KV cache out of blocks: need {n}, {self._num_free} free")
         ids = seq.block_ids
-        for _ in range(n):
+        for k in range(n):
             nxt = ids[-1] + 1 if ids else -1
             if not (0 <= nxt < self.num_blocks and self._takeable(nxt, seq.seq_id)):
-                nxt = self._reserve(seq, self._expected_blocks(seq, num_tokens) - len(ids))
+                nxt = self._reserve(seq, self._expected_blocks(seq, num_tokens) - len(ids), n - k)
             self._take(nxt)
             ids.append(nxt)
 
@@ -256,20 +269,26 @@ class BlockManager:
         if b >= self.high_water:
             self.high_water = b + 1
 
-    def _reserve(self, seq: Sequence, want: int) -> int:
+    def _reserve(self, seq: Sequence, want: int, now: int = 1) -> int:
         """Start a new run for `seq`: reserve up to `want` empty blocks and return the first; with
-        none left, a block reserved by another sequence, else the least recently released cached one."""
-        want = max(want, 1)
+        none left, a block reserved by another sequence, else the least recently released cached one.
+        `now`: the blocks the caller takes at once (in a lazily mapped pool they should be mapped)."""
+        want, now = max(want, 1), max(min(now, want), 1)
         start = end = -1
         m = re.search(rb"\x01{%d,}" % want, self._state)  # first fit
-        if m:
+        bound = max(self.mapped, self.high_water)
+        if self._evictable and bound < self.num_blocks and (m is None or m.start() + now > bound):
+            lo, hi = self._lru_run(want, bound, now)  # cold cached blocks' mapped pages before fresh ones
+            if hi - lo >= now:
+                start, end = lo, hi
+        if start < 0 and m:
             start, end = m.start(), m.start() + want
-        else:
+        elif start < 0:
             best = max(_FREE_RUN.finditer(self._state), key=lambda r: r.end() - r.start(), default=None)
             if best is not None:
                 start, end = best.start(), best.end()
             if self._evictable and end - start < want:
-                lo, hi = self._lru_run(want)
+                lo, hi = self._lru_run(want, self.num_blocks, want)
                 if hi - lo > end - start:
                     start, end = lo, hi
         if start < 0:
@@ -283,16 +302,21 @@ class BlockManager:
             mine.append(b)
         return start
 
-    def _lru_run(self, want: int) -> tuple[int, int]:
-        """[lo, hi): up to `want` unheld, unreserved blocks (empty or cached) around the least recently
-        released cached block that no other sequence reserved, its predecessors first; (0, 0): none."""
+    def _lru_run(self, want: int, bound: int, enough: int) -> tuple[int, int]:
+        """[lo, hi): up to `want` unheld, unreserved blocks (empty or cached) below `bound` around one of the
+        least recently released cached blocks that no other sequence reserved, its predecessors first: the
+        first such run of at least `enough` blocks among the LRU_CANDIDATES oldest, else the longest; (0, 0):
+        none."""
         st, owner = self._state, self._owner
-        b = next((b for b in self._evictable if b not in owner), -1)
-        if b < 0:
-            return 0, 0
-        lo, hi = b, b + 1
-        while lo > 0 and hi - lo < want and st[lo - 1] in (_FREE, _CACHED) and lo - 1 not in owner:
-            lo -= 1
-        while hi < self.num_blocks and hi - lo < want and st[hi] in (_FREE, _CACHED) and hi not in owner:
-            hi += 1
-        return lo, hi
+        best = (0, 0)
+        for b in islice((b for b in self._evictable if b not in owner and b < bound), LRU_CANDIDATES):
+            lo, hi = b, b + 1
+            while lo > 0 and hi - lo < want and st[lo - 1] in (_FREE, _CACHED) and lo - 1 not in owner:
+                lo -= 1
+            while hi < bound and hi - lo < want and st[hi] in (_FREE, _CACHED) and hi not in owner:
+                hi += 1
+            if hi - lo >= enough:
+                return lo, hi
+            if hi - lo > best[1] - best[0]:
+                best = (lo, hi)
+        return best

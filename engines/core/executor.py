@@ -32,11 +32,11 @@ class Executor(abc.ABC):
     def check_health(self) -> None:
         """Raise ExecutorError when a worker is gone."""
 
-    def prefault(self, max_bytes: int, upto_block: int) -> bool:
+    def prefault(self, max_bytes: int, upto_block: int) -> int:
         """Map up to `max_bytes` more of the KV cache's blocks [0, upto_block) ahead of their first writes
-        (engines.model.attention.KVCache.prefault); True while more is left. Executors whose caches live in other
-        processes map nothing."""
-        return False
+        (engines.model.attention.KVCache.prefault); returns n: blocks [0, n) are mapped. Executors whose caches
+        live in other processes map nothing and return num_blocks (every block alike for the block manager)."""
+        return self.num_blocks
 
     def shutdown(self) -> None:
         """Release workers and memory."""
@@ -77,8 +77,8 @@ class InProcessExecutor(Executor):
         self.adaptive.record(cls, n, time.perf_counter() - t)
         return result
 
-    def prefault(self, max_bytes: int, upto_block: int) -> bool:
-        return self.runner is not None and self.runner.cache.prefault(max_bytes, upto_block)
+    def prefault(self, max_bytes: int, upto_block: int) -> int:
+        return self.runner.cache.prefault(max_bytes, upto_block) if self.runner is not None else self.num_blocks
 
     def shutdown(self) -> None:
         self.runner = None  # type: ignore[assignment]

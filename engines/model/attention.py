@@ -83,31 +83,34 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def prefault(self, max_bytes: int, upto_block: int) -> bool:
+    def prefault(self, max_bytes: int, upto_block: int) -> int:
         """Map up to `max_bytes` more of the CPU cache's pages of blocks [0, upto_block) ahead of their first writes
         (host_memory.populate), lowest blocks first (the order the block manager fills the pool in: first fit), all
-        layers' keys and values alike. True while such pages are left; False once they are mapped or the host
-        cannot (a device cache: none to map). The engine's idle loop calls it (engines/core/async_engine.py); the
-        contents never change."""
+        layers' keys and values alike. Returns n: blocks [0, n) are mapped now (the pool's size where nothing is
+        left to map: all of it mapped, a device cache, or a host that cannot); the caller stops once n >=
+        upto_block. The engine's idle loop calls it (engines/core/async_engine.py) and tells the block manager
+        (BlockManager.mapped); the contents never change."""
         if self.data.device.type != "cpu" or self._prefaulted:
-            return False
+            return self.num_blocks
         slabs = self.data.shape[0] * self.data.shape[1]
         slab = self.nbytes // slabs  # one layer's keys (or values) of every slot
-        limit = min(slab, upto_block * (slab // (self.data.shape[2] // self.block_size)))
+        per_block = slab // self.num_blocks
+        limit = min(slab, upto_block * per_block)
         done = 0
-        while done < max_bytes:
+        while True:
             off, i = divmod(self._prefault_at, slabs)  # the next 2 MB of slab i: off counts whole rounds
             off *= HUGE_PAGE
-            if off >= limit:
-                self._prefaulted = off >= slab
-                return False
+            if off >= slab:
+                self._prefaulted = True
+                return self.num_blocks
+            if off >= limit or done >= max_bytes:
+                return off // per_block  # whole rounds: every slab mapped that far
             n = min(HUGE_PAGE, slab - off)
             if not populate(self.data, i * slab + off, n):
                 self._prefaulted = True
-                return False
+                return self.num_blocks
             self._prefault_at += 1
             done += n
-        return True
 
 
 class PagedAttention:
