@@ -275,7 +275,7 @@ def test_a_cache_the_user_sized_is_mapped_before_the_engine_serves(gpt2_dir):
     engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=96 << 20))
     try:
         cache = engine.engine.executor.runner.cache
-        assert cache._prefaulted and engine.engine.scheduler.blocks.mapped == cache.num_blocks
+        assert engine.engine.cache_mapped and cache._prefaulted and engine.engine.scheduler.blocks.mapped == cache.num_blocks
         assert _resident_bytes() - before >= cache.nbytes  # the cache's pages and the model's
 
         async def main():

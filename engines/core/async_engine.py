@@ -67,30 +67,13 @@ class AsyncLLMEngine:
         per_block = kv_bytes_per_block(engine.executor.model_config, engine.config)
         longest = engine.config.max_num_seqs * -(-engine.max_model_len // engine.config.block_size)
         self._ahead_blocks = max(1, min(PREFAULT_AHEAD // per_block, longest))
-        self._mapped_to = 0  # blocks [0, _mapped_to) mapped (or as far as the host could)
-        if engine.config.kv_cache_bytes or engine.config.num_kv_blocks:
-            self._map_whole_cache()
+        # blocks [0, _mapped_to) mapped (or as far as the host could): all of a cache the user sized (LLMEngine)
+        self._mapped_to = engine.executor.num_blocks if engine.cache_mapped else 0
         self._busy_from: int | None = None  # high_water when the current busy period began
         self.dead: BaseException | None = None
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
-
-    def _map_whole_cache(self) -> None:
-        """A cache whose size the user set is mapped before the engine serves, as vLLM and TensorRT-LLM allocate
-        theirs up front: the first burst then writes no fresh page. Mapped on first write instead, the SmolLM2 fp32
-        HTTP mix's first 64-stream burst on a fresh server (2-core EPYC VM, where the hypervisor backs a guest
-        page on its first touch: 5-9 s a GiB) spent 15-20 % of the CPU zeroing pages, its prefill steps ~5.3 s
-        against ~3.2 s, TTFT p90 ~17-21 s against 13.6 s; the idle loop cannot map ahead of a burst that comes
-        seconds after the last. A cache sized from free memory is still mapped as it is used (and ahead, while
-        idle): it may be most of the host's memory."""
-        executor, blocks = self.engine.executor, self.engine.scheduler.blocks
-        t = time.perf_counter()
-        mapped = executor.prefault(1 << 62, executor.num_blocks)
-        blocks.mapped = mapped
-        self._mapped_to = mapped
-        if mapped >= executor.num_blocks and time.perf_counter() - t > 1:
-            log.info("mapped the KV cache's %d blocks in %.1f s", mapped, time.perf_counter() - t)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, engine_config: EngineConfig | None = None,

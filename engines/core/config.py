@@ -57,9 +57,9 @@ class EngineConfig:
     kv_cache_bytes: int = 0
     """Memory budget of the paged KV cache (all layers, keys and values); 0 sizes it from the
     device's memory with kv_cache_memory_fraction (see engines.core.kv_sizing). A CPU cache sized
-    here (or by num_kv_blocks) is mapped whole before a serving engine serves, as vLLM allocates its
-    own (engines/core/async_engine.py: on a 2-core EPYC VM 5-9 s a GiB of start, and TTFT p90 of a
-    first 64-stream burst ~13 s against ~17-19 s with its pages mapped on first write)."""
+    here (or by num_kv_blocks) is mapped whole before the engine runs, as vLLM allocates its own
+    (engines/core/llm_engine.py LLMEngine._map_cache: on a 2-core EPYC VM 5-9 s a GiB of start, and
+    TTFT p90 of a first 64-stream burst ~13 s against ~17-19 s with its pages mapped on first write)."""
     kv_cache_memory_fraction: float = 0.9
     """With kv_cache_bytes 0: the fraction of the device's memory this engine may hold in all
     (like vLLM's gpu_memory_utilization, default 0.9). On CUDA: of the device's total memory, less
