@@ -100,7 +100,8 @@ class BlockManager:
         self.high_water = 0
         self.mapped = num_blocks
         """Blocks [0, max(mapped, high_water)) are known to have their pages mapped: what KVCache.prefault mapped so
-        far (a user-sized cache all of it, LLMEngine._map_cache; else the serving engine's idle loop, ahead). The pool's size: every block alike (plain first fit)."""
+        far (a user-sized cache all of it, LLMEngine._map_cache; else the serving engine's idle loop, ahead). The
+        pool's size: every block alike (plain first fit)."""
         """Blocks [0, high_water) have been taken at least once (first fit fills the pool from the bottom): the
         idle engine keeps the KV cache's pages mapped some way above it (engines/core/async_engine.py)."""
         self._by_hash: dict[bytes, int] = {}  # content key -> cached block

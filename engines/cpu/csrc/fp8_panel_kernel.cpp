@@ -170,7 +170,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void row_chunk_avx2(co
   const int64_t ahead = k2 * 32 + F8_AHEAD;
   const int64_t line = ahead < panel ? ahead : BACK ? ahead - (G + 1) * panel : ahead + (G - 1) * panel;
   _Pragma("GCC unroll 16") for (int g = 0; g < G; ++g) {
-    if constexpr (ASK) _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);  // a line / 2 chunks
+    if constexpr (ASK)  // a line every 2 chunks
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);
     __m256 a0, b0, a1, b1;
     decode32_pairs_avx2(w + g * panel + k2 * 32, a0, b0, a1, b1);
     c[2 * g] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, c[2 * g]));
