@@ -1,6 +1,7 @@
 """Decode attention on CPU: the paged kernel's read rate against a streaming read measured in the same run.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--rows 64] [--context 145-290] [--dtypes float32,bfloat16]
+        [--tables scattered,sequential,cached]
 
 A batched decode step's attention reads every running sequence's keys and values once per layer: at 64 rows of
 SmolLM2's shape (3 kv heads of 64, 9 query heads) and ~220 positions that is 28 MB a layer in fp32, and none of it is
@@ -9,6 +10,12 @@ its ceiling is the host's streaming read. Here `paged_decode` (engines/cpu/csrc/
 decode step calls) runs over 30 layers' worth of block tables in a cache of huge pages as the engine allocates it
 (blocks scattered as a long-running server leaves them), and each repetition's 30 calls are timed against an fp32 sum
 over 1 GiB in the same process, alternating; the figure is the median ratio of achieved bytes/s to that read.
+
+--tables: how the blocks lie. `scattered` (the default): a random permutation of the cache, as a long-running server
+leaves it; `sequential`: each sequence's blocks one after another, as a fresh engine hands them out (the offline mix's
+decode steps read such tables); `cached`: the first 16 rows' sequential tables for every layer, a working set of a few
+MB read again and again, so it lies in the last-level cache where the host leaves it there: the kernel's rate with
+memory mostly out of the way, its compute ceiling. Each row also gives ns a row's position per thread.
 """
 
 from __future__ import annotations
@@ -25,6 +32,22 @@ import torch
 
 from benchmarks.common import cpu_line
 
+CACHED_ROWS = 16
+"""Rows of the `cached` layout: SmolLM2's fp32 keys and values of 16 rows at ~220 positions are ~5.5 MB."""
+
+
+def layout_tables(layout: str, rows: int, per_seq: int, layers: int, blocks: int, g: torch.Generator) -> list:
+    """One block table (rows, per_seq) int64 a layer, its blocks below `blocks`, laid out as --tables names them."""
+    if layout == "scattered":
+        return [torch.randperm(blocks, generator=g)[: rows * per_seq].view(rows, per_seq).contiguous()
+                for _ in range(layers)]
+    if layout == "sequential":
+        return [(torch.arange(rows * per_seq) + i * rows * per_seq).view(rows, per_seq) for i in range(layers)]
+    if layout == "cached":
+        n = min(CACHED_ROWS, rows)
+        return [torch.arange(n * per_seq).view(n, per_seq)] * layers
+    raise ValueError(f"tables: scattered, sequential or cached, got {layout!r}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,6 +56,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--layers", type=int, default=30, help="distinct block tables (one a layer)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--tables", default="scattered", help="comma list of: scattered, sequential, cached (see above)")
     args = ap.parse_args()
     try:
         lo, hi = (int(v) for v in args.context.split("-"))
@@ -43,6 +67,13 @@ def main() -> None:
     for d in dtypes:
         if d not in ("float32", "bfloat16"):
             ap.error(f"--dtypes: each must be float32 or bfloat16, got {d!r}")
+
+    layouts = [t.strip() for t in args.tables.split(",") if t.strip()]
+    for t in layouts:
+        if t not in ("scattered", "sequential", "cached"):
+            ap.error(f"--tables: each must be scattered, sequential or cached, got {t!r}")
+    if not layouts:
+        ap.error("--tables: name at least one of scattered, sequential, cached")
 
     from engines.cpu import kernels
     from engines.cpu.host_memory import huge_page_zeros
@@ -60,8 +91,9 @@ def main() -> None:
     stream.sum()
     print(f"{args.rows} rows x {lo}-{hi} positions (mean {lens.float().mean():.0f}), {nh} query / {nkv} kv heads of "
           f"{hd}, block size {bs}, {args.layers} layers' tables over {blocks} blocks; median of {args.repeats}")
-    print("| dtype | attention ms a layer | read GB/s | streaming read GB/s | fraction |")
-    print("|---|---|---|---|---|")
+    print("| dtype | tables | attention ms a layer | read GB/s | streaming read GB/s | fraction | ns a row's position a thread |")
+    print("|---|---|---|---|---|---|---|")
+    threads = torch.get_num_threads()
     for name in dtypes:
         dt = getattr(torch, name)
         es = torch.tensor([], dtype=dt).element_size()
@@ -74,24 +106,29 @@ def main() -> None:
             return t
 
         kc, vc = cache(), cache()
-        tables = [torch.randperm(blocks, generator=g)[: args.rows * per_seq].view(args.rows, per_seq).contiguous()
-                  for _ in range(args.layers)]
         q = torch.randn(args.rows, nh, hd, generator=g).to(dt)
-        nbytes = int(lens.sum()) * nkv * hd * 2 * es  # keys and values, once
-        for t in tables[:3]:
-            mod.paged_decode(q, kc, vc, t, lens, bs)
-        attn, read = [], []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            for t in tables:
-                mod.paged_decode(q, kc, vc, t, lens, bs)
-            attn.append((time.perf_counter() - t0) / len(tables))
-            t0 = time.perf_counter()
-            stream.sum()
-            read.append(stream.numel() * 4 / (time.perf_counter() - t0))
-        a, r = statistics.median(attn), statistics.median(read)
-        ratio = statistics.median(nbytes / x / y for x, y in zip(attn, read))
-        print(f"| {name} | {a * 1e3:.3f} | {nbytes / a / 1e9:.1f} | {r / 1e9:.1f} | **{ratio:.0%}** |", flush=True)
+        for layout in layouts:
+            tables = layout_tables(layout, args.rows, per_seq, args.layers, blocks, g)
+            rows = tables[0].size(0)
+            ln, qq = lens[:rows], q[:rows]
+            nbytes = int(ln.sum()) * nkv * hd * 2 * es  # keys and values, once
+            for t in tables[:3]:
+                mod.paged_decode(qq, kc, vc, t, ln, bs)
+            attn, read = [], []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                for t in tables:
+                    mod.paged_decode(qq, kc, vc, t, ln, bs)
+                attn.append((time.perf_counter() - t0) / len(tables))
+                t0 = time.perf_counter()
+                stream.sum()
+                read.append(stream.numel() * 4 / (time.perf_counter() - t0))
+            a, r = statistics.median(attn), statistics.median(read)
+            ratio = statistics.median(nbytes / x / y for x, y in zip(attn, read))
+            per_pos = a * threads / int(ln.sum()) * 1e9
+            label = f"{layout} ({rows} rows)" if rows != args.rows else layout
+            print(f"| {name} | {label} | {a * 1e3:.3f} | {nbytes / a / 1e9:.1f} | {r / 1e9:.1f} | **{ratio:.0%}** | "
+                  f"{per_pos:.0f} |", flush=True)
         del kc, vc
 
 
