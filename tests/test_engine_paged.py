@@ -6,6 +6,7 @@ before it serves."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import sys
@@ -196,8 +197,13 @@ def test_batched_fresh_prefill_equals_one_prompt_at_a_time(gqa):
 
 
 def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """This process's resident anonymous memory (the KV cache's pages are anonymous): file pages, which the host
+    may reclaim at any moment (mapped libraries, model files), would make a difference of two readings shrink."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("/proc/self/status has no RssAnon line")
 
 
 def _populate_works() -> bool:
@@ -271,6 +277,7 @@ def test_idle_engine_maps_its_cache_ahead_of_use_and_still_serves(gpt2_dir, monk
 def test_a_cache_the_user_sized_is_mapped_before_the_engine_serves(gpt2_dir):
     from engines import AsyncLLMEngine
 
+    gc.collect()  # earlier tests' garbage freed now, not inside the window measured (their pages would leave RSS)
     before = _resident_bytes()
     engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_bytes=96 << 20))
     try:
