@@ -14,7 +14,7 @@ over 1 GiB in the same process, alternating; the figure is the median ratio of a
 --tables: how the blocks lie. `scattered` (the default): a random permutation of the cache, as a long-running server
 leaves it; `sequential`: each sequence's blocks one after another, as a fresh engine hands them out (the offline mix's
 decode steps read such tables); `cached`: the first 16 rows' sequential tables for every layer, a working set of a few
-MB read again and again, so it lies in the last-level cache where the host leaves it there: the kernel's rate with
+MB read again and again, which stays in the last-level cache as far as the host lets it: the kernel's rate with
 memory mostly out of the way, its compute ceiling. Each row also gives ns a row's position per thread.
 """
 
@@ -32,6 +32,9 @@ import torch
 
 from benchmarks.common import cpu_line
 
+LAYOUTS = ("scattered", "sequential", "cached")
+"""--tables' choices (layout_tables)."""
+CHOICES = f"{', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]}"
 CACHED_ROWS = 16
 """Rows of the `cached` layout: SmolLM2's fp32 keys and values of 16 rows at ~220 positions are ~5.5 MB."""
 
@@ -46,7 +49,7 @@ def layout_tables(layout: str, rows: int, per_seq: int, layers: int, blocks: int
     if layout == "cached":
         n = min(CACHED_ROWS, rows)
         return [torch.arange(n * per_seq).view(n, per_seq)] * layers
-    raise ValueError(f"tables: scattered, sequential or cached, got {layout!r}")
+    raise ValueError(f"tables: {CHOICES}, got {layout!r}")
 
 
 def main() -> None:
@@ -56,7 +59,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--layers", type=int, default=30, help="distinct block tables (one a layer)")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--tables", default="scattered", help="comma list of: scattered, sequential, cached (see above)")
+    ap.add_argument("--tables", default="scattered", help=f"comma list of: {', '.join(LAYOUTS)} (see above)")
     args = ap.parse_args()
     try:
         lo, hi = (int(v) for v in args.context.split("-"))
@@ -70,10 +73,10 @@ def main() -> None:
 
     layouts = [t.strip() for t in args.tables.split(",") if t.strip()]
     for t in layouts:
-        if t not in ("scattered", "sequential", "cached"):
-            ap.error(f"--tables: each must be scattered, sequential or cached, got {t!r}")
+        if t not in LAYOUTS:
+            ap.error(f"--tables: each must be {CHOICES}, got {t!r}")
     if not layouts:
-        ap.error("--tables: name at least one of scattered, sequential, cached")
+        ap.error(f"--tables: name at least one of {', '.join(LAYOUTS)}")
 
     from engines.cpu import kernels
     from engines.cpu.host_memory import huge_page_zeros

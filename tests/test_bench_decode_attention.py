@@ -4,6 +4,7 @@
 import sys
 
 import pytest
+import torch
 
 from benchmarks import bench_decode_attention as bench
 from engines.cpu import kernels
@@ -33,8 +34,6 @@ def test_a_bad_layout_names_the_option(capsys, monkeypatch):
 
 
 def test_layouts_lie_as_named():
-    import torch
-
     g = torch.Generator().manual_seed(0)
     rows, per_seq, layers, blocks = 20, 5, 3, 20 * 5 * 3 + 16
     scattered = bench.layout_tables("scattered", rows, per_seq, layers, blocks, g)
