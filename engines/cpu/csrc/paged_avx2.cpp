@@ -38,14 +38,15 @@ __attribute__((target("avx2,fma"))) inline __m256 below(int64_t j, int64_t valid
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// A build for AVX2 without AVX-512 (-march=native on such a host): attend_tiles' 16-lane vectors are two ymm
-// registers each there, and GCC kept their arrays (a key's partial sums, the shuffle tree's operands) on the stack:
-// 64 SmolLM2 rows x 200 positions took 4.4 ms a layer on 2 threads of a Zen 3 EPYC (4.5 GB/s of fp32 cache), against
-// 1.2 ms on one thread of an AVX-512 Xeon. Here with 8-lane intrinsics: a query head's scaled query in registers
-// (hd <= 64), 8 keys' partial sums reduced by one hadd tree, a head's value sums in registers (64 lanes a pass); bf16
-// rows widened in registers. The same walk (block by block in table order, each kv head's rows for its query heads,
-// the next block's rows requested as these are read) and the same softmax; sums in a different order than the
-// AVX-512 build's, so the bits are this build's own (any split of heads or sequences over threads gives the same)
+// A build for AVX2 without AVX-512 (-march=native on such a host): attend_tiles' 16-lane vectors are two ymm registers
+// each there, and GCC kept their arrays (a key's partial sums, the shuffle tree's operands) on the stack: 64 SmolLM2
+// rows x 200 positions took 4.4 ms a layer on 2 threads of a Zen 3 EPYC (4.5 GB/s of fp32 cache), against 1.2 ms on one
+// thread of an AVX-512 Xeon. Here with 8-lane intrinsics: a query head's scaled query in registers (hd <= 64), 8 keys'
+// partial sums reduced by one hadd tree, a head's value sums in registers (64 lanes a pass); bf16 rows widened in
+// registers, once for two or three query heads of their kv head (scores_group_avx2, values_group_avx2). The same walk
+// (block by block in table order, each kv head's rows for its query heads, the next block's rows requested as these are
+// read) and the same softmax; sums in a different order than the AVX-512 build's, so the bits are this build's own (any
+// split of heads or sequences over threads gives the same)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -139,6 +140,77 @@ inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, flo
   }
 }
 
+// scores_avx2 for NG (2 or 3) query heads of one kv head at once, bf16 rows: each key row is widened once for all of
+// them, the heads' scaled queries (hd apart) read from L1 as the multiply-adds' operands; dst: the heads' scores,
+// lpad apart. Each head's sums are scores_avx2's chains in its order: the same bits
+template <typename T, int H8, int NG>
+inline void scores_group_avx2(const float* qs, const T* k, int64_t n, int64_t row, float* dst, int64_t lpad,
+                              const T* ka, PartCursor<T, H8 / 2>* vs) {
+  constexpr int64_t hd = 8 * H8;
+  static_assert(H8 % 2 == 0 && NG >= 2 && NG <= 3, "scores_group_avx2: two chains a head");
+  alignas(32) float part[NG][8][8];
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t c = std::min<int64_t>(8, n - i0);
+    for (int64_t i = 0; i < c; ++i) {
+      const T* kr = k + (i0 + i) * row;
+      if (ka) prefetch_rows<T, H8 / 2>(ka + (i0 + i) * row, 1, row);
+      if (vs) vs->next();
+      __m256 p[NG][2];
+      const __m256 k0 = load8(kr), k1 = load8(kr + 8);
+      for (int h = 0; h < NG; ++h) {
+        p[h][0] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd), k0);
+        p[h][1] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd + 8), k1);
+      }
+      for (int u = 2; u < H8; u += 2) {
+        const __m256 ku0 = load8(kr + 8 * u), ku1 = load8(kr + 8 * u + 8);
+        for (int h = 0; h < NG; ++h) {
+          p[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * u), ku0, p[h][0]);
+          p[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * u + 8), ku1, p[h][1]);
+        }
+      }
+      for (int h = 0; h < NG; ++h) _mm256_store_ps(part[h][i], _mm256_add_ps(p[h][0], p[h][1]));
+    }
+    for (int h = 0; h < NG; ++h) {
+      __m256 r8[8];
+      for (int64_t i = 0; i < 8; ++i) r8[i] = i < c ? _mm256_load_ps(part[h][i]) : _mm256_setzero_ps();
+      const __m256 r = hsum8(r8);
+      float* d = dst + h * lpad + i0;
+      if (c == 8) {
+        _mm256_storeu_ps(d, r);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, r);
+        std::memcpy(d, t, c * sizeof(float));
+      }
+    }
+  }
+}
+
+// one kv head's scores over a block for its `group` query heads: bf16 rows three (or two) heads at a time, a last
+// single head and fp32 rows one head at a time (scores_avx2); the first pass asks for the next block's keys (ka) and
+// this task's values (vs), a row at a time
+template <typename T, int H8>
+inline void scores_heads_avx2(const float* qs, const T* k, int64_t n, int64_t row, float* dst, int64_t lpad,
+                              int64_t group, const T* ka, PartCursor<T, H8 / 2>* vs) {
+  constexpr int64_t hd = 8 * H8;
+  for (int64_t h = 0; h < group;) {
+    const int64_t left = group - h;
+    const T* ask = h == 0 ? ka : nullptr;
+    PartCursor<T, H8 / 2>* cursor = h == 0 ? vs : nullptr;
+    if constexpr (!std::is_same_v<T, float> && H8 % 2 == 0) {
+      if (left >= 2) {
+        const int take = left == 2 || left == 4 ? 2 : 3;
+        if (take == 2) scores_group_avx2<T, H8, 2>(qs + h * hd, k, n, row, dst + h * lpad, lpad, ask, cursor);
+        else scores_group_avx2<T, H8, 3>(qs + h * hd, k, n, row, dst + h * lpad, lpad, ask, cursor);
+        h += take;
+        continue;
+      }
+    }
+    scores_avx2<T, H8>(qs + h * hd, k, n, row, dst + h * lpad, ask, cursor);
+    ++h;
+  }
+}
+
 // acc (8 * H8 lanes) += p[i] * v[i] over the n value rows at v (`row` apart), 64 lanes of sums in registers a pass;
 // row i of va (the next block's values) requested and a part of nk (the thread's next task's keys, NextKeys) asked
 // for as value row i is read (first pass)
@@ -159,6 +231,66 @@ inline void values_avx2(const float* p, const T* v, int64_t n, int64_t row, floa
       for (int u = 0; u < C; ++u) a[u] = _mm256_fmadd_ps(pi, load8(vr + 8 * u), a[u]);
     }
     for (int u = 0; u < C; ++u) _mm256_storeu_ps(acc + 8 * (u0 + u), a[u]);
+  }
+}
+
+// values_avx2 for NG (2 or 3) query heads of one kv head at once, bf16 rows: each value row is widened once for all of
+// them (values_avx2 widens it once a head), 32 lanes a pass, NG x 4 sums in registers. acc: the heads' sums (hd apart),
+// p: their weights (lpad apart). The same fused multiply-adds in the same order as values_avx2's: the same bits.
+// With scores_group_avx2, 2-core Zen 3 EPYC, 64 rows x 112-224 positions, 1 and 8 layers' tables, both builds
+// alternating in one process, median of 9: bf16 SmolLM2 (9 query / 3 kv heads of 64) 1.22-1.34x, 32 / 8 heads
+// 1.15-1.24x, 14 / 2 1.22-1.39x (1 and 2 threads); this pass alone 1.07-1.13x. fp32 rows need no widening: the
+// same grouping there (both passes) gave 0.95-1.07x at 9 / 3 heads, so fp32 keeps the one-head loops
+template <typename T, int H8, int NG>
+inline void values_group_avx2(const float* p, int64_t lpad, const T* v, int64_t n, int64_t row, float* acc,
+                              const T* va, PartCursor<T, H8 / 2>* nk) {
+  constexpr int C = 4;
+  constexpr int64_t hd = 8 * H8;
+  static_assert(H8 % C == 0 && NG >= 2 && NG <= 3, "values_group_avx2: 32-lane passes, NG x 4 + NG + 1 registers");
+  for (int u0 = 0; u0 < H8; u0 += C) {
+    __m256 a[NG][C];
+    for (int h = 0; h < NG; ++h)
+      for (int u = 0; u < C; ++u) a[h][u] = _mm256_loadu_ps(acc + h * hd + 8 * (u0 + u));
+    for (int64_t i = 0; i < n; ++i) {
+      if (u0 == 0) {
+        if (va) prefetch_rows<T, H8 / 2>(va + i * row, 1, row);
+        if (nk) nk->next();
+      }
+      const T* vr = v + i * row + 8 * u0;
+      __m256 pi[NG];
+      for (int h = 0; h < NG; ++h) pi[h] = _mm256_broadcast_ss(p + h * lpad + i);
+      for (int u = 0; u < C; ++u) {
+        const __m256 x = load8(vr + 8 * u);
+        for (int h = 0; h < NG; ++h) a[h][u] = _mm256_fmadd_ps(pi[h], x, a[h][u]);
+      }
+    }
+    for (int h = 0; h < NG; ++h)
+      for (int u = 0; u < C; ++u) _mm256_storeu_ps(acc + h * hd + 8 * (u0 + u), a[h][u]);
+  }
+}
+
+// one kv head's value pass over a block for its `group` query heads from h0: bf16 rows three (or two) heads at a time
+// (values_group_avx2), a last single head and fp32 rows one head at a time (values_avx2); the first pass asks for the
+// next block's values (va) and the next task's keys (nk)
+template <typename T, int H8>
+inline void values_heads_avx2(const float* p, int64_t lpad, const T* v, int64_t n, int64_t row, float* acc,
+                              int64_t group, const T* va, PartCursor<T, H8 / 2>* nk) {
+  constexpr int64_t hd = 8 * H8;
+  for (int64_t h = 0; h < group;) {
+    const int64_t left = group - h;
+    const T* ask = h == 0 ? va : nullptr;
+    PartCursor<T, H8 / 2>* cursor = h == 0 ? nk : nullptr;
+    if constexpr (!std::is_same_v<T, float> && H8 % 4 == 0) {
+      if (left >= 2) {
+        const int take = left == 2 || left == 4 ? 2 : 3;
+        if (take == 2) values_group_avx2<T, H8, 2>(p + h * lpad, lpad, v, n, row, acc + h * hd, ask, cursor);
+        else values_group_avx2<T, H8, 3>(p + h * lpad, lpad, v, n, row, acc + h * hd, ask, cursor);
+        h += take;
+        continue;
+      }
+    }
+    values_avx2<T, H8>(p + h * lpad, v, n, row, acc + h * hd, ask, cursor);
+    ++h;
   }
 }
 
@@ -188,9 +320,8 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
     for (int64_t g = 0; g < nkv; ++g) {
       const T* k = kc + table[b] * bs * row + g * hd;
       const T* kn = more ? kc + table[b + 1] * bs * row + g * hd : nullptr;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h)  // the group's first head asks, a row at a time
-        scores_avx2<T, H8>(qs.data() + h * hd, k, n, row, scores + h * lpad + t - t0,
-                           h == g * group ? kn : nullptr, h == g * group ? &vs : nullptr);
+      scores_heads_avx2<T, H8>(qs.data() + g * group * hd, k, n, row, scores + g * group * lpad + t - t0, lpad, group,
+                               kn, &vs);
     }
   }
   decode_softmax_avx2(scores, m, lpad, nq, hd, acc, pm, pl, pacc);
@@ -199,9 +330,8 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
     for (int64_t g = 0; g < nkv; ++g) {
       const T* v = vc + table[b] * bs * row + g * hd;
       const T* vn = t + bs < len ? vc + table[b + 1] * bs * row + g * hd : nullptr;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        values_avx2<T, H8>(scores + h * lpad + t - t0, v, n, row, acc + h * hd, h == g * group ? vn : nullptr,
-                           h == g * group ? &nk : nullptr);
+      values_heads_avx2<T, H8>(scores + g * group * lpad + t - t0, lpad, v, n, row, acc + g * group * hd, group, vn,
+                               &nk);
     }
   }
   write_heads(scores, m, lpad, nq, hd, acc, out);
