@@ -186,29 +186,40 @@ inline void scores_group_avx2(const float* qs, const T* k, int64_t n, int64_t ro
   }
 }
 
-// one kv head's scores over a block for its `group` query heads: bf16 rows three (or two) heads at a time, a last
-// single head and fp32 rows one head at a time (scores_avx2); the first pass asks for the next block's keys (ka) and
-// this task's values (vs), a row at a time
+// a kv head's `group` query heads as the grouped passes take them (GROUPED): three at a time, two where two or four
+// are left, a last one alone; f(first head, std::integral_constant<int, heads>). Not GROUPED: one at a time
+template <bool GROUPED, typename F>
+inline void head_groups(int64_t group, F&& f) {
+  for (int64_t h = 0; h < group;) {
+    if constexpr (GROUPED) {
+      const int64_t left = group - h;
+      if (left == 2 || left == 4) {
+        f(h, std::integral_constant<int, 2>{}), h += 2;
+        continue;
+      }
+      if (left >= 3) {
+        f(h, std::integral_constant<int, 3>{}), h += 3;
+        continue;
+      }
+    }
+    f(h, std::integral_constant<int, 1>{}), ++h;
+  }
+}
+
+// one kv head's scores over a block for its `group` query heads: bf16 rows by head_groups (scores_group_avx2), fp32
+// rows one head at a time (scores_avx2); the first pass asks for the next block's keys (ka) and this task's values
+// (vs), a row at a time
 template <typename T, int H8>
 inline void scores_heads_avx2(const float* qs, const T* k, int64_t n, int64_t row, float* dst, int64_t lpad,
                               int64_t group, const T* ka, PartCursor<T, H8 / 2>* vs) {
   constexpr int64_t hd = 8 * H8;
-  for (int64_t h = 0; h < group;) {
-    const int64_t left = group - h;
+  head_groups<!std::is_same_v<T, float> && H8 % 2 == 0>(group, [&](int64_t h, auto heads) {
+    constexpr int NG = decltype(heads)::value;
     const T* ask = h == 0 ? ka : nullptr;
     PartCursor<T, H8 / 2>* cursor = h == 0 ? vs : nullptr;
-    if constexpr (!std::is_same_v<T, float> && H8 % 2 == 0) {
-      if (left >= 2) {
-        const int take = left == 2 || left == 4 ? 2 : 3;
-        if (take == 2) scores_group_avx2<T, H8, 2>(qs + h * hd, k, n, row, dst + h * lpad, lpad, ask, cursor);
-        else scores_group_avx2<T, H8, 3>(qs + h * hd, k, n, row, dst + h * lpad, lpad, ask, cursor);
-        h += take;
-        continue;
-      }
-    }
-    scores_avx2<T, H8>(qs + h * hd, k, n, row, dst + h * lpad, ask, cursor);
-    ++h;
-  }
+    if constexpr (NG == 1) scores_avx2<T, H8>(qs + h * hd, k, n, row, dst + h * lpad, ask, cursor);
+    else scores_group_avx2<T, H8, NG>(qs + h * hd, k, n, row, dst + h * lpad, lpad, ask, cursor);
+  });
 }
 
 // acc (8 * H8 lanes) += p[i] * v[i] over the n value rows at v (`row` apart), 64 lanes of sums in registers a pass;
@@ -269,29 +280,20 @@ inline void values_group_avx2(const float* p, int64_t lpad, const T* v, int64_t 
   }
 }
 
-// one kv head's value pass over a block for its `group` query heads from h0: bf16 rows three (or two) heads at a time
-// (values_group_avx2), a last single head and fp32 rows one head at a time (values_avx2); the first pass asks for the
-// next block's values (va) and the next task's keys (nk)
+// one kv head's value pass over a block for its `group` query heads: bf16 rows by head_groups (values_group_avx2),
+// fp32 rows one head at a time (values_avx2); the first pass asks for the next block's values (va) and the next
+// task's keys (nk)
 template <typename T, int H8>
 inline void values_heads_avx2(const float* p, int64_t lpad, const T* v, int64_t n, int64_t row, float* acc,
                               int64_t group, const T* va, PartCursor<T, H8 / 2>* nk) {
   constexpr int64_t hd = 8 * H8;
-  for (int64_t h = 0; h < group;) {
-    const int64_t left = group - h;
+  head_groups<!std::is_same_v<T, float> && H8 % 4 == 0>(group, [&](int64_t h, auto heads) {
+    constexpr int NG = decltype(heads)::value;
     const T* ask = h == 0 ? va : nullptr;
     PartCursor<T, H8 / 2>* cursor = h == 0 ? nk : nullptr;
-    if constexpr (!std::is_same_v<T, float> && H8 % 4 == 0) {
-      if (left >= 2) {
-        const int take = left == 2 || left == 4 ? 2 : 3;
-        if (take == 2) values_group_avx2<T, H8, 2>(p + h * lpad, lpad, v, n, row, acc + h * hd, ask, cursor);
-        else values_group_avx2<T, H8, 3>(p + h * lpad, lpad, v, n, row, acc + h * hd, ask, cursor);
-        h += take;
-        continue;
-      }
-    }
-    values_avx2<T, H8>(p + h * lpad, v, n, row, acc + h * hd, ask, cursor);
-    ++h;
-  }
+    if constexpr (NG == 1) values_avx2<T, H8>(p + h * lpad, v, n, row, acc + h * hd, ask, cursor);
+    else values_group_avx2<T, H8, NG>(p + h * lpad, lpad, v, n, row, acc + h * hd, ask, cursor);
+  });
 }
 
 // attend_tiles' work (same arguments) with the loops above; hd = 8 * H8 (H8 = 2 HB)
