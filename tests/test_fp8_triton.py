@@ -19,10 +19,11 @@ TRITON = ROOT / ".venv" / "triton-interp"
 CHECK = r'''
 import torch
 from engines.transforms.fp8 import Fp8Linear
-from engines.transforms.fp8_triton import CONFIGS, WeightOnlyFp8Linear, triton_available, wo_fp8_linear
+from engines.transforms.fp8_triton import CONFIGS, WeightOnlyFp8Linear, split_plan, triton_available, wo_fp8_linear
 
 assert triton_available("cpu")
 torch.manual_seed(0)
+splits = set()
 for n, k, bias in ((40, 130, True), (48, 256, False), (64, 576, True)):  # K a multiple of BLOCK_K or not
     ref = Fp8Linear.quantize(torch.nn.Linear(k, n, bias=bias))  # e4m3 weight, per-channel scales
     w = ref.weight.float() * ref.weight_scale.float()  # what the kernel computes with
@@ -33,11 +34,14 @@ for n, k, bias in ((40, 130, True), (48, 256, False), (64, 576, True)):  # K a m
             if bias:
                 layer.bias = torch.nn.Parameter(ref.bias.detach().to(dtype), requires_grad=False)
             assert layer.weight.data_ptr() == ref.weight.data_ptr()  # one byte a weight, shared, no copy
-            for m in (1, 5, 17, 40):
+            for m in (1, 5, 17, 40, 70):  # 70: past SPLIT_MAX_ROWS, never split
                 x = torch.randn(m, k).to(dtype)
                 want = (x.float() @ w.T + b).to(dtype)
                 torch.testing.assert_close(layer(x), want, atol=1e-3, rtol=1.6e-2 if dtype == torch.bfloat16 else 2e-3,
                                            msg=lambda s: f"{n}x{k} {dtype} {config} m={m}: {s}")
+                assert not layer.counters.any(), "a split call left its tile counters set"
+                splits.add(split_plan(m, n, k, layer.block_n, layer.block_k, layer.per_sm, 4))
+assert {(3, 2), (5, 1), (2, 1)} <= splits, splits  # ragged and whole slices both ran (4 SMs under the interpreter)
 layer = WeightOnlyFp8Linear(ref, "wo-n32")
 layer.bias = torch.nn.Parameter(ref.bias.detach().bfloat16(), requires_grad=False)
 x = torch.randn(2, 3, 576).bfloat16()
@@ -50,14 +54,21 @@ for bad, what in ((x.float().view(6, 576), "bfloat16 or float16"), (x.view(6, 57
         assert what in str(exc), exc
     else:
         raise AssertionError(f"no error for {what}")
+try:
+    wo_fp8_linear(x.view(6, 576), layer.weight, layer.scale, None, 32, 128, per_sm=4)
+except ValueError as exc:
+    assert "counters" in str(exc), exc
+else:
+    raise AssertionError("no error for a split call without counters")
 print("OK")
 '''
 
 
 def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
-    """Every config at 1-40 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows: the kernel's
-    output equals x @ (e4m3 weight * per-channel scale)^T + bias rounded to x's dtype; compiled = eager; bad
-    input gets a ValueError naming what is allowed."""
+    """Every config at 1-70 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows, K split into whole
+    and ragged slices or not split: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias
+    rounded to x's dtype, and a split call leaves its tile counters at zero; compiled = eager; bad input gets a
+    ValueError naming what is allowed."""
     if not (TRITON / "triton").is_dir():
         pytest.skip(f"triton's interpreter is not installed in {TRITON} (make setup installs it)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TRITON), str(ROOT)]))

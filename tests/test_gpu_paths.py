@@ -12,8 +12,8 @@ from engines.core.kv_sizing import kv_cache_budget
 from engines.core.llm_engine import LLMEngine
 from engines.core.plan import SeqWork
 from engines.runner.decode_runner import StaticDecodeBackend, capture_plan
-from engines.transforms.fp8 import Fp8Linear
-from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, pick, quantize_tensor
+from engines.transforms.fp8 import Fp8Linear, ScaledMMLinear
+from engines.transforms.fp8_choice import Fp8ByRows, TensorwiseScaledMMLinear, pick, quantize_tensor, row_slot
 from engines.transforms.fp8_format import dequantize
 
 
@@ -93,11 +93,29 @@ def test_gqa_decode_attention_equals_repeated_kv_reference():
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_kernel_choice_is_the_fastest_and_never_a_failed_one():
-    assert pick({"rowwise": [3.0, 3.0], "tensorwise": [1.0, 1.5], "bf16": [2.0, 2.0]}) == "tensorwise"
-    assert pick({"rowwise": [3.0], "tensorwise": [None], "bf16": [2.0]}) == "bf16"
-    assert pick({"rowwise": [1.0], "tensorwise": [1.0], "bf16": [1.0]}) == "bf16"  # ties keep bf16
-    assert pick({"rowwise": [None], "tensorwise": [None], "bf16": [None]}) == "bf16"
+def test_fp8_kernel_plan_is_the_fastest_per_row_count_and_never_a_failed_one():
+    """A variant per timed row count; bf16 (a second copy of the weight) only for all of them, when its total is
+    no more than the FP8 plan's; a variant that failed anywhere is out."""
+    assert pick({"rowwise": [3.0, 3.0], "tensorwise": [1.0, 1.5], "bf16": [2.0, 2.0]}) == ("tensorwise",) * 2
+    assert pick({"wo-n32-sk4": [1.0, 2.0, 9.0], "tensorwise": [3.0, 2.5, 4.0], "bf16": [2.0, 3.0, 4.5]}) == (
+        "wo-n32-sk4", "wo-n32-sk4", "tensorwise")  # 1 + 2 + 4 against bf16's 9.5
+    assert pick({"wo-n32": [1.0, 2.0, 9.0], "tensorwise": [3.0, 2.5, 6.6], "bf16": [2.0, 3.0, 4.5]}) == ("bf16",) * 3
+    assert pick({"rowwise": [3.0], "tensorwise": [None], "bf16": [2.0]}) == ("bf16",)
+    assert pick({"rowwise": [1.0, 1.0], "tensorwise": [0.5, None], "bf16": [5.0, 5.0]}) == ("rowwise",) * 2
+    assert pick({"rowwise": [1.0], "tensorwise": [1.0], "bf16": [1.0]}) == ("bf16",)  # ties keep bf16
+    assert pick({"rowwise": [None], "tensorwise": [None], "bf16": [None]}) == ("bf16",)
+
+
+def test_fp8_by_rows_runs_the_variant_of_the_nearest_timed_row_count():
+    torch.manual_seed(0)
+    src = Fp8Linear.quantize(torch.nn.Linear(64, 48, bias=True))
+    variants = {"tensorwise": TensorwiseScaledMMLinear(src), "rowwise": ScaledMMLinear(src)}
+    layer = Fp8ByRows(variants, ("tensorwise", "tensorwise", "rowwise"), (1, 8, 64))
+    assert [row_slot(m, (1, 8, 64)) for m in (1, 2, 3, 22, 23, 64, 500)] == [0, 0, 1, 1, 2, 2, 2]
+    for shape, kind in (((1, 64), "tensorwise"), ((2, 11, 64), "tensorwise"), ((4, 16, 64), "rowwise")):
+        x = torch.randn(*shape)
+        assert torch.equal(layer(x), variants[kind](x)), (shape, kind)
+    assert variants["tensorwise"].weight is variants["rowwise"].weight is src.weight  # one e4m3 copy
 
 
 def test_tensorwise_fp8_equals_dequantize_then_matmul():

@@ -10,8 +10,9 @@ step), how each layer runs:
   torch._scaled_mm(x_fp8 (M, K) row-major, W_fp8^T (K, N) column-major, scale_a (M, 1),
   scale_b (1, N)) with a bf16 result: half the weight bytes of bf16 and the FP8 tensor cores.
   Layers whose K or N is not a multiple of 16 (a _scaled_mm rule) run "dequant" instead.
-  engines/transforms/fp8_choice.py times that, a tensor-wise variant, the weight-only Triton kernel
-  (engines/transforms/fp8_triton.py) and plain bf16 for each layer shape, and keeps the fastest.
+  engines/transforms/fp8_choice.py times that, a tensor-wise variant, the weight-only Triton kernels
+  (engines/transforms/fp8_triton.py) and plain bf16 for each layer shape, and keeps the fastest per decode
+  row count.
 - "dequant" (CPU, pre-8.9 GPUs, weight-only files): the weight is dequantized once to the compute
   dtype and the layer becomes a plain nn.Linear (or RowParallelLinear). CPUs have no FP8 matmul
   fast path, and on a GPU without FP8 tensor cores a per-step dequantize reads 1 byte and writes
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +39,7 @@ from torch import nn
 from engines.core.config import WEIGHT_DTYPES
 from engines.parallel.comm import Comm
 from engines.parallel.tp import RowParallelLinear, ShardSpec
-from engines.transforms.fp8_choice import TensorwiseScaledMMLinear, choose_kernels
+from engines.transforms.fp8_choice import TIMING_ROWS, Fp8ByRows, TensorwiseScaledMMLinear, choose_kernels
 from engines.transforms.fp8_format import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize, quantize_rows
 from engines.transforms.fp8_triton import CONFIGS as WO_CONFIGS
 from engines.transforms.fp8_triton import WeightOnlyFp8Linear, triton_available
@@ -173,7 +175,8 @@ def w8a8_supported(device: torch.device | str) -> bool:
 
 @dataclass(frozen=True)
 class Fp8Report:
-    """What apply_fp8 did: layers quantized at load, layers per kernel, and the kernel rule."""
+    """What apply_fp8 did: layers quantized at load, layers run by an FP8 kernel on the device (w8a8: _scaled_mm or
+    the weight-only Triton kernel), layers dequantized or run by the CPU's e4m3 kernel, and the kernel rule."""
 
     quantized_at_load: int
     w8a8: int
@@ -249,28 +252,34 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
     if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
         timed = [m for m in fp8_layers if m.dynamic_activations and scaled_mm_shape_ok(m.in_features, m.out_features)]
         choice = choose_kernels(timed, dtype, {("bf16" if k == "dequant" else k): v for k, v in make.items()})
-    counts = dict.fromkeys(make, 0)
+    plans: Counter[tuple[str, ...]] = Counter()
     for parent, attr, mod in _block_linears(model):
         if not isinstance(mod, Fp8Linear):
             continue
-        kind = "dequant"
+        plan: tuple[str, ...] = ("dequant",)
         if fast and mod.dynamic_activations and scaled_mm_shape_ok(mod.in_features, mod.out_features):
-            picked = choice.get((mod.in_features, mod.out_features, mod.comm is not None), "rowwise")
-            kind = "dequant" if picked == "bf16" else picked
-        setattr(parent, attr, make[kind](mod))
-        counts[kind] += 1
+            picked = choice.get((mod.in_features, mod.out_features, mod.comm is not None), ("rowwise",))
+            plan = tuple("dequant" if k == "bf16" else k for k in picked)
+        if len(set(plan)) == 1:
+            setattr(parent, attr, make[plan[0]](mod))
+        else:  # a kernel per row count, all on the one e4m3 weight
+            setattr(parent, attr, Fp8ByRows({k: make[k](mod) for k in dict.fromkeys(plan)}, plan, TIMING_ROWS))
+        plans[plan if len(set(plan)) > 1 else plan[:1]] += 1
+    dequant = plans[("dequant",)]
     if fast:
-        weight_only = sum(counts.get(name, 0) for name in WO_CONFIGS)
-        backend = (f"w8a8 (torch._scaled_mm: {counts['rowwise']} row-wise, {counts['tensorwise']} tensor-wise "
-                   f"+ per-channel epilogue; {weight_only} weight-only (Triton, e4m3 widened in registers); "
-                   f"{counts['dequant']} bf16 where measured faster)")
+        names = {"rowwise": "_scaled_mm row-wise", "tensorwise": "_scaled_mm tensor-wise + per-channel epilogue",
+                 "dequant": "bf16 where measured faster"}
+        rows = "/".join(map(str, TIMING_ROWS))
+        backend = "w8a8, Linears per kernel (Triton wo-*: weight-only, e4m3 widened in registers): " + "; ".join(
+            f"{n} {names.get(p[0], p[0])}" if len(p) == 1 else f"{n} {' / '.join(p)} at {rows} rows"
+            for p, n in plans.most_common())
     elif panels:
         backend = (f"weight-only: {panels} Linears e4m3 in memory, widened in the CPU kernel"
-                   + (f"; {counts['dequant']} dequantized at load" if counts["dequant"] else ""))
+                   + (f"; {dequant} dequantized at load" if dequant else ""))
     else:
         backend = "weight-only (dequantized at load)"
-    return Fp8Report(quantized_at_load=at_load, w8a8=counts["rowwise"] + counts["tensorwise"],
-                     dequant=counts["dequant"] + panels, backend=backend)
+    return Fp8Report(quantized_at_load=at_load, w8a8=sum(plans.values()) - dequant, dequant=dequant + panels,
+                     backend=backend)
 
 
 def _dequantized(mod: Fp8Linear, dtype: torch.dtype) -> nn.Module:

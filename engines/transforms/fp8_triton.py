@@ -22,12 +22,19 @@ import os
 import torch
 from torch import nn
 
-CONFIGS = {"wo-n32": (32, 128)}
-"""Kernel variants timed at load: name -> (BLOCK_N outputs, BLOCK_K inputs) per program. On the H200 (2026-11-30,
-Llama-8B shapes, 1 / 8 / 64 rows) this one was the fastest of three on every shape; (16, 256) and (64, 128) were
-slower by 5-60 % and only added compile and timing time at load. It still reads weights at ~1.6 TB/s at one row
-(qkv 6144x4096: 15.4 us against bf16's 16.4; up 28672x4096: 44.4 against 56.6), far from the copy rate's ~4 TB/s:
-the next step is split-K (one program per SM streams a whole row block today)."""
+CONFIGS = {"wo-n32": (32, 128, 0), "wo-n32-sk2": (32, 128, 2), "wo-n32-sk4": (32, 128, 4),
+           "wo-n16-sk4": (16, 256, 4)}
+"""Kernel variants timed at load: name -> (BLOCK_N outputs, BLOCK_K inputs per program, programs per SM
+wanted through split-K; 0: none). Without a split, each program streams a whole BLOCK_N row block of W: on the
+H200 (2026-11-30, Llama-8B shapes) "wo-n32" read the weights at ~1.6 TB/s at one row (qkv 6144x4096: 15.4 us
+against bf16's 16.4), 128-192 programs for 132 SMs, too few loads in flight for HBM. A split cuts K into
+slices so that about that many programs run per SM; each writes its fp32 partial sums, and the last slice of a
+tile to finish (a counter per tile) adds the slices in slice order (the same sum whatever the finishing order)
+and stores the bf16 result: one launch, no memset. (16, 256) and (64, 128) without a split were 5-60 % slower
+than "wo-n32" on every shape there."""
+
+SPLIT_MAX_ROWS = 64
+"""Split-K only for decode-sized products: past this many rows the tiles alone fill the device."""
 
 
 def _interpreting() -> bool:
@@ -41,23 +48,25 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def wo_fp8_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
+    def wo_fp8_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                      K: tl.constexpr, KB_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       UPCAST: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)  # this program's slice of K: KB_SPLIT blocks of BLOCK_K
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
+        rk = pid_k * (KB_SPLIT * BLOCK_K) + tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # (BLOCK_M, BLOCK_K)
         w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # (BLOCK_K, BLOCK_N): W^T's tile
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(tl.cdiv(K, BLOCK_K)):
-            if K % BLOCK_K == 0:  # no mask along the contiguous axis: 16-byte loads
+        for kb in range(KB_SPLIT):
+            if EVEN_K:  # every slice whole: no mask along the contiguous axis, 16-byte loads
                 x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
                 w = tl.load(w_ptrs, mask=rn[None, :] < N, other=0.0)
-            else:
-                k_ok = (kb * BLOCK_K + rk) < K
+            else:  # past K (a ragged last block, or a last slice's blocks beyond K) reads zeros
+                k_ok = (rk + kb * BLOCK_K) < K
                 x = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0)
             if UPCAST:  # the interpreter's tl.dot multiplies bf16 inputs' raw bits (triton 3.6): fp32 there
@@ -66,12 +75,27 @@ def _kernel():
                 acc += tl.dot(x, w.to(x.dtype))
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        n_ok = rn < N
-        acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]  # per-channel scale: linear, so per slice
+        if SPLIT_K == 1:
+            last = pid_k == 0  # (always true) the one program of the tile stores it
+        else:
+            mp = tl.num_programs(1) * BLOCK_M  # the workspace (SPLIT_K, mp, np) fp32 is padded: no masks
+            np_ = tl.num_programs(0) * BLOCK_N
+            tl.store(ws_ptr + (pid_k * mp + rm[:, None]) * np_ + rn[None, :], acc)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            last = tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1  # the tile's last slice to finish
+            if last:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT_K):  # slice order: the same sum whichever slice came last
+                    acc += tl.load(ws_ptr + (s * mp + rm[:, None]) * np_ + rn[None, :], cache_modifier=".cg")
+                tl.atomic_xchg(tile, 0)  # ready for the next call (a replayed graph too)
+        if last:
+            n_ok = rn < N
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
     return wo_fp8_linear
 
@@ -99,9 +123,33 @@ def block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+@functools.lru_cache(maxsize=8)
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 under the interpreter (so that the tests' small shapes split)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def split_plan(m: int, n: int, k: int, block_n: int, block_k: int, per_sm: int, sms: int) -> tuple[int, int]:
+    """(slices of K, BLOCK_K blocks a slice) giving about per_sm programs per SM; (1, all) without a split."""
+    kb = -(-k // block_k)
+    tiles = -(-n // block_n) * -(-m // block_m(m))
+    if per_sm <= 0 or m > SPLIT_MAX_ROWS:
+        return 1, kb
+    split = max(1, min(kb, round(per_sm * sms / tiles)))
+    per = -(-kb // split)
+    return -(-kb // per), per  # no empty slice
+
+
+def counter_slots(n: int, block_n: int) -> int:
+    """Tile counters a split kernel needs for up to SPLIT_MAX_ROWS rows of an N-output Linear."""
+    return -(-n // block_n) * -(-SPLIT_MAX_ROWS // 16)
+
+
 def wo_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  block_n: int, block_k: int) -> torch.Tensor:
-    """x (M, K) bf16/fp16 @ (weight (N, K) e4m3 * scale (N,) fp32)^T + bias -> (M, N) in x's dtype."""
+                  block_n: int, block_k: int, per_sm: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) bf16/fp16 @ (weight (N, K) e4m3 * scale (N,) fp32)^T + bias -> (M, N) in x's dtype. per_sm > 0
+    splits K (see CONFIGS) and needs `counters`: int32 zeros, counter_slots(N, block_n) of them, which each call
+    leaves at zero again; calls that share them must not run at the same time."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"wo_fp8_linear: x must be bfloat16 or float16, got {x.dtype}")
     if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -110,22 +158,32 @@ def wo_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
     n = weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bm = block_m(m)
-    grid = ((n + block_n - 1) // block_n, (m + bm - 1) // bm)
-    _kernel()[grid](x, weight, scale, bias if bias is not None else scale, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
-                    K=k, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-                    UPCAST=_interpreting(), num_warps=4, num_stages=4)
+    grid_n, grid_m = (n + block_n - 1) // block_n, (m + bm - 1) // bm
+    split, per = split_plan(m, n, k, block_n, block_k, per_sm, multiprocessors(x.device))
+    ws = scale  # unused without a split
+    if split > 1:
+        if counters is None or counters.dtype != torch.int32 or counters.numel() < grid_n * grid_m:
+            raise ValueError(f"wo_fp8_linear: a split-K call needs int32 counters, {grid_n * grid_m} at least")
+        ws = torch.empty(split * grid_m * bm * grid_n * block_n, device=x.device, dtype=torch.float32)
+    even = k % block_k == 0 and split * per == -(-k // block_k)
+    _kernel()[(grid_n, grid_m, split)](
+        x, weight, scale, bias if bias is not None else scale, y, ws, counters if split > 1 else scale, m, n,
+        x.stride(0), weight.stride(0), y.stride(0), K=k, KB_SPLIT=per, SPLIT_K=split, EVEN_K=even,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=_interpreting(),
+        num_warps=4, num_stages=4)
     return y
 
 
 @torch.library.custom_op("shardserve::wo_fp8_linear", mutates_args=())
 def wo_fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     block_n: int, block_k: int) -> torch.Tensor:
-    """wo_fp8_linear as one operator for a compiled decode step (fullgraph), which calls it as it is."""
-    return wo_fp8_linear(x, weight, scale, bias, block_n, block_k)
+                     block_n: int, block_k: int, per_sm: int, counters: torch.Tensor | None) -> torch.Tensor:
+    """wo_fp8_linear as one operator for a compiled decode step (fullgraph), which calls it as it is. The
+    counters a split call uses are back at zero when it returns: no mutation is visible to the graph."""
+    return wo_fp8_linear(x, weight, scale, bias, block_n, block_k, per_sm, counters)
 
 
 @wo_fp8_linear_op.register_fake
-def _(x, weight, scale, bias, block_n, block_k):
+def _(x, weight, scale, bias, block_n, block_k, per_sm, counters):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -139,16 +197,19 @@ class WeightOnlyFp8Linear(nn.Module):
         if config not in CONFIGS:
             raise ValueError(f"weight-only FP8 config {config!r}; allowed: {sorted(CONFIGS)}")
         self.in_features, self.out_features, self.config = src.in_features, src.out_features, config
-        self.block_n, self.block_k = CONFIGS[config]
+        self.block_n, self.block_k, self.per_sm = CONFIGS[config]
         self.weight = src.weight  # (N, K) e4m3, shared with the source: no copy
         self.register_buffer("scale", src.weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
+        self.register_buffer("counters", torch.zeros(counter_slots(self.out_features, self.block_n) if self.per_sm
+                                                     else 1, dtype=torch.int32, device=src.weight.device),
+                             persistent=False)
         self.bias, self.comm = src.bias, src.comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
         fused_bias = self.bias if self.comm is None else None
         run = wo_fp8_linear_op if torch.compiler.is_compiling() else wo_fp8_linear  # eager skips the dispatch
-        y = run(x2, self.weight, self.scale, fused_bias, self.block_n, self.block_k)
+        y = run(x2, self.weight, self.scale, fused_bias, self.block_n, self.block_k, self.per_sm, self.counters)
         if self.comm is not None:
             y = self.comm.all_reduce(y, "tp_layer")
             if self.bias is not None:
