@@ -10,6 +10,7 @@ that would start past --budget-s is skipped and says so):
   decode   batch-1 bf16 decode, CUDA graphs of the eager step against graphs of the compiled step
            (compile_decode on): the Llama-8B shape as a fraction of the HBM roofline (weights + KV
            read once a step at the copy rate), GPT-2-medium tok/s (was 629 on the H200).
+  fp8-kernels  (not in the default list) the FP8 load-time kernel timing alone on the Llama-8B Linear shapes.
   fp8      Llama-8B shape, FP8 (each layer shape's kernel measured at load) against bf16 at batch
            1 / 8 / 64, in the faster of the two step kinds above, with the kernel choice.
   capture  Llama-8B shape, max_model_len 2048, max_num_seqs 64: graphs captured at load within the
@@ -185,6 +186,50 @@ def section_fp8(dev, smoke, tmp, env) -> dict:
     return out
 
 
+LLAMA_8B_LINEARS = {"qkv": (4096, 6144), "o": (4096, 4096), "up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
+
+
+def section_fp8_kernels(dev, smoke, tmp, env) -> dict:
+    """The load-time FP8 kernel timing alone (engines/transforms/fp8_choice.py) on random e4m3 layers of the
+    Llama-8B Linear shapes, every kernel the engine can pick: a minute, no model written or loaded."""
+    from engines.transforms.fp8 import Fp8Linear, kernel_builders
+    from engines.transforms.fp8_choice import TIMINGS, choose_kernels
+
+    if dev != "cuda":
+        note("fp8-kernels: skipped (CUDA graphs time the kernels)")
+        return {"skipped": True}
+    make = {("bf16" if k == "dequant" else k): v for k, v in kernel_builders(torch.bfloat16, dev).items()}
+    layers = []
+    for k, n in LLAMA_8B_LINEARS.values():
+        for _ in range(8):
+            lin = Fp8Linear(k, n, False, None, torch.bfloat16, dev)
+            lin.weight.data = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn)
+            lin.weight_scale.data = torch.rand(n, 1, device=dev) * 1e-2 + 1e-3
+            layers.append(lin)
+    worst = 0.0
+    for lin in layers[::8]:  # each shape's first layer, every weight-only config, against the dequantized product
+        w = lin.weight.float() * lin.weight_scale
+        for config, build in make.items():
+            if config.startswith("wo-"):
+                mod = build(lin)
+                for m in (1, 8, 64):
+                    x = torch.randn(m, lin.in_features, device=dev, dtype=torch.bfloat16)
+                    want = x.float() @ w.T
+                    worst = max(worst, ((mod(x).float() - want).abs().max() / want.abs().max()).item())
+    note(f"fp8-kernels: weight-only configs vs the dequantized product, worst error {worst:.2e}  [<= 1e-2]")
+    TIMINGS.clear()
+    plans = choose_kernels(layers, torch.bfloat16, make)
+    out = {"worst_rel_err": worst}
+    for name, (k, n) in LLAMA_8B_LINEARS.items():
+        ts = TIMINGS[(k, n, False)]
+        out[name] = {"plan": plans[(k, n, False)], "us": {v: [round(t * 1e6, 1) if t else None for t in x]
+                                                          for v, x in ts.items()}}
+        note(f"fp8-kernels {name} {n}x{k}, us at 1 / 8 / 64 rows: " + "; ".join(
+            f"{v} " + "/".join(f"{t * 1e6:.1f}" if t else "-" for t in x) for v, x in ts.items())
+            + f" -> {'/'.join(plans[(k, n, False)])}")
+    return out
+
+
 def section_capture(dev, smoke, tmp, env) -> dict:
     name = "smoke-llama" if smoke else "llama-8b"
     d = random_checkpoint(name, tmp)
@@ -294,7 +339,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     from gpu_tuner import section_tuner
 
-    sections = {"decode": section_decode, "fp8": section_fp8, "capture": section_capture,
+    sections = {"decode": section_decode, "fp8": section_fp8, "fp8-kernels": section_fp8_kernels,
+                "capture": section_capture,
                 "parity": section_parity, "tuner": section_tuner,
                 "ppl": lambda *a: section_ppl(*a, model_dir=args.model_dir, val=args.val)}
     env: dict = {}

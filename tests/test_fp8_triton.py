@@ -66,7 +66,7 @@ print("OK")
 
 def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
     """Every config at 1-70 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows, K split into whole
-    and ragged slices or not split: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias
+    and ragged slices or not split, swapped (y^T = W x^T) or not: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias
     rounded to x's dtype, and a split call leaves its tile counters at zero; compiled = eager; bad input gets a
     ValueError naming what is allowed."""
     if not (TRITON / "triton").is_dir():

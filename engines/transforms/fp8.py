@@ -244,10 +244,7 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
                     setattr(parent, attr, Fp8PanelLinear.from_fp8(mod, dtype))
                     panels += 1
     fp8_layers = [mod for _, _, mod in _block_linears(model) if isinstance(mod, Fp8Linear)]
-    make = {"rowwise": ScaledMMLinear, "tensorwise": TensorwiseScaledMMLinear,
-            "dequant": lambda m: _dequantized(m, dtype)}  # how each kind is built from an Fp8Linear
-    if fast and not force_w8a8 and dtype in (torch.bfloat16, torch.float16) and triton_available(device):
-        make.update({name: functools.partial(WeightOnlyFp8Linear, config=name) for name in WO_CONFIGS})
+    make = kernel_builders(dtype, device, triton=fast and not force_w8a8)
     choice: dict = {}
     if fast and not force_w8a8 and fp8_layers:  # a real FP8 device: measure the kernels once here
         timed = [m for m in fp8_layers if m.dynamic_activations and scaled_mm_shape_ok(m.in_features, m.out_features)]
@@ -280,6 +277,16 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
         backend = "weight-only (dequantized at load)"
     return Fp8Report(quantized_at_load=at_load, w8a8=sum(plans.values()) - dequant, dequant=dequant + panels,
                      backend=backend)
+
+
+def kernel_builders(dtype: torch.dtype, device: torch.device | str, triton: bool = True) -> dict:
+    """How each kind of layer is built from an Fp8Linear: kind -> builder (rowwise, tensorwise, dequant, and the
+    weight-only Triton configs where `triton` is asked for and runs here for this dtype)."""
+    make = {"rowwise": ScaledMMLinear, "tensorwise": TensorwiseScaledMMLinear,
+            "dequant": lambda m: _dequantized(m, dtype)}
+    if triton and dtype in (torch.bfloat16, torch.float16) and triton_available(device):
+        make.update({name: functools.partial(WeightOnlyFp8Linear, config=name) for name in WO_CONFIGS})
+    return make
 
 
 def _dequantized(mod: Fp8Linear, dtype: torch.dtype) -> nn.Module:

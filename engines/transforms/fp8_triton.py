@@ -22,16 +22,17 @@ import os
 import torch
 from torch import nn
 
-CONFIGS = {"wo-n32": (32, 128, 0), "wo-n32-sk2": (32, 128, 2), "wo-n32-sk4": (32, 128, 4),
-           "wo-n16-sk4": (16, 256, 4)}
+CONFIGS = {"wo-n32": (32, 128, 0, False), "wo-n32-sk2": (32, 128, 2, False), "wo-n32-sk4": (32, 128, 4, False),
+           "wo-t64-sk2": (64, 128, 2, True), "wo-t64-sk4": (64, 128, 4, True), "wo-t128-sk4": (128, 64, 4, True)}
 """Kernel variants timed at load: name -> (BLOCK_N outputs, BLOCK_K inputs per program, programs per SM
-wanted through split-K; 0: none). Without a split, each program streams a whole BLOCK_N row block of W: on the
+wanted through split-K (0: none), swapped: the product computed as y^T = W x^T, the weight tile the wide
+operand (64 or 128 outputs, what Hopper's warp-group product wants as its M) and the rows the narrow one). Without a split, each program streams a whole BLOCK_N row block of W: on the
 H200 (2026-11-30, Llama-8B shapes) "wo-n32" read the weights at ~1.6 TB/s at one row (qkv 6144x4096: 15.4 us
 against bf16's 16.4), 128-192 programs for 132 SMs, too few loads in flight for HBM. A split cuts K into
 slices so that about that many programs run per SM; each writes its fp32 partial sums, and the last slice of a
 tile to finish (a counter per tile) adds the slices in slice order (the same sum whatever the finishing order)
 and stores the bf16 result: one launch, no memset. (16, 256) and (64, 128) without a split were 5-60 % slower
-than "wo-n32" on every shape there."""
+than "wo-n32" on every shape there; (16, 256) split four ways 10-90 % slower than wo-n32-sk4 (2026-12-04)."""
 
 SPLIT_MAX_ROWS = 64
 """Split-K only for decode-sized products: past this many rows the tiles alone fill the device."""
@@ -51,30 +52,50 @@ def _kernel():
     def wo_fp8_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wn, stride_ym,
                       K: tl.constexpr, KB_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      SWAP: tl.constexpr, UPCAST: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)  # this program's slice of K: KB_SPLIT blocks of BLOCK_K
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = pid_k * (KB_SPLIT * BLOCK_K) + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # (BLOCK_M, BLOCK_K)
-        w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # (BLOCK_K, BLOCK_N): W^T's tile
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(KB_SPLIT):
-            if EVEN_K:  # every slice whole: no mask along the contiguous axis, 16-byte loads
-                x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
-                w = tl.load(w_ptrs, mask=rn[None, :] < N, other=0.0)
-            else:  # past K (a ragged last block, or a last slice's blocks beyond K) reads zeros
-                k_ok = (rk + kb * BLOCK_K) < K
-                x = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0)
-            if UPCAST:  # the interpreter's tl.dot multiplies bf16 inputs' raw bits (triton 3.6): fp32 there
-                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(x, w.to(x.dtype))
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        if SWAP:  # the weight tile as the product's wide operand, the rows as its narrow one: y^T = W x^T
+            x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # (BLOCK_K, BLOCK_M): x^T's tile
+            w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]  # (BLOCK_N, BLOCK_K)
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for kb in range(KB_SPLIT):
+                if EVEN_K:
+                    x = tl.load(x_ptrs, mask=rm[None, :] < M, other=0.0)
+                    w = tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
+                else:
+                    k_ok = (rk + kb * BLOCK_K) < K
+                    x = tl.load(x_ptrs, mask=(rm[None, :] < M) & k_ok[:, None], other=0.0)
+                    w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
+                if UPCAST:
+                    acc_t += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+                else:
+                    acc_t += tl.dot(w.to(x.dtype), x)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            acc = tl.trans(acc_t)
+        else:
+            x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # (BLOCK_M, BLOCK_K)
+            w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # (BLOCK_K, BLOCK_N): W^T's tile
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(KB_SPLIT):
+                if EVEN_K:  # every slice whole: no mask along the contiguous axis, 16-byte loads
+                    x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
+                    w = tl.load(w_ptrs, mask=rn[None, :] < N, other=0.0)
+                else:  # past K (a ragged last block, or a last slice's blocks beyond K) reads zeros
+                    k_ok = (rk + kb * BLOCK_K) < K
+                    x = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0)
+                if UPCAST:  # the interpreter's tl.dot multiplies bf16 inputs' raw bits (triton 3.6): fp32 there
+                    acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, w.to(x.dtype))
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
         acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]  # per-channel scale: linear, so per slice
         if SPLIT_K == 1:
             last = pid_k == 0  # (always true) the one program of the tile stores it
@@ -146,9 +167,10 @@ def counter_slots(n: int, block_n: int) -> int:
 
 
 def wo_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  block_n: int, block_k: int, per_sm: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16/fp16 @ (weight (N, K) e4m3 * scale (N,) fp32)^T + bias -> (M, N) in x's dtype. per_sm > 0
-    splits K (see CONFIGS) and needs `counters`: int32 zeros, counter_slots(N, block_n) of them, which each call
+                  block_n: int, block_k: int, per_sm: int = 0, counters: torch.Tensor | None = None,
+                  swap: bool = False) -> torch.Tensor:
+    """x (M, K) bf16/fp16 @ (weight (N, K) e4m3 * scale (N,) fp32)^T + bias -> (M, N) in x's dtype. swap computes
+    y^T = W x^T (see CONFIGS); per_sm > 0 splits K and needs `counters`: int32 zeros, counter_slots(N, block_n) of them, which each call
     leaves at zero again; calls that share them must not run at the same time."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"wo_fp8_linear: x must be bfloat16 or float16, got {x.dtype}")
@@ -169,21 +191,21 @@ def wo_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
     _kernel()[(grid_n, grid_m, split)](
         x, weight, scale, bias if bias is not None else scale, y, ws, counters if split > 1 else scale, m, n,
         x.stride(0), weight.stride(0), y.stride(0), K=k, KB_SPLIT=per, SPLIT_K=split, EVEN_K=even,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=_interpreting(),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, UPCAST=_interpreting(),
         num_warps=4, num_stages=4)
     return y
 
 
 @torch.library.custom_op("shardserve::wo_fp8_linear", mutates_args=())
 def wo_fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     block_n: int, block_k: int, per_sm: int, counters: torch.Tensor | None) -> torch.Tensor:
+                     block_n: int, block_k: int, per_sm: int, counters: torch.Tensor | None, swap: bool) -> torch.Tensor:
     """wo_fp8_linear as one operator for a compiled decode step (fullgraph), which calls it as it is. The
     counters a split call uses are back at zero when it returns: no mutation is visible to the graph."""
-    return wo_fp8_linear(x, weight, scale, bias, block_n, block_k, per_sm, counters)
+    return wo_fp8_linear(x, weight, scale, bias, block_n, block_k, per_sm, counters, swap)
 
 
 @wo_fp8_linear_op.register_fake
-def _(x, weight, scale, bias, block_n, block_k, per_sm, counters):
+def _(x, weight, scale, bias, block_n, block_k, per_sm, counters, swap):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -197,7 +219,7 @@ class WeightOnlyFp8Linear(nn.Module):
         if config not in CONFIGS:
             raise ValueError(f"weight-only FP8 config {config!r}; allowed: {sorted(CONFIGS)}")
         self.in_features, self.out_features, self.config = src.in_features, src.out_features, config
-        self.block_n, self.block_k, self.per_sm = CONFIGS[config]
+        self.block_n, self.block_k, self.per_sm, self.swap = CONFIGS[config]
         self.weight = src.weight  # (N, K) e4m3, shared with the source: no copy
         self.register_buffer("scale", src.weight_scale.detach().float().reshape(-1).contiguous(), persistent=False)
         self.register_buffer("counters", torch.zeros(counter_slots(self.out_features, self.block_n) if self.per_sm
@@ -209,7 +231,8 @@ class WeightOnlyFp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         fused_bias = self.bias if self.comm is None else None
         run = wo_fp8_linear_op if torch.compiler.is_compiling() else wo_fp8_linear  # eager skips the dispatch
-        y = run(x2, self.weight, self.scale, fused_bias, self.block_n, self.block_k, self.per_sm, self.counters)
+        y = run(x2, self.weight, self.scale, fused_bias, self.block_n, self.block_k, self.per_sm, self.counters,
+                self.swap)
         if self.comm is not None:
             y = self.comm.all_reduce(y, "tp_layer")
             if self.bias is not None:
