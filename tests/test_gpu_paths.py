@@ -116,6 +116,9 @@ def test_fp8_by_rows_runs_the_variant_of_the_nearest_timed_row_count():
         x = torch.randn(*shape)
         assert torch.equal(layer(x), variants[kind](x)), (shape, kind)
     assert variants["tensorwise"].weight is variants["rowwise"].weight is src.weight  # one e4m3 copy
+    x = torch.randn(4, 16, 64)  # a compiled decode step (fullgraph) traces the choice: once per row count
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), variants["rowwise"](x))
 
 
 def test_tensorwise_fp8_equals_dequantize_then_matmul():
