@@ -257,11 +257,12 @@ def apply_fp8(model: nn.Module, weight_dtype: str, device: torch.device | str, d
         if fast and mod.dynamic_activations and scaled_mm_shape_ok(mod.in_features, mod.out_features):
             picked = choice.get((mod.in_features, mod.out_features, mod.comm is not None), ("rowwise",))
             plan = tuple("dequant" if k == "bf16" else k for k in picked)
-        if len(set(plan)) == 1:
-            setattr(parent, attr, make[plan[0]](mod))
+        kinds = tuple(dict.fromkeys(plan))  # the plan's distinct kernels
+        if len(kinds) == 1:
+            setattr(parent, attr, make[kinds[0]](mod))
         else:  # a kernel per row count, all on the one e4m3 weight
-            setattr(parent, attr, Fp8ByRows({k: make[k](mod) for k in dict.fromkeys(plan)}, plan, TIMING_ROWS))
-        plans[plan if len(set(plan)) > 1 else plan[:1]] += 1
+            setattr(parent, attr, Fp8ByRows({k: make[k](mod) for k in kinds}, plan, TIMING_ROWS))
+        plans[kinds if len(kinds) == 1 else plan] += 1
     dequant = plans[("dequant",)]
     if fast:
         names = {"rowwise": "_scaled_mm row-wise", "tensorwise": "_scaled_mm tensor-wise + per-channel epilogue",
