@@ -117,8 +117,8 @@ class EngineConfig:
     (batch 1; any batch >= 2 and context) compiled at load and cached on disk (engines/runner/compiled.py).
     on: turns the static decode path on and fails at load if no C++ compiler is found or inductor
     fails. auto: eager decode on CPU (measured on a 2-core AMD EPYC: bf16 batched decode +12-33%,
-    fp32 and batch 1 level, a first start ~105 s of compiling, BENCHMARKS.md issue 12 run 4); where
-    no compiler is found it says so with a warning. off: never."""
+    fp32 and batch 1 level, a first start ~105 s of compiling: issue 12 run 4, in BENCHMARKS.md's git
+    history); where no compiler is found it says so with a warning. off: never."""
     decode_attention: Literal["auto", "kernel", "loop"] = "auto"
     """CPU decode attention of the eager step. kernel: engines.cpu.paged_kernel, one C++ op per layer
     over the block table on the step's threads (built once per machine with the C++ compiler

@@ -175,8 +175,8 @@ class _ClassState:
         self.interval = EXPLORE_MIN
         # the first trial of another count comes after EXPLORE_MIN steps on this one, not at the
         # second step: a class may hold a handful of long steps (a 16-request mix ran two ~0.6 s
-        # prefills, and trying one thread on the second cost 0.45 s, 6% of the run: BENCHMARKS.md
-        # issue 12 run 11), and a trial only pays back over the steps that follow it
+        # prefills, and trying one thread on the second cost 0.45 s, 6% of the run: issue 12 run 11,
+        # in BENCHMARKS.md's git history), and a trial only pays back over the steps that follow it
         self.countdown = EXPLORE_MIN + 1
 
     def add(self, threads: int, seconds: float) -> collections.deque[float]:

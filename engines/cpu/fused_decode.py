@@ -1,18 +1,18 @@
 """A CPU decode step's transformer blocks in one C++ call: no Python between the ops.
 
-At batch 1 a GPT-2-124M decode token is ~10 ms of weight streaming (the Linears) and, in the
-module path, ~1.7 ms of ~300 small ops each entered from Python (norms, the QKV split, KV writes,
-attention, GELU, residual adds, FastLinear's dispatch; BENCHMARKS.md issue 12 run 12): the host
-waits on the interpreter while no weight is read; on a small model at a decode batch of 2-16 those ops
-are most of the step. Here the blocks of a decode-only step run as one C++ function calling the same
-kernels in the same order as engines/model/transformer.py with the kernel each FastLinear chose for the step's row
-count and engines/paged_kernel attention: at::layer_norm, the QKV Linear with its bias, the KV writes
-(one memcpy a row: what index_copy_ does), paged decode attention, the output projection plus the
-residual (the panel kernel adds it in its store loop, after its result is rounded, as torch's add;
-the other kernels through torch's add), layer_norm, the up projection, GELU, the down projection
-plus the residual. The same arithmetic on the same inputs: the hidden states are bitwise those of the
-module path (tests). The blocks' weight, kernel-copy and cache tensors are handed to C++ once
-(`bind`); a step passes a handle and the Linears' kernel codes.
+At batch 1 a GPT-2-124M decode token is ~10 ms of weight streaming (the Linears) and, in the module path,
+~1.7 ms of ~300 small ops each entered from Python (norms, the QKV split, KV writes, attention, GELU,
+residual adds, FastLinear's dispatch; issue 12 run 12, in BENCHMARKS.md's git history): the host waits on
+the interpreter while no weight is read; on a small model at a decode batch of 2-16 those ops are most of
+the step. Here the blocks of a decode-only step run as one C++ function calling the same kernels in the same
+order as engines/model/transformer.py with the kernel each FastLinear chose for the step's row count and
+engines/paged_kernel attention: at::layer_norm, the QKV Linear with its bias, the KV writes (one memcpy a
+row: what index_copy_ does), paged decode attention, the output projection plus the residual (the panel
+kernel adds it in its store loop, after its result is rounded, as torch's add; the other kernels through
+torch's add), layer_norm, the up projection, GELU, the down projection plus the residual. The same
+arithmetic on the same inputs: the hidden states are bitwise those of the module path (tests). The blocks'
+weight, kernel-copy and cache tensors are handed to C++ once (`bind`); a step passes a handle and the
+Linears' kernel codes.
 
 Where every block Linear runs the panel or the FP8 kernel (fp32 or bf16 rows), the step is ONE OpenMP
 parallel region (csrc/fused_team.cpp) instead of one a Linear and one an attention (~150 a token on

@@ -87,10 +87,10 @@ def resolve_compile(mode: str, device: torch.device) -> tuple[bool, str]:
         log.warning("compile_decode auto: decode runs eagerly: %s", why)
         return False, why
     if mode == "auto":
-        # measured on a 2-core AMD EPYC (BENCHMARKS.md, issue 12, run 4): +12-33% on bf16 batched
-        # decode, level in fp32 and at batch 1, ~105 s of compiling on a first start: not a default
+        # measured on a 2-core AMD EPYC (issue 12 run 4, in BENCHMARKS.md's git history): +12-33% on bf16
+        # batched decode, level in fp32 and at batch 1, ~105 s of compiling on a first start: not a default
         return False, ("compile_decode auto: eager on CPU (compiled decode gains only on bf16 batches and "
-                       "costs ~100 s at a first start, BENCHMARKS.md issue 12 run 4; compile_decode='on' opts in)")
+                       "costs ~100 s at a first start; compile_decode='on' opts in)")
     return True, f"compile_decode on: inductor with {cxx}"
 
 
