@@ -156,13 +156,18 @@ __attribute__((target("avx2,fma"))) inline void decode32_pairs_avx2(const uint8_
 // only K2 * 32 bytes (9 KB on SmolLM2's width), too short for the hardware prefetchers to ramp up on before it
 // ends, so the loop requests its lines itself, running on into the next group's panel of the same slot (G
 // panels on) near a panel's end (a request past the share or the tensor is dropped: prefetches never fault).
-// Measured on the 2-core AVX2 EPYC (quiet), SmolLM2's 120 block Linears from memory, one row, 2 threads: 5.85
-// ms a token's worth without (18 GB/s of FP8 bytes; bf16 panels 9.4 ms, 22.6 GB/s), 5.2-5.3 ms at 512 and 1024
-// bytes ahead, 4.7-5.1 ms at 2048 (21-22 GB/s)
-constexpr int64_t F8_AHEAD = 2048;
+// The requests are non-temporal (prefetchnta: into L1, kept out of the outer levels as the line is used once a
+// step), so the weights' stream no longer evicts what the step reads again (its activations, scales, KV cache,
+// the interpreter's objects). SmolLM2 FP8 + FP8 head, batch 1, 2 threads, 2-core AVX2 EPYC (Zen 2), both ways
+// switched in one process, medians of 10: 7.25 -> 6.27 ms a token (the team's Linears 3.94 -> 3.71 ms, the rest of
+// the step 1.01 -> 0.78, the head and the interpreter outside it 2.21 -> 1.78); 512, 1024 and 2048 bytes ahead
+// 6.31, 6.27 and 6.42 ms; no requests 8.08. The same requests in the bf16 one-row kernel (which leaves its stream
+// to the hardware prefetchers) cost 1-4 %; the AVX-512 variants keep prefetcht0 (not measured on such a host)
+constexpr int64_t F8_AHEAD = 1024;
+constexpr int64_t F8_AHEAD_WIDE = 2048;  // the wide (AVX-512) loop's, prefetcht0: as measured on Zen 4 before
 
 // one chunk k2 of each of G panels for one row (scaled) into c (2 G sums); ASK: the even chunks, which request a line
-// F8_AHEAD bytes on in each panel
+// F8_AHEAD bytes on in each panel (non-temporal, above)
 template <int G, bool BACK, bool ASK>
 __attribute__((target("avx2,fma"), always_inline)) inline void row_chunk_avx2(const float* x, const uint8_t* w,
                                                                               int64_t panel, int64_t k2, __m256* c) {
@@ -171,7 +176,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void row_chunk_avx2(co
   const int64_t line = ahead < panel ? ahead : BACK ? ahead - (G + 1) * panel : ahead + (G - 1) * panel;
   _Pragma("GCC unroll 16") for (int g = 0; g < G; ++g) {
     if constexpr (ASK)  // a line every 2 chunks
-      _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_NTA);
     __m256 a0, b0, a1, b1;
     decode32_pairs_avx2(w + g * panel + k2 * 32, a0, b0, a1, b1);
     c[2 * g] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, c[2 * g]));
@@ -253,7 +258,7 @@ __attribute__((always_inline)) inline void row_wide(const float* x, const uint8_
   f8_f32x16 c[G] = {};
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const float xa = x[2 * k2], xb = x[2 * k2 + 1];
-    const int64_t ahead = k2 * 32 + F8_AHEAD;
+    const int64_t ahead = k2 * 32 + F8_AHEAD_WIDE;
     const int64_t line = ahead < panel ? ahead : BACK ? ahead - (G + 1) * panel : ahead + (G - 1) * panel;
     for (int g = 0; g < G; ++g) {
       if ((k2 & 1) == 0) __builtin_prefetch(w + g * panel + line, 0, 3);
