@@ -161,8 +161,9 @@ __attribute__((target("avx2,fma"))) inline void decode32_pairs_avx2(const uint8_
 // the interpreter's objects). SmolLM2 FP8 + FP8 head, batch 1, 2 threads, 2-core AVX2 EPYC (Zen 2), both ways
 // switched in one process, medians of 10: 7.25 -> 6.27 ms a token (the team's Linears 3.94 -> 3.71 ms, the rest of
 // the step 1.01 -> 0.78, the head and the interpreter outside it 2.21 -> 1.78); 512, 1024 and 2048 bytes ahead
-// 6.31, 6.27 and 6.42 ms; no requests 8.08. The same requests in the bf16 one-row kernel (which leaves its stream
-// to the hardware prefetchers) cost 1-4 %; the AVX-512 variants keep prefetcht0 (not measured on such a host)
+// 6.31, 6.27 and 6.42 ms; none ahead (each request at the line being read) 8.08. The same requests in the bf16
+// one-row kernel (which leaves its stream to the hardware prefetchers) cost 1-4 %; the AVX-512 variants keep
+// prefetcht0 (not measured on such a host)
 constexpr int64_t F8_AHEAD = 1024;
 constexpr int64_t F8_AHEAD_WIDE = 2048;  // the wide (AVX-512) loop's, prefetcht0: as measured on Zen 4 before
 
