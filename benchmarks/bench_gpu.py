@@ -54,6 +54,8 @@ from engines.core.config import ModelConfig
 from engines.model.transformer import GPT
 
 FP8_TARGETS = {1: 1.4, 8: 1.3, 64: 1.2}
+FP8_BATCHES, FP8_TOKENS = (1, 8, 64), 64
+"""The fp8 section's decode batches and greedy tokens a stream (--fp8-batches, --fp8-tokens: a shorter call)."""
 FP8_STEP = "auto"
 """The step kind the fp8 section runs both weight kinds in (--fp8-step); auto: the decode section's faster one."""
 STEP_KINDS = {"graphs": {"compile_decode": "off"}, "compiled": {"compile_decode": "on"}}
@@ -143,7 +145,7 @@ def weight_only_check(dev: str, shapes: set[tuple[int, int]]) -> dict:
 
     if not triton_available(dev):
         return {"skipped": "triton unavailable (or compute capability < 8.9)"}
-    worst, repeatable = 0.0, True
+    worst, repeatable, failed = 0.0, True, []
     for k, n in sorted(shapes):
         ref = Fp8Linear.quantize(torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16))
         w = ref.weight.float() * ref.weight_scale.float()
@@ -152,14 +154,20 @@ def weight_only_check(dev: str, shapes: set[tuple[int, int]]) -> dict:
             for m in (1, 8, 64):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 want = x.float() @ w.T
-                got = layer(x)
+                try:
+                    got = layer(x)
+                except Exception as exc:  # noqa: BLE001 (a config this triton cannot compile: the others go on)
+                    failed.append(f"{config} {n}x{k} m={m}: {type(exc).__name__}: {str(exc)[:300]}")
+                    note(f"fp8 weight-only kernel FAILED: {failed[-1]}")
+                    continue
                 worst = max(worst, ((got.float() - want).abs().max() / want.abs().max()).item())
                 repeatable &= bool(torch.equal(got, layer(x)) and not layer.counters.any())  # split-K: no race
         del ref
     note(f"fp8 weight-only kernel vs dequantized product ({len(shapes)} shapes x {len(CONFIGS)} configs x 1/8/64 "
          f"rows): worst error {worst:.2e} of the output's magnitude, repeated calls bitwise equal and counters "
-         f"back at zero: {repeatable}  [bf16 output: <= 1e-2; True]")
-    return {"worst_rel_err": worst, "repeatable": repeatable, "ok": worst <= 1e-2 and repeatable}
+         f"back at zero: {repeatable}, calls failed: {len(failed)}  [bf16 output: <= 1e-2; True; 0]")
+    return {"worst_rel_err": worst, "repeatable": repeatable, "failed": failed,
+            "ok": worst <= 1e-2 and repeatable and not failed}
 
 
 def timing_line(ts: dict, plan: tuple[str, ...]) -> str:
@@ -171,15 +179,16 @@ def timing_line(ts: dict, plan: tuple[str, ...]) -> str:
 def section_fp8(dev, smoke, tmp, env) -> dict:
     name = "smoke-llama" if smoke else "llama-8b"
     d = random_checkpoint(name, tmp)
-    check = weight_only_check(dev, block_linear_shapes(ModelConfig.from_dir(d)))
+    check = RESULTS.get("fp8-kernels", {}).get("weight_only_check") or \
+        weight_only_check(dev, block_linear_shapes(ModelConfig.from_dir(d)))  # once a run
     dec = RESULTS.get("decode", {}).get(name, {})
     kind = "compiled" if "tok_s" in dec.get("compiled", {}) and dec["compiled"]["tok_s"] > dec.get(
         "graphs", {}).get("tok_s", 0) else "graphs"
     kind = FP8_STEP if FP8_STEP != "auto" else kind
-    n = 16 if smoke else 64
+    n = 16 if smoke else FP8_TOKENS
     out = {"step": kind, "weight_only_check": check}
     for wd in ("auto", "fp8"):
-        out["bf16" if wd == "auto" else "fp8"] = rates(d, dev, (1, 8, 64), n, env, weight_dtype=wd, **STEP_KINDS[kind])
+        out["bf16" if wd == "auto" else "fp8"] = rates(d, dev, FP8_BATCHES, n, env, weight_dtype=wd, **STEP_KINDS[kind])
     note(f"fp8 {name} ({kind} step), FP8 kernels: {out['fp8']['backend']}")
     from engines.transforms.fp8_choice import TIMINGS, pick
 
@@ -187,7 +196,7 @@ def section_fp8(dev, smoke, tmp, env) -> dict:
     for (k, n_out, _), ts in TIMINGS.items():  # the load-time timing, layers of a shape in turn (not L2-resident)
         out["kernel_timings_us"][f"{n_out}x{k}"] = {v: [round(t * 1e6, 1) if t else None for t in x] for v, x in ts.items()}
         note(f"  Linear {n_out}x{k}, us a call at 1 / 8 / 64 rows: {timing_line(ts, pick(ts))}")
-    for b in (1, 8, 64):
+    for b in FP8_BATCHES:
         bf, f8 = out["bf16"][b], out["fp8"][b]
         note(f"  batch {b:2d}: bf16 {bf['tok_s']:,.0f} tok/s ({100 * bf['roofline_fraction']:.0f}%), fp8 "
              f"{f8['tok_s']:,.0f} ({100 * f8['roofline_fraction']:.0f}%): {f8['tok_s'] / bf['tok_s']:.2f}x  "
@@ -325,11 +334,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=450.0, help="start no section after this many seconds")
     ap.add_argument("--model-dir", type=Path, default=None, help="a trained model for the ppl section")
     ap.add_argument("--val", type=Path, default=None, help="its validation tokens (data/<corpus>/val.bin)")
+    ap.add_argument("--fp8-batches", default="1,8,64", help="the fp8 section's decode batches (of 1, 8, 64)")
+    ap.add_argument("--fp8-tokens", type=int, default=64, help="the fp8 section's greedy tokens a stream")
     ap.add_argument("--fp8-step", choices=("auto", *STEP_KINDS), default="auto",
                     help="the fp8 section's step kind (auto: the faster one in the decode section, else graphs)")
     args = ap.parse_args()
-    global FP8_STEP
-    FP8_STEP = args.fp8_step
+    global FP8_STEP, FP8_BATCHES, FP8_TOKENS
+    FP8_STEP, FP8_TOKENS = args.fp8_step, args.fp8_tokens
+    FP8_BATCHES = tuple(int(b) for b in args.fp8_batches.split(","))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.smoke:
         raise SystemExit("bench_gpu.py: no CUDA device here; --smoke runs the code on CPU with tiny shapes")

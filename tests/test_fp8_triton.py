@@ -40,7 +40,7 @@ for n, k, bias in ((40, 130, True), (48, 256, False), (64, 576, True)):  # K a m
                 torch.testing.assert_close(layer(x), want, atol=1e-3, rtol=1.6e-2 if dtype == torch.bfloat16 else 2e-3,
                                            msg=lambda s: f"{n}x{k} {dtype} {config} m={m}: {s}")
                 assert not layer.counters.any(), "a split call left its tile counters set"
-                splits.add(split_plan(m, n, k, layer.block_n, layer.block_k, layer.per_sm, 4))
+                splits.add(split_plan(m, n, k, layer.block_n, layer.block_k, layer.per_sm, 4, layer.mode))
 assert {(3, 2), (5, 1), (2, 1)} <= splits, splits  # ragged and whole slices both ran (4 SMs under the interpreter)
 layer = WeightOnlyFp8Linear(ref, "wo-n32")
 layer.bias = torch.nn.Parameter(ref.bias.detach().bfloat16(), requires_grad=False)
@@ -66,7 +66,7 @@ print("OK")
 
 def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
     """Every config at 1-70 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows, K split into whole
-    and ragged slices or not split, swapped (y^T = W x^T) or not: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias
+    and ragged slices or not split, tl.dot, swapped (y^T = W x^T) or GEMV: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias
     rounded to x's dtype, and a split call leaves its tile counters at zero; compiled = eager; bad input gets a
     ValueError naming what is allowed."""
     if not (TRITON / "triton").is_dir():
