@@ -41,7 +41,9 @@ for n, k, bias in ((40, 130, True), (48, 256, False), (64, 576, True)):  # K a m
                                            msg=lambda s: f"{n}x{k} {dtype} {config} m={m}: {s}")
                 assert not layer.counters.any(), "a split call left its tile counters set"
                 splits.add(split_plan(m, n, k, layer.block_n, layer.block_k, layer.per_sm, 4, layer.mode))
-assert {(3, 2), (5, 1), (2, 1)} <= splits, splits  # ragged and whole slices both ran (4 SMs under the interpreter)
+assert {(5, 1), (3, 1), (2, 1)} <= splits, splits  # K split over a ragged last block (130, 576) and whole ones (256)
+assert all(split * per == -(-k // bk) for k in (130, 256, 576, 4096, 14336) for bk in (128, 256, 512) for m in (1, 8, 64)
+           for split, per in [split_plan(m, 6144, k, 32, bk, 4, 132)]), 'a slice reached past K'
 layer = WeightOnlyFp8Linear(ref, "wo-n32")
 layer.bias = torch.nn.Parameter(ref.bias.detach().bfloat16(), requires_grad=False)
 x = torch.randn(2, 3, 576).bfloat16()
@@ -65,9 +67,9 @@ print("OK")
 
 
 def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
-    """Every config at 1-70 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows, K split into whole
-    and ragged slices or not split, tl.dot, swapped (y^T = W x^T) or GEMV: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias
-    rounded to x's dtype, and a split call leaves its tile counters at zero; compiled = eager; bad input gets a
+    """Every config at 1-70 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows, K split into equal
+    slices (over a ragged last block or not) or not split, tl.dot, swapped (y^T = W x^T) or GEMV: the kernel's output
+    equals x @ (e4m3 weight * per-channel scale)^T + bias rounded to x's dtype, and a split call leaves its tile counters at zero; compiled = eager; bad input gets a
     ValueError naming what is allowed."""
     if not (TRITON / "triton").is_dir():
         pytest.skip(f"triton's interpreter is not installed in {TRITON} (make setup installs it)")
