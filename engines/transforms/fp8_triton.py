@@ -35,20 +35,20 @@ CONFIGS = {"wo-n32": (32, 128, 0, DOT, 4), "wo-n32-sk2": (32, 128, 2, DOT, 4), "
 through split-K (0: none), mode, triton's num_stages: loads of later K blocks in flight, staged in shared memory,
 which also bounds how many programs an SM holds). DOT pads the rows to 16 (tl.dot's least M); SWAP makes the
 weight tile the wide operand (64 outputs, what Hopper's warp-group product wants as its M) and the rows the narrow
-one; GEMV (one row a program, the rows' programs reading each tile in turn, from L2 after the first) multiplies
-and adds in fp32 without tl.dot: nothing is padded, each thread holds whole 16-byte runs of the e4m3 row, and the
-sums cross threads once, after the last K block. On the H200 (2026-12-04) it read e4m3 at 1.9-3.3 TB/s at one row
-(the padded tl.dot at 1.5-2.7), in 0.63-0.65x bf16's time on each Llama-8B shape; at 8 rows a program holding all
-8 (fp32 products of a (rows, outputs, K) block) was 5-70x slower than tl.dot, so a GEMV program holds one row.
-(16, 512) split for 8 programs an SM with num_stages 1 and (16, 256) for 8 with 2 were 1-30 % slower than these
-three at one row. Without a split, each program streams a whole BLOCK_N row block of W: on the H200 (2026-11-30,
-Llama-8B shapes) "wo-n32" read the weights at ~1.6 TB/s at one row (qkv 6144x4096: 15.4 us against bf16's 16.4),
-128-192 programs for 132 SMs, too few loads in flight for HBM. A split cuts K into slices so that about that many
-programs run per SM; each writes its fp32 partial sums, and the last slice of a tile to finish (a counter per
-tile) adds the slices in slice order (the same sum whatever the finishing order) and stores the bf16 result: one
-launch, no memset. (16, 256) and (64, 128) without a split were 5-60 % slower than "wo-n32" on every shape there;
-(16, 256) split four ways 10-90 % slower than wo-n32-sk4, (128, 64) swapped and split four ways slower than
-wo-t64-sk2 (2026-12-04)."""
+one; GEMV (one row a program, a tile's rows neighbouring programs, so that the rows after the first read it from
+L2; timed at one row only: a plan's one-row kernel also runs two) multiplies and adds in fp32 without tl.dot:
+nothing is padded, each thread holds whole 16-byte runs of the e4m3 row, and the sums cross threads once, after
+the last K block. On the H200 (2026-12-04) it read e4m3 at 1.9-3.3 TB/s at one row (the padded tl.dot at 1.5-2.7),
+in 0.63-0.65x bf16's time on each Llama-8B shape; at 8 rows a program holding all 8 (fp32 products of a (rows,
+outputs, K) block) was 5-70x slower than tl.dot, so a GEMV program holds one row. (16, 512) split for 8 programs
+an SM with num_stages 1 and (16, 256) for 8 with 2 were 1-30 % slower than these three at one row. Without a
+split, each program streams a whole BLOCK_N row block of W: on the H200 (2026-11-30, Llama-8B shapes) "wo-n32"
+read the weights at ~1.6 TB/s at one row (qkv 6144x4096: 15.4 us against bf16's 16.4), 128-192 programs for 132
+SMs, too few loads in flight for HBM. A split cuts K into slices so that about that many programs run per SM; each
+writes its fp32 partial sums, and the last slice of a tile to finish (a counter per tile) adds the slices in slice
+order (the same sum whatever the finishing order) and stores the bf16 result: one launch, no memset. (16, 256) and
+(64, 128) without a split were 5-60 % slower than "wo-n32" on every shape there; (16, 256) split four ways 10-90 %
+slower than wo-n32-sk4, (128, 64) swapped and split four ways slower than wo-t64-sk2 (2026-12-04)."""
 
 GEMV_SPLIT_ROWS = 4
 """A GEMV call splits K only up to this many rows (beyond, tl.dot's configs are the faster ones): its tile
@@ -73,8 +73,10 @@ def _kernel():
                       K: tl.constexpr, KB_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       MODE: tl.constexpr, UPCAST: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        if MODE == 2:  # GEMV: a tile's rows are neighbouring programs, so the rows after the first read it from L2
+            pid_m, pid_n, grid_m, grid_n = tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1)
+        else:
+            pid_n, pid_m, grid_n, grid_m = tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1)
         pid_k = tl.program_id(2)  # this program's slice of K: KB_SPLIT blocks of BLOCK_K
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,11 +138,11 @@ def _kernel():
         if SPLIT_K == 1:
             last = pid_k == 0  # (always true) the one program of the tile stores it
         else:
-            mp = tl.num_programs(1) * BLOCK_M  # the workspace (SPLIT_K, mp, np) fp32 is padded: no masks
-            np_ = tl.num_programs(0) * BLOCK_N
+            mp = grid_m * BLOCK_M  # the workspace (SPLIT_K, mp, np) fp32 is padded: no masks
+            np_ = grid_n * BLOCK_N
             tl.store(ws_ptr + (pid_k * mp + rm[:, None]) * np_ + rn[None, :], acc)
             tl.debug_barrier()  # every thread's partial stored before the release below
-            tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            tile = cnt_ptr + pid_m * grid_n + pid_n
             last = tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1  # the tile's last slice to finish
             if last:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -235,7 +237,7 @@ def wo_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
             raise ValueError(f"wo_fp8_linear: a split-K call needs int32 counters, {grid_n * grid_m} at least")
         ws = torch.empty(split * grid_m * bm * grid_n * block_n, device=x.device, dtype=torch.float32)
     even = k % block_k == 0  # the slices are equal (split_plan): only a ragged last block of K needs masks
-    _kernel()[(grid_n, grid_m, split)](
+    _kernel()[(grid_m, grid_n, split) if mode == GEMV else (grid_n, grid_m, split)](
         x, weight, scale, bias if bias is not None else scale, y, ws, counters if split > 1 else scale, m, n,
         x.stride(0), weight.stride(0), y.stride(0), K=k, KB_SPLIT=per, SPLIT_K=split, EVEN_K=even,
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, MODE=mode, UPCAST=_interpreting(),
