@@ -12,7 +12,9 @@ that would start past --budget-s is skipped and says so):
            read once a step at the copy rate), GPT-2-medium tok/s (was 629 on the H200).
   fp8-kernels  (not in the default list) the FP8 load-time kernel timing alone on the Llama-8B Linear shapes.
   fp8      Llama-8B shape, FP8 (each layer shape's kernel measured at load) against bf16 at batch
-           1 / 8 / 64, in the faster of the two step kinds above, with the kernel choice.
+           1 / 8 / 64, in the faster of the two step kinds above, with the kernel choice. --fp8-step,
+           --fp8-batches and --fp8-tokens fit it to a short call (compiled, batch 1, 32 tokens: 163 s on
+           the H200; more than 7 minutes at 1 / 8 / 64 with 64 tokens).
   capture  Llama-8B shape, max_model_len 2048, max_num_seqs 64: graphs captured at load within the
            default 30 s budget, and none captured while a batch then runs.
   parity   tiny random GPT-2 and Llama (transformers-written): fp32 greedy tokens with graphs on and
