@@ -191,6 +191,7 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.lru_cache(maxsize=4096)  # an eager decode step asks once a Linear: the divisor search is not repeated
 def split_plan(m: int, n: int, k: int, block_n: int, block_k: int, per_sm: int, sms: int,
                mode: int = DOT) -> tuple[int, int]:
     """(slices of K, BLOCK_K blocks a slice) giving about per_sm programs per SM; (1, all) without a split. The
