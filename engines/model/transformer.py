@@ -138,6 +138,8 @@ class MLP(nn.Module):
         elif self.gated:
             gate, up = self.up(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.approximate == "tanh" and module_ops.applies(x):  # csrc/mlp_rows.cpp's GELU (in the Linear's store)
+            h = module_ops.linear_gelu(self.up, x)
         else:
             h = F.gelu(self.up(x), approximate=self.approximate)
         return _project(self.down, self.drop, h, residual, self.training)

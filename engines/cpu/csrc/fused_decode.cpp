@@ -188,10 +188,9 @@ torch::Tensor run_half(const torch::Tensor& x, const torch::Tensor* p, const int
   const int64_t qn = a.n_head * hd, kn = nkv * hd;
   if (half == 1) {
     const torch::Tensor *up_w = p + 16, *down_w = p + 21;
-    const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
     auto h = norm(x, p[2], p[3], a.rms, a.eps);
     auto u = block_linear(kind[2], h, up_w, a.act == 2 ? 2 * a.ffn : a.ffn, c10::nullopt);
-    u = a.act == 2 ? swiglu(u, a.ffn) : at::gelu(u, approximate);
+    u = a.act == 2 ? swiglu(u, a.ffn) : a.act == 1 ? gelu_tanh_(u) : at::gelu(u, "none");  // (csrc/mlp_rows.cpp)
     return block_linear(kind[3], u, down_w, C, residual);  // x + down(u)
   }
   const torch::Tensor *qkv_w = p + 6, *proj_w = p + 11;

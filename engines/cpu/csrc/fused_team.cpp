@@ -336,7 +336,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   const bool split = at::get_num_threads() > 1 && M >= SPLIT_ROWS;  // (SPLIT_ROWS)
   if (split) {  // the split phases' outputs, before the threads write their rows
     h = torch::empty_like(x);
-    if (a.act == 2) act = torch::empty({M, a.ffn}, x.options());
+    if (a.act != 0) act = torch::empty({M, a.ffn}, x.options());
   }
   const at::ThreadLocalState tls;       // the caller's (grad / inference mode): the team's ATen calls run under it
   std::exception_ptr error;
@@ -476,15 +476,16 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       linear();  // x + proj(y)
       norm_then(p + 2, kind[2], p + 16, up_n, u, p[18]);
       linear();  // u (M, up_n)
-      if (split && a.act == 2 && deferrable(kind[3], act, panel_variant)) {  // the activation's rows, each thread its own
+      if (split && a.act != 0 && deferrable(kind[3], act, panel_variant)) {  // the activation's rows, each thread its own
         phase(tid == 0, [&] { prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant, false); });
         phase(true, [&] {
-          swiglu_range(u, a.ffn, act, r0, r1);
+          if (a.act == 2) swiglu_range(u, a.ffn, act, r0, r1);
+          else gelu_range(u, act, r0, r1);
           lay_out(job, act, r0, r1);
         });
       } else serial(p[23], [&] {
-        const c10::string_view approximate = a.act == 1 ? "tanh" : "none";
-        if (a.act != 2) act = at::gelu(u, approximate).contiguous();
+        if (a.act == 0) act = at::gelu(u, "none").contiguous();
+        else if (a.act == 1) gelu_into(u, act);
         else swiglu_into(u, a.ffn, act);
         prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant);
       });

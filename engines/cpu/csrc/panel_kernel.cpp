@@ -226,9 +226,15 @@ torch::Tensor blocked_inputs(const torch::Tensor& x) {
   return (x.size(1) % 2 ? torch::constant_pad_nd(x, {0, 1}) : x).to(torch::kFloat).contiguous();
 }
 
-// xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N)
-template <typename T, typename O>
-void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out) {
+struct Stored {  // run_blocked's `then` where nothing follows the store
+  void operator()(int64_t, int64_t, int64_t) const {}
+};
+
+// xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N); then(p,
+// m0, r) after a block's outputs of panel p are stored (rows m0 .. m0 + r - 1, still in L1: panel_gelu's activation)
+template <typename T, typename O, typename Then = Stored>
+void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
+                 const Then& then = Then{}) {
 #if PANEL_X86
   constexpr bool bf16 = !std::is_same_v<T, float>;
   constexpr int64_t MRV = bf16 ? MR_AVX2_BF16 : MR_AVX2, XW = bf16 ? 2 : 1;
@@ -251,6 +257,7 @@ void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, 
         for (int64_t b = c0, m0, r; b < c1; ++b) {
           row_block(b, M, nb, m0, r);
           store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MRV * NR, N, bias, res, out);
+          then(p, m0, r);
         }
       }
     }
