@@ -114,9 +114,13 @@ def rounds(args) -> list[int]:
 
 
 def merge(before: dict | None, new: dict) -> dict:
-    """One engine's results over rounds: repetitions (and the read ceilings beside them) appended, the rest the
-    last round's; an error ends the engine's rows."""
-    if before is None or "error" in new:
+    """One engine's results over rounds: repetitions (and the read ceilings beside them) appended, each round's
+    thread choices kept (`threads_by_round`: a slow repetition's cause), the rest the last round's; an error ends the
+    engine's rows."""
+    if "error" in new:
+        return new
+    new["threads_by_round"] = (before or {}).get("threads_by_round", []) + [new.get("threads")]
+    if before is None:
         return new
     for key in ("runs", "bw"):
         for task, xs in new.get(key, {}).items():
@@ -200,6 +204,8 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
         if "error" not in o:
             print(f"     ours load {o['load_s']:.1f} s, compile {o['compile_s']:.1f} s; threads per step kind: "
                   f"{o.get('threads')}; Linear kernels: {o.get('kernels')}")
+            for i, t in enumerate(o.get("threads_by_round", [])[:-1]):
+                print(f"     ours round {i + 1}: threads per step kind: {t}")
     return medians
 
 
