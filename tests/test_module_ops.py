@@ -124,7 +124,7 @@ def test_gelu_tanh_near_the_exact_function(dtype, rows, n):
     h[0, :k] = sp[:k]
     h = h.to(dtype)
     with torch.no_grad():
-        got = module_ops.gelu_tanh(h.clone())
+        got = module_ops.gelu_tanh(h)
         torch_says = F.gelu(h, approximate="tanh")
         hd = h.double()  # x sigmoid(2u) = 0.5 x (1 + tanh(u)), without the cancellation of 1 + tanh(u) below x ~ -8
         exact = hd * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (hd + 0.044715 * hd ** 3))
@@ -141,8 +141,9 @@ def test_gelu_tanh_near_the_exact_function(dtype, rows, n):
     else:
         step = exact[fin].abs() * 2 ** -7  # a bf16 step at most: its own rounding plus ours near a tie
         assert ((got[fin].double() - exact[fin]).abs() <= step + 1e-36).all()
-    inplace = h.clone()
-    assert module_ops.gelu_tanh(inplace).data_ptr() == inplace.data_ptr()  # contiguous rows: in place
+    iv = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    kept = h.clone()  # the input is not written (a forward hook may hold it); the same bits again
+    assert torch.equal(module_ops.gelu_tanh(kept).view(iv), got.view(iv)) and torch.equal(kept.view(iv), h.view(iv))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

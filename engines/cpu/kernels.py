@@ -43,7 +43,7 @@ FUNCTIONS = [
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
     "argmax_rows", "argmax_rows_variant", "near_max_rows",                # fused_decode.cpp: greedy
-    "panel_swiglu", "panel_gelu", "gelu_tanh_",                           # mlp_rows.cpp
+    "panel_swiglu", "panel_gelu", "gelu_tanh_rows",                       # mlp_rows.cpp
 ]
 """Every bound function of the module (engines/cpu/panel_kernel.py, paged_kernel.py and fused_decode.py
 call them)."""

@@ -72,10 +72,10 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
     """GELU in its tanh form of h (..., N) fp32 / bf16 (csrc/mlp_rows.cpp gelu_span: x sigmoid(2u) from one
     exponential, within ~2e-7 |x| of the exact function; torch's tanh from Sleef took ~10 cycles an element, ~8 % of a
-    GPT-2 decode step of 60 rows), in h's place when h is contiguous; other dtypes: torch's."""
+    GPT-2 decode step of 60 rows), as a new tensor (h may be what a forward hook kept); other dtypes: torch's."""
     if h.dtype not in (torch.float32, torch.bfloat16):
         return F.gelu(h, approximate="tanh")
-    return _module().gelu_tanh_(h.reshape(-1, h.shape[-1])).view(h.shape)
+    return _module().gelu_tanh_rows(h.reshape(-1, h.shape[-1])).view(h.shape)
 
 
 def linear_gelu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

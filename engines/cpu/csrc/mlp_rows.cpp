@@ -207,10 +207,18 @@ void gelu_into(const torch::Tensor& u, torch::Tensor& out) {
   at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) { gelu_range(u, out, b, e); });
 }
 
-// the module path's tanh GELU in place (engines/cpu/module_ops.py gelu_tanh): u itself (another dtype or layout: a
-// new tensor, at::gelu's)
+// the tanh GELU of u in place (the kernels' own fresh outputs: run_half's, panel_gelu's): u itself (another dtype or
+// layout: a new tensor, at::gelu's)
 torch::Tensor gelu_tanh_(torch::Tensor u) {
   torch::Tensor out = gelu_direct(u) && u.is_contiguous() ? u : torch::Tensor();
+  gelu_into(u, out);
+  return out;
+}
+
+// the module path's tanh GELU (engines/cpu/module_ops.py gelu_tanh) as a new tensor: u may be what a forward hook on
+// the Linear kept, so it is not written
+torch::Tensor gelu_tanh_rows(torch::Tensor u) {
+  torch::Tensor out;
   gelu_into(u, out);
   return out;
 }
