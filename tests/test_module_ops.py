@@ -68,6 +68,18 @@ def test_linear_add_equals_the_torch_add(dtype, rows):
     assert len(calls) == 1 and calls[0].kind_for(2 * rows) == "panel"  # only the panel layer took the kernel
 
 
+def _variants() -> list[str]:
+    """The host's own panel variant and, where the CPU has it, the AVX2 one forced (its blocked rows)."""
+    from engines.cpu import panel_kernel as pk
+
+    variants = ["auto"]
+    try:
+        variants.append(pk.panel_variant("avx2"))
+    except ValueError:
+        pass
+    return variants
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "k"), [(7, 72), (80, 72), (300, 601)])
 def test_panel_swiglu_gives_the_two_steps_bits(dtype, rows, k):
@@ -86,11 +98,7 @@ def test_panel_swiglu_gives_the_two_steps_bits(dtype, rows, k):
     w, x = (torch.randn(2 * ffn, k, generator=g) / 8).to(dtype), (torch.randn(rows, k, generator=g) * 2).to(dtype)
     x[0, :4] = torch.tensor([30.0, -30.0, 0.0, -0.0])
     panels = pk.pack_panels(w)
-    variants = ["auto"]
-    try:
-        variants.append(pk.panel_variant("avx2"))
-    except ValueError:
-        pass
+    variants = _variants()
     for variant in variants:
         code = pk.PANEL_VARIANTS[variant]
         want = mod.swiglu_rows_(mod.panel_linear(x, panels, 2 * ffn, None, code), ffn)
@@ -164,11 +172,7 @@ def test_panel_gelu_gives_the_two_steps_bits(dtype, rows, k, n):
     b = torch.randn(n, generator=g).to(dtype)
     x[0, :4] = torch.tensor([30.0, -30.0, 0.0, -0.0])
     panels = pk.pack_panels(w)
-    variants = ["auto"]
-    try:
-        variants.append(pk.panel_variant("avx2"))
-    except ValueError:
-        pass
+    variants = _variants()
     iv = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for variant in variants:
         code = pk.PANEL_VARIANTS[variant]
