@@ -238,14 +238,15 @@ def test_fused_step_team_at_any_thread_count(llama_dir, monkeypatch, threads):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("threads", [2, 3])
-def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, dtype, threads):
+@pytest.mark.parametrize(("threads", "seqs"), [(2, 20), (3, 20), (2, 50)])
+def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, dtype, threads, seqs):
     """With SPLIT_ROWS (16) rows or more, each thread of the team runs the norms, the activation and the next
     Linear's layout of its own rows, and lays out the attention rows it computed (csrc/fused_team.cpp): 20 sequences
     decoding at once (and fewer as they finish, across the threshold), bit for bit the module path's tokens and
-    logprobs, on a team of 2 and of 3."""
+    logprobs, on a team of 2 and of 3; and 50 (on AVX2, bf16 Linears of 48 rows or more take the module path's
+    blocked rows, widened by each thread: csrc/team_linear.cpp; fp32 ones from 2 rows)."""
     _force(monkeypatch, ("panel", "panel", "linear"), dtype)
-    base = {"num_kv_blocks": 200, "block_size": 4, "dtype": dtype, "max_num_batched_tokens": 512,
+    base = {"num_kv_blocks": 800, "block_size": 4, "dtype": dtype, "max_num_batched_tokens": 2048,
             "worker_threads": threads, "adaptive_threads": False}
     off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
     fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
@@ -256,7 +257,7 @@ def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, 
     monkeypatch.setattr(runner.fused, "run", lambda *a: rows.append(a[0].shape[1]) or run(*a))
     results = []
     for engine in (off, fused):
-        for i in range(20):
+        for i in range(seqs):
             engine.add_request(f"r{i}", list(range(5 + i, 12 + 2 * i)),
                                SamplingParams(temperature=0, max_tokens=6 + i % 7, ignore_eos=True, logprobs=2))
         final = {}
@@ -265,5 +266,5 @@ def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, 
                 if out.finished:
                     final[out.request_id] = _tokens_and_logprobs(out.outputs[0])
         results.append(final)
-    assert results[1] == results[0] and len(results[0]) == 20
-    assert max(rows) == 20 and min(rows) < 16  # split steps, and steps below the threshold
+    assert results[1] == results[0] and len(results[0]) == seqs
+    assert max(rows) == seqs and min(rows) < 16  # split steps, and steps below the threshold

@@ -220,8 +220,8 @@ def test_one_row_variants_give_the_portable_bits(variant, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inputs", [130, 131])
 def test_several_row_variants_give_the_portable_bits(variant, dtype, inputs):
-    """Several rows forced to each variant (AVX2: blocks of 6 fp32 / 4 bf16 rows, bf16 rows widened to fp32 pairs
-    first): the portable code's bits for every row count from 2 to 40 (one block and its remainders, near-equal
+    """Several rows forced to each variant (AVX2: fp32 blocks of 6 rows read as the rows are, bf16 blocks of 4 rows
+    widened to fp32 pairs first): the portable code's bits for every row count from 2 to 40 (one block and its remainders, near-equal
     blocks), with a bias and a padded last panel, an odd input count (bf16: a padded pair); and the fp32 sums of
     panel_linear_f32 likewise."""
     torch.manual_seed(4)
@@ -243,7 +243,7 @@ def test_several_row_variants_give_the_portable_bits(variant, dtype, inputs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inputs", [600, 1537])
 def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
-    """Prefill chunks on AVX2 (48 rows or more): the rows laid out in blocks, chunks of blocks through each panel a
+    """Prefill chunks on AVX2 (48 rows or more; fp32 from 2 rows, the test above): the rows laid out in blocks, chunks of blocks through each panel a
     256-step slice at a time, the sums carried between slices. The portable code's bits for near-equal blocks and
     their remainders, several chunks (1,537 inputs: 5 fp32 blocks a chunk), 2-3 slices, an odd input count (bf16: a
     padded pair), a bias, a residual, a padded last panel, on one thread and two; and panel_linear_f32's sums."""

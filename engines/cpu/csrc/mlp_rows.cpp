@@ -281,7 +281,7 @@ torch::Tensor panel_swiglu(torch::Tensor x, torch::Tensor panels, int64_t ffn, i
   TORCH_CHECK(ffn >= 1 && panels.dim() >= 3 && panels.size(0) == (2 * ffn + 15) / 16,
               "panel_swiglu: panels of 2 ffn = ", 2 * ffn, " outputs");
   const int64_t M = x.size(0);
-  if (!panel_src::blocked_rows(v, M) || ffn % 16)
+  if (!panel_src::blocked_rows(v, M, x.scalar_type() == torch::kBFloat16) || ffn % 16)
     return swiglu(panel_src::panel_linear_res(x, panels, 2 * ffn, c10::nullopt, c10::nullopt, variant), ffn);
   const bool bf = x.scalar_type() == torch::kBFloat16;
   const int64_t Kp = bf ? (x.size(1) + 1) / 2 : x.size(1);
@@ -306,7 +306,7 @@ torch::Tensor panel_gelu(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
   TORCH_CHECK(N >= 1 && panels.dim() >= 3 && panels.size(0) == (N + 15) / 16, "panel_gelu: panels of N = ", N,
               " outputs");
   const int64_t M = x.size(0);
-  if (!panel_src::blocked_rows(v, M))
+  if (!panel_src::blocked_rows(v, M, x.scalar_type() == torch::kBFloat16))
     return gelu_tanh_(panel_src::panel_linear_res(x, panels, N, bias, c10::nullopt, variant));
   const bool bf = x.scalar_type() == torch::kBFloat16;
   const int64_t Kp = bf ? (x.size(1) + 1) / 2 : x.size(1);

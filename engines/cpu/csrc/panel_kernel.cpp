@@ -207,17 +207,24 @@ inline void widen_rows(const c10::BFloat16* src, int64_t M, int64_t K, float* ds
   }
 }
 
-// Many rows on AVX2 (variant 2, BLOCKED_ROWS or more: prefill chunks). The decode layout (K, M) puts a 6-row block's
-// inputs M * 4 bytes apart (2,048 rows: a page a step, 6 values of each 64-byte line), and laying it out costs a pass
-// over x; so these blocks read the rows as they are (RM, fp32; bf16 widened to fp32, an odd K's missing input zero).
-// A thread takes a chunk of blocks whose rows fit in L2 (CHUNK_BYTES) through each of its panels, KC steps of the
-// panel at a time (16 KB of weights, kept in L1 for all the chunk's blocks); each output's sums go on from where
-// they were (carry): the same chain of multiply-adds as one pass, the same bits as the portable code.
+// Several rows on AVX2 (variant 2): fp32 from 2 rows, bf16 from BLOCKED_ROWS (prefill chunks, the fused step's
+// largest decode batches). The decode layout (K, M) puts a 6-row block's inputs M * 4 bytes apart (2,048 rows: a
+// page a step, 6 values of each 64-byte line), and laying it out costs a pass over x; so these blocks read the rows
+// as they are (RM, fp32; bf16 widened to fp32, an odd K's missing input zero). A thread takes a chunk of blocks whose
+// rows fit in L2 (CHUNK_BYTES) through each of its panels, KC steps of the panel at a time (16 KB of weights, kept in
+// L1 for all the chunk's blocks, where the decode layout reads a panel of more than 512 inputs from L2 once a block);
+// each output's sums go on from where they were (carry): the same chain of multiply-adds as one pass, the same bits
+// as the portable code. fp32 on a 2-core Zen 2, 2 threads, the GPT-2 and SmolLM2 Linears (K 576-3,072), median of 7:
+// 1.03-1.69x the decode layout at every row count from 2 to 47 (1.26-1.61x at 47); the offline mixes' decode steps
+// (the fused team's Linears): GPT-2 fp32 1.05x, SmolLM2 fp32 1.04x. bf16 (pairs widened either way): 0.95-1.19x
+// below 48 rows, the SmolLM2 bf16 mix the same from 8, 24 or 48 rows, so bf16 keeps the decode layout below 48.
 constexpr int64_t BLOCKED_ROWS = 48, CHUNK_BYTES = 256 << 10, KC = 256, CHUNK_MAX = 64;
 #if PANEL_X86
-inline bool blocked_rows(int64_t variant, int64_t M) { return variant == 2 && M >= BLOCKED_ROWS; }
+inline bool blocked_rows(int64_t variant, int64_t M, bool bf16) {
+  return variant == 2 && M >= (bf16 ? BLOCKED_ROWS : 2);
+}
 #else
-inline bool blocked_rows(int64_t, int64_t) { return false; }
+inline bool blocked_rows(int64_t, int64_t, bool) { return false; }
 #endif
 
 // x (M, K) fp32 or bf16 -> the rows run_blocked reads: fp32 (M, K), or bf16 widened to fp32 (M, 2 * ceil(K / 2))
@@ -232,39 +239,48 @@ struct Stored {  // run_blocked's `then` where nothing follows the store
 
 // xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N); then(p,
 // m0, r) after a block's outputs of panel p are stored (rows m0 .. m0 + r - 1, still in L1: panel_gelu's activation)
+// panels [p0, p1) of run_blocked below (one thread's share; the fused step's team claims groups of them)
 template <typename T, typename O, typename Then = Stored>
-void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
-                 const Then& then = Then{}) {
+void blocked_range(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res,
+                   O* out, int64_t p0, int64_t p1, const Then& then = Then{}) {
 #if PANEL_X86
   constexpr bool bf16 = !std::is_same_v<T, float>;
   constexpr int64_t MRV = bf16 ? MR_AVX2_BF16 : MR_AVX2, XW = bf16 ? 2 : 1;
   const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MRV - 1) / MRV;
   const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MRV * 4), 1, CHUNK_MAX);
-  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR];
-    for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
-      const int64_t c1 = std::min(nb, c0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t k0 = 0; k0 < Kp; k0 += KC)  // the chunk's first block reads the slice's weights, asking ahead
-          for (int64_t b = c0, m0, r; b < c1; ++b) {
-            row_block(b, M, nb, m0, r);
-            const float* xm = xb + m0 * ldx + k0 * XW;
-            const T* wk = w + p * panel + k0 * NR * XW;
-            float* am = acc + (b - c0) * MRV * NR;
-            if (b == c0) rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, Pf{}, k0 > 0);
-            else rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, NoPf{}, k0 > 0);
-          }
+  alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR];
+  for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+    const int64_t c1 = std::min(nb, c0 + chunk);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k0 = 0; k0 < Kp; k0 += KC)  // the chunk's first block reads the slice's weights, asking ahead
         for (int64_t b = c0, m0, r; b < c1; ++b) {
           row_block(b, M, nb, m0, r);
-          store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MRV * NR, N, bias, res, out);
-          then(p, m0, r);
+          const float* xm = xb + m0 * ldx + k0 * XW;
+          const T* wk = w + p * panel + k0 * NR * XW;
+          float* am = acc + (b - c0) * MRV * NR;
+          if (b == c0) rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, Pf{}, k0 > 0);
+          else rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, NoPf{}, k0 > 0);
         }
+      for (int64_t b = c0, m0, r; b < c1; ++b) {
+        row_block(b, M, nb, m0, r);
+        store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MRV * NR, N, bias, res, out);
+        then(p, m0, r);
       }
     }
-  });
+  }
 #else
   TORCH_CHECK(false, "panel kernel: the blocked rows need the avx2 variant");
 #endif
+}
+
+// xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N); then(p,
+// m0, r) after a block's outputs of panel p are stored (rows m0 .. m0 + r - 1, still in L1: panel_gelu's activation)
+template <typename T, typename O, typename Then = Stored>
+void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
+                 const Then& then = Then{}) {
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
+    blocked_range(xb, M, Kp, w, N, bias, res, out, p0, p1, then);
+  });
 }
 
 // all panels of the Linear (run_range) over torch's intra-op threads
@@ -337,7 +353,7 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
   if (x.scalar_type() == torch::kFloat) {
     TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K, "panel_linear: fp32 panels (P, K, 16)");
     const float* res = with_res ? residual->data_ptr<float>() : nullptr;
-    if (blocked_rows(v, M)) {
+    if (blocked_rows(v, M, false)) {
       run_blocked(blocked_inputs(x).data_ptr<float>(), M, K, panels.data_ptr<float>(), N, bp, res, out.data_ptr<float>());
       return out;
     }
@@ -348,7 +364,7 @@ torch::Tensor panel_linear_res(torch::Tensor x, torch::Tensor panels, int64_t N,
     TORCH_CHECK(panels.dim() == 4 && panels.size(1) == K2 && panels.size(3) == 2,
                 "panel_linear: bf16 panels (P, ceil(K / 2), 16, 2)");
     const auto* res = with_res ? residual->data_ptr<c10::BFloat16>() : nullptr;
-    if (blocked_rows(v, M)) {
+    if (blocked_rows(v, M, true)) {
       run_blocked(blocked_inputs(x).data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N, bp, res,
                   out.data_ptr<c10::BFloat16>());
     } else if (wide_rows(v, M)) {
@@ -380,7 +396,7 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(0) == (N + NR - 1) / NR &&
               panels.size(1) == K2 && panels.size(2) == NR, "panel_linear_f32: bf16 panels (P, ceil(K / 2), 16, 2)");
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  if (blocked_rows(v, M)) {
+  if (blocked_rows(v, M, true)) {
     run_blocked(blocked_inputs(x).data_ptr<float>(), M, K2, panels.data_ptr<c10::BFloat16>(), N,
                 static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), out.data_ptr<float>());
     return out;

@@ -1,0 +1,234 @@
+// The fused decode step's Linears (csrc/fused_team.cpp, compiled just after this file): one block Linear readied by
+// thread 0 for the team (its input rows laid out as its kernel reads them), the panels handed out in claims, and the
+// warming of the next Linear's panels while thread 0 runs the small ops before it.
+#include <torch/types.h>
+#include <omp.h>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+namespace {
+// One block Linear prepared by thread 0 for the team: its input rows laid out as its kernel reads them, its
+// panels, bias, scales, residual and output (raw pointers into tensors the step keeps alive). Its panels are
+// handed out in claims of `group` from both ends: thread 0 takes them from the front, the others from the back,
+// where they warmed their caches while thread 0 ran the phase before (warm); a group's sums do not depend on
+// which thread computes them, so the bits do not either
+struct TeamLinear {
+  int64_t group = 4;    // panels a claim: the one-row kernels' G (see prepare)
+  int64_t kind = 0;     // block_linear's code: 0 panel, 5 + v FP8
+  int64_t variant = 0;  // the kernel's variant, resolved
+  bool bf16 = false;
+  bool blocked = false;  // panel kernel, many rows on AVX2: the rows as they are (bf16 widened), run_blocked's blocks
+  int64_t M = 0, N = 0, Kp = 0, P = 0;  // Kp: the panel's inputs (fp32 panel: K; bf16 panel and FP8: K2)
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const float *bias = nullptr, *scales = nullptr;
+  const void* res = nullptr;
+  void* out = nullptr;
+  std::atomic<int64_t> left{0}, front{0}, back{0};  // groups not yet claimed; the next from each end
+
+  // claims of up to g panels (the one-row kernel's most a pass), as many claims as a multiple of the team's size
+  void claim_up_to(int64_t g) {
+    const int64_t nt = omp_get_num_threads(), claims = nt * ((P + nt * g - 1) / (nt * g));
+    group = (P + claims - 1) / claims;
+    reset();
+  }
+
+  // claims of about g panels in whole passes of `pass` panels (a one-row kernel's G), as claim_up_to, the group
+  // rounded up to whole passes: every pass starts at a multiple of `pass`, as in the kernel run alone
+  void claim_passes(int64_t g, int64_t pass) {
+    claim_up_to(g);
+    group = (group + pass - 1) / pass * pass;
+    reset();
+  }
+
+  void reset() {
+    const int64_t groups = (P + group - 1) / group;
+    left.store(groups), front.store(0), back.store(groups);
+  }
+
+  // claim groups until none is left: a claim first takes one of `left`, so the two ends never meet twice
+  void run(int tid) {
+    while (left.fetch_sub(1, std::memory_order_relaxed) > 0) {
+      const int64_t g = tid == 0 ? front.fetch_add(1, std::memory_order_relaxed)
+                                 : back.fetch_sub(1, std::memory_order_relaxed) - 1;
+      range(g * group, std::min(P, (g + 1) * group), back_passes && tid != 0);
+    }
+  }
+
+  bool back_passes = false;  // whether the threads claiming from the back run their claims' passes backwards (prepare)
+
+  // panels [p0, p1); backward: a one-row FP8 claim's passes from the last (fp8_range)
+  void range(int64_t p0, int64_t p1, bool backward = false) const {
+    using BF = c10::BFloat16;
+    if (blocked && bf16)
+      panel_src::blocked_range(static_cast<const float*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
+                               static_cast<const BF*>(res), static_cast<BF*>(out), p0, p1);
+    else if (blocked)
+      panel_src::blocked_range(static_cast<const float*>(x), M, Kp, static_cast<const float*>(w), N, bias,
+                               static_cast<const float*>(res), static_cast<float*>(out), p0, p1);
+    else if (kind == 0 && bf16 && panel_src::wide_rows(variant, M))  // rows widened to fp32 pairs (widen_rows)
+      panel_src::run_range(static_cast<const float*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
+                           static_cast<const BF*>(res), static_cast<BF*>(out), variant, p0, p1);
+    else if (kind == 0 && bf16)
+      panel_src::run_range(static_cast<const uint32_t*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
+                           static_cast<const BF*>(res), static_cast<BF*>(out), variant, p0, p1);
+    else if (kind == 0)
+      panel_src::run_range(static_cast<const float*>(x), M, Kp, static_cast<const float*>(w), N, bias,
+                           static_cast<const float*>(res), static_cast<float*>(out), variant, p0, p1);
+    else if (bf16)
+      fp8_src::fp8_range<BF>(variant, static_cast<const float*>(x), M, 2 * Kp, Kp, static_cast<const uint8_t*>(w), N,
+                             scales, bias, static_cast<const BF*>(res), static_cast<BF*>(out), p0, p1, backward);
+    else
+      fp8_src::fp8_range<float>(variant, static_cast<const float*>(x), M, 2 * Kp, Kp, static_cast<const uint8_t*>(w),
+                                N, scales, bias, static_cast<const float*>(res), static_cast<float*>(out), p0, p1, backward);
+  }
+};
+
+// bytes of a Linear's panels (from its end) the threads other than 0 pull into their caches while thread 0 runs
+// the small ops before it: at batch 1 the weights are read from memory once a token, and those threads would
+// otherwise only wait
+constexpr int64_t WARM_BYTES = 256 << 10;
+
+// thread w of the nw others than 0: request its slice of the last WARM_BYTES of `panels` (the back end's first
+// claims), from the top down, until thread 0 ends the phase (done moves past k)
+void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>& done, int64_t k) {
+#if defined(__x86_64__)
+  const char* base = static_cast<const char*>(panels.data_ptr());
+  const int64_t bytes = static_cast<int64_t>(panels.nbytes()), region = std::min(bytes, WARM_BYTES);
+  const int64_t slice = (region / nw + 63) / 64 * 64, hi = bytes - w * slice, lo = std::max(bytes - region, hi - slice);
+  int64_t lines = 0;
+  for (int64_t o = hi - 64; o >= lo; o -= 64) {
+    if (++lines % 32 == 0 && done.load(std::memory_order_relaxed) != k) return;
+    _mm_prefetch(base + o, _MM_HINT_T1);
+  }
+#endif
+}
+
+// Whether prepare may leave the layout of x's rows to the team (lay_out below): a panel Linear's several rows, laid
+// out transposed (not AMX's row tiles, not an odd bf16 width's zero-padded pairs)
+bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (kind != 0 || M < 2) return false;
+  if (x.scalar_type() != at::kBFloat16) return true;
+  return K % 2 == 0 && !panel_src::amx_rows(panel_variant, M, K / 2);
+}
+
+// rows [r0, r1) of x (M, K) laid out for the Linear j that prepare(..., lay = false) readied (see deferrable)
+void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (j.blocked && x.scalar_type() == at::kBFloat16) {  // (M, 2 K2) fp32 rows, an odd K's last input zero
+    const int64_t K2 = (K + 1) / 2;
+    const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
+    float* dst = static_cast<float*>(const_cast<void*>(j.x));
+    for (int64_t m = r0; m < r1; ++m) {
+      for (int64_t k = 0; k < K; ++k) dst[m * 2 * K2 + k] = static_cast<float>(src[m * K + k]);
+      if (K % 2) dst[m * 2 * K2 + K] = 0.f;
+    }
+  } else if (j.blocked) {  // fp32: the rows themselves (prepare)
+  } else if (x.scalar_type() == at::kBFloat16 && panel_src::wide_rows(j.variant, M))
+    panel_src::widen_rows(x.data_ptr<c10::BFloat16>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
+  else if (x.scalar_type() == at::kBFloat16)
+    panel_src::transpose_rows(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K / 2,
+                   static_cast<uint32_t*>(const_cast<void*>(j.x)), r0, r1);
+  else
+    panel_src::transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
+}
+
+// Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
+// N outputs into out (M, N), plus res (M, N) where given (res may be out). The rows are laid out in buf as the
+// per-op kernels lay them out (panel: transposed, bf16 in pairs; FP8: fp32 rows of 2 K2, scaled by X_UP for the
+// vector variants); bias_keep holds a converted bias alive
+void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
+             const torch::Tensor* res, const torch::Tensor& out, std::vector<float>& buf, torch::Tensor& bias_keep,
+             int64_t panel_variant, bool lay = true) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == out.scalar_type(),
+              "decode_blocks: a Linear's input rows (M, K) contiguous, of the step's dtype");
+  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  j.kind = kind, j.group = 4, j.bf16 = bf16, j.M = M, j.N = N, j.out = out.data_ptr(), j.blocked = false;
+  j.res = res ? res->data_ptr() : nullptr;
+  j.bias = nullptr, j.scales = nullptr;
+  j.P = (N + 15) / 16;
+  j.reset();
+  if (t[1].numel()) {
+    bias_keep = t[1].scalar_type() == at::kFloat ? t[1].contiguous() : t[1].to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_keep.numel() == N, "decode_blocks: a bias of N outputs");
+    j.bias = bias_keep.data_ptr<float>();
+  }
+  const torch::Tensor& panels = t[2];
+  if (kind == 0) {
+    j.variant = panel_variant, j.Kp = bf16 ? K2 : K, j.P = panels.size(0);
+    if (M == 1 && bf16) j.claim_up_to(panel_variant == 2 ? panel_src::ROW_G_AVX2_BF16 : panel_src::ROW_G_BF16);
+    TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
+                panels.size(1) == j.Kp, "decode_blocks: panels of the Linear's shape and the step's dtype");
+    j.w = panels.data_ptr();
+    if (M == 1 && (!bf16 || K % 2 == 0)) {  // one row: already laid out (a bf16 pair is 32 bits)
+      j.x = x.data_ptr();
+      return;
+    }
+    if (bf16 && panel_src::amx_rows(panel_variant, M, K2)) {  // (M rounded up to 16, K) rows, the rest zero
+      buf.assign((M + 15) / 16 * 16 * K2, 0.f);
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(reinterpret_cast<uint32_t*>(buf.data()) + m * K2, x.data_ptr<c10::BFloat16>() + m * K, 2 * K);
+      j.x = buf.data();
+      return;
+    }
+    if (panel_src::blocked_rows(panel_variant, M, bf16)) {  // the module path's blocks (run_blocked), its bits
+      j.blocked = true;
+      if (!bf16) {  // the rows as they are (x lives until the Linear has run: the step holds it)
+        j.x = x.data_ptr();
+        return;
+      }
+    }
+    if (static_cast<int64_t>(buf.size()) < M * 2 * K2) buf.resize(M * 2 * K2);
+    j.x = buf.data();
+    if (j.blocked) {
+      if (!lay && deferrable(kind, x, panel_variant)) return;
+      lay_out(j, x, 0, M);
+      return;
+    }
+    if (!lay && deferrable(kind, x, panel_variant)) return;  // the team lays the rows out (lay_out)
+    if (bf16 && panel_src::wide_rows(panel_variant, M)) {  // (K2, M, 2) fp32, an odd K's missing input zero
+      panel_src::widen_rows(x.data_ptr<c10::BFloat16>(), M, K, buf.data());
+    } else if (bf16 && K % 2) {  // (K2, M) pairs: input 2 k2 in the low half, the last pair's high half zero
+      std::fill(buf.begin(), buf.begin() + M * K2, 0.f);
+      auto* xp = reinterpret_cast<uint32_t*>(buf.data());
+      const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xp[(k / 2) * M + m] |= static_cast<uint32_t>(src[m * K + k]) << (16 * (k % 2));
+    } else {  // bf16: the same pairs, the rows' 32-bit words (M, K2) transposed; fp32: (K, M)
+      lay_out(j, x, 0, M);
+    }
+    return;
+  }
+  j.variant = fp8_src::fp8_variant(kind - 5, bf16), j.Kp = K2, j.P = panels.size(0);
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
+              panels.size(1) == K2 && t[0].scalar_type() == at::kFloat && t[0].is_contiguous() && t[0].numel() == N,
+              "decode_blocks: FP8 panels and float32 scales of the Linear's shape");
+  j.w = panels.data_ptr(), j.scales = t[0].data_ptr<float>();
+  if (M == 1 && j.variant == 5) j.claim_up_to(fp8_src::F8_GW);
+  // the 4-panel passes of variants 2-4 request the next pass's panels near their end (row_avx2 / row_wide: the group
+  // after, F8_G panels on); for a thread taking its claims from the back, the group after is one it has already read,
+  // so those threads run each claim's passes from its last to its first and request the group before (BACK), which
+  // is where their next claim ends: every claim but the first starts on panels already on their way. SmolLM2 FP8,
+  // batch 1, 2 threads, 2-core AVX2 EPYC, both ways switched in one process (median of 10-16, three processes): claims
+  // of one pass 14.92 / 15.21 ms a token -> two passes 14.37 / 14.81 (0ae9006) -> two passes run from the back 13.93 /
+  // 14.15 / 13.46 -> 13.66 / 13.82 / 12.80 (claims of 1 or 4 passes so: 13.88, 14.03; thread 0 requesting its first
+  // claim's first 1-2 KB a panel as it lays out the input: no gain). Bits unchanged: a panel's sums do not depend on the
+  // order the panels run in
+  else if (M == 1 && j.variant >= 2 && j.variant <= 4) {
+    j.back_passes = true;
+    j.claim_passes(2 * fp8_src::F8_G, fp8_src::F8_G);
+  }
+  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  buf.assign(M * 2 * K2, 0.f);
+  const c10::BFloat16* x16 = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;  // (not a data_ptr call an element: 3 %
+  const float* x32 = bf16 ? nullptr : x.data_ptr<float>();                   // of SmolLM2's batch-1 FP8 decode)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) buf[m * 2 * K2 + k] = up * (x16 ? static_cast<float>(x16[m * K + k]) : x32[m * K + k]);
+  j.x = buf.data();
+}
+
+}  // namespace
