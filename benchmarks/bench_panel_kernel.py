@@ -5,13 +5,17 @@ prepacked kernel and plain F.linear, on 1 and 2 threads, fp32 and bf16, each wei
 
     python benchmarks/bench_panel_kernel.py
     python benchmarks/bench_panel_kernel.py --fp8
+    python benchmarks/bench_panel_kernel.py --rows 48,64,512,2048 --dtypes bfloat16 --threads 2
+
+--rows / --dtypes / --threads: other row counts (decode batches of 48-64 rows, prefill chunks), dtypes and thread
+counts than the default 1-32 rows, fp32 and bf16, 2 and 1 threads.
 
 --fp8: SmolLM2-135M's decode Linears (30 layers and the 49,152-entry head) through the FP8 weight-only
 kernel (one byte a weight, each variant this CPU runs) against the bf16 panel kernel, at 1 and 4 rows.
 
 Prints the CPU model, the fp32 matmul and streaming-read ceilings measured in the same run, and per
 case the step's Linear time, its GFLOP/s and its weight-read rate."""
-import sys
+import argparse
 import time
 
 import torch
@@ -100,7 +104,13 @@ def _runs(variant: str) -> bool:
 
 
 def main() -> None:
-    if "--fp8" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fp8", action="store_true", help="SmolLM2's decode Linears through the FP8 kernel")
+    ap.add_argument("--rows", default="1,4,8,16,32", help="row counts, comma-separated")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and / or bfloat16")
+    ap.add_argument("--threads", default="2,1", help="thread counts, comma-separated")
+    args = ap.parse_args()
+    if args.fp8:
         return fp8_main()
     print(f"CPU: {cpu_name()}, torch {torch.__version__}")
     mod, why = load()
@@ -110,11 +120,11 @@ def main() -> None:
     print(f"ceilings: fp32 matmul {matmul_peak(torch.float32) / 1e9:.1f} GFLOP/s, "
           f"streaming read {read_bandwidth() / 1e9:.1f} GB/s")
     macs = sum(o * i * c for o, i, c in SHAPES)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         kinds = ["linear", "packed", "panel"] if packing_available(dtype) else ["linear", "panel"]
-        for threads in (2, 1):
+        for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            for rows in (1, 4, 8, 16, 32):
+            for rows in (int(r) for r in args.rows.split(",")):
                 res = {k: step_seconds(k, rows, dtype) for k in kinds}
                 gb = macs * torch.empty((), dtype=dtype).element_size() / 1e9
                 cells = "  ".join(f"{k} {s * 1e3:6.1f} ms ({2 * macs * rows / s / 1e9:5.0f} GFLOP/s, {gb / s:4.1f} GB/s)"

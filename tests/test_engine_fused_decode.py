@@ -243,8 +243,8 @@ def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, 
     """With SPLIT_ROWS (16) rows or more, each thread of the team runs the norms, the activation and the next
     Linear's layout of its own rows, and lays out the attention rows it computed (csrc/fused_team.cpp): 20 sequences
     decoding at once (and fewer as they finish, across the threshold), bit for bit the module path's tokens and
-    logprobs, on a team of 2 and of 3; and 50 (on AVX2, bf16 Linears of 48 rows or more take the module path's
-    blocked rows, widened by each thread: csrc/team_linear.cpp; fp32 ones from 2 rows)."""
+    logprobs, on a team of 2 and of 3; and 50 (several of the blocked rows' chunks: on AVX2, fp32 Linears of 2 rows
+    or more and bf16 ones of 16 take the module path's blocked rows, bf16 widened by each thread, csrc/team_linear.cpp)."""
     _force(monkeypatch, ("panel", "panel", "linear"), dtype)
     base = {"num_kv_blocks": 800, "block_size": 4, "dtype": dtype, "max_num_batched_tokens": 2048,
             "worker_threads": threads, "adaptive_threads": False}

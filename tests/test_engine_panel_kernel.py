@@ -243,10 +243,11 @@ def test_several_row_variants_give_the_portable_bits(variant, dtype, inputs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inputs", [600, 1537])
 def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
-    """Prefill chunks on AVX2 (48 rows or more; fp32 from 2 rows, the test above): the rows laid out in blocks, chunks of blocks through each panel a
-    256-step slice at a time, the sums carried between slices. The portable code's bits for near-equal blocks and
-    their remainders, several chunks (1,537 inputs: 5 fp32 blocks a chunk), 2-3 slices, an odd input count (bf16: a
-    padded pair), a bias, a residual, a padded last panel, on one thread and two; and panel_linear_f32's sums."""
+    """Prefill chunks and decode batches on AVX2 (bf16 from 16 rows, fp32 from 2: the test above too): the rows in
+    blocks of 6, chunks of blocks through each panel a slice at a time (fp32 256 inputs; bf16 128 pairs widened to
+    fp32 once a slice), the sums carried between slices. The portable code's bits for near-equal blocks and their
+    remainders, several chunks (1,537 inputs: 5 blocks a chunk), 2-7 slices, an odd input count (bf16: a padded
+    pair), a bias, a residual, a padded last panel, on one thread and two; and panel_linear_f32's sums."""
     torch.manual_seed(5)
     n = 16 * 5 - 3
     w = torch.randn(n, inputs).to(dtype)
@@ -254,7 +255,7 @@ def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
     panels = pk.pack_panels(w)
     mod, before = pk.load()[0], torch.get_num_threads()
     try:
-        for threads, rows in ((1, 48), (1, 97), (2, 49), (2, 301)):
+        for threads, rows in ((1, 16), (1, 48), (1, 97), (2, 49), (2, 301)):
             torch.set_num_threads(threads)
             x = torch.randn(rows, inputs).to(dtype)
             res = torch.randn(rows, n).to(dtype)

@@ -230,35 +230,27 @@ torch::Tensor gelu_tanh_rows(torch::Tensor u) {
 template <typename T>
 void blocked_swiglu(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t ffn, T* out) {
 #if PANEL_X86
-  using panel_src::NR, panel_src::KC;  // (local constexpr copies of these in the lambda's array bound: a GCC 12 ICE)
-  constexpr bool bf16 = !std::is_same_v<T, float>;
-  constexpr int64_t MRV = bf16 ? panel_src::MR_AVX2_BF16 : panel_src::MR_AVX2, XW = bf16 ? 2 : 1;
-  const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MRV - 1) / MRV, half = ffn / NR;
-  const int64_t chunk = std::clamp<int64_t>(panel_src::CHUNK_BYTES / (ldx * MRV * 4), 1, panel_src::CHUNK_MAX);
+  using panel_src::NR, panel_src::MR_AVX2;  // (local constexpr copies of these in the lambda's array bound: a GCC 12 ICE)
+  constexpr int64_t XW = std::is_same_v<T, float> ? 1 : 2, KS = panel_src::slice_of<T>();
+  const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MR_AVX2 - 1) / MR_AVX2, half = ffn / NR;
+  const int64_t chunk = std::clamp<int64_t>(panel_src::CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, panel_src::CHUNK_MAX);
   at::parallel_for(0, half, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float acc[2][panel_src::CHUNK_MAX * panel_src::MR_AVX2 * panel_src::NR];
+    alignas(64) float acc[2][panel_src::CHUNK_MAX * MR_AVX2 * NR], wide[panel_src::KC * NR];
     for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
       const int64_t c1 = std::min(nb, c0 + chunk);
       for (int64_t p = p0; p < p1; ++p) {
         for (int h = 0; h < 2; ++h) {  // gate panel p, then up panel p + half
           const T* wp = w + (p + h * half) * panel;
-          for (int64_t k0 = 0; k0 < Kp; k0 += KC)
-            for (int64_t b = c0, m0, r; b < c1; ++b) {
-              panel_src::row_block(b, M, nb, m0, r);
-              const float* xm = xb + m0 * ldx + k0 * XW;
-              float* am = acc[h] + (b - c0) * MRV * NR;
-              const int64_t k = std::min(KC, Kp - k0);
-              if (b == c0) panel_src::rows_avx2<true>(static_cast<int>(r), xm, ldx, wp + k0 * NR * XW, k, am, panel_src::Pf{}, k0 > 0);
-              else panel_src::rows_avx2<true>(static_cast<int>(r), xm, ldx, wp + k0 * NR * XW, k, am, panel_src::NoPf{}, k0 > 0);
-            }
+          for (int64_t k0 = 0; k0 < Kp; k0 += KS)
+            panel_src::slice_sums(xb, M, nb, ldx, c0, c1, wp + k0 * NR * XW, k0, std::min(KS, Kp - k0), acc[h], wide);
         }
         for (int64_t b = c0, m0, r; b < c1; ++b) {
           panel_src::row_block(b, M, nb, m0, r);
           for (int64_t m = 0; m < r; ++m) {
             T t[2 * NR];  // the gate's and the up's 16 outputs, rounded as panel_linear stores them (+ 0.f: -0 -> 0)
             for (int64_t c = 0; c < NR; ++c) {
-              t[c] = static_cast<T>(acc[0][((b - c0) * MRV + m) * NR + c] + 0.f);
-              t[NR + c] = static_cast<T>(acc[1][((b - c0) * MRV + m) * NR + c] + 0.f);
+              t[c] = static_cast<T>(acc[0][((b - c0) * MR_AVX2 + m) * NR + c] + 0.f);
+              t[NR + c] = static_cast<T>(acc[1][((b - c0) * MR_AVX2 + m) * NR + c] + 0.f);
             }
             swiglu_rows(t, 2 * NR, NR, out + (m0 + m) * ffn + p * NR, 1);
           }

@@ -208,17 +208,18 @@ inline void widen_rows(const c10::BFloat16* src, int64_t M, int64_t K, float* ds
 }
 
 // Several rows on AVX2 (variant 2): fp32 from 2 rows, bf16 from BLOCKED_ROWS (prefill chunks, the fused step's
-// largest decode batches). The decode layout (K, M) puts a 6-row block's inputs M * 4 bytes apart (2,048 rows: a
-// page a step, 6 values of each 64-byte line), and laying it out costs a pass over x; so these blocks read the rows
-// as they are (RM, fp32; bf16 widened to fp32, an odd K's missing input zero). A thread takes a chunk of blocks whose
-// rows fit in L2 (CHUNK_BYTES) through each of its panels, KC steps of the panel at a time (16 KB of weights, kept in
+// decode batches). The decode layout (K, M) puts a 6-row block's inputs M * 4 bytes apart (2,048 rows: a page a
+// step, 6 values of each 64-byte line), and laying it out costs a pass over x; so these blocks read the rows as they
+// are (RM, fp32; bf16 widened to fp32, an odd K's missing input zero). A thread takes a chunk of blocks whose rows
+// fit in L2 (CHUNK_BYTES) through each of its panels, a slice of the panel at a time (16 KB of fp32 weights, kept in
 // L1 for all the chunk's blocks, where the decode layout reads a panel of more than 512 inputs from L2 once a block);
 // each output's sums go on from where they were (carry): the same chain of multiply-adds as one pass, the same bits
-// as the portable code. fp32 on a 2-core Zen 2, 2 threads, the GPT-2 and SmolLM2 Linears (K 576-3,072), median of 7:
-// 1.03-1.69x the decode layout at every row count from 2 to 47 (1.26-1.61x at 47); the offline mixes' decode steps
-// (the fused team's Linears): GPT-2 fp32 1.05x, SmolLM2 fp32 1.04x. bf16 (pairs widened either way): 0.95-1.19x
-// below 48 rows, the SmolLM2 bf16 mix the same from 8, 24 or 48 rows, so bf16 keeps the decode layout below 48.
-constexpr int64_t BLOCKED_ROWS = 48, CHUNK_BYTES = 256 << 10, KC = 256, CHUNK_MAX = 64;
+// as the portable code. 2-core Zen 2, 2 threads, the GPT-2 and SmolLM2 Linears (K 576-3,072), median of 7, both ways
+// in one process: fp32 1.03-1.69x the decode layout at every row count from 2 to 47 (1.26-1.61x at 47), and the
+// offline mixes' decode steps (the fused team's Linears) GPT-2 fp32 1.05x, SmolLM2 fp32 1.04x; bf16 (slice_sums:
+// widened once a slice) 0.67-0.99x at 2-8 rows, 0.99-1.12x at 16, 1.13-1.31x at 24-47, the SmolLM2 bf16 mix 1.02x
+// from 16 rows against 48.
+constexpr int64_t BLOCKED_ROWS = 16, CHUNK_BYTES = 256 << 10, KC = 256, CHUNK_MAX = 64;
 #if PANEL_X86
 inline bool blocked_rows(int64_t variant, int64_t M, bool bf16) {
   return variant == 2 && M >= (bf16 ? BLOCKED_ROWS : 2);
@@ -237,33 +238,74 @@ struct Stored {  // run_blocked's `then` where nothing follows the store
   void operator()(int64_t, int64_t, int64_t) const {}
 };
 
-// xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N); then(p,
-// m0, r) after a block's outputs of panel p are stored (rows m0 .. m0 + r - 1, still in L1: panel_gelu's activation)
+#if PANEL_X86
+// bf16 panel pairs [0, kc) of one panel (w: (kc, NR, 2)) widened to fp32 (2 kc, NR): input 2 k's 16 weights, then input
+// 2 k + 1's, as the fp32 blocks read a panel; each line's weights asked for 4 KB ahead (a slice's first reading)
+__attribute__((target("avx2,fma"))) inline void widen_panel(const c10::BFloat16* w, int64_t kc, float* dst) {
+  const auto* u = reinterpret_cast<const uint32_t*>(w);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kc; ++k) {
+    ahead(u + k * NR);
+    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + k * NR));
+    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + k * NR + 8));
+    _mm256_storeu_ps(dst + 2 * k * NR, _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)));
+    _mm256_storeu_ps(dst + 2 * k * NR + 8, _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)));
+    _mm256_storeu_ps(dst + (2 * k + 1) * NR, _mm256_castsi256_ps(_mm256_and_si256(u0, high)));
+    _mm256_storeu_ps(dst + (2 * k + 1) * NR + 8, _mm256_castsi256_ps(_mm256_and_si256(u1, high)));
+  }
+}
+#endif
+
+// Panel inputs a slice of the blocked rows: fp32 KC (16 KB of weights); bf16 KC / 2 pairs, widened once a slice to
+// 16 KB of fp32 (widen_panel) that every block of the chunk reads through the fp32 blocks (6 rows, 12 sums): the
+// same chain of multiply-adds as the bf16 blocks' (a pair's low input, then its high one), so the same bits, without
+// their 4-row blocks' two dependent multiply-adds a pair and each block's widening of every weight. A GPT-2 decode
+// step's Linears and head in bf16 (benchmarks/bench_panel_kernel.py --rows 48,64,512 --dtypes bfloat16, 2-core Zen 2,
+// 2 threads, both builds twice): 48 rows 89.7 -> 82.3 ms, 64 rows 120.5 -> 103.4, 512 rows 960 -> 831 (132 -> 145-154
+// GFLOP/s)
+template <typename T>
+constexpr int64_t slice_of() { return std::is_same_v<T, float> ? KC : KC / 2; }
+
+// The sums of the chunk's row blocks [c0, c1) (of nb blocks of MR_AVX2 rows, rows xb (M, ldx) fp32) over one panel's
+// inputs [k0, k0 + kc) (bf16: pairs), wk that slice's weights, acc each block's MR_AVX2 x NR sums (carried on from an
+// earlier slice where k0 > 0); wide: a bf16 slice's widened weights (KC x NR floats)
+template <typename T>
+void slice_sums(const float* xb, int64_t M, int64_t nb, int64_t ldx, int64_t c0, int64_t c1, const T* wk, int64_t k0,
+                int64_t kc, float* acc, float* wide) {
+#if PANEL_X86
+  constexpr bool bf16 = !std::is_same_v<T, float>;
+  if constexpr (bf16) widen_panel(wk, kc, wide);
+  for (int64_t b = c0, m0, r; b < c1; ++b) {
+    row_block(b, M, nb, m0, r);
+    float* am = acc + (b - c0) * MR_AVX2 * NR;
+    if constexpr (bf16)
+      rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + 2 * k0, ldx, static_cast<const float*>(wide), 2 * kc, am,
+                      NoPf{}, k0 > 0);
+    else if (b == c0)  // the chunk's first block reads the slice's weights, asking ahead
+      rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + k0, ldx, wk, kc, am, Pf{}, k0 > 0);
+    else
+      rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + k0, ldx, wk, kc, am, NoPf{}, k0 > 0);
+  }
+#endif
+}
+
 // panels [p0, p1) of run_blocked below (one thread's share; the fused step's team claims groups of them)
 template <typename T, typename O, typename Then = Stored>
 void blocked_range(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res,
                    O* out, int64_t p0, int64_t p1, const Then& then = Then{}) {
 #if PANEL_X86
-  constexpr bool bf16 = !std::is_same_v<T, float>;
-  constexpr int64_t MRV = bf16 ? MR_AVX2_BF16 : MR_AVX2, XW = bf16 ? 2 : 1;
-  const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MRV - 1) / MRV;
-  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MRV * 4), 1, CHUNK_MAX);
-  alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR];
+  constexpr int64_t XW = std::is_same_v<T, float> ? 1 : 2, KS = slice_of<T>();
+  const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MR_AVX2 - 1) / MR_AVX2;
+  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, CHUNK_MAX);
+  alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR], wide[KC * NR];
   for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
     const int64_t c1 = std::min(nb, c0 + chunk);
     for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t k0 = 0; k0 < Kp; k0 += KC)  // the chunk's first block reads the slice's weights, asking ahead
-        for (int64_t b = c0, m0, r; b < c1; ++b) {
-          row_block(b, M, nb, m0, r);
-          const float* xm = xb + m0 * ldx + k0 * XW;
-          const T* wk = w + p * panel + k0 * NR * XW;
-          float* am = acc + (b - c0) * MRV * NR;
-          if (b == c0) rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, Pf{}, k0 > 0);
-          else rows_avx2<true>(static_cast<int>(r), xm, ldx, wk, std::min(KC, Kp - k0), am, NoPf{}, k0 > 0);
-        }
+      for (int64_t k0 = 0; k0 < Kp; k0 += KS)
+        slice_sums(xb, M, nb, ldx, c0, c1, w + p * panel + k0 * NR * XW, k0, std::min(KS, Kp - k0), acc, wide);
       for (int64_t b = c0, m0, r; b < c1; ++b) {
         row_block(b, M, nb, m0, r);
-        store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MRV * NR, N, bias, res, out);
+        store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MR_AVX2 * NR, N, bias, res, out);
         then(p, m0, r);
       }
     }
