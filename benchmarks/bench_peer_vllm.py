@@ -147,7 +147,7 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
     medians = {}
     if not tasks:  # --skip b1,mix,prefill: the HTTP rows only
         return medians
-    for dt in [d for d in ("float32", "bfloat16") if not (d == "bfloat16" and "bf16" in args.skip)]:
+    for dt in [d for d in ("float32", "bfloat16") if {"float32": "fp32", "bfloat16": "bf16"}[d] not in args.skip]:
         jobs = {"ours": (OURS_PY, "ours", {}, args.compile_decode)}
         if vllm_py is not None:
             for label, bind in binds.items():
@@ -307,7 +307,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 requests, 1 repetition (a smoke run, not the targets)")
     ap.add_argument("--http-dtypes", default="float32,bfloat16",
                     help="comma list of the HTTP mix's weights: float32 (llama.cpp F32), bfloat16 (its BF16)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, llama, http, bf16, b1, mix, prefill")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: vllm, llama, http, fp32, bf16, b1, mix, prefill")
     ap.add_argument("--vllm-binds", default="all,default",
                     help="vLLM thread bindings to run: all (VLLM_CPU_OMP_THREADS_BIND over every core), default")
     ap.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
