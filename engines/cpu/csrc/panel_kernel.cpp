@@ -147,8 +147,11 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
     }
   }
 #if PANEL_X86
-  if (variant == 2 && M > 1) {  // AVX2 + FMA blocks of near-equal rows (rows_avx2), before the AVX-512 pairs below
-    constexpr int64_t MRV = std::is_same_v<T, float> ? MR_AVX2 : MR_AVX2_BF16, XW = wide ? 2 : 1;
+  // AVX2 + FMA blocks of near-equal bf16 rows (rows_avx2) in the decode layout, fewer than BLOCKED_ROWS (more, and
+  // fp32 rows from 2, run the row-major blocks: blocked_range); before the AVX-512 pairs below
+  if constexpr (!std::is_same_v<T, float>)
+  if (variant == 2 && M > 1) {
+    constexpr int64_t MRV = MR_AVX2_BF16, XW = wide ? 2 : 1;
     for (; p < p1; ++p)
       for (int64_t nb = (M + MRV - 1) / MRV, b = 0, m0, r; b < nb; ++b) {
         row_block(b, M, nb, m0, r);
