@@ -1,7 +1,8 @@
 """The Linears of one GPT-2-124M decode step (12 layers' QKV, out-proj, MLP up and down, and the
 50,257-entry head) at 1-32 rows: the panel kernel (engines/cpu/panel_kernel.py) against oneDNN's
-prepacked kernel and plain F.linear, on 1 and 2 threads, fp32 and bf16, each weight read cold
-(a ring of copies larger than the last-level cache, as in a model).
+prepacked kernel and plain F.linear (and, where the panel kernel's auto runs other code than its avx2 variant, an
+AVX-512 or AMX host, that variant: fast_linear's "panel_avx2"), on 1 and 2 threads, fp32 and bf16, each weight read
+cold (a ring of copies larger than the last-level cache, as in a model).
 
     python benchmarks/bench_panel_kernel.py
     python benchmarks/bench_panel_kernel.py --fp8
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import matmul_peak, read_bandwidth
 from engines.core.hardware import cpu_name
-from engines.cpu.fast_linear import pack_weight, packing_available
+from engines.cpu.fast_linear import PANEL_KINDS, pack_weight, packing_available, panel_avx2_offered
 from engines.cpu.panel_kernel import fp8_linear, fp8_pack_panels, fp8_variant, load, pack_panels, panel_linear
 
 SHAPES = ((2304, 768, 12), (768, 768, 12), (3072, 768, 12), (768, 3072, 12), (50257, 768, 1))
@@ -33,8 +34,8 @@ SHAPES = ((2304, 768, 12), (768, 768, 12), (3072, 768, 12), (768, 3072, 12), (50
 def call(kind: str, x: torch.Tensor, w: torch.Tensor, out_f: int) -> torch.Tensor:
     if kind == "packed":
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    if kind == "panel":
-        return panel_linear(x, w, out_f, None)
+    if kind in PANEL_KINDS:
+        return panel_linear(x, w, out_f, None, PANEL_KINDS[kind])
     return F.linear(x, w)
 
 
@@ -43,7 +44,7 @@ def step_seconds(kind: str, rows: int, dtype: torch.dtype, reps: int = 15) -> fl
     for out_f, in_f, count in SHAPES:
         copies = 1 if out_f > 10000 else 8  # 8 x 7-9 MB fp32 > a 32 MB L3
         ws = [(torch.randn(out_f, in_f) * 0.02).to(dtype) for _ in range(copies)]
-        prepared = [pack_weight(w) if kind == "packed" else pack_panels(w) if kind == "panel" else w for w in ws]
+        prepared = [pack_weight(w) if kind == "packed" else pack_panels(w) if kind in PANEL_KINDS else w for w in ws]
         x = torch.randn(rows, in_f).to(dtype)
         for i in range(3):
             call(kind, x, prepared[i % copies], out_f)
@@ -121,7 +122,7 @@ def main() -> None:
           f"streaming read {read_bandwidth() / 1e9:.1f} GB/s")
     macs = sum(o * i * c for o, i, c in SHAPES)
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-        kinds = ["linear", "packed", "panel"] if packing_available(dtype) else ["linear", "panel"]
+        kinds = ["linear", *(["packed"] * packing_available(dtype)), "panel", *(["panel_avx2"] * panel_avx2_offered(dtype))]
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             for rows in (int(r) for r in args.rows.split(",")):

@@ -25,9 +25,24 @@ def _private_choices(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_threads, "fork_join_s", lambda: 0.0)
 
 
+def _avx2_runs() -> bool:
+    """Whether the panel kernel's avx2 variant runs here (AVX2 + FMA and the kernel built)."""
+    from engines.cpu import panel_kernel
+
+    if not fl.panel_available(torch.float32):
+        return False
+    try:
+        return panel_kernel.panel_variant("avx2") == "avx2"
+    except ValueError:
+        return False
+
+
+AVX2 = _avx2_runs()
+
+
 def _kernels(dtype):
     return [k for k in sorted(set(fl.ONE_ROW + fl.MULTI_ROW)) if (k not in ("packed", "halves")
-            or packing_available(dtype)) and (k != "panel" or fl.panel_available(dtype))]
+            or packing_available(dtype)) and (k != "panel" or fl.panel_available(dtype)) and (k != "panel_avx2" or AVX2)]
 
 
 @pytest.mark.parametrize("kernel", _kernels(torch.float32))
@@ -297,6 +312,62 @@ def test_one_row_on_several_threads_keeps_the_team_kernel_unless_another_is_far_
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, team_first=True)[0] == "panel"
     fns, clock = _scripted({"linear": [1.0] * 5, "gemv": [0.6] * 5, "panel": [1.0] * 5})
     assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, team_first=True)[0] == "gemv"
+
+
+def test_of_two_team_kernels_the_lower_median_is_the_team_kernel():
+    """Both panel kinds timed (an AVX-512 host's auto and the avx2 code): the one of lower median is kept as the team
+    kernel (team_first, and where linear does not beat it by the margin), whichever is listed first."""
+    times = {"linear": [1.0] * 5, "gemv": [0.75] * 5, "panel": [1.0] * 5, "panel_avx2": [0.9] * 5}
+    fns, clock = _scripted(times)
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, team_first=True)[0] == "panel_avx2"
+    fns, clock = _scripted({"linear": [1.0] * 5, "panel": [0.97] * 5, "panel_avx2": [1.05] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock)[0] == "panel"
+    fns, clock = _scripted({"linear": [1.0] * 5, "panel": [1.2] * 5, "panel_avx2": [0.5] * 5})
+    assert fl._fastest(fns, budget_s=0.0, min_rounds=5, clock=clock, team_first=True)[0] == "panel_avx2"
+
+
+@pytest.mark.skipif(not AVX2, reason="the panel kernel's avx2 variant does not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_panel_kind_is_offered_and_timed_only_where_auto_runs_other_code(monkeypatch, tmp_path, dtype):
+    """"panel_avx2" (the avx2 code's row-major blocks on the same panels) is a candidate where auto resolves to other
+    code (pinned to the portable code here: an AVX-512 host's case), timed for decode batches and prefill chunks, not
+    one row; it computes the avx2 variant's bits; where auto is that code already it is not offered, and a saved
+    choice naming it is timed again."""
+    from engines.cpu import panel_kernel
+
+    native = panel_kernel.panel_variant("auto") == "avx2"
+    assert fl.panel_avx2_offered(dtype) == (not native)
+    timed = []
+    real = fl._fastest
+
+    def spy(fns, *a, **k):
+        timed.append(sorted(fns))
+        return real(fns, *a, **k)
+
+    monkeypatch.setattr(fl, "_fastest", spy)
+    w = torch.randn(40, 24).to(dtype)
+    with panel_kernel.auto_pinned("portable"):
+        assert fl.panel_avx2_offered(dtype)
+        fl.choose_kernels(w, None, budget_s=0.0)
+        assert ["panel_avx2" in t for t in timed] == [False, True, True, True]
+        lin = nn.Linear(24, 40, bias=True).to(dtype)
+        fast = FastLinear(lin, "panel_avx2", "panel_avx2", "panel_avx2")
+        for rows in (1, 2, 17, 70):
+            x = torch.randn(rows, 24).to(dtype)
+            with torch.no_grad():
+                got = fast(x)
+            assert torch.equal(got, panel_kernel.panel_linear(x, fast.panels, 40, lin.bias, "avx2")), rows
+            torch.testing.assert_close(got.float(), lin(x).float(), rtol=2e-2, atol=2e-2)
+    if native:  # a choice naming it, saved where it was offered, is timed again where it is not
+        path = tmp_path / "fast_linear.json"
+        data = json.loads(path.read_text())
+        data[fl.machine_key()]["40x24 " + str(dtype).removeprefix("torch.")]["kernels"] = ["panel", "panel_avx2"] * 2
+        path.write_text(json.dumps(data))
+        monkeypatch.setattr(fl, "_CHOSEN", {})
+        timed.clear()
+        assert "panel_avx2" not in fl.choose_kernels(w, None, budget_s=0.0) and timed
+    assert fl.droppable(({"panel_avx2"}, {"linear"})) and fl.droppable(({"panel", "panel_avx2"}, {"panel_avx2"}))
+    assert not fl.droppable(({"packed"}, {"panel_avx2"}))
 
 
 def test_timing_rounds_follow_the_budget():

@@ -255,16 +255,63 @@ def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, 
     rows = []
     run = runner.fused.run
     monkeypatch.setattr(runner.fused, "run", lambda *a: rows.append(a[0].shape[1]) or run(*a))
-    results = []
-    for engine in (off, fused):
-        for i in range(seqs):
-            engine.add_request(f"r{i}", list(range(5 + i, 12 + 2 * i)),
-                               SamplingParams(temperature=0, max_tokens=6 + i % 7, ignore_eos=True, logprobs=2))
-        final = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = _tokens_and_logprobs(out.outputs[0])
-        results.append(final)
+    results = [_many_sequences(engine, seqs) for engine in (off, fused)]
     assert results[1] == results[0] and len(results[0]) == seqs
     assert max(rows) == seqs and min(rows) < 16  # split steps, and steps below the threshold
+
+
+def _many_sequences(engine, seqs: int) -> dict:
+    """Each sequence's tokens and logprobs, `seqs` sequences added at once (prompts of 7 tokens and more, 6-12 new
+    tokens each: steps of `seqs` rows, then fewer as they finish)."""
+    for i in range(seqs):
+        engine.add_request(f"r{i}", list(range(5 + i, 12 + 2 * i)),
+                           SamplingParams(temperature=0, max_tokens=6 + i % 7, ignore_eos=True, logprobs=2))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = _tokens_and_logprobs(out.outputs[0])
+    return final
+
+
+def _avx2_runs() -> bool:
+    from engines.cpu import panel_kernel
+
+    try:
+        return panel_kernel.panel_variant("avx2") == "avx2"
+    except ValueError:
+        return False
+
+
+@pytest.mark.skipif(not _avx2_runs(), reason="the panel kernel's avx2 variant does not run here")
+@pytest.mark.parametrize(("dtype", "threads", "seqs", "others"), [
+    ("float32", 2, 50, "panel"), ("bfloat16", 2, 50, "panel"), ("bfloat16", 1, 20, "panel"),
+    ("float32", 2, 20, "pretransposed")])
+def test_fused_step_runs_both_panel_kinds_side_by_side(llama_dir, monkeypatch, dtype, threads, seqs, others):
+    """The panel kernel's auto pinned to the portable code (an AVX-512 host's case, here on any AVX2 host): the closing
+    Linears (the attention's output and the MLP's down projection) on the avx2 kind (fast_linear.PANEL_KINDS: its
+    row-major blocks; block_linear's PANEL_AVX2), the others on `others` (panel: the portable decode layout, so the
+    team lays out each Linear's rows for its own code; pretransposed: the per-op loop). Bit for bit the module path's
+    tokens and logprobs (which runs the same kinds, prefill chunks' linear_add included)."""
+    import json
+
+    from engines.cpu import panel_kernel
+
+    width = json.loads((llama_dir / "config.json").read_text())["hidden_size"]
+    monkeypatch.setattr(fl, "choose_kernels", lambda weight, bias, budget_s=0.4: (
+        ("panel_avx2",) * 4 if weight.shape[0] == width else (others, others, "linear", "linear")))
+    base = {"num_kv_blocks": 800, "block_size": 4, "dtype": dtype, "max_num_batched_tokens": 2048,
+            "worker_threads": threads, "adaptive_threads": False}
+    with panel_kernel.auto_pinned("portable"):
+        off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
+        fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
+        runner = fused.executor.runner
+        assert runner.fused is not None, runner.why_not
+        kinds = runner.fused.kinds(seqs)
+        assert kinds.count(fd.KERNELS["panel_avx2"]) == len(kinds) // 2 and fd.KERNELS[others] in kinds
+        rows = []
+        run = runner.fused.run
+        monkeypatch.setattr(runner.fused, "run", lambda *a: rows.append(a[0].shape[1]) or run(*a))
+        results = [_many_sequences(engine, seqs) for engine in (off, fused)]
+    assert results[1] == results[0] and len(results[0]) == seqs
+    assert max(rows) == seqs and min(rows) < 16

@@ -8,7 +8,7 @@ AVX-512, AMX) and between row counts, so nothing is fixed per CPU kind: each dis
 is timed all ways once per process, on one row, on MANY_ROWS rows (a decode batch), on BULK_ROWS rows (a short prefill
 chunk) and on LARGE_ROWS rows (a step budget's chunk), and `FastLinear` dispatches on the row count, on repeated
 interleaved rounds: a kernel must beat plain `F.linear` by 10% on its median and on its best round to replace it (a
-single lucky or disturbed round decides nothing). Choices persist per machine (~/.cache/shardserve/fast_linear.json):
+single lucky or disturbed round decides nothing). Choices persist per machine (~/.cache/shardserve/fast_linear.json, linear_choices.py):
 a later start skips the timing.
 
 The weight stays the module's `weight` Parameter (a tied head stays tied, state_dict keys unchanged); transposed and
@@ -19,13 +19,10 @@ plain `F.linear` (the graph does not depend on timings); only exact nn.Linear mo
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +30,22 @@ from torch import nn
 
 from engines.cpu import panel_kernel
 from engines.cpu.host_memory import huge_page_copy
+from engines.cpu.linear_choices import load_saved, save, shape_key
 
 log = logging.getLogger(__name__)
 
 ONE_ROW = ("linear", "pretransposed", "gemv", "packed", "halves", "panel")
 """Candidates for a single row (batch-1 decode, the LM head of one sequence); "halves" only where the step runs on
 two threads or more and oneDNN packing is available; "panel" (engines/cpu/panel_kernel.py) where it builds."""
-MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel")
-"""Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more)."""
-KERNEL_SET = 15
+MULTI_ROW = ("linear", "pretransposed", "packed", "sliced", "panel", "panel_avx2")
+"""Candidates for several rows; "sliced" only for wide Linears (WIDE_MIN_OUT outputs and more); "panel_avx2" where
+panel_avx2_offered (prefill chunks too)."""
+PANEL_KINDS = {"panel": "auto", "panel_avx2": "avx2"}
+"""The panel kernel's kinds (one copy of the panels) and the variant each runs (panel_kernel.PANEL_VARIANTS): the
+avx2 code's several rows, row-major blocks whose 16 KB panel slices stay in L1 over a chunk of rows, ran 1.03-1.69x the
+decode layout's blocks at 2-47 fp32 rows on AVX2 Zen 2 (csrc/panel_kernel.cpp); an AVX-512 or AMX host's auto runs
+the decode layout there, so it times both rather than assume either."""
+KERNEL_SET = 16
 """Version of the candidates and of the rule that picks among them, part of the saved choices' key (a choice saved
 before a kernel or the rule changed times again; git log has what each version changed)."""
 MANY_ROWS, BULK_ROWS, BULK_FROM = 32, 128, 65
@@ -67,6 +71,17 @@ def packing_available(dtype: torch.dtype) -> bool:
 def panel_available(dtype: torch.dtype) -> bool:
     """Whether engines.cpu.panel_kernel builds here (once per machine) and takes `dtype`."""
     return panel_kernel.available(dtype)
+
+
+def panel_avx2_offered(dtype: torch.dtype) -> bool:
+    """Whether "panel_avx2" is a candidate: the CPU runs the panel kernel's avx2 variant and its auto resolves to
+    another (on an AVX2 host "panel" runs that code already; tests pin auto, panel_kernel.auto_pinned)."""
+    if not panel_available(dtype):
+        return False
+    try:
+        return panel_kernel.panel_variant("avx2") == "avx2" and panel_kernel.panel_variant("auto") != "avx2"
+    except ValueError:  # no AVX2 + FMA
+        return False
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
@@ -109,7 +124,7 @@ class FastLinear(nn.Module):
                              persistent=False)  # output features [0, half)
         self.register_buffer("packed_hi", pack_weight(w[half:].contiguous()) if "halves" in kinds else None,
                              persistent=False)  # [half, out)
-        self.register_buffer("panels", _panels(w) if "panel" in kinds else None,
+        self.register_buffer("panels", _panels(w) if kinds & set(PANEL_KINDS) else None,
                              persistent=False)  # (ceil(out / 16), in, 16)
         if not dense:  # see dense_droppable: the panels (and a packed copy) are the only copy kept
             if not droppable(kinds_of(one, many, bulk, large, single)) or self.panels is None:
@@ -170,8 +185,8 @@ class FastLinear(nn.Module):
             return torch.mm(x2, self.weight_t) if b is None else torch.addmm(b, x2, self.weight_t)
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
-        if kind == "panel":
-            return panel_kernel.panel_linear(x2, self.panels, self.out_features, b)
+        if kind in PANEL_KINDS:
+            return panel_kernel.panel_linear(x2, self.panels, self.out_features, b, PANEL_KINDS[kind])
         if kind == "halves":
             if x2.shape[0] != 1 or torch.get_num_threads() < 2:  # one thread: the whole packed weight
                 return self.run("packed", x2) if self.packed is not None else F.linear(x2, self.dense_weight(), b)
@@ -190,7 +205,7 @@ class FastLinear(nn.Module):
         raise ValueError(f"unknown kernel {kind!r}; allowed: {sorted(set(ONE_ROW + MULTI_ROW))}")
 
 
-DENSE_FREE = ("panel", "packed")
+DENSE_FREE = ("panel", "panel_avx2", "packed")
 """Decode kernels (one row, a decode batch, on any thread count) that read a copy of their own: a FastLinear
 whose decode kernels are all among these keeps no dense weight (dense=False), its prefill chunks ("linear")
 unpacking the panels per call. Before, a bf16 SmolLM2-135M engine held 583 MB of weights for 269 MB of
@@ -207,9 +222,10 @@ def kinds_of(one: str, many: str, bulk: str, large: str, single: tuple[str, ...]
 
 def droppable(kinds: tuple[set[str], set[str]]) -> bool:
     """Whether a FastLinear of these kernels can drop its dense weight: decode kernels among DENSE_FREE with
-    the panel kernel among them (what prefill unpacks, or reads), prefill by "linear", "packed" or "panel"."""
+    a panel kind among them (what prefill unpacks, or reads), prefill by "linear", "packed" or a panel kind."""
     decode, prefill = kinds
-    return decode <= set(DENSE_FREE) and "panel" in decode and prefill <= {"linear", "packed", "panel"}
+    return decode <= set(DENSE_FREE) and bool(decode & set(PANEL_KINDS)) and prefill <= {"linear", "packed",
+                                                                                        *PANEL_KINDS}
 
 
 _HELPER: ThreadPoolExecutor | None = None  # one helper thread (one intra-op thread): a "halves" Linear's upper half
@@ -252,8 +268,9 @@ class _Weights(nn.Module):
 MARGIN = 0.9
 """A kernel replaces plain F.linear only when both its median and its best time are under this fraction
 of linear's (the two statistics must agree: a lucky round alone, or a disturbed one, decides nothing)."""
-TEAM_KERNELS = ("panel",)
-"""Kernels the fused decode step runs inside its one parallel region (engines/cpu/csrc/fused_team.cpp): timed alone
+TEAM_KERNELS = ("panel", "panel_avx2")
+"""Kernels the fused decode step runs inside its one parallel region (engines/cpu/csrc/fused_team.cpp; the one of
+lower median where both were timed): timed alone
 each call pays a fork and a join that the fused step does not, and a Linear on any other kernel sends the whole step
 to the per-op loop, so one is kept unless linear beats it by MARGIN (git log: KERNEL_SET 6, 46 against 57 tok/s)."""
 TEAM_MARGIN = 1 / 1.5
@@ -298,12 +315,12 @@ def _fastest(fns: dict[str, Callable[[], object]], budget_s: float, min_rounds: 
     winner = min(med, key=med.get)
     if outright:
         return winner, med
-    first = [k for k in TEAM_KERNELS if k in med] if team_first else []
-    if first and med[winner] >= TEAM_MARGIN * med[first[0]]:
-        return first[0], med
+    team = sorted((k for k in TEAM_KERNELS if k in med), key=med.get)
+    if team_first and team and med[winner] >= TEAM_MARGIN * med[team[0]]:
+        return team[0], med
     if med[winner] < MARGIN * med["linear"] and min(times[winner]) < MARGIN * min(times["linear"]):
         return winner, med
-    team = [k for k in TEAM_KERNELS if k in med and med["linear"] >= MARGIN * med[k]]
+    team = [k for k in team if med["linear"] >= MARGIN * med[k]]
     return (team[0] if team else "linear"), med
 
 
@@ -323,16 +340,6 @@ _CHOSEN: dict[tuple[int, int, torch.dtype, int], tuple[str, str, str, str]] = {}
 hence the same tokens) and pays for the timing once."""
 
 
-def choices_file() -> Path | None:
-    """Where choices persist across processes: $SHARDSERVE_FAST_LINEAR_CACHE ("" turns it off), else
-    ~/.cache/shardserve/fast_linear.json ($XDG_CACHE_HOME honoured)."""
-    env = os.environ.get("SHARDSERVE_FAST_LINEAR_CACHE")
-    if env is not None:
-        return Path(env) if env else None
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "shardserve" / "fast_linear.json"
-
-
 def machine_key() -> str:
     """The CPU model, a digest of its flags, the torch build and the intra-op thread count: a
     choice timed under one of these is reused only under the same."""
@@ -342,37 +349,6 @@ def machine_key() -> str:
     digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
     return (f"{cpu_name()}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
             f"|kernels v{KERNEL_SET}")
-
-
-def _shape_key(out_f: int, in_f: int, dtype: torch.dtype, bias: bool) -> str:
-    return f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')}{' bias' if bias else ''}"
-
-
-def _load_saved() -> dict:
-    path = choices_file()
-    if path is None or not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # a torn or foreign file: time again, overwrite it
-        log.warning("fast_linear: ignoring unreadable %s (%s)", path, exc)
-        return {}
-
-
-def _save(machine: str, shape: str, choice: tuple[str, str, str, str], times: list[dict[str, float]]) -> None:
-    path = choices_file()
-    if path is None:
-        return
-    data = _load_saved()
-    data.setdefault(machine, {})[shape] = {
-        "kernels": list(choice), "ms": [{k: round(v * 1e3, 4) for k, v in t.items()} for t in times]}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
-    except OSError as exc:
-        log.warning("fast_linear: could not save choices to %s (%s)", path, exc)
 
 
 def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: float = 0.4) -> tuple[str, ...]:
@@ -385,11 +361,11 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     key = (out_f, in_f, dtype, torch.get_num_threads())
     if key in _CHOSEN:
         return _CHOSEN[key]
-    machine, shape = machine_key(), _shape_key(out_f, in_f, dtype, bias is not None)
-    saved = _load_saved().get(machine, {}).get(shape, {}).get("kernels")
+    machine, shape = machine_key(), shape_key(out_f, in_f, dtype, bias is not None)
+    saved = load_saved().get(machine, {}).get(shape, {}).get("kernels")
     if isinstance(saved, list) and len(saved) == 4 and set(saved) <= set(ONE_ROW + MULTI_ROW) and (
             not {"packed", "halves"} & set(saved) or packing_available(dtype)) and (
-            "panel" not in saved or panel_available(dtype)):
+            "panel" not in saved or panel_available(dtype)) and ("panel_avx2" not in saved or panel_avx2_offered(dtype)):
         _CHOSEN[key] = (saved[0], saved[1], saved[2], saved[3])
         return _CHOSEN[key]
     packs = packing_available(dtype)
@@ -398,7 +374,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
     copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
     halves = packs and torch.get_num_threads() >= 2  # a second core to read the other half
-    panels = panel_available(dtype)
+    panels, avx2 = panel_available(dtype), panel_avx2_offered(dtype)
     first = FastLinear(_Weights(weight, bias), "pretransposed", "packed" if packs else "linear",
                        "halves" if halves else "linear", prepare=("panel",) if panels else ())
     from engines.cpu.cpu_threads import FORK_JOIN_QUIET_S, fork_join_s, intra_op_threads
@@ -409,7 +385,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
         probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
         bulk_probes = [bulk, *(bulk.probe_copy() for _ in range(copies - 1))] if packs else probes
     turn = iter(range(1 << 62))
-    prefill = ["linear", *(["packed"] * packs), *(["panel"] * panels)]  # compute-bound
+    prefill = ["linear", *(["packed"] * packs), *(["panel"] * panels), *(["panel_avx2"] * avx2)]  # compute-bound
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
         ring = bulk_probes if kind == "packed" and x.shape[0] >= BULK_FROM else probes
@@ -423,7 +399,8 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
                     (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)
                          and (k != "panel" or panels)], 5),
                     (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
-                                 and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)], 3),
+                                 and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)
+                                 and (k != "panel_avx2" or avx2)], 3),
                     (BULK_ROWS, prefill, 3),
                     *([(LARGE_ROWS, prefill, 3)] if out_f < WIDE_MIN_OUT else [])):
                 x = torch.randn(rows, in_f).to(dtype)
@@ -437,7 +414,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     probes.clear(), bulk_probes.clear()  # the copies (up to COLD_BYTES in three layouts, and prefill's) go now
     _CHOSEN[key] = (runs[0][0], runs[1][0], runs[2][0], runs[-1][0])
     if quiet:
-        _save(machine, shape, _CHOSEN[key], [t for _, t in runs])
+        save(machine, shape, _CHOSEN[key], [t for _, t in runs])
     else:  # used by this process only: the next one times again
         log.warning("fast_linear %s: timed on a busy host %d times; %s used unsaved", key, attempt + 1, _CHOSEN[key])
     log.debug("fast_linear %s: %s; ms %s", key, _CHOSEN[key],

@@ -34,7 +34,7 @@ rotation (Qwen3). The LM head (tied or not) is outside the blocks and unchanged.
 It applies where the module path would run exactly those kernels: a model whose every part the loop
 knows (`family`; anything else, sliding-window attention included, is refused by name), on CPU, every
 block Linear a FastLinear whose timed choice for this row count and thread count is one the loop calls
-(KERNELS: panel, packed (oneDNN's prepacked linear), linear, pretransposed, gemv), an FP8 weight-only
+(KERNELS: panel and panel_avx2, packed (oneDNN's prepacked linear), linear, pretransposed, gemv), an FP8 weight-only
 Fp8PanelLinear (its e4m3 panels through the FP8 kernel's variant the layer runs, the residual added in
 the kernel's store loop as the panel kernel does) or a plain nn.Linear (F.linear), decode attention
 through the paged kernel, a decode-only step. Anything else (prefill chunks, W8A8 or dequantizing FP8
@@ -73,9 +73,9 @@ def load() -> tuple[object | None, str]:
     return kernels.load()
 
 
-KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4}
-"""FastLinear kernels the C++ loop calls (block_linear's codes); a step whose Linears chose another runs
-the module path."""
+KERNELS = {"panel": 0, "packed": 1, "linear": 2, "pretransposed": 3, "gemv": 4, "panel_avx2": 12}
+"""FastLinear kernels the C++ loop calls (block_linear's codes; "panel_avx2" after FP8's); a step whose Linears chose
+another runs the module path."""
 FP8_KERNEL = 5
 """block_linear's code of an FP8 weight-only Linear (engines/cpu/fp8_linear.Fp8PanelLinear) is this plus its
 kernel variant's code (engines/cpu/panel_kernel.FP8_VARIANTS): the loop runs the variant the layer runs."""

@@ -78,24 +78,34 @@ def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
     return _module().gelu_tanh_rows(h.reshape(-1, h.shape[-1])).view(h.shape)
 
 
+def _panel_code(layer: torch.nn.Module, rows: int) -> int | None:
+    """The panel kernel's variant code (panel_kernel.PANEL_VARIANTS) of a FastLinear's kernel for `rows` rows where it
+    is one of the panel kinds (fast_linear.PANEL_KINDS), else None."""
+    from engines.cpu.fast_linear import PANEL_KINDS
+    from engines.cpu.panel_kernel import PANEL_VARIANTS
+
+    kind = layer.kind_for(rows)
+    return PANEL_VARIANTS[PANEL_KINDS[kind]] if kind in PANEL_KINDS else None
+
+
 def linear_gelu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(layer(x)) for an MLP's up Linear: where layer is a FastLinear (no hooks) whose kernel for x's rows is
-    the panel one, through panel_gelu (a prefill chunk on AVX2: the activation in the kernel's store, the (M, N) output
+    a panel one, through panel_gelu (a prefill chunk on AVX2: the activation in the kernel's store, the (M, N) output
     written once; the same bits); else the Linear, then gelu_tanh."""
     from engines.cpu.fast_linear import FastLinear
 
     if (isinstance(layer, FastLinear) and not layer._forward_hooks and layer.panels is not None
             and x.dtype in (torch.float32, torch.bfloat16)):
         x2 = x.reshape(-1, layer.in_features)  # (M, in)
-        if layer.kind_for(x2.shape[0]) == "panel":
-            out = _module().panel_gelu(x2.contiguous(), layer.panels, layer.out_features, layer.bias, 0)
+        if (code := _panel_code(layer, x2.shape[0])) is not None:
+            out = _module().panel_gelu(x2.contiguous(), layer.panels, layer.out_features, layer.bias, code)
             return out.view(*x.shape[:-1], layer.out_features)
     return gelu_tanh(layer(x))
 
 
 def linear_add(layer: torch.nn.Module, x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
     """res + layer(x) (a block's output projection added to the residual stream), rounded as that sum rounds: where
-    layer is a FastLinear (no hooks) whose kernel for x's rows is the panel one, in the kernel's store (the torch add
+    layer is a FastLinear (no hooks) whose kernel for x's rows is a panel one, in the kernel's store (the torch add
     read both (M, C) tensors and wrote a third: 368 adds of ~0.65 ms in SmolLM2's fp32 prefill of 8.7k tokens on 2
     Zen 3 cores); else the torch add. res (..., out) of x's dtype."""
     from engines.cpu.fast_linear import FastLinear
@@ -103,15 +113,15 @@ def linear_add(layer: torch.nn.Module, x: torch.Tensor, res: torch.Tensor) -> to
     if (isinstance(layer, FastLinear) and applies(x) and not layer._forward_hooks and layer.panels is not None
             and res.dtype == x.dtype and res.is_contiguous()):
         x2 = x.reshape(-1, layer.in_features)  # (M, in)
-        if layer.kind_for(x2.shape[0]) == "panel":
+        if (code := _panel_code(layer, x2.shape[0])) is not None:
             return _module().panel_linear_res(x2.contiguous(), layer.panels, layer.out_features, layer.bias,
-                                              res.reshape(-1, layer.out_features), 0).view(res.shape)
+                                              res.reshape(-1, layer.out_features), code).view(res.shape)
     return res + layer(x)
 
 
 def linear_swiglu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """swiglu(layer(x)) for a SwiGLU MLP's fused gate / up Linear (2 ffn outputs, gate first): where layer is a
-    FastLinear (no hooks, no bias) whose kernel for x's rows is the panel one, SwiGLU in the kernel's store on a
+    FastLinear (no hooks, no bias) whose kernel for x's rows is a panel one, SwiGLU in the kernel's store on a
     prefill chunk (csrc/mlp_rows.cpp panel_swiglu: the (M, 2 ffn) product, 25 MB a layer for SmolLM2's 2,048 fp32
     rows, is never written nor read back; the same bits); else the Linear, then swiglu."""
     from engines.cpu.fast_linear import FastLinear
@@ -119,7 +129,7 @@ def linear_swiglu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (isinstance(layer, FastLinear) and not layer._forward_hooks and layer.panels is not None and layer.bias is None
             and layer.out_features % 2 == 0):
         x2 = x.reshape(-1, layer.in_features)  # (M, in)
-        if layer.kind_for(x2.shape[0]) == "panel":
-            out = _module().panel_swiglu(x2.contiguous(), layer.panels, layer.out_features // 2, 0)
+        if (code := _panel_code(layer, x2.shape[0])) is not None:
+            out = _module().panel_swiglu(x2.contiguous(), layer.panels, layer.out_features // 2, code)
             return out.view(*x.shape[:-1], layer.out_features // 2)
     return swiglu(layer(x))

@@ -26,11 +26,13 @@ rounded to the input's dtype. Every output element is one sequential sum over K 
 order, computed by one thread: the result does not depend on the thread count. Vectors are GCC
 vector extensions, so -march=native makes them AVX-512 or two AVX2 registers. Built once per
 machine (engines/cpu/cpp_ext.py); engines/cpu/fast_linear.py times it against torch's kernels for each
-shape and row count and uses it only where it measured faster.
+shape and row count and uses it only where it measured faster (on a host whose "auto" runs other code, an AVX-512 or
+AMX one, the avx2 variant's several-row blocks are timed as a kernel of their own: fast_linear.PANEL_KINDS).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -94,6 +96,26 @@ def panel_variant(variant: str = "auto") -> str:
     except RuntimeError as exc:
         raise ValueError(str(exc).splitlines()[0]) from exc
     return {v: k for k, v in PANEL_VARIANTS.items()}[code]
+
+
+@contextlib.contextmanager
+def auto_pinned(variant: str):
+    """Within: "auto" resolves to `variant` in this process (every kernel that takes the panel kernel's auto, the fused
+    step's included). Tests: auto portable on an AVX2 host, beside Linears forced to avx2. ValueError naming what the
+    CPU lacks for a variant it cannot run."""
+    if variant not in PANEL_VARIANTS or variant == "auto":
+        raise ValueError(f"auto_pinned: a variant among {sorted(set(PANEL_VARIANTS) - {'auto'})}, got {variant!r}")
+    mod, why = load()
+    if mod is None:
+        raise RuntimeError(why)
+    try:
+        before = mod.panel_auto_variant(PANEL_VARIANTS[variant])
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from exc
+    try:
+        yield
+    finally:
+        mod.panel_auto_variant(before)
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,

@@ -120,14 +120,22 @@ torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, const to
 // calls it (engines/cpu/fast_linear.py): t = (weight, bias or empty, panels, packed, weight_t; empty where not
 // built); kind 0 panel, 1 packed (oneDNN on the prepacked weight), 2 linear, 3 pretransposed, 4 gemv (one
 // row: mv / addmv on the weight), 5 + v the FP8 weight-only kernel's variant v (engines/cpu/fast_linear.py
-// Fp8PanelLinear: t = (scales, bias or empty, e4m3 panels, empty, empty)). With a residual: residual + the
+// Fp8PanelLinear: t = (scales, bias or empty, e4m3 panels, empty, empty)), PANEL_AVX2 the panel kernel's avx2
+// variant on the same panels (fast_linear.PANEL_KINDS: offered where auto is another). With a residual: residual + the
 // Linear's output (the panel and FP8 kernels add it in their store loops; the others by torch's add, as the
 // module path's `x + ...`)
+constexpr int64_t PANEL_AVX2 = 12;  // block_linear's code of the panel kernel's avx2 variant (after FP8's 5 .. 11)
+
+// the panel kernel's variant of block_linear's code `kind` (0 or PANEL_AVX2), auto_variant being what auto resolves to
+inline int64_t panel_kind_variant(int64_t kind, int64_t auto_variant) {
+  return kind == PANEL_AVX2 ? panel_src::row_variant(2) : auto_variant;
+}
+
 torch::Tensor block_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
                            const c10::optional<torch::Tensor>& residual) {
   const auto bias = given(t[1]);
-  if (kind == 0) return panel_src::panel_linear_res(x, t[2], N, bias, residual);
-  if (kind >= 5) return fp8_src::fp8_linear_res(x, t[2], t[0], N, bias, residual, kind - 5);
+  if (kind == 0 || kind == PANEL_AVX2) return panel_src::panel_linear_res(x, t[2], N, bias, residual, kind ? 2 : 0);
+  if (kind >= 5 && kind < PANEL_AVX2) return fp8_src::fp8_linear_res(x, t[2], t[0], N, bias, residual, kind - 5);
   torch::Tensor y;
   if (kind == 1) {
     static const c10::OperatorHandle op =

@@ -104,13 +104,13 @@ void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
 // rows 35.2 -> 34.5, 16 rows 17.7 -> 17.4; fp32 64 rows 110.3 -> 107.5
 constexpr int64_t SPLIT_ROWS = 16;
 
-// Whether the team runs this step: every block Linear on the panel or FP8 kernel, fp32 or bf16 rows. The
+// Whether the team runs this step: every block Linear on the panel (either kind) or FP8 kernel, fp32 or bf16 rows. The
 // attention is shared too: several sequences split by sequence, one sequence by kv heads (as paged_decode
 // splits them entered outside a parallel region), at any context length
 bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, const StepArgs& a) {
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return false;
   for (const int64_t k : kinds)
-    if (k != 0 && k < 5) return false;
+    if ((k != 0 && k < 5) || k > PANEL_AVX2) return false;
   TORCH_CHECK(a.lens.numel() == x.size(0) && a.lens.scalar_type() == at::kLong, "decode_blocks: lens (M) int64");
   return true;
 }

@@ -4,10 +4,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 
 namespace {
+
+// what auto (variant 0) resolves to where pinned (panel_auto_variant; tests), 0 where not: the CPU's pick below
+std::atomic<int64_t> auto_pin{0};
 
 // the variant `variant` resolves to here: 1 portable (panel_rows.cpp's vector code, AVX-512 or AVX512-BF16 where the
 // build has them), 2 AVX2 + FMA (one row, and several: rows_avx2), 3 AMX for several bf16 rows (one row: portable), 4 AMX's layout
@@ -17,6 +21,7 @@ namespace {
 int64_t row_variant(int64_t variant) {
   TORCH_CHECK(variant >= 0 && variant <= 4,
               "panel kernel: variant 0 (auto), 1 (portable), 2 (avx2), 3 (amx), 4 (amx_emulated), got ", variant);
+  if (variant == 0 && auto_pin.load(std::memory_order_relaxed)) variant = auto_pin.load(std::memory_order_relaxed);
   TORCH_CHECK(variant != 3 || amx_ready(),
               "panel kernel: the amx variant needs AMX-TILE and AMX-BF16 in the build and the kernel's leave to use "
               "them, which this host lacks");
@@ -460,3 +465,11 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t N,
 
 // the one-row variant `variant` resolves to on this CPU (see row_variant)
 int64_t panel_variant(int64_t variant) { return row_variant(variant); }
+
+// pin what auto (variant 0) resolves to in this process, 0 to unpin; returns the pin before. Tests: auto portable on
+// an AVX2 host, so that a decode step's Linears on auto and on the avx2 kind (engines/cpu/fast_linear.PANEL_KINDS)
+// run different code side by side there; a variant this host lacks is refused as forcing it is
+int64_t panel_auto_variant(int64_t variant) {
+  if (variant) row_variant(variant);
+  return auto_pin.exchange(variant);
+}

@@ -16,7 +16,7 @@ namespace {
 // which thread computes them, so the bits do not either
 struct TeamLinear {
   int64_t group = 4;    // panels a claim: the one-row kernels' G (see prepare)
-  int64_t kind = 0;     // block_linear's code: 0 panel, 5 + v FP8
+  int64_t kind = 0;     // block_linear's code: 0 panel (either kind: variant says which), 5 + v FP8
   int64_t variant = 0;  // the kernel's variant, resolved
   bool bf16 = false;
   bool blocked = false;  // panel kernel, many rows on AVX2: the rows as they are (bf16 widened), run_blocked's blocks
@@ -110,7 +110,8 @@ void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>
 // out transposed (not AMX's row tiles, not an odd bf16 width's zero-padded pairs)
 bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (kind != 0 || M < 2) return false;
+  if ((kind != 0 && kind != PANEL_AVX2) || M < 2) return false;
+  panel_variant = panel_kind_variant(kind, panel_variant);
   if (x.scalar_type() != at::kBFloat16) return true;
   return K % 2 == 0 && !panel_src::amx_rows(panel_variant, M, K / 2);
 }
@@ -137,12 +138,14 @@ void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1
 }
 
 // Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
-// N outputs into out (M, N), plus res (M, N) where given (res may be out). The rows are laid out in buf as the
+// N outputs into out (M, N), plus res (M, N) where given (res may be out); panel_variant: what the panel kernel's
+// auto resolves to (kind PANEL_AVX2 runs its avx2 variant). The rows are laid out in buf as the
 // per-op kernels lay them out (panel: transposed, bf16 in pairs; FP8: fp32 rows of 2 K2, scaled by X_UP for the
 // vector variants); bias_keep holds a converted bias alive
 void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
              const torch::Tensor* res, const torch::Tensor& out, std::vector<float>& buf, torch::Tensor& bias_keep,
              int64_t panel_variant, bool lay = true) {
+  if (kind == PANEL_AVX2) panel_variant = panel_kind_variant(kind, panel_variant), kind = 0;  // the panel kernel's avx2
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == out.scalar_type(),
               "decode_blocks: a Linear's input rows (M, K) contiguous, of the step's dtype");
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
