@@ -103,15 +103,11 @@ def auto_pinned(variant: str):
     """Within: "auto" resolves to `variant` in this process (every kernel that takes the panel kernel's auto, the fused
     step's included). Tests: auto portable on an AVX2 host, beside Linears forced to avx2. ValueError naming what the
     CPU lacks for a variant it cannot run."""
-    if variant not in PANEL_VARIANTS or variant == "auto":
-        raise ValueError(f"auto_pinned: a variant among {sorted(set(PANEL_VARIANTS) - {'auto'})}, got {variant!r}")
-    mod, why = load()
-    if mod is None:
-        raise RuntimeError(why)
-    try:
-        before = mod.panel_auto_variant(PANEL_VARIANTS[variant])
-    except RuntimeError as exc:
-        raise ValueError(str(exc).splitlines()[0]) from exc
+    if variant == "auto":
+        raise ValueError("auto_pinned: a variant other than auto")
+    panel_variant(variant)  # an unknown one, or one this CPU lacks: ValueError
+    mod = load()[0]
+    before = mod.panel_auto_variant(PANEL_VARIANTS[variant])
     try:
         yield
     finally:
