@@ -374,7 +374,9 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
     # hot, a 768 x 768 bf16 weight (1.2 MB, in L2/L3) ranked the kernels unlike the model's steps
     copies = max(1, min(256, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
     halves = packs and torch.get_num_threads() >= 2  # a second core to read the other half
-    panels, avx2 = panel_available(dtype), panel_avx2_offered(dtype)
+    panels = panel_available(dtype)
+    offered = {"packed": packs, "halves": halves, "panel": panels, "panel_avx2": panel_avx2_offered(dtype),
+               "sliced": out_f >= WIDE_MIN_OUT}  # the candidates that run here (the others always do)
     first = FastLinear(_Weights(weight, bias), "pretransposed", "packed" if packs else "linear",
                        "halves" if halves else "linear", prepare=("panel",) if panels else ())
     from engines.cpu.cpu_threads import FORK_JOIN_QUIET_S, fork_join_s, intra_op_threads
@@ -385,7 +387,7 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
         probes = [first, *(first.probe_copy() for _ in range(copies - 1))]
         bulk_probes = [bulk, *(bulk.probe_copy() for _ in range(copies - 1))] if packs else probes
     turn = iter(range(1 << 62))
-    prefill = ["linear", *(["packed"] * packs), *(["panel"] * panels), *(["panel_avx2"] * avx2)]  # compute-bound
+    prefill = [k for k in ("linear", "packed", "panel", "panel_avx2") if offered.get(k, True)]  # compute-bound
 
     def call(kind: str, x: torch.Tensor) -> torch.Tensor:
         ring = bulk_probes if kind == "packed" and x.shape[0] >= BULK_FROM else probes
@@ -396,11 +398,8 @@ def choose_kernels(weight: torch.Tensor, bias: torch.Tensor | None, budget_s: fl
         runs = []
         with torch.no_grad():
             for rows, kinds, min_rounds in (
-                    (1, [k for k in ONE_ROW if (k != "packed" or packs) and (k != "halves" or halves)
-                         and (k != "panel" or panels)], 5),
-                    (MANY_ROWS, [k for k in MULTI_ROW if (k != "packed" or packs)
-                                 and (k != "sliced" or out_f >= WIDE_MIN_OUT) and (k != "panel" or panels)
-                                 and (k != "panel_avx2" or avx2)], 3),
+                    (1, [k for k in ONE_ROW if offered.get(k, True)], 5),
+                    (MANY_ROWS, [k for k in MULTI_ROW if offered.get(k, True)], 3),
                     (BULK_ROWS, prefill, 3),
                     *([(LARGE_ROWS, prefill, 3)] if out_f < WIDE_MIN_OUT else [])):
                 x = torch.randn(rows, in_f).to(dtype)
