@@ -1,7 +1,7 @@
 """Decode attention on CPU: the paged kernel's read rate against a streaming read measured in the same run.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--rows 64] [--context 145-290] [--dtypes float32,bfloat16]
-        [--tables scattered,sequential,cached]
+        [--tables scattered,sequential,cached] [--heads 9/3/64]
 
 A batched decode step's attention reads every running sequence's keys and values once per layer: at 64 rows of
 SmolLM2's shape (3 kv heads of 64, 9 query heads) and ~220 positions that is 28 MB a layer in fp32, and none of it is
@@ -60,7 +60,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="distinct block tables (one a layer)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--tables", default="scattered", help=f"comma list of: {', '.join(LAYOUTS)} (see above)")
+    ap.add_argument("--heads", default="9/3/64", help="query heads / kv heads / head dim (SmolLM2's; GPT-2: 12/12/64)")
     args = ap.parse_args()
+    try:
+        nh, nkv, hd = (int(v) for v in args.heads.split("/"))
+        assert nh >= 1 and nkv >= 1 and nh % nkv == 0 and hd in (32, 64, 128)
+    except (ValueError, AssertionError):
+        ap.error(f"--heads: NH/NKV/HD with NKV dividing NH and HD 32, 64 or 128, got {args.heads!r}")
     try:
         lo, hi = (int(v) for v in args.context.split("-"))
         assert 1 <= lo <= hi
@@ -85,7 +91,7 @@ def main() -> None:
     if mod is None:
         sys.exit(f"the CPU kernels are unavailable here: {why}")
     print(f"CPU: {cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    nh, nkv, hd, bs = 9, 3, 64, 16  # SmolLM2-135M's attention
+    bs = 16
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(lo, hi + 1, (args.rows,), generator=g, dtype=torch.long)
     per_seq = (hi + bs - 1) // bs

@@ -19,7 +19,8 @@ TRITON = ROOT / ".venv" / "triton-interp"
 CHECK = r'''
 import torch
 from engines.transforms.fp8 import Fp8Linear
-from engines.transforms.fp8_triton import CONFIGS, WeightOnlyFp8Linear, split_plan, triton_available, wo_fp8_linear
+from engines.transforms.fp8_triton import (CONFIGS, GEMV, GEMV_SPLIT_ROWS, WeightOnlyFp8Linear, split_plan,
+                                          triton_available, wo_fp8_linear)
 
 assert triton_available("cpu")
 torch.manual_seed(0)
@@ -34,7 +35,10 @@ for n, k, bias in ((40, 130, True), (48, 256, False), (64, 576, True)):  # K a m
             if bias:
                 layer.bias = torch.nn.Parameter(ref.bias.detach().to(dtype), requires_grad=False)
             assert layer.weight.data_ptr() == ref.weight.data_ptr()  # one byte a weight, shared, no copy
-            for m in (1, 5, 17, 40, 70):  # 70: past SPLIT_MAX_ROWS, never split
+            # 70: past SPLIT_MAX_ROWS, never split. A GEMV program holds one row (no tile edge in M): its split
+            # (up to GEMV_SPLIT_ROWS) and unsplit paths at 1-5 rows; more rows only cost the interpreter time
+            gemv = CONFIGS[config][3] == GEMV
+            for m in (1, GEMV_SPLIT_ROWS, GEMV_SPLIT_ROWS + 1) if gemv else (1, 5, 17, 40, 70):
                 x = torch.randn(m, k).to(dtype)
                 want = (x.float() @ w.T + b).to(dtype)
                 torch.testing.assert_close(layer(x), want, atol=1e-3, rtol=1.6e-2 if dtype == torch.bfloat16 else 2e-3,
@@ -67,7 +71,7 @@ print("OK")
 
 
 def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
-    """Every config at 1-70 rows (tile edges in M, N and K), bias or none, bf16 and fp16 rows, K split into equal
+    """Every config at 1-70 rows (tile edges in M, N and K; GEMV's one row a program at 1-5), bias or none, bf16 and fp16 rows, K split into equal
     slices (over a ragged last block or not) or not split, tl.dot, swapped (y^T = W x^T) or GEMV: the kernel's output
     equals x @ (e4m3 weight * per-channel scale)^T + bias rounded to x's dtype, and a split call leaves its tile
     counters at zero; compiled = eager; bad input gets a ValueError naming what is allowed."""
