@@ -67,6 +67,17 @@ def test_kernel_equals_the_loop_at_served_head_sizes(dtype, bs, hd, nh, nkv):
     torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_equals_the_loop_without_grouped_heads(dtype, threads):
+    """GPT-2's heads (12 of 64, each its own keys and values), which an AVX2 build walks in memory order, a
+    position's heads 8 at a time: one thread's tasks hold a sequence's 12 heads (8, then 4), two threads' hold 6
+    each (the five sequences' heads split over two tasks)."""
+    got, ref = _decode_case(dtype, 12, 12, threads=threads, bs=16, hd=64)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_decode_uses_the_kernel_at_any_batch(rows, monkeypatch):
     """With the kernel on, every decode step goes through it, batch 1 included, on any thread count."""
