@@ -296,25 +296,29 @@ inline void values_heads_avx2(const float* p, int64_t lpad, const T* v, int64_t 
   });
 }
 
-// Without grouped-query heads (group 1: GPT-2's 12 heads, each its own keys and values), the walk in memory order:
-// a position's row of every kv head of the task (contiguous) before the next position's, where the walk above reads
-// a block a kv head at a time (a 256-byte strip of each 3 KB row) and trickles requests for what comes next. The
-// hardware's own stream detection then keeps up, and one line of the next block a position is asked for across the
-// gap between blocks. GPT-2's shape, 64 rows x 145-290 positions, 12 layers' tables, fp32, 2-core EPYC Zen 2, both
-// walks alternating in one process, median of 9: sequential blocks 3.80 -> 2.94 ms a layer (23.2 -> 30.0 GB/s against
-// a streaming read of ~30), scattered 4.03 -> 3.15. Each head's sums are the strip walk's chains in its order (a
-// head's key dot in two chains, the shuffle tree over a lane's own vector; values a multiply-add a position), so the
-// bits are the same. Grouped heads keep the strip walk (a group's query heads reuse each key row from registers there;
-// the memory order with queries from L1 timed 0.96x on SmolLM2's 9 / 3 heads)
+// Without grouped-query heads (group 1: GPT-2's 12 heads, each its own keys and values), the walk in memory order: a
+// position's row of every kv head of the task (contiguous), 8 query heads' scores at a time, before the next
+// position's, where the walk above reads a block a kv head at a time (a 256-byte strip of each 3 KB row) and trickles
+// requests for what comes next. The hardware's own stream detection then keeps up, and one line of the next block a
+// position is asked for across the gap between blocks. GPT-2's shape, 64 rows x 145-290 positions, 12 layers' tables,
+// fp32, 2-core EPYC Zen 2, both walks alternating in one process, median of 9: sequential blocks 3.80 -> 2.94 ms a
+// layer (23.2 -> 30.0 GB/s against a streaming read of ~30), scattered 4.03 -> 3.15 (a standalone build of the walk).
+// Each head's sums are the strip walk's chains in its order (a head's key dot in two chains, the shuffle tree over a
+// lane's own vector; values a multiply-add a position), so the bits are the same. With grouped heads each query head
+// reads its kv head's row from L1 (scores 8 query heads at a time): fp32 rows take it up to 4 query heads a kv head,
+// bf16 rows never, each widened once a query head there (both walks alternating in one process, 64 rows x 145-290
+// positions, median of 9, sequential / scattered blocks: fp32 SmolLM2's 9 / 3 x 64 heads 1.07x / 1.09x, 32 / 8 x 128
+// 1.14x / 1.16x, 14 / 2 x 64 0.92x / 1.01x; bf16 0.59-0.91x at all three, where the strip walk widens a key row once
+// for its group's heads: scores_group_avx2)
 template <typename T, int H8>
-inline void scores_rows_avx2(const float* qs, const T* k, int64_t n, int64_t row, int64_t nkv, float* dst,
-                             int64_t lpad, const T* ka) {
+inline void scores_rows_avx2(const float* qs, const T* k, int64_t n, int64_t row, int64_t nq, int64_t group,
+                             float* dst, int64_t lpad, const T* ka) {
   constexpr int64_t hd = 8 * H8;
   for (int64_t i = 0; i < n; ++i) {
     const T* kr = k + i * row;
     if (ka) __builtin_prefetch(reinterpret_cast<const char*>(ka) + 64 * i, 0, 3);
-    for (int64_t h0 = 0; h0 < nkv; h0 += 8) {
-      const int64_t hc = std::min<int64_t>(8, nkv - h0);
+    for (int64_t h0 = 0; h0 < nq; h0 += 8) {
+      const int64_t hc = std::min<int64_t>(8, nq - h0);
       __m256 part[8];
       for (int64_t j = 0; j < 8; ++j) {
         if (j >= hc) {
@@ -322,7 +326,7 @@ inline void scores_rows_avx2(const float* qs, const T* k, int64_t n, int64_t row
           continue;
         }
         const float* qq = qs + (h0 + j) * hd;
-        const T* kk = kr + (h0 + j) * hd;
+        const T* kk = kr + (h0 + j) / group * hd;
         __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(qq), load8(kk)), p1 = _mm256_mul_ps(_mm256_loadu_ps(qq + 8), load8(kk + 8));
         for (int u = 2; u < H8; u += 2) {
           p0 = _mm256_fmadd_ps(_mm256_loadu_ps(qq + 8 * u), load8(kk + 8 * u), p0);
@@ -337,19 +341,19 @@ inline void scores_rows_avx2(const float* qs, const T* k, int64_t n, int64_t row
   }
 }
 
-// acc (nkv heads, hd apart) += p[h][i] * v[i][h] over the block's n value rows, a position's heads at a time (the sums
-// in L1: 3 KB for 12 heads of 64); one line of the next block (va) asked for a position
+// acc (nq query heads, hd apart) += p[h][i] * v[i][h / group] over the block's n value rows, a position's heads at a
+// time (the sums in L1: 3 KB for 12 heads of 64); one line of the next block (va) asked for a position
 template <typename T, int H8>
-inline void values_rows_avx2(const float* p, int64_t lpad, const T* v, int64_t n, int64_t row, int64_t nkv, float* acc,
-                             const T* va) {
+inline void values_rows_avx2(const float* p, int64_t lpad, const T* v, int64_t n, int64_t row, int64_t nq,
+                             int64_t group, float* acc, const T* va) {
   constexpr int64_t hd = 8 * H8;
   for (int64_t i = 0; i < n; ++i) {
     const T* vr = v + i * row;
     if (va) __builtin_prefetch(reinterpret_cast<const char*>(va) + 64 * i, 0, 3);
-    for (int64_t h = 0; h < nkv; ++h) {
+    for (int64_t h = 0; h < nq; ++h) {
       const __m256 pi = _mm256_broadcast_ss(p + h * lpad + i);
       float* a = acc + h * hd;
-      const T* x = vr + h * hd;
+      const T* x = vr + h / group * hd;
       for (int u = 0; u < H8; ++u)
         _mm256_storeu_ps(a + 8 * u, _mm256_fmadd_ps(pi, load8(x + 8 * u), _mm256_loadu_ps(a + 8 * u)));
     }
@@ -376,17 +380,17 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
   thread_local std::vector<float> qs;
   if (static_cast<int64_t>(qs.size()) < nq * hd) qs.resize(nq * hd);
   for (int64_t i = 0; i < nq * hd; ++i) qs[i] = static_cast<float>(q[i]) * scale;
-  if (group == 1) {  // memory order (scores_rows_avx2)
+  if (group == 1 || (std::is_same_v<T, float> && group <= 4)) {  // memory order (scores_rows_avx2)
     for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
       const bool more = t + bs < len;
-      scores_rows_avx2<T, H8>(qs.data(), kc + table[b] * bs * row, std::min(bs, len - t), row, nkv, scores + t - t0,
-                              lpad, more ? kc + table[b + 1] * bs * row : nullptr);
+      scores_rows_avx2<T, H8>(qs.data(), kc + table[b] * bs * row, std::min(bs, len - t), row, nq, group,
+                              scores + t - t0, lpad, more ? kc + table[b + 1] * bs * row : nullptr);
     }
     decode_softmax_avx2(scores, m, lpad, nq, hd, acc, pm, pl, pacc);
     for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
       const bool more = t + bs < len;
-      values_rows_avx2<T, H8>(scores + t - t0, lpad, vc + table[b] * bs * row, std::min(bs, len - t), row, nkv, acc,
-                              more ? vc + table[b + 1] * bs * row : nullptr);
+      values_rows_avx2<T, H8>(scores + t - t0, lpad, vc + table[b] * bs * row, std::min(bs, len - t), row, nq, group,
+                              acc, more ? vc + table[b + 1] * bs * row : nullptr);
     }
     write_heads(scores, m, lpad, nq, hd, acc, out);
     return;
