@@ -99,6 +99,18 @@ inline void decode_softmax_avx2(float* scores, int64_t m, int64_t lpad, int64_t 
   }
 }
 
+// a head's key dot before its lanes are summed: q(u) (the scaled query's 8 lanes u) times the key row k's, in two
+// chains of multiply-adds (even and odd u) added at the end; scores_avx2 and scores_rows_avx2 both sum through it
+template <typename T, int H8, typename QF>
+inline __m256 key_chains(const QF& q, const T* k) {
+  __m256 p0 = _mm256_mul_ps(q(0), load8(k)), p1 = _mm256_mul_ps(q(1), load8(k + 8));
+  for (int u = 2; u < H8; u += 2) {
+    p0 = _mm256_fmadd_ps(q(u), load8(k + 8 * u), p0);
+    p1 = _mm256_fmadd_ps(q(u + 1), load8(k + 8 * u + 8), p1);
+  }
+  return _mm256_add_ps(p0, p1);
+}
+
 // dst[i] = qs . k[i] for the n key rows at k (`row` apart), qs the head's scaled fp32 query of 8 * H8 lanes; row i of
 // ka (the next block's keys) requested, and a part of vs (this task's values) asked for, as key row i is read: a
 // trickle, not both blocks' 128 lines at once before the scores, which overflowed the core's miss queue as on AVX-512
@@ -121,12 +133,7 @@ inline void scores_avx2(const float* qs, const T* k, int64_t n, int64_t row, flo
       const T* kr = k + (i0 + i) * row;
       if (ka) prefetch_rows<T, H8 / 2>(ka + (i0 + i) * row, 1, row);
       if (vs) vs->next();
-      __m256 p0 = _mm256_mul_ps(Q(0), load8(kr)), p1 = _mm256_mul_ps(Q(1), load8(kr + 8));
-      for (int u = 2; u < H8; u += 2) {
-        p0 = _mm256_fmadd_ps(Q(u), load8(kr + 8 * u), p0);
-        p1 = _mm256_fmadd_ps(Q(u + 1), load8(kr + 8 * u + 8), p1);
-      }
-      part[i] = _mm256_add_ps(p0, p1);
+      part[i] = key_chains<T, H8>(Q, kr);
     }
     for (int64_t i = c; i < 8; ++i) part[i] = _mm256_setzero_ps();
     const __m256 r = hsum8(part);
@@ -303,7 +310,7 @@ inline void values_heads_avx2(const float* p, int64_t lpad, const T* v, int64_t 
 // position is asked for across the gap between blocks. GPT-2's shape, 64 rows x 145-290 positions, 12 layers' tables,
 // fp32, 2-core EPYC Zen 2, both walks alternating in one process, median of 9: sequential blocks 3.80 -> 2.94 ms a
 // layer (23.2 -> 30.0 GB/s against a streaming read of ~30), scattered 4.03 -> 3.15 (a standalone build of the walk).
-// Each head's sums are the strip walk's chains in its order (a head's key dot in two chains, the shuffle tree over a
+// Each head's sums are the strip walk's in its order (a head's key dot through key_chains, the shuffle tree over a
 // lane's own vector; values a multiply-add a position), so the bits are the same. With grouped heads each query head
 // reads its kv head's row from L1 (scores 8 query heads at a time): fp32 rows take it up to 4 query heads a kv head,
 // bf16 rows never, each widened once a query head there (both walks alternating in one process, 64 rows x 145-290
@@ -326,13 +333,7 @@ inline void scores_rows_avx2(const float* qs, const T* k, int64_t n, int64_t row
           continue;
         }
         const float* qq = qs + (h0 + j) * hd;
-        const T* kk = kr + (h0 + j) / group * hd;
-        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(qq), load8(kk)), p1 = _mm256_mul_ps(_mm256_loadu_ps(qq + 8), load8(kk + 8));
-        for (int u = 2; u < H8; u += 2) {
-          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(qq + 8 * u), load8(kk + 8 * u), p0);
-          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(qq + 8 * u + 8), load8(kk + 8 * u + 8), p1);
-        }
-        part[j] = _mm256_add_ps(p0, p1);
+        part[j] = key_chains<T, H8>([qq](int u) { return _mm256_loadu_ps(qq + 8 * u); }, kr + (h0 + j) / group * hd);
       }
       alignas(32) float r[8];
       _mm256_store_ps(r, hsum8(part));  // lane j: head h0 + j's score at this position
