@@ -71,10 +71,10 @@ print("OK")
 
 
 def test_weight_only_kernel_equals_the_dequantized_product_in_the_interpreter():
-    """Every config at 1-70 rows (tile edges in M, N and K; GEMV's one row a program at 1-5), bias or none, bf16 and fp16 rows, K split into equal
-    slices (over a ragged last block or not) or not split, tl.dot, swapped (y^T = W x^T) or GEMV: the kernel's output
-    equals x @ (e4m3 weight * per-channel scale)^T + bias rounded to x's dtype, and a split call leaves its tile
-    counters at zero; compiled = eager; bad input gets a ValueError naming what is allowed."""
+    """Every config at 1-70 rows (tile edges in M, N and K; GEMV's one row a program at 1-5), bias or none, bf16 and
+    fp16 rows, K split into equal slices (over a ragged last block or not) or not split, tl.dot, swapped (y^T = W x^T)
+    or GEMV: the kernel's output equals x @ (e4m3 weight * per-channel scale)^T + bias rounded to x's dtype, and a
+    split call leaves its tile counters at zero; compiled = eager; bad input gets a ValueError naming what is allowed."""
     if not (TRITON / "triton").is_dir():
         pytest.skip(f"triton's interpreter is not installed in {TRITON} (make setup installs it)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TRITON), str(ROOT)]))

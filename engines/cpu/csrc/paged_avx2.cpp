@@ -376,8 +376,6 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
   // one stream: fp32 0.89x, bf16 0.81x)
   for (int64_t g = 0; g < nkv; ++g)
     prefetch_rows<T, H8 / 2>(kc + table[t0 / bs] * bs * row + g * hd, std::min(bs, len - t0), row);
-  PartCursor<T, H8 / 2> vs(vc, table, t0, len, bs, row, nkv);
-  PartCursor<T, H8 / 2> nk(nx);
   thread_local std::vector<float> qs;
   if (static_cast<int64_t>(qs.size()) < nq * hd) qs.resize(nq * hd);
   for (int64_t i = 0; i < nq * hd; ++i) qs[i] = static_cast<float>(q[i]) * scale;
@@ -396,6 +394,8 @@ void attend_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int
     write_heads(scores, m, lpad, nq, hd, acc, out);
     return;
   }
+  PartCursor<T, H8 / 2> vs(vc, table, t0, len, bs, row, nkv);  // the strip walk's requests (above)
+  PartCursor<T, H8 / 2> nk(nx);
   for (int64_t b = t0 / bs, t = t0; t < len; ++b, t += bs) {
     const int64_t n = std::min(bs, len - t);
     const bool more = t + bs < len;
