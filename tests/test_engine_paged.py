@@ -307,3 +307,41 @@ def test_a_cpu_engine_keeps_freed_memory_for_its_next_step(gpt2_dir):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _populate_works(),
+                    reason="madvise(MADV_POPULATE_WRITE) needs Linux 5.14+")
+def test_idle_engine_stops_mapping_at_the_end_of_its_pool(gpt2_dir):
+    """A mapping window wider than the pool (a small cache, or one a burst mostly took) ends at the pool's last
+    block: the idle loop maps the whole cache once, then waits instead of asking prefault again and again (it
+    spun on a core, and on the GIL, while idle)."""
+    from engines import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_model_dir(gpt2_dir, EngineConfig(kv_cache_memory_fraction=0.005))
+    executor = engine.engine.executor
+    cache = executor.runner.cache
+    calls = [0]
+    prefault = executor.prefault
+
+    def counted(max_bytes: int, upto_block: int) -> int:
+        calls[0] += 1
+        return prefault(max_bytes, upto_block)
+
+    executor.prefault = counted
+    engine._ahead_blocks = 2 * cache.num_blocks  # the window past the pool's end
+    engine._wake.set()  # (ends a wait begun before the wider window)
+    try:
+        deadline = time.monotonic() + 60
+        while engine._mapped_to < cache.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._mapped_to == cache.num_blocks and cache._prefaulted
+        before = calls[0]
+        time.sleep(1.0)  # idle: two waits of the loop
+        assert calls[0] == before, f"{calls[0] - before} prefault calls while idle with the whole pool mapped"
+
+        async def main():
+            return [o async for o in engine.generate("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]
+
+        assert asyncio.run(main())[-1].finished
+    finally:
+        engine.shutdown()

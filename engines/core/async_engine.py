@@ -224,7 +224,9 @@ class AsyncLLMEngine:
                         # burst's KV writes faulted, 4 % of its step time in clear_page)
                         self._ahead_blocks = max(self._ahead_blocks, 2 * (high - self._busy_from))
                         self._busy_from = None
-                    want = high + self._ahead_blocks
+                    # never past the pool: a window wider than what is left (a small cache, a burst that took most
+                    # of it) would otherwise never be reached, and the loop would spin on prefault while idle
+                    want = min(high + self._ahead_blocks, self.engine.executor.num_blocks)
                     if want > self._mapped_to and not self._wake.is_set():  # idle: map KV pages ahead of use
                         mapped = self.engine.executor.prefault(PREFAULT_PIECE, want)
                         self.engine.scheduler.blocks.mapped = mapped  # new runs prefer mapped blocks
