@@ -74,3 +74,36 @@ def test_engine_with_an_fp8_head_decodes_on_the_fused_step(tied_dir):
     assert isinstance(runner.model.lm_head, Fp8PanelLinear)
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and runner.paths["fused"] >= 3, dict(runner.paths)
+
+
+@pytest.mark.parametrize("variant", ["portable", "avx2", "avx512_on_avx2", "avx512", "avx512bf16", "avx512bf16_emulated"])
+def test_fp8_head_logits_of_bf16_rows_are_the_kernels_unrounded_sums(tied_dir, variant):
+    """Fp8PanelLinear.forward_float (the logits head_logits takes): the kernel's fp32 sums, whose bf16 rounding is
+    forward's output exactly, near the dequantized fp32 product; not a widened bf16 (which would tie near-equal
+    logits)."""
+    from engines.cpu.fp8_linear import Fp8PanelLinear
+    from engines.loading.checkpoint import load_model
+    from engines.model.transformer import head_logits
+    from engines.transforms.fp8 import apply_fp8_head
+
+    try:
+        pk.fp8_variant(variant, torch.bfloat16)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    model, cfg = load_model(tied_dir)
+    model.to(torch.bfloat16)
+    apply_fp8_head(model, torch.bfloat16, tied_dir)
+    head = model.lm_head
+    assert isinstance(head, Fp8PanelLinear)
+    head.variant = variant
+    head.bias = torch.randn(head.out_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ref_w = head.weight_fp8().float() * head.scales[:, None]
+    with torch.inference_mode():
+        for rows in (1, 5):
+            h = torch.randn(rows, cfg.n_embd, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            logits = head_logits(head, h)
+            assert logits.dtype == torch.float32 and logits.shape == (rows, head.out_features)
+            assert torch.equal(logits.bfloat16(), head(h))  # forward rounds the same sums once
+            assert not torch.equal(logits, logits.bfloat16().float())  # not a widened bf16
+            ref = h.float() @ ref_w.t() + head.bias.float()
+            torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

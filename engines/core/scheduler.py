@@ -155,8 +155,10 @@ class Scheduler:
         # admission reserves what the running sequences will still grow by, so that a new request
         # does not take blocks that force a running one out later (which would stall its stream);
         # with nothing running, the first in admission order is admitted on what it needs now
-        room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
-        order = self._admission_order(room) if not preempted else []
+        order: list[Sequence] = []
+        if self.waiting and not preempted:  # (a decode step with no one waiting: no sum over the running)
+            room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
+            order = self._admission_order(room)
         for seq in order:
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break

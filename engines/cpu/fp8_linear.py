@@ -64,3 +64,14 @@ class Fp8PanelLinear(nn.Module):
         else:
             y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """The output in fp32 (a vocabulary head's logits, engines/model/transformer.head_logits): for decode-sized
+        row counts the kernel's fp32 sums unrounded (rounded to bf16, near-equal logits become equal, and greedy takes
+        the lower id: FastLinear.forward_float's reason), with no second pass to widen them; otherwise forward's."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] >= BULK_FROM or torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return self.forward(x).float()
+        y = panel_kernel.fp8_linear(x2, self.panels, self.scales, self.out_features, self.bias, self.variant,
+                                    out_float=True)
+        return y.view(*x.shape[:-1], self.out_features)

@@ -40,7 +40,7 @@ NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 FUNCTIONS = [
     "pack_panels", "panel_linear", "panel_linear_res", "panel_linear_f32", "panel_variant",  # panel_kernel.cpp
     "panel_auto_variant",
-    "fp8_pack_panels", "fp8_linear", "fp8_variant",                       # fp8_range.cpp
+    "fp8_pack_panels", "fp8_linear", "fp8_linear_f32", "fp8_variant",     # fp8_range.cpp
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path

@@ -192,8 +192,11 @@ def fp8_unpack_panels(panels: torch.Tensor, out_features: int, in_features: int)
 
 
 def fp8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None = None, variant: str = "auto") -> torch.Tensor:
+               bias: torch.Tensor | None = None, variant: str = "auto", out_float: bool = False) -> torch.Tensor:
     """x (M, K) fp32 / bf16 through FP8 panels with per-output scales (out_features,) (+ bias) -> (M, out)
-    in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers."""
+    in x's dtype: what x @ (fp8 weight * scales[:, None])^T + bias computes, the bytes widened in registers.
+    out_float: (M, out) fp32, the same sums unrounded (the row variant still the one x's dtype picks)."""
     fp8_variant(variant, x.dtype)  # a forced variant the CPU (or x's dtype) lacks: a clear error
-    return _fp8_mod().fp8_linear(x, panels, scales.float().contiguous(), out_features, bias, FP8_VARIANTS[variant])
+    mod = _fp8_mod()
+    return (mod.fp8_linear_f32 if out_float else mod.fp8_linear)(x, panels, scales.float().contiguous(), out_features,
+                                                                 bias, FP8_VARIANTS[variant])

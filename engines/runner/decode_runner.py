@@ -33,11 +33,12 @@ from __future__ import annotations
 import bisect
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engines.core.plan import SeqWork
-from engines.model.attention import KVCache
+from engines.model.attention import KVCache, long_tensor
 from engines.runner.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -144,18 +145,22 @@ class DecodeRunner:
         S, bs, null = len(decode), self.bs, self.null_block
         if self.first:
             ids = [w.token_ids[0] for w in decode] + [0] * (B - S)
-            self.ids[:B].copy_(torch.tensor(ids), non_blocking=True)
+            self.ids[:B].copy_(long_tensor(ids), non_blocking=True)
         else:
             self.ids[:S].copy_(x)
             self.ids[S:B].zero_()
-        pos = [w.start_pos for w in decode] + [0] * (B - S)
-        table = [w.block_ids[:ncols] + [null] * (ncols - len(w.block_ids)) for w in decode]
-        table += [[null] * ncols] * (B - S)
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(table, pos)]  # padded rows: the null block
-        self.pos[:B].copy_(torch.tensor(pos), non_blocking=True)
-        self.slots[:B].copy_(torch.tensor(slots), non_blocking=True)
-        self.table[:B, :ncols].copy_(torch.tensor(table), non_blocking=True)
-        self.lens[:B].copy_(torch.tensor(pos) + 1, non_blocking=True)
+        # through numpy (attention.long_tensor): torch.tensor of a Python list costs ~0.3 us an element, and the
+        # table is B x ncols of them
+        pos = np.array([w.start_pos for w in decode] + [0] * (B - S), dtype=np.int64)
+        table = np.full((B, ncols), null, dtype=np.int64)  # padded rows and columns: the null block
+        for i, w in enumerate(decode):
+            row = w.block_ids[:ncols]
+            table[i, :len(row)] = row
+        slots = table[np.arange(B), pos // bs] * bs + pos % bs  # padded rows: the null block
+        self.pos[:B].copy_(torch.from_numpy(pos), non_blocking=True)
+        self.slots[:B].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.table[:B, :ncols].copy_(torch.from_numpy(table), non_blocking=True)
+        self.lens[:B].copy_(torch.from_numpy(pos + 1), non_blocking=True)
 
     def context_bucket(self, decode: list[SeqWork]) -> int:
         """Block-table columns the step reads: the smallest context bucket holding its longest row."""

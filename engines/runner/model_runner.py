@@ -31,7 +31,7 @@ import torch
 from engines.core.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
 from engines.core.kv_sizing import kv_cache_budget, shard_kv_budget
 from engines.core.plan import SeqWork, StepPlan, StepResult
-from engines.model.attention import KVCache, PagedAttention
+from engines.model.attention import KVCache, PagedAttention, decode_slots, decode_tables, long_tensor
 from engines.parallel.comm import Comm, LocalComm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import split_microbatches
@@ -301,21 +301,24 @@ class ModelRunner:
             hidden = dr.run(decode) if x is None else dr.run(decode, x[0])  # (S, C), padded rows dropped
             # a graph's output buffer is overwritten by the next replay, maybe before the send completes
             return hidden.clone() if dr.cuda_graphs and not self.last else hidden
+        if (decode and not prefill and self.fused is not None and self.decode_kernel and self.device.type == "cpu"
+                and self.fused.usable(len(decode))):  # one token a row: no PagedAttention to build
+            self.paths["fused"] += 1
+            table, lens = decode_tables(decode)
+            rows = long_tensor([[w.token_ids[0] for w in decode], [w.start_pos for w in decode],
+                                decode_slots(decode, self.cache.block_size)])  # (3, M) ids, positions, slots
+            return self.fused.run(rows[:1] if self.first else x, rows[1:2], rows[2], table, lens,
+                                  self.cache.block_size)[0]  # (M, C)
         works = [*decode, *prefill]
         ids: list[int] = []
         pos: list[int] = []
         for w in works:
             ids.extend(w.token_ids)
             pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
-        positions = torch.tensor(pos, device=self.device)[None]  # (1, n)
+        positions = long_tensor(pos).to(self.device)[None]  # (1, n)
         if self.first:
-            x = torch.tensor(ids, device=self.device)[None]  # (1, n) token ids
+            x = long_tensor(ids).to(self.device)[None]  # (1, n) token ids
         backend = PagedAttention(self.cache, decode, prefill, self.device, decode_kernel=self.decode_kernel)
-        if (self.fused is not None and not prefill and backend.dec_table is not None
-                and self.fused.usable(len(decode))):
-            self.paths["fused"] += 1
-            return self.fused.run(x, positions, backend.slot_mapping, backend.dec_table, backend.dec_lens,
-                                  self.cache.block_size)[0]  # (n, C)
         embeds = None
         if self.prompt_tables.needed(works):  # p-tuning: virtual tokens only in prefill chunks
             backend.kv_prefix = self.prompt_tables.kv_rows(works)

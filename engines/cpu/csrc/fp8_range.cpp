@@ -137,9 +137,11 @@ torch::Tensor fp8_pack_panels(torch::Tensor weight) {
 
 // x (M, K) float32 / bfloat16; panels (P, K, 16) uint8; scales (N) fp32 per-output; bias (N) or none; residual
 // (M, N) of x's dtype or none -> (M, N) in x's dtype: scale[n] * (x @ fp8(W)^T)[:, n] + bias[n], rounded, plus
-// the residual (rounded again, as torch's `res + y`)
-torch::Tensor fp8_linear_res(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
-                             c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual, int64_t variant) {
+// the residual (rounded again, as torch's `res + y`); out_float: (M, N) fp32, unrounded (no residual), the row
+// variant still the one x's dtype picks
+torch::Tensor fp8_linear_impl(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
+                              c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual, int64_t variant,
+                              bool out_float) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "fp8_linear: x (M, K) float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), P = (N + F8_NR - 1) / F8_NR, K2 = (K + 1) / 2;
@@ -170,10 +172,11 @@ torch::Tensor fp8_linear_res(torch::Tensor x, torch::Tensor panels, torch::Tenso
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k)
       xf[m * 2 * K2 + k] = up * (x32 ? x32[m * K + k] : static_cast<float>(x16[m * K + k]));
-  auto out = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!(out_float && with_res), "fp8_linear: an fp32 output takes no residual");
+  auto out = torch::empty({M, N}, x.options().dtype(out_float ? torch::kFloat : x.scalar_type()));
   const uint8_t* w = panels.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
-  if (x.scalar_type() == torch::kFloat)
+  if (out.scalar_type() == torch::kFloat)
     run_fp8<float>(v, xf.data(), M, 2 * K2, K2, w, N, s, bp, with_res ? residual->data_ptr<float>() : nullptr,
                    out.data_ptr<float>());
   else
@@ -182,7 +185,19 @@ torch::Tensor fp8_linear_res(torch::Tensor x, torch::Tensor panels, torch::Tenso
   return out;
 }
 
+torch::Tensor fp8_linear_res(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
+                             c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual, int64_t variant) {
+  return fp8_linear_impl(x, panels, scales, N, bias, residual, variant, false);
+}
+
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
                          c10::optional<torch::Tensor> bias, int64_t variant) {
-  return fp8_linear_res(x, panels, scales, N, bias, c10::nullopt, variant);
+  return fp8_linear_impl(x, panels, scales, N, bias, c10::nullopt, variant, false);
+}
+
+// fp8_linear's sums in fp32, not rounded to x's dtype (a vocabulary head's logits: engines/cpu/fp8_linear.py
+// Fp8PanelLinear.forward_float)
+torch::Tensor fp8_linear_f32(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t N,
+                             c10::optional<torch::Tensor> bias, int64_t variant) {
+  return fp8_linear_impl(x, panels, scales, N, bias, c10::nullopt, variant, true);
 }
