@@ -55,6 +55,36 @@ def test_streamed_deltas_hold_back_partial_stop_strings(gpt2_dir):
     assert streamed == text[:text.find(stop)]
 
 
+def test_final_only_steps_report_whole_requests_as_streaming_ends_them(gpt2_dir):
+    """LLMEngine.step(final_only=True) (LLM.generate's): an output only for a request the step finished, holding
+    everything the streamed deltas add up to (text with a stop string cut, tokens, finish reason)."""
+    from engines import EngineConfig
+    from engines.core.llm_engine import LLMEngine
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 12, 9)]
+    text = LLM(gpt2_dir).generate([PROMPT], params[1])[0].outputs[0].text
+    params[2] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[text[10:13]])
+    got: dict[str, list] = {}
+    for final_only in (False, True):
+        engine = LLMEngine(gpt2_dir, EngineConfig())
+        for i, p in enumerate(params):
+            engine.add_request(f"r{i}", PROMPT, p)
+        streamed: dict[str, tuple[str, list[int]]] = {}
+        ends = []
+        while engine.has_unfinished_requests():
+            for out in engine.step(final_only=final_only):
+                c = out.outputs[0]
+                t, ids = streamed.get(out.request_id, ("", []))
+                streamed[out.request_id] = (t + c.text_delta, ids + c.token_ids_delta)
+                assert out.finished or not final_only
+                if out.finished:
+                    ends.append((out.request_id, c.text, c.token_ids, c.finish_reason))
+                    assert (c.text, c.token_ids) == streamed[out.request_id]
+        got[final_only] = sorted(ends)
+    assert got[True] == got[False] and len(got[True]) == 3
+    assert [e[3] for e in got[True]] == ["length", "length", "stop"]
+
+
 def test_stop_token_ids(llm):
     full = greedy(llm, max_tokens=20)
     tok = full.token_ids[4]

@@ -246,7 +246,10 @@ class LLMEngine:
                 "prefix_cache_hits": self.scheduler.blocks.hit_tokens}
 
     # the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step: the outputs of the requests it moved (their new text and tokens), or with final_only
+        those of the requests it finished only (an offline caller that waits for whole requests: LLM.generate; no
+        output is built for the others, whose text still accumulates)."""
         t0, started = time.perf_counter(), time.monotonic()
         plan = self.scheduler.schedule()
         if plan.empty and not plan.released_seq_ids:
@@ -256,7 +259,7 @@ class LLMEngine:
         self.step_in_flight = (started, tokens)
         attach_tables(plan, lambda seq_id: self.requests[self._seqs[seq_id].request_id].task)
         try:
-            return self._step(plan)
+            return self._step(plan, final_only)
         finally:
             seconds = time.perf_counter() - t0
             self.num_steps += 1
@@ -268,7 +271,7 @@ class LLMEngine:
                 self.step_recorder.record(end, seconds, gap, plan)
             self._busy_end = end if self.requests else None
 
-    def _step(self, plan: StepPlan) -> list[RequestOutput]:
+    def _step(self, plan: StepPlan, final_only: bool = False) -> list[RequestOutput]:
         result = self.executor.execute(plan)
         now = time.monotonic()
         touched = self.scheduler.update(plan, result, self._seqs)
@@ -296,7 +299,8 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 for c in req.completions:
                     self._seqs.pop(c.seq.seq_id, None)
-            if any(c.seq.num_output > c.sent_tokens or c.seq.finished for c in req.completions):
+            if req.finished or not final_only and any(c.seq.num_output > c.sent_tokens or c.seq.finished
+                                                      for c in req.completions):
                 outputs.append(self._output(req))
         return outputs
 
@@ -437,7 +441,7 @@ class LLM:
         bar = _progress(len(ids)) if use_tqdm else None
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:
