@@ -53,9 +53,10 @@ def long_tensor(values) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
-def padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables (G, most blocks) int64, each zero-padded (a row assigned at a time: no per-element work)."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+def padded_tables(tables: list[list[int]], width: int | None = None, fill: int = 0) -> torch.Tensor:
+    """Block tables (G, width: the most blocks by default) int64, each padded with `fill` (a row assigned at a time:
+    no per-element work)."""
+    out = np.full((len(tables), max(map(len, tables)) if width is None else width), fill, dtype=np.int64)
     for i, t in enumerate(tables):
         out[i, :len(t)] = t
     return torch.from_numpy(out)
@@ -168,14 +169,12 @@ class PagedAttention:
             else:  # the runs of each context: per sequence in place (_decode), unless batched below
                 self.dec_runs = [block_runs(w.block_ids, bs, c) for w, c in zip(decode, ctx)]
             if self.dec_table is None and batched_decode and not (len(decode) == 1 and len(self.dec_runs[0]) == 1):
-                tables = [w.block_ids for w in decode]
-                max_blocks = max(len(t) for t in tables)
-                table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # (S, max_blocks)
+                table = padded_tables([w.block_ids for w in decode])  # (S, max_blocks)
                 lmax = max(ctx)
                 index = (table[:, :, None] * bs + torch.arange(bs)).view(len(decode), -1)[:, :lmax]  # (S, L)
                 self.dec_index = index.to(device)
                 # (S, 1, 1, L): key j of sequence s is visible when j < ctx[s]
-                self.dec_mask = (torch.arange(lmax)[None, :] < torch.tensor(ctx)[:, None]).view(
+                self.dec_mask = (torch.arange(lmax)[None, :] < long_tensor(ctx)[:, None]).view(
                     len(decode), 1, 1, lmax).to(device)
         self.prefill: list[PrefillMeta] = []
         q_start = self.n_decode

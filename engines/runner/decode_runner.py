@@ -33,12 +33,11 @@ from __future__ import annotations
 import bisect
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engines.core.plan import SeqWork
-from engines.model.attention import KVCache, long_tensor
+from engines.model.attention import KVCache, long_tensor, padded_tables
 from engines.runner.compiled import MIN_CONTEXT_BLOCKS, CompiledDecode, write_new_kv
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -151,16 +150,13 @@ class DecodeRunner:
             self.ids[S:B].zero_()
         # through numpy (attention.long_tensor): torch.tensor of a Python list costs ~0.3 us an element, and the
         # table is B x ncols of them
-        pos = np.array([w.start_pos for w in decode] + [0] * (B - S), dtype=np.int64)
-        table = np.full((B, ncols), null, dtype=np.int64)  # padded rows and columns: the null block
-        for i, w in enumerate(decode):
-            row = w.block_ids[:ncols]
-            table[i, :len(row)] = row
-        slots = table[np.arange(B), pos // bs] * bs + pos % bs  # padded rows: the null block
-        self.pos[:B].copy_(torch.from_numpy(pos), non_blocking=True)
-        self.slots[:B].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.table[:B, :ncols].copy_(torch.from_numpy(table), non_blocking=True)
-        self.lens[:B].copy_(torch.from_numpy(pos + 1), non_blocking=True)
+        pos = long_tensor([w.start_pos for w in decode] + [0] * (B - S))
+        table = padded_tables([w.block_ids[:ncols] for w in decode] + [[]] * (B - S), ncols, null)  # padding: null
+        slots = table[torch.arange(B), pos // bs] * bs + pos % bs  # padded rows: the null block
+        self.pos[:B].copy_(pos, non_blocking=True)
+        self.slots[:B].copy_(slots, non_blocking=True)
+        self.table[:B, :ncols].copy_(table, non_blocking=True)
+        self.lens[:B].copy_(pos + 1, non_blocking=True)
 
     def context_bucket(self, decode: list[SeqWork]) -> int:
         """Block-table columns the step reads: the smallest context bucket holding its longest row."""
