@@ -55,11 +55,13 @@ def test_fp8_kernel_equals_dequantize_then_matmul(variant, rows, n, k, dtype, bi
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16 * 9 + 5, 72), (1, 16 * 9 + 5, 70), (7, 40, 72)])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16 * 9 + 5, 72), (1, 16 * 9 + 5, 70), (7, 40, 72),
+                                              (23, 40, 72), (24, 40, 72), (47, 16 * 3 + 5, 601)])
 def test_vector_variants_give_the_portable_bits(variant, rows, n, k):
     """Every variant sums each output in the same order with one fused multiply-add an input: the same bits
     as the portable scalar reference (one row: several panels a pass, two input pairs a step and, at 70 inputs,
-    the odd pair after them; a tail panel alone; a row block)."""
+    the odd pair after them; a tail panel alone; a row block; from 24 rows on AVX2, each slice of a panel decoded
+    once for blocks of up to 6 rows: 47 rows in 8 blocks, 601 inputs in 3 slices, the last one short and odd)."""
     w, scales = _fp8_weight(n, k, seed=n)
     panels = pk.fp8_pack_panels(w)
     for dtype in (torch.float32, torch.bfloat16):

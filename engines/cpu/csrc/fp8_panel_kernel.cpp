@@ -120,6 +120,19 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
   }
 }
 
+// chunks [0, kc) of one panel decoded to fp32 (2 kc, F8_NR) times 2^-120: input 2 k's 16 weights in output order, then
+// input 2 k + 1's, as the fp32 row blocks read a panel (fp8_range.cpp wide_rows_avx2)
+__attribute__((target("avx2,fma"))) inline void decode_panel_avx2(const uint8_t* w, int64_t kc, float* dst) {
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 a0, b0, a1, b1;
+    decode32_avx2(w + k * 32, a0, b0, a1, b1);
+    _mm256_storeu_ps(dst + 2 * k * F8_NR, a0);
+    _mm256_storeu_ps(dst + 2 * k * F8_NR + 8, a1);
+    _mm256_storeu_ps(dst + (2 * k + 1) * F8_NR, b0);
+    _mm256_storeu_ps(dst + (2 * k + 1) * F8_NR + 8, b1);
+  }
+}
+
 // r (1 .. F8_MR) rows
 void block_avx2(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2, float* acc) {
   static_assert(F8_MR == 4, "block_avx2 dispatches 1 to 4 rows");
