@@ -152,6 +152,10 @@ void block_avx2(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2
 // shifts and unpacks (the ports the 2-core AVX2 EPYC runs short of): SmolLM2's 120 block Linears, one row, 2
 // threads, interleaved runs of a standalone loop: 16.7 -> 18.7 GB/s of FP8 bytes (medians of 4); one thread on a
 // Linear held in L2: 16.6-18.3 -> 19.6-20.0 GB/s
+// The low halves go up by a byte shuffle (vpshufb), not a 32-bit shift: a standalone one-row loop over 16 panels in L2,
+// one thread, 2-core Zen 2, 14.4-15.3 -> 18.0-18.9 GB/s (replacing one of the two, or the 16-bit shift as well:
+// 16-16.5); SmolLM2 FP8 + FP8 head, batch 1, 2 threads, 4 processes of each build alternating (64 tokens, median of 7):
+// 142.2 -> 149.0 tok/s, faster in every pair; same bits
 __attribute__((target("avx2,fma"))) inline void decode32_pairs_avx2(const uint8_t* p, __m256& a0, __m256& b0, __m256& a1,
                                                                     __m256& b1) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -159,8 +163,11 @@ __attribute__((target("avx2,fma"))) inline void decode32_pairs_avx2(const uint8_
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(v, 4), keep);
   const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4), keep);
-  a0 = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));
-  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));
+  // each 32-bit lane's low half moved up by a byte shuffle, not a shift (the same bits; see below)
+  const __m256i up16 = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13,
+                                        -1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
+  a0 = _mm256_castsi256_ps(_mm256_shuffle_epi8(even, up16));
+  b0 = _mm256_castsi256_ps(_mm256_shuffle_epi8(odd, up16));
   a1 = _mm256_castsi256_ps(_mm256_and_si256(even, high));
   b1 = _mm256_castsi256_ps(_mm256_and_si256(odd, high));
 }
