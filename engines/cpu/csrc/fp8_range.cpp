@@ -39,9 +39,10 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
 // Several rows on AVX2 (variant 2), F8_WIDE_ROWS or more: 4-row blocks (block_rows_avx2) decode every chunk of a panel
 // once a block (16 times a panel at 64 rows). Here each slice of a panel (KC inputs) is decoded once, to fp32 in L1
 // (decode_panel_avx2), and the panel kernel's fp32 row blocks (6 rows, 12 sums) run over it, a chunk of blocks whose
-// rows fit in L2 at a time, each output's sums going on from slice to slice, as the bf16 panel kernel's blocked rows do
-// (panel_kernel.cpp slice_sums): the rows scaled as every vector variant's, each output the same chain of fused
-// multiply-adds in the same order, so the same bits as the 4-row blocks. SmolLM2's four Linear shapes through
+// rows fit in L2 at a time, each output's sums going on from slice to slice: the bf16 panel kernel's walk of its
+// blocked rows (panel_kernel.cpp blocked_walk, wide_sums) with each slice decoded instead of widened. The rows are
+// scaled as every vector variant's, each output the same chain of fused multiply-adds in the same order, so the same
+// bits as the 4-row blocks. SmolLM2's four Linear shapes through
 // fp8_linear, 2 threads, 2-core AVX2 EPYC (Zen 2), three processes of each build alternating: 64 rows 2.28-2.54 ->
 // 1.94-2.21 ms, 24-48 rows 1.05-1.2x, 16 rows either way (0.57-0.87 against 0.66-0.84 ms), 8-12 rows slower; a
 // 64-row decode step of SmolLM2 FP8 + FP8 head 173-174 -> 152-164 ms (bf16's: 158).
@@ -51,29 +52,14 @@ constexpr int64_t F8_WIDE_ROWS = 24;
 template <typename Store>
 void wide_rows_avx2(const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t p0, int64_t p1,
                     const Store& store) {
-  using namespace panel_src;
-  constexpr int64_t KS = KC / 2;  // chunks (input pairs) a slice
-  const int64_t nb = (M + MR_AVX2 - 1) / MR_AVX2;
-  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, CHUNK_MAX);
-  alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR], wide[KC * NR];
-  for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
-    const int64_t c1 = std::min(nb, c0 + chunk);
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t k0 = 0; k0 < K2; k0 += KS) {
-        const int64_t kc = std::min(KS, K2 - k0);
+  alignas(64) float wide[panel_src::KC * F8_NR];
+  panel_src::blocked_walk(
+      M, ldx, K2, panel_src::KC / 2, p0, p1,
+      [&](int64_t p, int64_t k0, int64_t kc, int64_t nb, int64_t c0, int64_t c1, float* acc) {
         decode_panel_avx2(w + (p * K2 + k0) * 32, kc, wide);
-        for (int64_t b = c0, m0, r; b < c1; ++b) {
-          row_block(b, M, nb, m0, r);
-          rows_avx2<true>(static_cast<int>(r), x + m0 * ldx + 2 * k0, ldx, static_cast<const float*>(wide), 2 * kc,
-                          acc + (b - c0) * MR_AVX2 * NR, NoPf{}, k0 > 0);
-        }
-      }
-      for (int64_t b = c0, m0, r; b < c1; ++b) {
-        row_block(b, M, nb, m0, r);
-        store(p, m0, static_cast<int>(r), acc + (b - c0) * MR_AVX2 * NR);
-      }
-    }
-  }
+        panel_src::wide_sums(x, M, nb, ldx, c0, c1, k0, kc, acc, wide);
+      },
+      store);
 }
 #endif
 

@@ -262,6 +262,16 @@ __attribute__((target("avx2,fma"))) inline void widen_panel(const c10::BFloat16*
     _mm256_storeu_ps(dst + (2 * k + 1) * NR + 8, _mm256_castsi256_ps(_mm256_and_si256(u1, high)));
   }
 }
+
+// slice_sums (below) over a slice already widened to fp32 in wide (2 kc x NR floats: bf16 here, FP8 in fp8_range.cpp)
+inline void wide_sums(const float* xb, int64_t M, int64_t nb, int64_t ldx, int64_t c0, int64_t c1, int64_t k0,
+                      int64_t kc, float* acc, const float* wide) {
+  for (int64_t b = c0, m0, r; b < c1; ++b) {
+    row_block(b, M, nb, m0, r);
+    rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + 2 * k0, ldx, wide, 2 * kc, acc + (b - c0) * MR_AVX2 * NR,
+                    NoPf{}, k0 > 0);
+  }
+}
 #endif
 
 // Panel inputs a slice of the blocked rows: fp32 KC (16 KB of weights); bf16 KC / 2 pairs, widened once a slice to
@@ -274,27 +284,46 @@ __attribute__((target("avx2,fma"))) inline void widen_panel(const c10::BFloat16*
 template <typename T>
 constexpr int64_t slice_of() { return std::is_same_v<T, float> ? KC : KC / 2; }
 
-// The sums of the chunk's row blocks [c0, c1) (of nb blocks of MR_AVX2 rows, rows xb (M, ldx) fp32) over one panel's
-// inputs [k0, k0 + kc) (bf16: pairs), wk that slice's weights, acc each block's MR_AVX2 x NR sums (carried on from an
-// earlier slice where k0 > 0); wide: a bf16 slice's widened weights (KC x NR floats)
+// The sums of the chunk's row blocks [c0, c1) (of nb, rows xb (M, ldx) fp32) over a panel's inputs [k0, k0 + kc) (bf16:
+// pairs), wk their weights, into acc (MR_AVX2 x NR a block, carried on where k0 > 0); wide: bf16's widened slice
 template <typename T>
 void slice_sums(const float* xb, int64_t M, int64_t nb, int64_t ldx, int64_t c0, int64_t c1, const T* wk, int64_t k0,
                 int64_t kc, float* acc, float* wide) {
 #if PANEL_X86
-  constexpr bool bf16 = !std::is_same_v<T, float>;
-  if constexpr (bf16) widen_panel(wk, kc, wide);
-  for (int64_t b = c0, m0, r; b < c1; ++b) {
-    row_block(b, M, nb, m0, r);
-    float* am = acc + (b - c0) * MR_AVX2 * NR;
-    if constexpr (bf16)
-      rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + 2 * k0, ldx, static_cast<const float*>(wide), 2 * kc, am,
-                      NoPf{}, k0 > 0);
-    else if (b == c0)  // the chunk's first block reads the slice's weights, asking ahead
-      rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + k0, ldx, wk, kc, am, Pf{}, k0 > 0);
-    else
-      rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + k0, ldx, wk, kc, am, NoPf{}, k0 > 0);
+  if constexpr (!std::is_same_v<T, float>) {
+    widen_panel(wk, kc, wide);
+    wide_sums(xb, M, nb, ldx, c0, c1, k0, kc, acc, wide);
+  } else {
+    for (int64_t b = c0, m0, r; b < c1; ++b) {
+      row_block(b, M, nb, m0, r);
+      float* am = acc + (b - c0) * MR_AVX2 * NR;
+      if (b == c0)  // the chunk's first block reads the slice's weights, asking ahead
+        rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + k0, ldx, wk, kc, am, Pf{}, k0 > 0);
+      else
+        rows_avx2<true>(static_cast<int>(r), xb + m0 * ldx + k0, ldx, wk, kc, am, NoPf{}, k0 > 0);
+    }
   }
 #endif
+}
+
+// The blocked rows (M, ldx apart) through panels [p0, p1) of Kp inputs (pairs), KS a slice, a chunk of row blocks at a
+// time: slice(p, k0, kc, nb, c0, c1, acc) sums the chunk over a slice, store(p, m0, r, sums) a block's outputs of p
+template <typename Slice, typename Store>
+void blocked_walk(int64_t M, int64_t ldx, int64_t Kp, int64_t KS, int64_t p0, int64_t p1, const Slice& slice,
+                  const Store& store) {
+  const int64_t nb = (M + MR_AVX2 - 1) / MR_AVX2;
+  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, CHUNK_MAX);
+  alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR];
+  for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+    const int64_t c1 = std::min(nb, c0 + chunk);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k0 = 0; k0 < Kp; k0 += KS) slice(p, k0, std::min(KS, Kp - k0), nb, c0, c1, acc);
+      for (int64_t b = c0, m0, r; b < c1; ++b) {
+        row_block(b, M, nb, m0, r);
+        store(p, m0, static_cast<int>(r), acc + (b - c0) * MR_AVX2 * NR);
+      }
+    }
+  }
 }
 
 // panels [p0, p1) of run_blocked below (one thread's share; the fused step's team claims groups of them)
@@ -302,22 +331,18 @@ template <typename T, typename O, typename Then = Stored>
 void blocked_range(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res,
                    O* out, int64_t p0, int64_t p1, const Then& then = Then{}) {
 #if PANEL_X86
-  constexpr int64_t XW = std::is_same_v<T, float> ? 1 : 2, KS = slice_of<T>();
-  const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MR_AVX2 - 1) / MR_AVX2;
-  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, CHUNK_MAX);
-  alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR], wide[KC * NR];
-  for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
-    const int64_t c1 = std::min(nb, c0 + chunk);
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t k0 = 0; k0 < Kp; k0 += KS)
-        slice_sums(xb, M, nb, ldx, c0, c1, w + p * panel + k0 * NR * XW, k0, std::min(KS, Kp - k0), acc, wide);
-      for (int64_t b = c0, m0, r; b < c1; ++b) {
-        row_block(b, M, nb, m0, r);
-        store_sums(p, m0, static_cast<int>(r), acc + (b - c0) * MR_AVX2 * NR, N, bias, res, out);
+  constexpr int64_t XW = std::is_same_v<T, float> ? 1 : 2;
+  const int64_t panel = Kp * NR * XW, ldx = Kp * XW;
+  alignas(64) float wide[KC * NR];
+  blocked_walk(
+      M, ldx, Kp, slice_of<T>(), p0, p1,
+      [&](int64_t p, int64_t k0, int64_t kc, int64_t nb, int64_t c0, int64_t c1, float* acc) {
+        slice_sums(xb, M, nb, ldx, c0, c1, w + p * panel + k0 * NR * XW, k0, kc, acc, wide);
+      },
+      [&](int64_t p, int64_t m0, int r, const float* acc) {
+        store_sums(p, m0, r, acc, N, bias, res, out);
         then(p, m0, r);
-      }
-    }
-  }
+      });
 #else
   TORCH_CHECK(false, "panel kernel: the blocked rows need the avx2 variant");
 #endif
