@@ -145,31 +145,28 @@ void block_avx2(const float* x, int64_t ldx, int r, const uint8_t* w, int64_t K2
 }
 
 // The one-row loop's decoding of a chunk, with no byte unpacking: a 16-bit lane of the chunk is one position's pair
-// (the input 2 k2 + 1 byte high, 2 k2 low), so the odd byte is decoded in place (the shift right by 4, the mask)
-// and the even one after a 16-bit shift left by 8; each 32-bit lane then holds two positions, widened as above.
-// a0 / b0: positions 0, 2, .., 14, inputs 2 k2 / 2 k2 + 1; a1 / b1: positions 1, 3, .., 15 (row_avx2 puts the
-// sums back in output order). 9 vector ops a chunk against decode32_avx2's 10, 5 of them shifts against its 6
-// shifts and unpacks (the ports the 2-core AVX2 EPYC runs short of): SmolLM2's 120 block Linears, one row, 2
-// threads, interleaved runs of a standalone loop: 16.7 -> 18.7 GB/s of FP8 bytes (medians of 4); one thread on a
-// Linear held in L2: 16.6-18.3 -> 19.6-20.0 GB/s
-// The low halves go up by a byte shuffle (vpshufb), not a 32-bit shift: a standalone one-row loop over 16 panels in L2,
-// one thread, 2-core Zen 2, 14.4-15.3 -> 18.0-18.9 GB/s (replacing one of the two, or the 16-bit shift as well:
-// 16-16.5); SmolLM2 FP8 + FP8 head, batch 1, 2 threads, 4 processes of each build alternating (64 tokens, median of 7):
-// 142.2 -> 149.0 tok/s, faster in every pair; same bits. One mask (0x87F00000) after the shuffle serves all four, not a
-// 16-bit mask before it and a high-half mask after: two constants held, so GCC keeps the 8 sums of row_avx2<4> in
-// registers (it spilled two, a store and a reload each a chunk); llvm-mca -mcpu=znver2 on the loop 43 -> 34 cycles
-// per 8 chunks (now the FP pipes' bound); measured on Zen 2 (one thread, 1.2 MB in L3, 4 alternating builds):
-// 0.99-1.07x (the host moves 5 % in minutes), the same bits
+// (the input 2 k2 + 1 byte high, 2 k2 low). The odd byte is decoded in place (an arithmetic shift right by 4); the
+// even one is multiplied by 16 into its lane, sign-extended (vpmaddubsw with 16 for the low byte and 0 for the high:
+// what a 16-bit shift left by 8 and arithmetic right by 4 give, in one op on the multiply pipe instead of two on
+// the shift pipe); a 32-bit lane then holds two positions: its high half masked (s 0000 eeee mmm 0000 0^16), its low
+// half shifted up by 16 and masked. a0 / b0: positions 0, 2, .., 14, inputs 2 k2 / 2 k2 + 1; a1 / b1: positions 1, 3,
+// .., 15 (row_avx2 puts the sums back in output order). 8 vector ops a chunk, 2 constants (so row_avx2<4>'s 8 sums
+// stay in registers). History on the 2-core Zen 2, same bits at every step: the first pairs decoding (9 ops, 5 shifts,
+// against decode32_avx2's 10) 16.7 -> 18.7 GB/s of FP8 bytes on SmolLM2's 120 block Linears, one row, 2 threads; the
+// low halves moved up by vpshufb instead of 32-bit shifts (3 shifts, 2 shuffles) 14.4-15.3 -> 18.0-18.9 GB/s in L2 on
+// one thread, SmolLM2 FP8 + head batch 1 142.2 -> 149.0 tok/s; one mask after the shuffle for all four (no spilled
+// sums) 0.99-1.07x. Now (2026-12-05, alternating builds): one thread over 1.2 MB in L3 1.04-1.08x in 6 of 8 pairs
+// (0.97-0.98x in 2); the model, FP8 + FP8 head, batch 1, 2 threads, median of 7 a process: 1.00-1.08x in 4 of 4
+// pairs. Not kept: the even byte by vpmaddubsw with the low halves still moved by vpshufb (a third constant:
+// GCC spills a sum) 0.95-1.00x in L3; both bytes by vpmaddubsw (a third constant, both on the multiply pipe) 0.94x
 __attribute__((target("avx2,fma"))) inline void decode32_pairs_avx2(const uint8_t* p, __m256& a0, __m256& b0, __m256& a1,
                                                                     __m256& b1) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i keep = _mm256_set1_epi32(static_cast<int>(0x87F00000u));  // a high half's sign, exponent, mantissa
-  const __m256i odd = _mm256_srai_epi16(v, 4), even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
-  // each 32-bit lane's low half moved up by a byte shuffle, not a shift (the same bits; see below)
-  const __m256i up16 = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13,
-                                        -1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
-  a0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_shuffle_epi8(even, up16), keep));
-  b0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_shuffle_epi8(odd, up16), keep));
+  // the even byte times 16, sign-extended: the 16-bit shift left by 8 and arithmetic right by 4 in one multiply-add
+  const __m256i even = _mm256_maddubs_epi16(_mm256_set1_epi16(16), v), odd = _mm256_srai_epi16(v, 4);
+  a0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), keep));
+  b0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), keep));
   a1 = _mm256_castsi256_ps(_mm256_and_si256(even, keep));
   b1 = _mm256_castsi256_ps(_mm256_and_si256(odd, keep));
 }
