@@ -71,6 +71,26 @@ def test_vector_variants_give_the_portable_bits(variant, rows, n, k):
                            pk.fp8_linear(x, panels, scales, n, b, variant="portable"))
 
 
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_blocks_of_passes_give_the_portable_bits(variant, threads):
+    """One row over 46 panels on 1-3 threads: each thread's share in blocks of 2-4 passes whose streams run through
+    consecutive panels (AVX2, csrc/fp8_range.cpp), then whole passes and single panels: the portable bits, every
+    output where the reference puts it."""
+    n, k = 16 * 45 + 5, 70
+    w, scales = _fp8_weight(n, k, seed=3)
+    panels = pk.fp8_pack_panels(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(1, k).to(dtype)
+            assert torch.equal(pk.fp8_linear(x, panels, scales, n, None, variant=variant),
+                               pk.fp8_linear(x, panels, scales, n, None, variant="portable"))
+    finally:
+        torch.set_num_threads(before)
+
+
 BF16_VARIANTS = [pytest.param(v, marks=pytest.mark.skipif(not _runs_here(v, torch.bfloat16), reason=f"this CPU "
                                                           f"lacks the {v} variant's instructions (tested where they exist)"))
                  for v in ("avx512bf16", "avx512bf16_emulated")]

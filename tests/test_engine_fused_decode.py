@@ -182,12 +182,13 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama_odd_dir(tmp_path_factory):
-    """A Llama whose MLP width (72) makes its gate / up Linear 9 panels of 16 outputs: a team's claims end in a
-    single panel past the last whole pass of 4, which a thread claiming from the back runs first (fused_team.cpp)."""
-    return make_checkpoint(tmp_path_factory.mktemp("llama_odd"), "llama", intermediate_size=72)
+    """A Llama whose MLP width (520) makes its gate / up Linear 65 panels of 16 outputs: a team's claims end in a
+    single panel past the last whole pass of 4, which a thread claiming from the back runs first (fused_team.cpp),
+    and on AVX2 its one-row claims run blocks of passes (csrc/fp8_range.cpp), the back thread's from the last."""
+    return make_checkpoint(tmp_path_factory.mktemp("llama_odd"), "llama", intermediate_size=520)
 
 
-@pytest.mark.parametrize(("dtype", "variant"), [("float32", "portable"), ("bfloat16", "auto"),
+@pytest.mark.parametrize(("dtype", "variant"), [("float32", "portable"), ("bfloat16", "auto"), ("bfloat16", "avx2"),
                                               ("bfloat16", "avx512_on_avx2")])
 def test_fp8_fused_step_equals_the_module_path(llama_odd_dir, monkeypatch, dtype, variant):
     """FP8 weight-only blocks (quantized at load, kept one byte a weight in Fp8PanelLinear panels): the fused

@@ -42,6 +42,7 @@ namespace {
 constexpr int64_t F8_NR = 16;  // outputs per panel
 constexpr int F8_MR = 4;       // rows per block: 2 x 4 accumulators + 4 weights + 2 broadcasts of 16 ymm
 constexpr int F8_G = 4;        // panels a pass for one row
+constexpr int64_t F8_BLOCK = 4;  // passes a block, at most, for one row on AVX2 (fp8_range)
 constexpr int F8_GW = 16;      // ... at most, in the one-row AVX512-BF16 loop (row_bf16)
 constexpr int64_t F8_AHEAD_W = 1024;  // bytes ahead that loop requests on each panel (into L2, see row_bf16)
 constexpr float X_UP = 0x1p90f, W_DOWN = 0x1p-120f;  // rows scaled up, the decoded weights' scale (see the top)
@@ -186,42 +187,46 @@ __attribute__((target("avx2,fma"))) inline void decode32_pairs_avx2(const uint8_
 constexpr int64_t F8_AHEAD = 1024;
 constexpr int64_t F8_AHEAD_WIDE = 2048;  // the wide (AVX-512) loop's, prefetcht0: as measured on Zen 4 before
 
-// one chunk k2 of each of G panels for one row (scaled) into c (2 G sums); ASK: the even chunks, which request a line
-// F8_AHEAD bytes on in each panel (non-temporal, above)
-template <int G, bool BACK, bool ASK>
+// one chunk k2 of each of G panels (slot bytes apart) for one row (scaled) into c (2 G sums); ASK: the even chunks,
+// which request a line F8_AHEAD bytes on in each panel (non-temporal, above), running on near a panel's end into that
+// slot's next panel, `next` bytes from this one's start
+template <int G, bool ASK>
 __attribute__((target("avx2,fma"), always_inline)) inline void row_chunk_avx2(const float* x, const uint8_t* w,
-                                                                              int64_t panel, int64_t k2, __m256* c) {
+                                                                              int64_t panel, int64_t slot, int64_t next,
+                                                                              int64_t k2, __m256* c) {
   const __m256 xa = _mm256_broadcast_ss(x + 2 * k2), xb = _mm256_broadcast_ss(x + 2 * k2 + 1);
   const int64_t ahead = k2 * 32 + F8_AHEAD;
-  const int64_t line = ahead < panel ? ahead : BACK ? ahead - (G + 1) * panel : ahead + (G - 1) * panel;
+  const int64_t line = ahead < panel ? ahead : ahead - panel + next;
   _Pragma("GCC unroll 16") for (int g = 0; g < G; ++g) {
     if constexpr (ASK)  // a line every 2 chunks
-      _mm_prefetch(reinterpret_cast<const char*>(w + g * panel + line), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * slot + line), _MM_HINT_NTA);
     __m256 a0, b0, a1, b1;
-    decode32_pairs_avx2(w + g * panel + k2 * 32, a0, b0, a1, b1);
+    decode32_pairs_avx2(w + g * slot + k2 * 32, a0, b0, a1, b1);
     c[2 * g] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, c[2 * g]));
     c[2 * g + 1] = _mm256_fmadd_ps(xb, b1, _mm256_fmadd_ps(xa, a1, c[2 * g + 1]));
   }
 }
 
-// one row (scaled) through G panels (panel bytes apart): acc (G, F8_NR); BACK: the passes run from the last, so
-// near a panel's end the request goes to the same slot of the group before (G panels back), not after. Every loop
+// one row (scaled) through G panels of panel bytes, slot bytes apart (a pass of consecutive panels: slot = panel; of
+// a block's, fp8_range: slot = G panels): acc (G, F8_NR); near a panel's end the requests go to the slot's next
+// panel, `next` bytes from this one's start (the next pass's: G panels on; a thread claiming from the back, its passes
+// run from the last: G panels back). Every loop
 // over the sums unrolled (GCC unroll) and two chunks a pass with one test: left to GCC, the sums lived on the stack
 // (a store each, every chunk) and a pass ran ~99 instructions for 128 weights, ~76 now (a Zen 3 core issues 6 a
 // cycle). SmolLM2's 120 block Linears from memory, one row, as block_rows_avx2: 2 threads 1.08x (20.6 -> 22.2 GB/s of
 // FP8 bytes), one thread 1.12x (13.0 -> 14.5); same bits. Tried and not kept: each 32-bit lane's four bytes brought
 // to its top by reading the chunk 0-3 bytes early (a shift and a mask a vector, 8 ops a chunk against 9): 1.00x
-template <int G, bool BACK = false>
+template <int G>
 __attribute__((target("avx2,fma"))) void row_avx2(const float* x, const uint8_t* w, int64_t panel, int64_t K2,
-                                                   float* acc) {
+                                                   float* acc, int64_t slot, int64_t next) {
   __m256 c[2 * G];
   _Pragma("GCC unroll 16") for (int i = 0; i < 2 * G; ++i) c[i] = _mm256_setzero_ps();
   int64_t k2 = 0;
   for (; k2 + 1 < K2; k2 += 2) {
-    row_chunk_avx2<G, BACK, true>(x, w, panel, k2, c);
-    row_chunk_avx2<G, BACK, false>(x, w, panel, k2 + 1, c);
+    row_chunk_avx2<G, true>(x, w, panel, slot, next, k2, c);
+    row_chunk_avx2<G, false>(x, w, panel, slot, next, k2 + 1, c);
   }
-  if (k2 < K2) row_chunk_avx2<G, BACK, true>(x, w, panel, k2, c);
+  if (k2 < K2) row_chunk_avx2<G, true>(x, w, panel, slot, next, k2, c);
   alignas(32) float s[2 * G][8];
   _Pragma("GCC unroll 16") for (int i = 0; i < 2 * G; ++i) _mm256_store_ps(s[i], c[i]);
   for (int g = 0; g < G; ++g)  // lane j of c[2 g] is position 2 j, of c[2 g + 1] position 2 j + 1
