@@ -99,8 +99,7 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
   // 1, 2 threads, both ways switched every 16 or 64 steps in one process, medians of ~380 steps a way, 4 runs): the
   // fused step 0.945-0.966x, the FP8 head (fp8_linear_f32, 3,072 panels) 0.88-0.92x; 8 or 16 passes a block with
   // claims of 32 or more: within 1.5 % of 4. A thread claiming from the back (fused_team.cpp) takes its blocks from the
-  // last, each block's passes in order.
-  // A panel's sums do not depend on which panels share its pass: the same bits
+  // last, each block's passes in order. A panel's sums do not depend on which panels share its pass: the same bits
   if (M == 1 && v == 2) {
     const int64_t panel = K2 * 32;
     // n passes from panel b: pass j its panels b + j, b + n + j, b + 2 n + j, ..; after: the block read next
@@ -110,13 +109,11 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
         for (int s = 0; s < F8_G; ++s) store(b + j + s * n, 0, 1, acc + s * F8_NR);
       }
     };
-    const int64_t most = F8_BLOCK;
-    if (!backward) {
-      for (int64_t n; (n = std::min(most, (p1 - p0) / F8_G)) >= 2; p0 += n * F8_G)
-        block(p0, n, p0 + n * F8_G);
-    } else {
-      for (int64_t n; (n = std::min(most, (p1 - p0) / F8_G)) >= 2; p1 -= n * F8_G)
-        block(p1 - n * F8_G, n, p1 - n * F8_G - std::min(most, (p1 - p0) / F8_G - n) * F8_G);
+    const auto passes = [&] { return std::min(F8_BLOCK, (p1 - p0) / F8_G); };  // the next block's, in [p0, p1)
+    for (int64_t n = passes(); n >= 2; n = passes()) {
+      const int64_t b = backward ? p1 - n * F8_G : p0;
+      (backward ? p1 : p0) = backward ? b : b + n * F8_G;
+      block(b, n, backward ? b - passes() * F8_G : p0);
     }
   }
 #endif
