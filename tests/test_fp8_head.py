@@ -69,7 +69,7 @@ def test_engine_with_an_fp8_head_decodes_on_the_fused_step(tied_dir):
     from engines import LLM, SamplingParams
     from engines.cpu.fp8_linear import Fp8PanelLinear
 
-    llm = LLM(tied_dir, dtype="float32", lm_head_dtype="fp8", worker_threads=1)
+    llm = LLM(tied_dir, dtype="float32", lm_head_dtype="fp8", worker_threads=1, decode_steps=1)  # a step a token
     runner = llm.engine.executor.runner
     assert isinstance(runner.model.lm_head, Fp8PanelLinear)
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

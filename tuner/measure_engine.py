@@ -83,8 +83,8 @@ def engine_steps(model_dir: Path, scenarios, dtype: str, tp: int = 1, pp: int = 
     works: list = []
     orig = eng.scheduler.schedule
 
-    def schedule():
-        plan = orig()
+    def schedule(max_steps: int = 1):
+        plan = orig(max_steps)
         works.append(work_of(plan))
         return plan
 

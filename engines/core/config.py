@@ -130,6 +130,13 @@ class EngineConfig:
     ops a token). auto: for GPT-2 and Llama-family models (RMSNorm, rotary, GQA, SwiGLU; Linear biases
     and per-head q / k norms too) whose block Linears chose kernels it calls and whose attention is the
     paged kernel, where it builds (else the module path, with the reason logged). off: never."""
+    decode_steps: int = 8
+    """Offline generation (LLM.generate, whose caller waits for whole requests): where every running sequence is
+    plain greedy (no logprobs, penalties, min_tokens or grammar) and nothing waits, one engine step runs up to this
+    many decode tokens a sequence, each drawn token fed to the next step by the runner (on CPU in the fused step's
+    C++ loop: embeddings, blocks, head and argmax, no interpreter between tokens; engines/core/scheduler.py). The
+    same tokens as single steps; a stop token or string ends a sequence where it occurs. 1: a token a step. One
+    device only; a serving engine streams a token a step."""
     tensor_parallel_size: int = 1
     """Shards of every layer (Megatron-style: attention heads, MLP width and vocabulary split)."""
     pipeline_parallel_size: int = 1
@@ -194,6 +201,9 @@ class EngineConfig:
                  f"must be auto, kernel or loop, got {self.decode_attention!r}")
         _require(self.fused_decode in ("auto", "off"), "fused_decode",
                  f"must be auto or off, got {self.fused_decode!r}")
+        _require(isinstance(self.decode_steps, int) and not isinstance(self.decode_steps, bool)
+                 and 1 <= self.decode_steps <= 256, "decode_steps",
+                 f"must be an integer in [1, 256] (1: a token a step), got {self.decode_steps!r}")
         _require(self.cuda_graph_capture_s >= 0, "cuda_graph_capture_s",
                  f"must be >= 0 seconds (0 captures lazily), got {self.cuda_graph_capture_s!r}")
         _require(self.compile_decode in ("auto", "on", "off"), "compile_decode",

@@ -25,6 +25,8 @@ class Executor(abc.ABC):
     num_blocks: int
     """KV blocks available on every shard (the scheduler's pool size)."""
     model_config: ModelConfig
+    multi_step: bool = False
+    """Whether execute takes plans of several decode steps (StepPlan.steps > 1): one runner with the whole model."""
 
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
@@ -60,6 +62,7 @@ class InProcessExecutor(Executor):
             self.adaptive = None
         self.num_blocks = self.runner.num_blocks
         self.model_config = self.runner.model_config
+        self.multi_step = self.runner.multi_step
 
     @staticmethod
     def _threads(n: int) -> contextlib.AbstractContextManager[None]:
@@ -74,7 +77,9 @@ class InProcessExecutor(Executor):
         t = time.perf_counter()
         with self._threads(n):
             result = self.runner.execute(plan)
-        self.adaptive.record(cls, n, time.perf_counter() - t)
+        # a plan of several steps: the seconds of one (its first row's count; every row runs them all)
+        steps = 1 + len(next(iter(result.seqs.values())).more) if plan.steps > 1 and result.seqs else 1
+        self.adaptive.record(cls, n, (time.perf_counter() - t) / steps)
         return result
 
     def prefault(self, max_bytes: int, upto_block: int) -> int:

@@ -12,14 +12,14 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engines.core.block_manager import cache_key
 from engines.core.config import EngineConfig, ModelConfig, max_model_len, resolve_engine_config
 from engines.core.executor import Executor, InProcessExecutor
 from engines.core.outputs import CompletionOutput, RequestOutput
-from engines.core.plan import StepPlan, TokenLogprob
+from engines.core.plan import StepPlan, StepResult, TokenLogprob
 from engines.core.sampling_params import RequestError, SamplingParams, generation_defaults
 from engines.core.scheduler import Scheduler, SchedulerConfig
 from engines.core.sequence import Sequence
@@ -105,6 +105,8 @@ class LLMEngine:
             admission_reserves_growth=self.config.admission_reserves_growth,
             admission_overtakes=self.config.admission_overtakes,
             enable_prefix_caching=self.config.enable_prefix_caching))
+        self._max_steps = self.config.decode_steps if self.executor.multi_step else 1
+        """Decode steps an offline step (final_only) may run in one plan (EngineConfig.decode_steps)."""
         self.tasks = TaskRegistry(model_dir, ModelShape.of(self.model_config))
         """P-tuned tasks (engines/transforms/ptuning.py); requests name one to prepend its virtual tokens."""
         self._task_keys: dict[str, tuple[object, bytes]] = {}
@@ -249,32 +251,46 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step: the outputs of the requests it moved (their new text and tokens), or with final_only
         those of the requests it finished only (an offline caller that waits for whole requests: LLM.generate; no
-        output is built for the others, whose text still accumulates)."""
+        output is built for the others, whose text still accumulates; its plans may run several greedy decode steps:
+        EngineConfig.decode_steps)."""
         t0, started = time.perf_counter(), time.monotonic()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._max_steps if final_only else 1)
         if plan.empty and not plan.released_seq_ids:
             return []
         tokens = sum(len(w.token_ids) for w in (*plan.decode, *plan.prefill))
         gap = started - self._busy_end if self._busy_end is not None else -1.0
         self.step_in_flight = (started, tokens)
         attach_tables(plan, lambda seq_id: self.requests[self._seqs[seq_id].request_id].task)
+        subs: list[StepPlan] = [plan]
         try:
-            return self._step(plan, final_only)
+            return self._step(plan, final_only, subs)
         finally:
             seconds = time.perf_counter() - t0
             self.num_steps += 1
             self.busy_seconds += seconds
             self.step_in_flight = None
             end = time.monotonic()
-            if tokens:
-                self.step_log.append((end, tokens, seconds))
-                self.step_recorder.record(end, seconds, gap, plan)
+            if tokens:  # a plan of several steps: each as a step of its share of the time
+                for i, sub in enumerate(subs):
+                    self.step_log.append((end, tokens, seconds / len(subs)))
+                    self.step_recorder.record(end, seconds / len(subs), gap if i == 0 else 0.0, sub)
             self._busy_end = end if self.requests else None
 
-    def _step(self, plan: StepPlan, final_only: bool = False) -> list[RequestOutput]:
+    def _step(self, plan: StepPlan, final_only: bool = False, subs: list[StepPlan] | None = None
+              ) -> list[RequestOutput]:
+        """Run `plan` and take its tokens; subs: filled with the plan's steps (one plan a step it ran)."""
         result = self.executor.execute(plan)
         now = time.monotonic()
-        touched = self.scheduler.update(plan, result, self._seqs)
+        steps = one_step_plans(plan, result)
+        if subs is not None:
+            subs[:] = steps
+        for j, sub in enumerate(steps):  # a plan of several steps: its tokens one step at a time, as single steps
+            touched = self.scheduler.update(sub, result, self._seqs,
+                                            (lambda r: r.token_id) if j == 0 else (lambda r, j=j: r.more[j - 1]))
+            for seq in touched:
+                req = self.requests[seq.request_id]
+                req.metrics.setdefault("first_token_time", now)
+                self._on_token(req, req.completions[seq.index])
         changed: dict[str, _Request] = {}
         for work in (*plan.decode, *plan.prefill):
             seq = self._seqs.get(work.seq_id)
@@ -288,10 +304,6 @@ class LLMEngine:
             if res is not None and res.logprob is not None:
                 req.completions[seq.index].logprobs.append(res.logprob)
             changed[req.request_id] = req
-        for seq in touched:
-            req = self.requests[seq.request_id]
-            req.metrics.setdefault("first_token_time", now)
-            self._on_token(req, req.completions[seq.index])
         outputs = []
         for req in changed.values():
             if req.finished:
@@ -370,6 +382,22 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def one_step_plans(plan: StepPlan, result: StepResult) -> list[StepPlan]:
+    """The steps a plan ran: itself, or for a plan of several decode steps (StepPlan.steps) one plan a step it ran, each
+    row's input the token drawn before and its position one on (rows stop together: SeqResult.more)."""
+    if plan.steps == 1 or not plan.decode:
+        return [plan]
+    first = result.seqs.get(plan.decode[0].seq_id)
+    n = 1 + len(first.more) if first is not None else 1
+    out, decode = [plan], plan.decode
+    for j in range(1, n):
+        decode = [replace(w, token_ids=[result.seqs[w.seq_id].token_id if j == 1 else
+                                                    result.seqs[w.seq_id].more[j - 2]], start_pos=w.start_pos + j)
+                  for w in plan.decode]
+        out.append(StepPlan(step=plan.step, decode=decode))
+    return out
 
 
 def _model_config_or_none(model_dir: Path) -> ModelConfig | None:

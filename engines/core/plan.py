@@ -54,6 +54,10 @@ class StepPlan:
     new_seqs: list[SeqInit] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
     """Sequences that finished or were aborted: workers drop their sampler state."""
+    steps: int = 1
+    """Decode steps of this plan (several: multi-step decode, engines/core/scheduler.py): each decode row's token_ids
+    are its next input, its blocks cover `steps` positions from start_pos, and the worker feeds each drawn token to
+    the next step itself (every row plain greedy; none prefills)."""
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +82,9 @@ class SeqResult:
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     """Logprobs of the prompt_lp_targets given their prefixes."""
+    more: list[int] = field(default_factory=list)
+    """A plan of several steps: the tokens drawn after token_id, in order (fewer than steps - 1 where a stop token
+    ended the row's run)."""
 
 
 @dataclass

@@ -128,6 +128,13 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the full vocabulary row (logprobs, penalties, suppression, a grammar): the
+        token is the argmax of the logits alone."""
+        return (self.greedy and not self.has_penalties and self.logprobs is None and self.min_tokens == 0
+                and self.structured is None)
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 

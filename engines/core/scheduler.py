@@ -130,7 +130,9 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, seq)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_steps: int = 1) -> StepPlan:
+        """The next step's plan. max_steps > 1: where every scheduled row decodes, is plain greedy, and nothing waits,
+        a plan of up to max_steps decode steps (multi-step decode, `_steps`)."""
         plan = StepPlan(step=self._step)
         self._step += 1
         budget = self.cfg.max_num_batched_tokens
@@ -183,6 +185,8 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_arrival)  # a resumed sequence rejoins by age
             scheduled.append((seq, n))
             budget -= n
+        if max_steps > 1 and scheduled and not self.waiting and not preempted:
+            plan.steps = self._steps(scheduled, max_steps)
         for seq, n in scheduled:
             start = seq.num_computed
             end = start + n
@@ -199,6 +203,28 @@ class Scheduler:
                 seq.worker_has_state = True
         plan.released_seq_ids, self._released = self._released, []
         return plan
+
+    def _steps(self, scheduled: list[tuple[Sequence, int]], max_steps: int) -> int:
+        """Decode steps of a plan whose rows may run several (multi-step decode: a worker feeds each drawn token to the
+        next step itself, with no scheduler, sampler or interpreter between them; engines/runner/model_runner.py): at
+        most max_steps, none past a row's max_tokens or the context window, with the blocks of every step allocated
+        now (fewer steps where the free blocks run short); 1 where a row prefills or is not plain greedy. A row's
+        stop token or stop string ends its run early: update() drops the tokens after it."""
+        if any(n != 1 or seq.num_computed == 0 or not seq.params.plain_greedy for seq, n in scheduled):
+            return 1
+        k = max_steps
+        for seq, _ in scheduled:
+            p = seq.params
+            if p.max_tokens is not None:
+                k = min(k, p.max_tokens - seq.num_output)
+            k = min(k, self.cfg.max_model_len - seq.num_tokens)
+        while k > 1 and sum(self.blocks.needed(seq, seq.num_computed + k) for seq, _ in scheduled) > self.blocks.num_free:
+            k //= 2
+        if k <= 1:
+            return 1
+        for seq, _ in scheduled:
+            self.blocks.allocate(seq, seq.num_computed + k)
+        return k
 
     def _admission_order(self, room: int) -> list[Sequence]:
         """The waiting sequences in the order admission tries them (see the module docstring): shortest first only
@@ -241,8 +267,10 @@ class Scheduler:
         seq.prompt_logprobs_done = last
         return {"prompt_lp_from": first, "prompt_lp_targets": seq.token_ids[first + 1:last + 1]}
 
-    def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence]) -> list[Sequence]:
-        """Advance the sequences of `plan` with the sampled tokens; returns those that got a token.
+    def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence],
+               token=lambda r: r.token_id) -> list[Sequence]:
+        """Advance the sequences of `plan` with the sampled tokens; returns those that got a token. token: a row's
+        token of its SeqResult (one of a multi-step plan's: engines/core/llm_engine.py takes them one step at a time).
 
         Token-level stops happen here (EOS, stop token ids, max_tokens, context window); stop
         strings need text and are applied by the engine through finish().
@@ -256,7 +284,7 @@ class Scheduler:
             self.blocks.cache_computed(seq)  # before a finish below releases its blocks
             if not work.sample:
                 continue
-            tok = result.seqs[work.seq_id].token_id
+            tok = token(result.seqs[work.seq_id])
             seq.token_ids.append(tok)
             touched.append(seq)
             p = seq.params

@@ -80,6 +80,10 @@ FP8_KERNEL = 5
 """block_linear's code of an FP8 weight-only Linear (engines/cpu/fp8_linear.Fp8PanelLinear) is this plus its
 kernel variant's code (engines/cpu/panel_kernel.FP8_VARIANTS): the loop runs the variant the layer runs."""
 
+HEAD_FP8_F32, HEAD_PANEL_F32 = 100, 200
+"""decode_steps_bound's head codes beyond block_linear's (csrc/fused_steps.cpp): the FP8 kernel's fp32 sums (plus its
+variant's code) and the bf16 panel kernel's fp32 sums, as the heads' forward_float computes them."""
+
 ACTS = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
 """The MLP activations the loop computes (its `act` codes): "silu" is the gated SwiGLU MLP."""
 
@@ -244,6 +248,7 @@ class FusedDecode:
         self.ffn = down.in_features if dense is None else dense.shape[1]
         self.eps = cfg.norm_eps
         self._kinds: dict[tuple[bool, bool], list[int] | None] = {}
+        self._heads: dict[tuple[int, bool], tuple[int, list[torch.Tensor], int] | None] = {}
         self._rope_table = (torch.empty(0), torch.empty(0))
         """cos, sin (P, hd / 2) fp32 of positions [0, P), grown on demand: the model file's rope function run
         once over the positions rather than each step (~0.1-0.2 ms a step of a dozen small ops); elementwise, so
@@ -308,6 +313,78 @@ class FusedDecode:
                     y = self.comm.all_reduce(part, "tp_layer")
                     h = h + (y + bias if bias is not None else y)
         return model.norm_f(h[None]) if self.last else h[None]
+
+    def steps_why_not(self, rows: int) -> str | None:
+        """Why run_steps cannot run `rows` rows (None: it can): it needs the whole model on one device (the embeddings,
+        the blocks in one call, the final norm and the head), the blocks' kernels for this row count, and a head whose
+        logits it computes as head_logits does."""
+        if not (self.first and self.last) or self.split:
+            return "a shard of the model (several greedy steps a call need its every part on one device)"
+        if type(self.model.wte) is not nn.Embedding or (not self.family.rope and type(self.model.wpe) is not nn.Embedding):
+            return "the embeddings are not plain nn.Embedding tables"
+        if not self.usable(rows):
+            return f"the fused step does not run {rows} rows on this thread count"
+        if self._head(rows) is None:
+            return f"the head ({type(self.model.lm_head).__name__}) runs a kernel the loop does not call"
+        return None
+
+    def _head(self, rows: int) -> tuple[int, list[torch.Tensor], int] | None:
+        """(head_kind, its 5 tensors, its rows) of decode_steps_bound for `rows` rows: the kernel the model's head runs
+        in engines/model/transformer.head_logits (forward_float where it has one), or None where it is not one the loop
+        calls."""
+        from engines.cpu.fast_linear import BULK_FROM, FastLinear
+        from engines.cpu.fp8_linear import Fp8PanelLinear
+        from engines.model.transformer import RMSNorm
+
+        model, key = self.model, (rows, torch.get_num_threads() == 1)
+        if key in self._heads:
+            return self._heads[key]
+        head, norm, dtype, empty = model.lm_head, model.norm_f, model.wte.weight.dtype, torch.empty(0)
+        spec = None
+        norm_ok = (isinstance(norm, RMSNorm) if self.family.rms else type(norm) is nn.LayerNorm)
+        if norm_ok and norm.eps == self.eps and norm.weight.dtype == dtype and rows < BULK_FROM:
+            bias = head.bias if getattr(head, "bias", None) is not None else empty
+            if isinstance(head, Fp8PanelLinear):  # forward_float: the kernel's fp32 sums
+                spec = (HEAD_FP8_F32 + panel_kernel.FP8_VARIANTS[head.variant],
+                        [head.scales.float().contiguous(), bias, head.panels, empty, empty], head.out_features)
+            elif isinstance(head, FastLinear):
+                t = [head.weight if head.weight is not None else empty, bias,
+                     *(getattr(head, n, None) if getattr(head, n, None) is not None else empty
+                       for n in ("panels", "packed", "weight_t"))]
+                if head.panels is not None and dtype == torch.bfloat16 and head.bias is None:  # forward_float's path
+                    spec = (HEAD_PANEL_F32, t, head.out_features)
+                elif KERNELS.get(head.kind_for(rows)) is not None:
+                    spec = (KERNELS[head.kind_for(rows)], t, head.out_features)
+            elif type(head) is nn.Linear:
+                spec = (KERNELS["linear"], [head.weight, bias, empty, empty, empty], head.out_features)
+        self._heads[key] = spec
+        return spec
+
+    def run_steps(self, ids: list[int], positions: list[int], table: torch.Tensor, block_size: int, steps: int,
+                  stops: list[list[int]], vocab: int) -> torch.Tensor:
+        """Up to `steps` greedy decode tokens of M sequences in one C++ call (csrc/fused_steps.cpp): ids (M) the tokens to
+        feed at positions (M), table (M, blocks) covering each row's positions up to position + steps - 1, stops each
+        row's stop tokens -> tokens (n, M) int64, n = steps or fewer where a row drew a stop token at step n - 1. Each
+        step the same ops as run() then the head's logits (head_logits) and the argmax of their first `vocab` columns
+        (steps_why_not must be None)."""
+        model, fam = self.model, self.family
+        m = len(ids)
+        kind, head, out = self._head(m)
+        if fam.rope:
+            self._rope_rows(torch.tensor([[max(positions) + steps - 1]]))  # grow the table
+        cos, sin = self._rope_table if fam.rope else (torch.empty(0), torch.empty(0))
+        width = max(1, max(map(len, stops)))
+        stop = torch.full((m, width), -1, dtype=torch.long)
+        for i, s in enumerate(stops):
+            stop[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        empty = torch.empty(0)
+        norm = model.norm_f
+        around = [model.wte.weight, model.wpe.weight if not fam.rope else empty, norm.weight,
+                  norm.bias if getattr(norm, "bias", None) is not None else empty]
+        return self.mod.decode_steps_bound(
+            self.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), steps,
+            self.kinds(m), table, block_size, self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin,
+            around, kind, head, out, vocab, stop)
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (M, hd / 2) fp32 of positions (1, M), rows of the table (grown to a power of two past the

@@ -29,9 +29,9 @@ SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("pa
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
 step (fused_decode.cpp) comes last, at namespace scope, and calls into them."""
 
-LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "team_linear.cpp", "fused_team.cpp", "head_screen.cpp")
+LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "team_linear.cpp", "fused_team.cpp", "fused_steps.cpp", "head_screen.cpp")
 """The fused step's sources, last, at namespace scope: the MLP's activation rows, the per-op loop, then the step as one
-parallel region (its Linears' claims, then the team), and the greedy screen's candidate rows
+parallel region (its Linears' claims, then the team), several greedy steps a call, and the greedy screen's candidate rows
 (engines/cpu/greedy_head.py)."""
 
 NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
@@ -43,6 +43,7 @@ FUNCTIONS = [
     "fp8_pack_panels", "fp8_linear", "fp8_linear_f32", "fp8_variant",     # fp8_range.cpp
     "paged_decode", "cascade_prefill", "causal_prefill",                  # paged_decode.cpp
     "decode_blocks", "bind", "unbind", "decode_bound", "decode_half_bound",  # fused_decode.cpp
+    "decode_steps_bound",                                                 # fused_steps.cpp
     "write_slots", "rope_inplace", "rms_norm_rows", "swiglu_rows_",       # fused_decode.cpp: module path
     "argmax_rows", "argmax_rows_variant", "near_max_rows",                # fused_decode.cpp: greedy
     "panel_swiglu", "panel_gelu", "gelu_tanh_rows",                       # mlp_rows.cpp

@@ -16,6 +16,8 @@ Each micro-batch takes the fastest path that computes it, the same on one device
   fused   a decode-only micro-batch on CPU through engines.cpu.fused_decode (the blocks in C++; on a
           TP shard one call per half-layer, all-reducing in between);
   eager   the module path (prefill chunks, and what neither of the above takes).
+A plan of several greedy decode steps (StepPlan.steps, one device) runs them in the fused step's C++ loop
+("fused_steps": embeddings, blocks, head and argmax a step, no Python between tokens), else one step at a time.
 `paths` counts the micro-batches of each; `why_not` says why a fast path is off for this runner.
 """
 
@@ -24,14 +26,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engines.core.config import EngineConfig, ModelConfig, max_model_len, num_kv_blocks, resolved_dtype
 from engines.core.kv_sizing import kv_cache_budget, shard_kv_budget
-from engines.core.plan import SeqWork, StepPlan, StepResult
-from engines.model.attention import KVCache, PagedAttention, decode_slots, decode_tables, long_tensor
+from engines.core.plan import SeqResult, SeqWork, StepPlan, StepResult
+from engines.model.attention import (
+    KVCache,
+    PagedAttention,
+    decode_slots,
+    decode_tables,
+    long_tensor,
+    padded_tables,
+)
 from engines.parallel.comm import Comm, LocalComm
 from engines.parallel.layout import ParallelLayout, local_kv_heads
 from engines.parallel.pp import split_microbatches
@@ -265,6 +275,11 @@ class ModelRunner:
         result = StepResult(step=plan.step) if self.samples else None
         if plan.empty:
             return result, None
+        if plan.steps > 1:
+            tb = time.perf_counter()
+            self._run_steps(plan, result)
+            self.spans.append((t0, time.perf_counter(), time.perf_counter() - tb))
+            return result, None
         works = [*plan.decode, *plan.prefill]
         n_decode = len(plan.decode)
         if self.sampler is not None:  # grammar masks overlap the forward
@@ -291,6 +306,49 @@ class ModelRunner:
             busy += time.perf_counter() - tb
         self.spans.append((t0, time.perf_counter(), busy))
         return result, logits_out
+
+    @property
+    def multi_step(self) -> bool:
+        """Whether this runner takes plans of several decode steps (StepPlan.steps): the whole model on one device."""
+        return self.first and self.last and self.samples and self.comm.tp_size == 1
+
+    def _run_steps(self, plan: StepPlan, result: StepResult) -> None:
+        """A plan of plan.steps greedy decode steps (decode rows only, each plain greedy: engines/core/scheduler.py):
+        each row's tokens into result (SeqResult.token_id, then .more), fewer than plan.steps where a row drew a stop
+        token (its EOS unless ignore_eos, its stop_token_ids) before the last. Through the fused step's C++ loop where
+        it runs these rows (engines/cpu/fused_decode.py run_steps), else one step at a time here: the same tokens."""
+        decode = plan.decode
+        states = [self.sampler.states[w.seq_id] for w in decode]
+        stops = [[*(() if st.init.params.ignore_eos else st.init.eos_token_ids), *st.init.params.stop_token_ids]
+                 for st in states]
+        why = ("fused_decode off" if self.fused is None or not self.decode_kernel
+               else self.fused.steps_why_not(len(decode)))
+        if why is None and self.head.screen is not None and self.head.screen.applies(len(decode)):
+            why = "the greedy screen draws these rows' tokens (engines/cpu/greedy_head.py), not the full head the loop runs"
+        if why is None:
+            self.paths["fused_steps"] += 1
+            tokens = self.fused.run_steps([w.token_ids[0] for w in decode], [w.start_pos for w in decode],
+                                          padded_tables([w.block_ids for w in decode]), self.cache.block_size,
+                                          plan.steps, stops, self.cfg.vocab_size).T.tolist()  # (M, n)
+            for st, toks in zip(states, tokens):
+                st.num_output += len(toks)
+        else:
+            self.why_not["fused_steps"] = why
+            tokens = [[] for _ in decode]
+            feed = decode
+            for _ in range(plan.steps):
+                hidden = self._forward(feed, [], None)  # (M, C)
+                step = StepResult(step=plan.step)
+                self.head.add_rows(feed, hidden)
+                self.head.sample(step, False)
+                new = [step.seqs[w.seq_id].token_id for w in decode]
+                for toks, tok in zip(tokens, new):
+                    toks.append(tok)
+                if any(tok in stop for tok, stop in zip(new, stops)):
+                    break
+                feed = [replace(w, token_ids=[tok], start_pos=w.start_pos + 1) for w, tok in zip(feed, new)]
+        for w, toks in zip(decode, tokens):
+            result.seqs[w.seq_id] = SeqResult(token_id=toks[0], more=toks[1:])
 
     def _forward(self, decode: list[SeqWork], prefill: list[SeqWork], x: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch through this runner's layers: x is the received hidden states (1, n, C) on a

@@ -18,9 +18,8 @@ from engines.runner.sampler import Sampler
 
 
 def plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing that needs the full vocabulary row (logprobs, penalties, suppression)."""
-    return (p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
-            and p.structured is None)
+    """Greedy with nothing that needs the full vocabulary row (SamplingParams.plain_greedy)."""
+    return p.plain_greedy
 
 
 class StepHead:
