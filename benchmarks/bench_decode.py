@@ -71,7 +71,7 @@ def fused_ab(args) -> None:
     n = args.tokens
     print(f"fused decode step A/B, SmolLM2-135M shape (random weights), {n} tokens, threads={args.threads}")
     for dtype_name in args.dtypes.split(","):
-        llms = {f: LLM(d, dtype=dtype_name, fused_decode=f) for f in ("off", "auto")}
+        llms = {f: LLM(d, dtype=dtype_name, fused_decode=f, decode_steps=1) for f in ("off", "auto")}  # a step a call
         fused = llms["auto"].engine.executor.runner.fused
         assert fused is not None, "the fused step did not apply"
         from engines.cpu.cpu_threads import intra_op_threads

@@ -42,7 +42,9 @@ def main() -> None:
     from engines.model.transformer import head_logits
 
     print(f"CPU: {cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    llms = {on: LLM(args.model, dtype="float32", kv_cache_bytes=1 << 30, greedy_head_screen=on) for on in (True, False)}
+    # a token a step: the full head's runs would otherwise take several steps a call (decode_steps), the screen's not
+    llms = {on: LLM(args.model, dtype="float32", kv_cache_bytes=1 << 30, greedy_head_screen=on, decode_steps=1)
+            for on in (True, False)}
     runner = llms[False].engine.executor.runner
     head = runner.model.lm_head
     screen = GreedyScreen(head.weight, runner.model_config.vocab_size)
