@@ -285,8 +285,7 @@ class LLMEngine:
         if subs is not None:
             subs[:] = steps
         for j, sub in enumerate(steps):  # a plan of several steps: its tokens one step at a time, as single steps
-            touched = self.scheduler.update(sub, result, self._seqs,
-                                            (lambda r: r.token_id) if j == 0 else (lambda r, j=j: r.more[j - 1]))
+            touched = self.scheduler.update(sub, result, self._seqs, lambda r, j=j: r.token_at(j))
             for seq in touched:
                 req = self.requests[seq.request_id]
                 req.metrics.setdefault("first_token_time", now)
@@ -386,18 +385,13 @@ class LLMEngine:
 
 def one_step_plans(plan: StepPlan, result: StepResult) -> list[StepPlan]:
     """The steps a plan ran: itself, or for a plan of several decode steps (StepPlan.steps) one plan a step it ran, each
-    row's input the token drawn before and its position one on (rows stop together: SeqResult.more)."""
+    row's input the token drawn before and its position one on (its rows ran as many steps: SeqResult.more)."""
     if plan.steps == 1 or not plan.decode:
         return [plan]
-    first = result.seqs.get(plan.decode[0].seq_id)
-    n = 1 + len(first.more) if first is not None else 1
-    out, decode = [plan], plan.decode
-    for j in range(1, n):
-        decode = [replace(w, token_ids=[result.seqs[w.seq_id].token_id if j == 1 else
-                                                    result.seqs[w.seq_id].more[j - 2]], start_pos=w.start_pos + j)
-                  for w in plan.decode]
-        out.append(StepPlan(step=plan.step, decode=decode))
-    return out
+    n = 1 + len(result.seqs[plan.decode[0].seq_id].more)
+    return [plan] + [StepPlan(step=plan.step, decode=[
+        replace(w, token_ids=[result.seqs[w.seq_id].token_at(j - 1)], start_pos=w.start_pos + j) for w in plan.decode])
+        for j in range(1, n)]
 
 
 def _model_config_or_none(model_dir: Path) -> ModelConfig | None:

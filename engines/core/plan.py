@@ -86,6 +86,10 @@ class SeqResult:
     """A plan of several steps: the tokens drawn after token_id, in order (fewer than steps - 1 where a stop token
     ended the row's run)."""
 
+    def token_at(self, j: int) -> int:
+        """The token drawn at step j of the plan (0: token_id)."""
+        return self.token_id if j == 0 else self.more[j - 1]
+
 
 @dataclass
 class StepResult:

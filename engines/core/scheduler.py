@@ -268,7 +268,7 @@ class Scheduler:
         return {"prompt_lp_from": first, "prompt_lp_targets": seq.token_ids[first + 1:last + 1]}
 
     def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence],
-               token=lambda r: r.token_id) -> list[Sequence]:
+               token=lambda r: r.token_at(0)) -> list[Sequence]:
         """Advance the sequences of `plan` with the sampled tokens; returns those that got a token. token: a row's
         token of its SeqResult (one of a multi-step plan's: engines/core/llm_engine.py takes them one step at a time).
 

@@ -370,9 +370,7 @@ class FusedDecode:
         model, fam = self.model, self.family
         m = len(ids)
         kind, head, out = self._head(m)
-        if fam.rope:
-            self._rope_rows(torch.tensor([[max(positions) + steps - 1]]))  # grow the table
-        cos, sin = self._rope_table if fam.rope else (torch.empty(0), torch.empty(0))
+        cos, sin = self._rope_upto(max(positions) + steps) if fam.rope else (torch.empty(0), torch.empty(0))
         width = max(1, max(map(len, stops)))
         stop = torch.full((m, width), -1, dtype=torch.long)
         for i, s in enumerate(stops):
@@ -389,12 +387,16 @@ class FusedDecode:
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (M, hd / 2) fp32 of positions (1, M), rows of the table (grown to a power of two past the
         largest position asked)."""
-        top = int(positions.max()) + 1
+        cos, sin = self._rope_upto(int(positions.max()) + 1)
+        idx = positions[0]
+        return cos.index_select(0, idx), sin.index_select(0, idx)
+
+    def _rope_upto(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope table (cos, sin), grown to hold positions [0, top)."""
         if top > self._rope_table[0].shape[0]:
             n = 1 << max(8, (top - 1).bit_length())
-            self._rope_table = rope(self.model, torch.arange(n, device=positions.device)[None])
-        idx = positions[0]
-        return self._rope_table[0].index_select(0, idx), self._rope_table[1].index_select(0, idx)
+            self._rope_table = rope(self.model, torch.arange(n)[None])
+        return self._rope_table
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)
