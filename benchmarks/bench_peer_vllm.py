@@ -120,6 +120,7 @@ def merge(before: dict | None, new: dict) -> dict:
     if "error" in new:
         return new
     new["threads_by_round"] = (before or {}).get("threads_by_round", []) + [new.get("threads")]
+    new["huge_by_round"] = (before or {}).get("huge_by_round", []) + [new.get("huge_pages")]
     if before is None:
         return new
     for key in ("runs", "bw"):
@@ -206,6 +207,7 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
                   f"{o.get('threads')}; Linear kernels: {o.get('kernels')}")
             for i, t in enumerate(o.get("threads_by_round", [])[:-1]):
                 print(f"     ours round {i + 1}: threads per step kind: {t}")
+            print(f"     ours memory on 2 MB pages, by round: {o.get('huge_by_round')}")
     return medians
 
 

@@ -72,6 +72,17 @@ def progress(line: str) -> None:
         f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
 
+def huge_pages() -> str:
+    """This process's anonymous memory on 2 MB pages (the streamed weights are put there where the host allows:
+    engines/cpu/host_memory.py; a process that got fewer reads them slower)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return "unknown"
+    kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in text.splitlines()[1:] if ":" in line)}
+    return f"{kb.get('AnonHugePages', 0) >> 10} of {kb.get('Anonymous', 0) >> 10} MB"
+
+
 def load_engine(args):
     """(generate(list of (ids, max_tokens)) -> output token count, extra facts about the load)."""
     if args.engine == "vllm":
@@ -105,7 +116,8 @@ def load_engine(args):
 
         adaptive = llm.engine.executor.adaptive  # the thread count each kind of step settled on
         return {"kernels": {f"{o}x{i}@{t}t": "/".join(k) for (o, i, _, t), k in fast_linear._CHOSEN.items()},
-                "threads": adaptive.summary() if adaptive is not None else llm.engine.executor.threads}
+                "threads": adaptive.summary() if adaptive is not None else llm.engine.executor.threads,
+                "huge_pages": huge_pages()}
 
     facts["after"] = after
     return gen, facts
