@@ -60,6 +60,30 @@ def test_several_steps_a_call_give_the_tokens_of_single_steps(gpt2_dir, llama_di
     assert decoded == sum(len(t) for t, *_ in got) - len(PROMPTS)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "tied"])
+def test_the_greedy_screen_in_the_loop(gpt2_dir, tied_llama_dir, monkeypatch, family):
+    """An fp32 head with the greedy screen on (engines/cpu/greedy_head.py, forced for one row and a batch; a tied head
+    keeps its dense weight beside the panels): the loop draws each step's tokens through the screen's ops, as the step
+    head does."""
+    import engines.cpu.greedy_head as gh
+
+    _force_panels(monkeypatch)
+
+    def always(self, full, in_features, batch=64, rounds=5):
+        self.rows_one = self.rows_many = True
+        return "forced on"
+
+    monkeypatch.setattr(gh.GreedyScreen, "decide", always)
+    d = gpt2_dir if family == "gpt2" else tied_llama_dir
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (19, 11, 4, 15)]
+    opts = {"dtype": "float32", "greedy_head_screen": True}
+    expect, _ = _run(d, params, decode_steps=1, **opts)
+    got, engine = _run(d, params, decode_steps=8, **opts)
+    assert got == expect
+    runner = engine.executor.runner
+    assert runner.head.screen is not None and runner.paths["fused_steps"] >= 2
+
+
 def test_fp8_head_and_blocks_in_the_loop(llama_dir, monkeypatch):
     """FP8 weight-only blocks and an e4m3 head: the loop's head is the FP8 kernel's fp32 sums (forward_float)."""
     _force_panels(monkeypatch)

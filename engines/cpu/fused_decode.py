@@ -361,12 +361,13 @@ class FusedDecode:
         return spec
 
     def run_steps(self, ids: list[int], positions: list[int], table: torch.Tensor, block_size: int, steps: int,
-                  stops: list[list[int]], vocab: int) -> torch.Tensor:
+                  stops: list[list[int]], vocab: int, screen=None) -> torch.Tensor:
         """Up to `steps` greedy decode tokens of M sequences in one C++ call (csrc/fused_steps.cpp): ids (M) the tokens to
         feed at positions (M), table (M, blocks) covering each row's positions up to position + steps - 1, stops each
         row's stop tokens -> tokens (n, M) int64, n = steps or fewer where a row drew a stop token at step n - 1. Each
-        step the same ops as run() then the head's logits (head_logits) and the argmax of their first `vocab` columns
-        (steps_why_not must be None)."""
+        step the same ops as run() then the head's logits (head_logits) and the argmax of their first `vocab` columns,
+        or the tokens of `screen` (an engines/cpu/greedy_head.GreedyScreen of this head: its ops, the full head where it
+        cannot tell), as the step head draws them (steps_why_not must be None)."""
         model, fam = self.model, self.family
         m = len(ids)
         kind, head, out = self._head(m)
@@ -382,7 +383,8 @@ class FusedDecode:
         return self.mod.decode_steps_bound(
             self.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), steps,
             self.kinds(m), table, block_size, self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin,
-            around, kind, head, out, vocab, stop)
+            around, kind, head, out, vocab, stop, [] if screen is None else [screen.panels, screen.weight, screen.norms],
+            0.0 if screen is None else screen.c, 0 if screen is None else panel_kernel.PANEL_VARIANTS[screen.variant])
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (M, hd / 2) fp32 of positions (1, M), rows of the table (grown to a power of two past the

@@ -29,10 +29,10 @@ SOURCES = (("panel_src", "panel_amx.cpp"), ("panel_src", "panel_rows.cpp"), ("pa
 """Each kernel's namespace in the combined source and its file (a namespace may take several, in order); the fused
 step (fused_decode.cpp) comes last, at namespace scope, and calls into them."""
 
-LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "team_linear.cpp", "fused_team.cpp", "fused_steps.cpp", "head_screen.cpp")
+LOOP = ("mlp_rows.cpp", "fused_decode.cpp", "team_linear.cpp", "fused_team.cpp", "head_screen.cpp", "fused_steps.cpp")
 """The fused step's sources, last, at namespace scope: the MLP's activation rows, the per-op loop, then the step as one
-parallel region (its Linears' claims, then the team), several greedy steps a call, and the greedy screen's candidate rows
-(engines/cpu/greedy_head.py)."""
+parallel region (its Linears' claims, then the team), the greedy screen's candidate rows (engines/cpu/greedy_head.py),
+and several greedy steps a call."""
 
 NAMESPACES = tuple(dict.fromkeys(ns for ns, _ in SOURCES))
 """The namespaces the bindings look the kernels' functions up in."""

@@ -323,13 +323,12 @@ class ModelRunner:
                  for st in states]
         why = ("fused_decode off" if self.fused is None or not self.decode_kernel
                else self.fused.steps_why_not(len(decode)))
-        if why is None and self.head.screen is not None and self.head.screen.applies(len(decode)):
-            why = "the greedy screen draws these rows' tokens (engines/cpu/greedy_head.py), not the full head the loop runs"
+        screen = self.head.screen if self.head.screen is not None and self.head.screen.applies(len(decode)) else None
         if why is None:
             self.paths["fused_steps"] += 1
             tokens = self.fused.run_steps([w.token_ids[0] for w in decode], [w.start_pos for w in decode],
                                           padded_tables([w.block_ids for w in decode]), self.cache.block_size,
-                                          plan.steps, stops, self.cfg.vocab_size).T.tolist()  # (M, n)
+                                          plan.steps, stops, self.cfg.vocab_size, screen).T.tolist()  # (M, n)
             for st, toks in zip(states, tokens):
                 st.num_output += len(toks)
         else:

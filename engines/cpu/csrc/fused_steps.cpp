@@ -5,6 +5,7 @@
 // Here each step's embedding lookup, blocks, final norm, head and argmax run back to back in C++, the argmax
 // feeding the next step, with the same ops on the same inputs as the one-step path (so the same tokens: tests).
 #include <torch/types.h>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -20,6 +21,27 @@ torch::Tensor head_logits(int64_t kind, const torch::Tensor& h, const torch::Ten
   auto y = block_linear(kind, h, t, N, c10::nullopt);
   return y.scalar_type() == torch::kFloat ? y : y.to(torch::kFloat);
 }
+
+// The greedy screen's tokens of fp32 rows h (M, C) (engines/cpu/greedy_head.py GreedyScreen.tokens, the same ops):
+// s = (the head's bf16 panels, its fp32 weight (out, C), its rows' norms (vocab)), c the bound's constant, variant the
+// panel kernel's; an undefined tensor where a row is NaN / infinite or too flat (the full head then, as the step head)
+torch::Tensor screen_tokens(const torch::Tensor& h, const std::vector<torch::Tensor>& s, double c, int64_t variant,
+                            int64_t out, int64_t vocab) {
+  constexpr int64_t MAX_CANDIDATES_PER_ROW = 256;  // (greedy_head.py)
+  const int64_t M = h.size(0);
+  auto a = panel_src::panel_linear_f32(h.to(at::kBFloat16), s[0], out, variant);  // (M, out)
+  if (a.size(1) != vocab) a = a.narrow(1, 0, vocab).contiguous();
+  const auto k = at::linalg_vector_norm(h, 2, at::IntArrayRef{1}) * c;
+  const auto pairs = near_max_rows(a, k, s[2]);  // (N, 2) (row, column)
+  if (pairs.size(0) == 0 || pairs.size(0) > MAX_CANDIDATES_PER_ROW * M || (pairs.select(1, 1) < 0).any().item<bool>())
+    return {};
+  const auto rows = pairs.select(1, 0), cols = pairs.select(1, 1);
+  const auto exact = (h.index_select(0, rows) * s[1].index_select(0, cols)).sum(-1);  // the candidates' fp32 logits
+  const auto best = at::full({M}, -INFINITY, h.options()).scatter_reduce(0, rows, exact, "amax");
+  if (!at::isfinite(best).all().item<bool>()) return {};
+  const auto hit = at::where(exact == best.index_select(0, rows), cols, at::full_like(cols, vocab));
+  return at::full({M}, vocab, cols.options()).scatter_reduce(0, rows, hit, "amin");
+}
 }  // namespace
 
 // Up to `steps` greedy decode tokens of M sequences on the blocks bound under `handle` (one device: its first
@@ -28,16 +50,18 @@ torch::Tensor head_logits(int64_t kind, const torch::Tensor& h, const torch::Ten
 // (empty: no rotary embedding); around = (wte weight, wpe weight or empty, the final norm's weight, its bias or
 // empty); head_kind (HEAD_FP8_F32 + variant, HEAD_PANEL_F32, or a block_linear code) and head = its 5 tensors as a
 // block Linear's (scales, bias, FP8 panels for the FP8 head; weight, bias, panels, packed, weight_t otherwise),
-// head_out its rows; vocab: the argmax's columns; stops (M, S) int64 each row's stop tokens (-1 padding). The
+// head_out its rows; vocab: the argmax's columns; screen: empty, or the greedy screen's 3 tensors (screen_tokens),
+// its constant and panel variant, which then draws the tokens (the full head where it cannot); stops (M, S) int64 each row's stop tokens (-1 padding). The
 // other arguments as decode_bound. Step j embeds the ids (+ the learned positions), runs the blocks, the final
-// norm (RMSNorm where rms, else LayerNorm; eps), the head and the argmax of its first `vocab` logits, whose tokens
-// are step j + 1's ids. -> tokens (n, M) int64: n = steps, or fewer where a row drew one of its stop tokens at
+// norm (RMSNorm where rms, else LayerNorm; eps), the head and the argmax of its first `vocab` logits (or the
+// screen's tokens), which are step j + 1's ids. -> tokens (n, M) int64: n = steps, or fewer where a row drew one of its stop tokens at
 // step n - 1 (every row's tokens up to there computed)
 torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tensor pos, int64_t steps,
                                  std::vector<int64_t> kinds, torch::Tensor table, int64_t block_size, int64_t n_head,
                                  int64_t ffn, double eps, int64_t act, bool rms, double qk_eps, torch::Tensor cos_table,
                                  torch::Tensor sin_table, std::vector<torch::Tensor> around, int64_t head_kind,
-                                 std::vector<torch::Tensor> head, int64_t head_out, int64_t vocab, torch::Tensor stops) {
+                                 std::vector<torch::Tensor> head, int64_t head_out, int64_t vocab, torch::Tensor stops,
+                                 std::vector<torch::Tensor> screen, double screen_c, int64_t screen_variant) {
   std::shared_ptr<Bound> b;
   {
     std::lock_guard<std::mutex> g(bound_mu);
@@ -54,6 +78,8 @@ torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tenso
               "decode_steps_bound: 4 tensors around the blocks, 5 of the head, head_out >= vocab > 0");
   TORCH_CHECK(stops.dim() == 2 && stops.size(0) == M && stops.scalar_type() == at::kLong,
               "decode_steps_bound: stops (M, S) int64");
+  TORCH_CHECK(screen.empty() || (screen.size() == 3 && screen[1].scalar_type() == at::kFloat),
+              "decode_steps_bound: no screen, or its bf16 panels, fp32 weight and row norms");
   const auto stop = stops.contiguous();
   const int64_t S = stop.size(1), W = table.size(1);
   const int64_t* sp = stop.data_ptr<int64_t>();
@@ -79,9 +105,13 @@ torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tenso
     auto h = decode_blocks(x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps,
                            act, rms, qk_eps, cos, sin);
     h = norm(h, around[2], around[3], rms, eps);
-    auto logits = head_logits(head_kind, h, head.data(), head_out);
-    if (vocab < head_out) logits = logits.narrow(1, 0, vocab);
-    auto tok = argmax_rows(logits);  // (M)
+    torch::Tensor tok;  // (M)
+    if (!screen.empty()) tok = screen_tokens(h, screen, screen_c, screen_variant, head_out, vocab);
+    if (!tok.defined()) {
+      auto logits = head_logits(head_kind, h, head.data(), head_out);
+      if (vocab < head_out) logits = logits.narrow(1, 0, vocab);
+      tok = argmax_rows(logits);
+    }
     out[j].copy_(tok);
     const int64_t* t = tok.data_ptr<int64_t>();
     bool stopped = false;
