@@ -89,7 +89,8 @@ def test_engine_greedy_streams_equal_with_the_screen_on_and_off(llama_dir):
     prompts = [[3, 17, 42, 8], [5, 6, 7, 8, 9, 10, 11], [99, 100], [1, 2, 3]]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
     off = LLM(llama_dir, dtype="float32", greedy_head_screen=False, num_kv_blocks=64, block_size=8)
-    on = LLM(llama_dir, dtype="float32", greedy_head_screen=False, num_kv_blocks=64, block_size=8)
+    on = LLM(llama_dir, dtype="float32", greedy_head_screen=False, num_kv_blocks=64, block_size=8,
+             decode_steps=1)  # a step a call: the step head draws each token (the loop's screen: test_engine_multi_step)
     head = on.engine.executor.runner.head
     assert head.screen is None
     runner = on.engine.executor.runner
