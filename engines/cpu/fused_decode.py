@@ -109,6 +109,25 @@ class Family:
     """Those norms' epsilon (0 where there are none)."""
 
 
+def given(t: torch.Tensor | None) -> torch.Tensor:
+    """t, or an empty tensor for a part not built (the C++ loop's "none")."""
+    return t if t is not None else torch.empty(0)
+
+
+def linear_tensors(lin: nn.Module, with_bias: bool = True) -> list[torch.Tensor]:
+    """A Linear's 5 tensors as the C++ loop's block_linear reads them: an FP8 weight-only layer's per-output scales,
+    bias and e4m3 panels; otherwise its weight (none: a FastLinear that dropped it, decode runs its panels), bias,
+    panels, packed and pretransposed weights; empty where not built (the bias also where not with_bias: a
+    row-parallel Linear's is added after the all-reduce)."""
+    from engines.cpu.fp8_linear import Fp8PanelLinear
+
+    bias = given(getattr(lin, "bias", None)) if with_bias else torch.empty(0)
+    if isinstance(lin, Fp8PanelLinear):
+        return [lin.scales, bias, lin.panels, torch.empty(0), torch.empty(0)]
+    return [given(getattr(lin, "weight", None)), bias, *(given(getattr(lin, t, None)) for t in ("panels", "packed",
+                                                                                               "weight_t"))]
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a GPT (a ModuleList) or of a pipeline stage (a ModuleDict), in order."""
     blocks = getattr(model, "blocks", None)
@@ -219,11 +238,6 @@ class FusedDecode:
         """A tensor-parallel shard: the step runs half a layer a call, all-reducing in between."""
         if any(row_parallel(lin) != self.split for b in blocks for lin in (b.attn.proj, b.mlp.down)):
             raise ValueError("fused decode step: some block Linears are row-parallel and some are not")
-        empty = torch.empty(0)
-
-        def given(t: torch.Tensor | None) -> torch.Tensor:
-            return t if t is not None else empty
-
         self.linears = [lin for b in blocks for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
         self.comm = blocks[0].attn.proj.comm if self.split else None
         # a row-parallel Linear's bias is added after the all-reduce (RowParallelLinear), in Python
@@ -234,12 +248,7 @@ class FusedDecode:
                         given(getattr(b.norm2, "bias", None))]
             weights += [given(getattr(getattr(b.attn, n, None), "weight", None)) for n in ("q_norm", "k_norm")]
             for lin in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down):  # a plain nn.Linear: F.linear, no copies
-                bias = empty if row_parallel(lin) else given(getattr(lin, "bias", None))
-                if isinstance(lin, Fp8PanelLinear):  # per-output scales, bias, the e4m3 panels
-                    weights += [lin.scales, bias, lin.panels, empty, empty]
-                    continue
-                weights += [given(lin.weight), bias,  # no weight: a FastLinear that dropped it (decode: panels)
-                            *(given(getattr(lin, t, None)) for t in ("panels", "packed", "weight_t"))]
+                weights += linear_tensors(lin, with_bias=not row_parallel(lin))
         self.handle = mod.bind(weights, k_caches, v_caches)  # held in C++ (kept alive there): a step passes the handle
         # this shard's query heads and MLP width (the whole model's on one device)
         self.n_head = blocks[0].attn.n_head
@@ -339,24 +348,20 @@ class FusedDecode:
         model, key = self.model, (rows, torch.get_num_threads() == 1)
         if key in self._heads:
             return self._heads[key]
-        head, norm, dtype, empty = model.lm_head, model.norm_f, model.wte.weight.dtype, torch.empty(0)
+        head, norm, dtype = model.lm_head, model.norm_f, model.wte.weight.dtype
         spec = None
         norm_ok = (isinstance(norm, RMSNorm) if self.family.rms else type(norm) is nn.LayerNorm)
         if norm_ok and norm.eps == self.eps and norm.weight.dtype == dtype and rows < BULK_FROM:
-            bias = head.bias if getattr(head, "bias", None) is not None else empty
+            t = linear_tensors(head)
             if isinstance(head, Fp8PanelLinear):  # forward_float: the kernel's fp32 sums
-                spec = (HEAD_FP8_F32 + panel_kernel.FP8_VARIANTS[head.variant],
-                        [head.scales.float().contiguous(), bias, head.panels, empty, empty], head.out_features)
+                spec = (HEAD_FP8_F32 + panel_kernel.FP8_VARIANTS[head.variant], t, head.out_features)
             elif isinstance(head, FastLinear):
-                t = [head.weight if head.weight is not None else empty, bias,
-                     *(getattr(head, n, None) if getattr(head, n, None) is not None else empty
-                       for n in ("panels", "packed", "weight_t"))]
                 if head.panels is not None and dtype == torch.bfloat16 and head.bias is None:  # forward_float's path
                     spec = (HEAD_PANEL_F32, t, head.out_features)
                 elif KERNELS.get(head.kind_for(rows)) is not None:
                     spec = (KERNELS[head.kind_for(rows)], t, head.out_features)
             elif type(head) is nn.Linear:
-                spec = (KERNELS["linear"], [head.weight, bias, empty, empty, empty], head.out_features)
+                spec = (KERNELS["linear"], t, head.out_features)
         self._heads[key] = spec
         return spec
 
@@ -372,18 +377,15 @@ class FusedDecode:
         m = len(ids)
         kind, head, out = self._head(m)
         cos, sin = self._rope_upto(max(positions) + steps) if fam.rope else (torch.empty(0), torch.empty(0))
-        width = max(1, max(map(len, stops)))
-        stop = torch.full((m, width), -1, dtype=torch.long)
-        for i, s in enumerate(stops):
-            stop[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        empty = torch.empty(0)
+        from engines.model.attention import padded_tables
+
         norm = model.norm_f
-        around = [model.wte.weight, model.wpe.weight if not fam.rope else empty, norm.weight,
-                  norm.bias if getattr(norm, "bias", None) is not None else empty]
+        around = [model.wte.weight, given(None if fam.rope else model.wpe.weight), norm.weight,
+                  given(getattr(norm, "bias", None))]
         return self.mod.decode_steps_bound(
             self.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), steps,
             self.kinds(m), table, block_size, self.n_head, self.ffn, self.eps, fam.act, fam.rms, fam.qk_eps, cos, sin,
-            around, kind, head, out, vocab, stop, [] if screen is None else [screen.panels, screen.weight, screen.norms],
+            around, kind, head, out, vocab, padded_tables(stops, fill=-1), [] if screen is None else [screen.panels, screen.weight, screen.norms],
             0.0 if screen is None else screen.c, 0 if screen is None else panel_kernel.PANEL_VARIANTS[screen.variant])
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -299,17 +299,19 @@ void unbind(int64_t handle) {
   if (handle >= 0 && handle < static_cast<int64_t>(bound.size())) bound[handle].reset();
 }
 
+// the tensors bound under `handle` (an error naming the caller where none are)
+std::shared_ptr<Bound> bound_at(int64_t handle, const char* who) {
+  std::lock_guard<std::mutex> g(bound_mu);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle], who,
+              ": no tensors bound as ", handle);
+  return bound[handle];
+}
+
 // decode_blocks on the tensors bound under `handle`
 torch::Tensor decode_bound(int64_t handle, torch::Tensor x, std::vector<int64_t> kinds, torch::Tensor slots,
                            torch::Tensor table, torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn,
                            double eps, int64_t act, bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
-  std::shared_ptr<Bound> b;
-  {
-    std::lock_guard<std::mutex> g(bound_mu);
-    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle],
-                "decode_bound: no tensors bound as ", handle);
-    b = bound[handle];
-  }
+  const auto b = bound_at(handle, "decode_bound");
   return decode_blocks(x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps,
                        act, rms, qk_eps, cos, sin);
 }
@@ -323,13 +325,7 @@ torch::Tensor decode_half_bound(int64_t handle, torch::Tensor x, int64_t layer, 
                                 std::vector<int64_t> kinds, torch::Tensor slots, torch::Tensor table,
                                 torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn, double eps,
                                 int64_t act, bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
-  std::shared_ptr<Bound> b;
-  {
-    std::lock_guard<std::mutex> g(bound_mu);
-    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle],
-                "decode_half_bound: no tensors bound as ", handle);
-    b = bound[handle];
-  }
+  const auto b = bound_at(handle, "decode_half_bound");
   const int64_t L = static_cast<int64_t>(b->k_caches.size());
   TORCH_CHECK(x.dim() == 2 && layer >= 0 && layer < L && (half == 0 || half == 1) && kinds.size() == 4,
               "decode_half_bound: x (M, C), layer in [0, ", L, "), half 0 or 1, 4 kernels");

@@ -50,25 +50,19 @@ torch::Tensor screen_tokens(const torch::Tensor& h, const std::vector<torch::Ten
 // (empty: no rotary embedding); around = (wte weight, wpe weight or empty, the final norm's weight, its bias or
 // empty); head_kind (HEAD_FP8_F32 + variant, HEAD_PANEL_F32, or a block_linear code) and head = its 5 tensors as a
 // block Linear's (scales, bias, FP8 panels for the FP8 head; weight, bias, panels, packed, weight_t otherwise),
-// head_out its rows; vocab: the argmax's columns; screen: empty, or the greedy screen's 3 tensors (screen_tokens),
-// its constant and panel variant, which then draws the tokens (the full head where it cannot); stops (M, S) int64 each row's stop tokens (-1 padding). The
-// other arguments as decode_bound. Step j embeds the ids (+ the learned positions), runs the blocks, the final
-// norm (RMSNorm where rms, else LayerNorm; eps), the head and the argmax of its first `vocab` logits (or the
-// screen's tokens), which are step j + 1's ids. -> tokens (n, M) int64: n = steps, or fewer where a row drew one of its stop tokens at
-// step n - 1 (every row's tokens up to there computed)
+// head_out its rows; vocab: the argmax's columns; stops (M, S) int64 each row's stop tokens (-1 padding); screen:
+// empty, or the greedy screen's 3 tensors (screen_tokens), its constant and panel variant, which then draws the
+// tokens (the full head where it cannot). The other arguments as decode_bound. Step j embeds the ids (+ the learned
+// positions), runs the blocks, the final norm (RMSNorm where rms, else LayerNorm; eps), the head and the argmax of
+// its first `vocab` logits (or the screen's tokens), which are step j + 1's ids. -> tokens (n, M) int64: n = steps,
+// or fewer where a row drew one of its stop tokens at step n - 1 (every row's tokens up to there computed)
 torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tensor pos, int64_t steps,
                                  std::vector<int64_t> kinds, torch::Tensor table, int64_t block_size, int64_t n_head,
                                  int64_t ffn, double eps, int64_t act, bool rms, double qk_eps, torch::Tensor cos_table,
                                  torch::Tensor sin_table, std::vector<torch::Tensor> around, int64_t head_kind,
                                  std::vector<torch::Tensor> head, int64_t head_out, int64_t vocab, torch::Tensor stops,
                                  std::vector<torch::Tensor> screen, double screen_c, int64_t screen_variant) {
-  std::shared_ptr<Bound> b;
-  {
-    std::lock_guard<std::mutex> g(bound_mu);
-    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound.size()) && bound[handle],
-                "decode_steps_bound: no tensors bound as ", handle);
-    b = bound[handle];
-  }
+  const auto b = bound_at(handle, "decode_steps_bound");
   const int64_t M = ids.numel();
   TORCH_CHECK(steps >= 1 && M >= 1 && pos.numel() == M && ids.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_steps_bound: steps >= 1, ids and pos (M) int64");
