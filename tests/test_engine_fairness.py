@@ -100,3 +100,39 @@ def test_a_long_prompt_is_passed_over_at_most_admission_overtakes_times():
     order = _admissions([300, 8], overtakes=3, budget=16, late=late)
     assert order.index(0) == 3  # after 3 later, shorter requests: then it goes next
     assert _admissions([300, 8], overtakes=0, budget=16, late=late)[0] == 0
+
+
+def _prefill_steps(lengths: list[int], budget: int, whole: bool) -> list[list[tuple[int, bool]]]:
+    """Every step's prefill rows as (seq id, whether the row finishes its prompt), for a burst of `lengths` (max_tokens
+    8, shortest prompt first)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=budget, block_size=4, num_blocks=4096,
+                                      max_model_len=1024, whole_prompt_steps=whole))
+    seqs: dict[int, Sequence] = {}
+    for i, p in enumerate(lengths):
+        seqs[i] = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[5 + i] * p, prompt_len=p,
+                           params=SamplingParams(max_tokens=8, ignore_eos=True))
+        sched.add(seqs[i])
+    steps = []
+    while sched.has_work:
+        plan = sched.schedule()
+        steps.append([(w.seq_id, w.sample) for w in plan.prefill])
+        res = StepResult(step=plan.step, seqs={w.seq_id: SeqResult(token_id=7) for w in (*plan.decode, *plan.prefill)
+                                               if w.sample})
+        sched.update(plan, res, seqs)
+        assert len(steps) < 10_000
+    assert all(s.finished and s.num_output == 8 for s in seqs.values())
+    return steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_step_that_runs_a_prompt_starts_no_prompt_it_cannot_finish(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(4, 60) for _ in range(40)] + [150, 200]  # two longer than the step's budget
+    for whole in (True, False):
+        steps = _prefill_steps(lengths, budget=64, whole=whole)
+        # a chunk that does not finish its prompt shares its step with no other prompt: the first tokens of the
+        # step's other prompts do not wait for it
+        mixed = [rows for rows in steps if len(rows) > 1 and not all(done for _, done in rows)]
+        assert (mixed == []) == whole, (whole, mixed[:3])
+        # the prompts longer than the budget still run, in chunks
+        assert sum(1 for rows in steps for i, _ in rows if i == 41) >= 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -318,7 +319,9 @@ def test_scheduler_kv_cap_counts_the_bos_token():
     cand = Candidate(1, 1, 1, 8, 512, "bfloat16")
     cfg = scheduler_config(cand, model, CostModel(model, prof), Workload(64, 32, 10))
     assert cfg.max_model_len == 97
-    sched = Scheduler(cfg)
+    # every request starts in the first step, the last one's first chunk too (512 of the 520 prompt tokens): the
+    # blocks take them all (whole_prompt_steps off, or the eighth would wait a step for its budget, not its blocks)
+    sched = Scheduler(dataclasses.replace(cfg, whole_prompt_steps=False))
     for i in range(8):  # 65 prompt tokens (BOS + 64), 32 output tokens each
         sched.add(Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1] * 65, prompt_len=65,
                            params=SamplingParams(max_tokens=32, ignore_eos=True)))

@@ -88,6 +88,13 @@ class EngineConfig:
     them (64 streams of 16-256-token prompts at once, served fp32 SmolLM2 on 2 cores: time to first token mean
     7.47 -> 6.26 s, p50 8.79 -> 5.97 s, p90 11.83 -> 12.13 s; engines/core/scheduler.py), but no request is passed
     over by more than this many later arrivals; 0 admits in arrival order."""
+    whole_prompt_steps: bool = True
+    """A step that already prefills a prompt starts no prompt it cannot finish (chunked prefill splits only a prompt
+    alone in its step, decodes aside): a first token comes at the end of the step that finishes its prompt, and the
+    next prompt's first chunk would hold back every prompt the step finishes. 64 prompts of 16-256 tokens at once,
+    the Scheduler under a cost model of 2-core fp32 SmolLM2 (2,048-token steps, 30 draws): time to first token p50
+    5.00 -> 4.84 s, p90 10.70 -> 10.63 s (per draw 0.93-1.12x: a percentile moves a whole step or not at all),
+    output tok/s the same; off: the budget's rest goes to the next prompt's first chunk."""
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
     max_logprobs: int = 20
@@ -225,6 +232,8 @@ class EngineConfig:
                  f"must be an integer >= 0 (0 shares the cores), got {self.worker_threads!r}")
         _require(isinstance(self.adaptive_threads, bool), "adaptive_threads",
                  f"must be true or false, got {self.adaptive_threads!r}")
+        _require(isinstance(self.whole_prompt_steps, bool), "whole_prompt_steps",
+                 f"must be true or false, got {self.whole_prompt_steps!r}")
         _require(isinstance(self.greedy_head_screen, bool), "greedy_head_screen",
                  f"must be true or false, got {self.greedy_head_screen!r}")
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",

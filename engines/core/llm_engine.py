@@ -104,6 +104,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, eos_token_ids=eos,
             admission_reserves_growth=self.config.admission_reserves_growth,
             admission_overtakes=self.config.admission_overtakes,
+            whole_prompt_steps=self.config.whole_prompt_steps,
             enable_prefix_caching=self.config.enable_prefix_caching))
         self._max_steps = self.config.decode_steps if self.executor.multi_step else 1
         """Decode steps an offline step (final_only) may run in one plan (EngineConfig.decode_steps)."""

@@ -22,6 +22,11 @@ average (6.93 -> 5.52 s), the 90th percentile 2.6 % sooner (11.10 -> 10.81 s: fi
 end of 2,048-token steps, so a percentile moves a whole step or not at all) and the last one when it
 always did (every prompt prefilled).
 
+A step that already prefills a prompt starts no prompt it cannot finish (`whole_prompt_steps`): a first token
+comes at the end of the step that finishes its prompt, so the next prompt's first chunk would hold back every
+prompt the step finishes and give nobody a token. Chunked prefill still splits a prompt alone in its step (with
+the decodes), which is how a prompt longer than the budget runs.
+
 Why arrival order and not admission order for preemption: a resumed sequence is the most recently
 admitted one, so admission-order (LIFO) preemption picks it again and again while younger streams
 run, and it starves (a 52 s mid-stream stall in a 64-stream burst). With arrival order the oldest
@@ -59,6 +64,10 @@ class SchedulerConfig:
     admission_overtakes: int = 64
     """Shortest prompt first among waiting requests, but a waiting request is passed over by at most
     this many later arrivals before it goes next; 0: arrival order (first come, first served)."""
+    whole_prompt_steps: bool = True
+    """A step that already runs a prompt does not start one it cannot finish (chunked prefill then
+    splits only a prompt that is alone, or behind decodes only, in its step); off: the budget's rest
+    goes to the next waiting prompt's first chunk."""
 
 
 def _arrival(seq: Sequence) -> int:
@@ -158,6 +167,7 @@ class Scheduler:
         # does not take blocks that force a running one out later (which would stall its stream);
         # with nothing running, the first in admission order is admitted on what it needs now
         order: list[Sequence] = []
+        prefills = any(n > 1 or seq.num_computed == 0 for seq, n in scheduled)  # a prompt (or its chunk) runs
         if self.waiting and not preempted:  # (a decode step with no one waiting: no sum over the running)
             room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
             order = self._admission_order(room)
@@ -167,6 +177,8 @@ class Scheduler:
             hits = self.blocks.match(seq)  # a waiting sequence holds no blocks and has none computed
             cached = len(hits) * self.cfg.block_size
             n = min(seq.num_tokens - cached, budget)
+            if n < seq.num_tokens - cached and self.cfg.whole_prompt_steps and prefills:
+                break  # its first chunk would delay the first tokens of this step's prompts (see the docstring)
             # free blocks it takes: new ones, and cached ones that no running sequence holds now
             claim = self.blocks.claim_cost(hits)
             if blocks_for(cached + n, self.cfg.block_size) - len(hits) + claim > self.blocks.num_free:
@@ -184,6 +196,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)  # a resumed sequence rejoins by age
             scheduled.append((seq, n))
+            prefills = True
             budget -= n
         if max_steps > 1 and scheduled and not self.waiting and not preempted:
             plan.steps = self._steps(scheduled, max_steps)
