@@ -167,10 +167,11 @@ class Scheduler:
         # does not take blocks that force a running one out later (which would stall its stream);
         # with nothing running, the first in admission order is admitted on what it needs now
         order: list[Sequence] = []
-        prefills = any(n > 1 or seq.num_computed == 0 for seq, n in scheduled)  # a prompt (or its chunk) runs
+        prefills = False  # whether a prompt (or a chunk of one) runs in this step
         if self.waiting and not preempted:  # (a decode step with no one waiting: no sum over the running)
             room = self.blocks.num_free - sum(self.blocks.growth(s) for s in self.running)
             order = self._admission_order(room)
+            prefills = any(n > 1 or seq.num_computed == 0 for seq, n in scheduled)
         for seq in order:
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
