@@ -316,3 +316,31 @@ def test_fused_step_runs_both_panel_kinds_side_by_side(llama_dir, monkeypatch, d
         results = [_many_sequences(engine, seqs) for engine in (off, fused)]
     assert results[1] == results[0] and len(results[0]) == seqs
     assert max(rows) == seqs and min(rows) < 16
+
+
+@pytest.mark.parametrize(("dtype", "threads"), [("bfloat16", 2), ("bfloat16", 3), ("float32", 2)])
+def test_fp8_one_sequence_threads_lay_out_their_heads(llama_dir, monkeypatch, dtype, threads):
+    """One sequence on a team: each thread attends its kv heads and lays out those heads' columns of the FP8
+    projection's input itself (fused_team.cpp lay_heads; 3 threads over 2 kv heads leave one with none): tokens
+    and logprobs bit for bit the module path's, over steps of one row."""
+    _force(monkeypatch, dtype=dtype)
+    base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
+            "max_num_batched_tokens": 16, "adaptive_threads": False, "weight_dtype": "fp8", "worker_threads": threads}
+    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
+    runner = fused.executor.runner
+    assert runner.fused is not None, runner.why_not
+    calls = []
+    run = runner.fused.run
+    monkeypatch.setattr(runner.fused, "run", lambda *a: calls.append(a[0].shape[1]) or run(*a))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def one(engine):
+        engine.add_request("r", list(range(5, 30)), params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    return _tokens_and_logprobs(out.outputs[0])
+
+    assert one(fused) == one(off)
+    assert len(calls) >= 20 and set(calls) == {1}

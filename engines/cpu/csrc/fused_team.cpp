@@ -241,6 +241,9 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       linear();  // qkv (M, qn + 2 kn)
       // the attention's rows laid out by the threads that computed them (split_attention, below)
       const bool lay_y = split && split_attention && deferrable(kind[1], y, panel_variant);
+      // one sequence, an FP8 projection: each thread lays out its heads' columns of y after attending them (on the
+      // 2-core Zen 4 EPYC the phase it replaces, thread 0 reading the other thread's heads, took 1-2 us a layer)
+      const bool lay_heads = split_heads && kind[1] >= 5 && kind[1] != PANEL_AVX2;
       serial(p[13], [&] {
         q = q_all;  // (M, nh, hd)
         auto k = k_all;  // (M, nkv, hd)
@@ -250,6 +253,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         if (lay_y) prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant, false);
         if (split_attention) return;  // each thread rotates and caches its own rows, then attends them (below)
         rotate_and_cache(0, M);
+        if (lay_heads) prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant, false);
         if (split_heads) return;
         att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
         prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
@@ -259,6 +263,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
           if (g0 >= g1) return;
           paged_src::paged_decode_heads(q.contiguous(), k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
+          if (lay_heads) fp8_lay_cols(job, y, g0 * (a.n_head / nkv) * hd, g1 * (a.n_head / nkv) * hd);
         });
       }
       if (split_attention) {  // each thread its sequences (none for a thread past the last)
@@ -273,7 +278,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           if (lay_y) lay_out(job, y, s0, s0 + n);
         });
       }
-      if ((split_heads || split_attention) && !lay_y)  // the team's attention in y: thread 0 lays out the projection's input
+      if ((split_heads || split_attention) && !lay_y && !lay_heads)  // the team's attention in y: thread 0 lays out the projection's input
         serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
       linear();  // x + proj(y)
       norm_then(p + 2, kind[2], p + 16, up_n, u, p[18]);

@@ -162,6 +162,21 @@ void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1
     panel_src::transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
 }
 
+// Columns [k0, k1) of an FP8 Linear's one input row x (1, K), prepared without its layout (prepare's lay false), laid
+// out as prepare lays them (scaled by X_UP for the vector variants): the threads that computed a row's columns lay
+// them out, so no phase waits for thread 0 to read them
+void fp8_lay_cols(const TeamLinear& j, const torch::Tensor& x, int64_t k0, int64_t k1) {
+  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  float* dst = static_cast<float*>(const_cast<void*>(j.x));
+  if (x.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
+    for (int64_t k = k0; k < k1; ++k) dst[k] = up * static_cast<float>(src[k]);
+  } else {
+    const float* src = x.data_ptr<float>();
+    for (int64_t k = k0; k < k1; ++k) dst[k] = up * src[k];
+  }
+}
+
 // Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
 // N outputs into out (M, N), plus res (M, N) where given (res may be out); panel_variant: what the panel kernel's
 // auto resolves to (kind PANEL_AVX2 runs its avx2 variant). The rows are laid out in buf as the
@@ -257,6 +272,10 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
   }
   const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
   buf.assign(M * 2 * K2, 0.f);
+  if (!lay) {  // the team lays the row out, each thread its columns (fp8_lay_cols)
+    j.x = buf.data();
+    return;
+  }
   const c10::BFloat16* x16 = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;  // (not a data_ptr call an element: 3 %
   const float* x32 = bf16 ? nullptr : x.data_ptr<float>();                   // of SmolLM2's batch-1 FP8 decode)
   for (int64_t m = 0; m < M; ++m)
