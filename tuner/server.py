@@ -37,23 +37,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_TRIES = 3
+"""Starts on a fresh port when the server finds its port taken: free_port() lets the port go again before the server
+binds it, seconds later (after Ray's start, whose processes open connections from ephemeral ports meanwhile: a CI run
+of `tune search --validate` lost its port so, the replica's bind failing with EADDRINUSE)."""
+
+
 class Server:
     """`with Server(["--config", path], log) as url:` serves until the block ends."""
 
     def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 240.0,
                  cwd: str | Path | None = None, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.base_args = list(args)
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.cwd = cwd
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ports: list[int] = []  # every port tried, the last the one served on
+        self.use_port(free_port())
+
+    def use_port(self, port: int) -> None:
+        self.port = port
+        self.ports.append(port)
+        self.args = [*self.base_args, "--host", "127.0.0.1", "--port", str(port)]
+        self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> str:
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self.start(append=len(self.ports) > 1)
+            except ServeError as exc:
+                if "already in use" not in str(exc):
+                    raise
+                self.stop()
+                self.use_port(free_port())
+        return self.start(append=len(self.ports) > 1)
+
+    def start(self, append: bool = False) -> str:
+        """Runs the server on self.port until it answers /health (its url); ServeError with the log's tail when it
+        exits or is not ready in time. append: add to the log (a retry) instead of starting it afresh."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
+        log = self.log_path.open("ab" if append else "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # the checkout this code runs from wins over an installed copy, in the server too
         root = str(Path(__file__).resolve().parent.parent)
