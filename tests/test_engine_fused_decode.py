@@ -238,6 +238,18 @@ def test_fused_step_team_at_any_thread_count(llama_dir, monkeypatch, threads):
     _assert_fused_equals_module_path(off, fused, monkeypatch)
 
 
+def _off_and_fused(llama_dir, monkeypatch, base: dict) -> tuple[LLMEngine, LLMEngine, list[int]]:
+    """The module path's engine and the fused step's on `base`, and the rows of each fused step as it runs."""
+    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
+    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
+    runner = fused.executor.runner
+    assert runner.fused is not None, runner.why_not
+    rows = []
+    run = runner.fused.run
+    monkeypatch.setattr(runner.fused, "run", lambda *a: rows.append(a[0].shape[1]) or run(*a))
+    return off, fused, rows
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("threads", "seqs"), [(2, 20), (3, 20), (2, 50)])
 def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, dtype, threads, seqs):
@@ -249,13 +261,7 @@ def test_fused_step_team_splits_the_small_ops_over_rows(llama_dir, monkeypatch, 
     _force(monkeypatch, ("panel", "panel", "linear"), dtype)
     base = {"num_kv_blocks": 800, "block_size": 4, "dtype": dtype, "max_num_batched_tokens": 2048,
             "worker_threads": threads, "adaptive_threads": False}
-    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
-    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
-    runner = fused.executor.runner
-    assert runner.fused is not None, runner.why_not
-    rows = []
-    run = runner.fused.run
-    monkeypatch.setattr(runner.fused, "run", lambda *a: rows.append(a[0].shape[1]) or run(*a))
+    off, fused, rows = _off_and_fused(llama_dir, monkeypatch, base)
     results = [_many_sequences(engine, seqs) for engine in (off, fused)]
     assert results[1] == results[0] and len(results[0]) == seqs
     assert max(rows) == seqs and min(rows) < 16  # split steps, and steps below the threshold
@@ -326,13 +332,7 @@ def test_fp8_one_sequence_threads_lay_out_their_heads(llama_dir, monkeypatch, dt
     _force(monkeypatch, dtype=dtype)
     base = {"num_kv_blocks": 14, "block_size": 4, "admission_reserves_growth": False, "dtype": dtype,
             "max_num_batched_tokens": 16, "adaptive_threads": False, "weight_dtype": "fp8", "worker_threads": threads}
-    off = LLMEngine(llama_dir, EngineConfig(fused_decode="off", **base))
-    fused = LLMEngine(llama_dir, EngineConfig(fused_decode="auto", **base))
-    runner = fused.executor.runner
-    assert runner.fused is not None, runner.why_not
-    calls = []
-    run = runner.fused.run
-    monkeypatch.setattr(runner.fused, "run", lambda *a: calls.append(a[0].shape[1]) or run(*a))
+    off, fused, rows = _off_and_fused(llama_dir, monkeypatch, base)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def one(engine):
@@ -343,4 +343,4 @@ def test_fp8_one_sequence_threads_lay_out_their_heads(llama_dir, monkeypatch, dt
                     return _tokens_and_logprobs(out.outputs[0])
 
     assert one(fused) == one(off)
-    assert len(calls) >= 20 and set(calls) == {1}
+    assert len(rows) >= 20 and set(rows) == {1}
