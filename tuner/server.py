@@ -54,14 +54,19 @@ class Server:
         self.cwd = cwd
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
-        self.ports: list[int] = []  # every port tried, the last the one served on
-        self.use_port(free_port())
+        self.ports = [free_port()]  # every port tried, the last the one served on
 
-    def use_port(self, port: int) -> None:
-        self.port = port
-        self.ports.append(port)
-        self.args = [*self.base_args, "--host", "127.0.0.1", "--port", str(port)]
-        self.url = f"http://127.0.0.1:{port}"
+    @property
+    def port(self) -> int:
+        return self.ports[-1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def args(self) -> list[str]:
+        return [*self.base_args, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def __enter__(self) -> str:
         for _ in range(PORT_TRIES - 1):
@@ -71,7 +76,7 @@ class Server:
                 if "already in use" not in str(exc):
                     raise
                 self.stop()
-                self.use_port(free_port())
+                self.ports.append(free_port())
         return self.start(append=len(self.ports) > 1)
 
     def start(self, append: bool = False) -> str:

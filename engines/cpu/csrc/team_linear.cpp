@@ -162,19 +162,18 @@ void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1
     panel_src::transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
 }
 
-// Columns [k0, k1) of an FP8 Linear's one input row x (1, K), prepared without its layout (prepare's lay false), laid
-// out as prepare lays them (scaled by X_UP for the vector variants): the threads that computed a row's columns lay
-// them out, so no phase waits for thread 0 to read them
+// Columns [k0, k1) of an FP8 Linear's input rows x (M, K) into its prepared rows (M, 2 K2) at j.x, scaled by X_UP
+// for the vector variants: prepare lays out every column; with prepare's lay false the threads that computed a row's
+// columns lay them out (fused_team.cpp lay_heads), so no phase waits for thread 0 to read them. The pointers are taken
+// once (not a data_ptr call an element: 3 % of SmolLM2's batch-1 FP8 decode)
 void fp8_lay_cols(const TeamLinear& j, const torch::Tensor& x, int64_t k0, int64_t k1) {
   const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  const int64_t M = x.size(0), K = x.size(1), ld = 2 * ((K + 1) / 2);
   float* dst = static_cast<float*>(const_cast<void*>(j.x));
-  if (x.scalar_type() == at::kBFloat16) {
-    const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
-    for (int64_t k = k0; k < k1; ++k) dst[k] = up * static_cast<float>(src[k]);
-  } else {
-    const float* src = x.data_ptr<float>();
-    for (int64_t k = k0; k < k1; ++k) dst[k] = up * src[k];
-  }
+  const c10::BFloat16* x16 = x.scalar_type() == at::kBFloat16 ? x.data_ptr<c10::BFloat16>() : nullptr;
+  const float* x32 = x16 ? nullptr : x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = k0; k < k1; ++k) dst[m * ld + k] = up * (x16 ? static_cast<float>(x16[m * K + k]) : x32[m * K + k]);
 }
 
 // Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
@@ -270,17 +269,9 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     // claims of F8_BLOCK passes, each one block of passes (fp8_range: longer streams)
     j.taper(fp8_src::F8_G);
   }
-  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
-  buf.assign(M * 2 * K2, 0.f);
-  if (!lay) {  // the team lays the row out, each thread its columns (fp8_lay_cols)
-    j.x = buf.data();
-    return;
-  }
-  const c10::BFloat16* x16 = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;  // (not a data_ptr call an element: 3 %
-  const float* x32 = bf16 ? nullptr : x.data_ptr<float>();                   // of SmolLM2's batch-1 FP8 decode)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) buf[m * 2 * K2 + k] = up * (x16 ? static_cast<float>(x16[m * K + k]) : x32[m * K + k]);
+  buf.assign(M * 2 * K2, 0.f);  // (an odd K's pad input zero)
   j.x = buf.data();
+  if (lay) fp8_lay_cols(j, x, 0, K);  // else the team lays the row out, each thread its columns
 }
 
 }  // namespace
