@@ -104,6 +104,36 @@ def test_an_embedded_ray_that_misses_its_start_wait_is_started_three_times(gpt2_
     assert len(calls) == 1
 
 
+def test_the_embedded_ray_starts_with_its_settings_and_a_user_value_wins(gpt2_dir, monkeypatch):
+    """The Ray that `serve` starts itself gets EMBEDDED_RAY_ENV (its processes inherit the environment at ray.init):
+    workers at the caller's priority, Ray Serve's control loop every 0.5 s; a value the user set is kept. A model
+    replica's process takes the GIL's shorter switch interval (prepare_replica_process)."""
+    import ray
+
+    from serving import launcher
+    from serving.cli import deployment_config
+    from serving.deployments import REPLICA_SWITCH_INTERVAL_S, prepare_replica_process
+
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: seen.append(dict(os.environ)) or (_ for _ in ()).throw(
+        ValueError("stop here")))
+    for key in launcher.EMBEDDED_RAY_ENV:  # (set first: monkeypatch then restores what start() sets)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RAY_worker_niceness", "5")  # the user's
+    cfg = deployment_config(None, gpt2_dir)
+    with pytest.raises(ValueError, match="stop here"):
+        launcher.start(cfg, [])
+    assert seen[-1]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5" and seen[-1]["RAY_worker_niceness"] == "5"
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        prepare_replica_process()
+        assert sys.getswitchinterval() == pytest.approx(REPLICA_SWITCH_INTERVAL_S) != pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["sigterm"])
 def test_serve_prints_a_working_curl_and_drains_on_ctrl_c_or_sigterm(gpt2_dir, sig):
