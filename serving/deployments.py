@@ -56,7 +56,7 @@ REPLICA_SWITCH_INTERVAL_S = 0.0005
 runs the step's kernels without the GIL and takes it back between them (the prefill's per-layer ops); the event loop
 beside it (HTTP, streamed chunks, Ray's handles) can hold it until the interval ends. SmolLM2 fp32 HTTP mix, 64
 streams, colocated ingress, 2-core EPYC Zen 4, alternating server starts: 306.8 / 305.0 against 302.1 / 300.8 output
-tok/s at 5 ms (BENCHMARKS.md, serving path)."""
+tok/s at 5 ms (BENCHMARKS.md, the SmolLM2 peer section)."""
 
 
 def prepare_replica_process() -> None:
