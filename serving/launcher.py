@@ -277,18 +277,13 @@ EMBEDDED_RAY_ENV = {
   the start stayed 19 s, and replica state changes are seen up to 0.4 s later."""
 
 
-def embedded_ray_env(environ: dict) -> None:
-    """EMBEDDED_RAY_ENV into environ where not set (before ray.init, whose processes inherit it)."""
-    for key, value in EMBEDDED_RAY_ENV.items():
-        environ.setdefault(key, value)
-
-
 def _init_ray(cfg: DeploymentConfig, level: int) -> None:
     import ray
 
     if cfg.ray.address is None:
-        # (a cluster's own `ray start` decides for itself)
-        embedded_ray_env(os.environ)
+        # before ray.init, whose processes inherit them (a cluster's own `ray start` decides for itself)
+        for key, value in EMBEDDED_RAY_ENV.items():
+            os.environ.setdefault(key, value)
         ray.init(num_cpus=ray_num_cpus(cfg), include_dashboard=False, logging_level=level, log_to_driver=True,
                  _system_config={"preload_python_modules": list(WORKER_PRELOAD)})
     else:
