@@ -91,6 +91,30 @@ def test_one_row_blocks_of_passes_give_the_portable_bits(variant, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_rows_claimed_by_the_threads_equal_dequantize_then_matmul(variant, threads):
+    """Several rows: the threads claim panels from a shared counter in claims that shrink toward the end (on AVX2's
+    blocked rows, panels of one chunk of rows at a time: 301 rows of 601 inputs are 3 chunks; csrc/fp8_range.cpp
+    run_fp8, panel_src::claimed_for): on 1-3 threads every output is written, dequantize-then-matmul's value, and the
+    bits do not depend on the thread count."""
+    n, k = 16 * 7 + 5, 601
+    w, scales = _fp8_weight(n, k, seed=7)
+    panels, b = pk.fp8_pack_panels(w), torch.randn(n)
+    xs = [torch.randn(rows, k) for rows in (30, 301)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [pk.fp8_linear(x, panels, scales, n, b, variant=variant) for x in xs]
+        torch.set_num_threads(threads)
+        for x, one in zip(xs, alone):
+            got = pk.fp8_linear(x, panels, scales, n, b, variant=variant)
+            torch.testing.assert_close(got, x @ (w.float() * scales[:, None]).t() + b, atol=1e-4, rtol=1e-5)
+            assert torch.equal(got, one)
+    finally:
+        torch.set_num_threads(before)
+
+
 BF16_VARIANTS = [pytest.param(v, marks=pytest.mark.skipif(not _runs_here(v, torch.bfloat16), reason=f"this CPU "
                                                           f"lacks the {v} variant's instructions (tested where they exist)"))
                  for v in ("avx512bf16", "avx512bf16_emulated")]

@@ -247,7 +247,8 @@ def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
     blocks of 6, chunks of blocks through each panel a slice at a time (fp32 256 inputs; bf16 128 pairs widened to
     fp32 once a slice), the sums carried between slices. The portable code's bits for near-equal blocks and their
     remainders, several chunks (1,537 inputs: 5 blocks a chunk), 2-7 slices, an odd input count (bf16: a padded
-    pair), a bias, a residual, a padded last panel, on one thread and two; and panel_linear_f32's sums."""
+    pair), a bias, a residual, a padded last panel, on 1-3 threads (which claim a chunk's panels from a shared
+    counter: run_blocked); and panel_linear_f32's sums."""
     torch.manual_seed(5)
     n = 16 * 5 - 3
     w = torch.randn(n, inputs).to(dtype)
@@ -255,7 +256,7 @@ def test_many_rows_blocked_give_the_portable_bits(variant, dtype, inputs):
     panels = pk.pack_panels(w)
     mod, before = pk.load()[0], torch.get_num_threads()
     try:
-        for threads, rows in ((1, 16), (1, 48), (1, 97), (2, 49), (2, 301)):
+        for threads, rows in ((1, 16), (1, 48), (1, 97), (2, 49), (2, 301), (3, 301)):
             torch.set_num_threads(threads)
             x = torch.randn(rows, inputs).to(dtype)
             res = torch.randn(rows, n).to(dtype)

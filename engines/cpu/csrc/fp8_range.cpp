@@ -51,7 +51,7 @@ constexpr int64_t F8_WIDE_ROWS = 24;
 #if F8_X86
 template <typename Store>
 void wide_rows_avx2(const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t p0, int64_t p1,
-                    const Store& store) {
+                    const Store& store, int64_t q) {
   alignas(64) float wide[panel_src::KC * F8_NR];
   panel_src::blocked_walk(
       M, ldx, K2, panel_src::KC / 2, p0, p1,
@@ -59,7 +59,7 @@ void wide_rows_avx2(const float* x, int64_t M, int64_t ldx, int64_t K2, const ui
         decode_panel_avx2(w + (p * K2 + k0) * 32, kc, wide);
         panel_src::wide_sums(x, M, nb, ldx, c0, c1, k0, kc, acc, wide);
       },
-      store);
+      store, q);
 }
 #endif
 
@@ -68,7 +68,8 @@ void wide_rows_avx2(const float* x, int64_t M, int64_t ldx, int64_t K2, const ui
 // the rest one at a time, in the same order), so any split over threads gives the same bits; res may be out
 template <typename T>
 void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
-               const float* s, const float* bias, const T* res, T* out, int64_t p0, int64_t p1, bool backward = false) {
+               const float* s, const float* bias, const T* res, T* out, int64_t p0, int64_t p1, bool backward = false,
+               int64_t q = -1) {
   const float back = v == 1 ? 0x1p8f : 1.f / (X_UP * W_DOWN);
   float acc[F8_GW * F8_NR];
   // rows [m0, m0 + r) of panel p from acc (r, F8_NR)
@@ -132,7 +133,7 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
     return;
   }
 #if F8_X86
-  if (v == 2 && M >= F8_WIDE_ROWS) return wide_rows_avx2(x, M, ldx, K2, w, p0, p1, store);
+  if (v == 2 && M >= F8_WIDE_ROWS) return wide_rows_avx2(x, M, ldx, K2, w, p0, p1, store, q);
 #endif
   for (int64_t p = p0; p < p1;) {
     if (M == 1) {
@@ -151,12 +152,25 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
   }
 }
 
-// all panels (fp8_range) over torch's intra-op threads
+// all panels (fp8_range) over torch's intra-op threads: one row, a static share each (its passes); more rows, claims
+// of panels (panel_src::claimed_for), chunk by chunk where the rows are blocked (as the panel kernel's run_blocked)
 template <typename T>
 void run_fp8(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, const uint8_t* w, int64_t N,
              const float* s, const float* bias, const T* res, T* out) {
-  at::parallel_for(0, (N + F8_NR - 1) / F8_NR, 1, [&](int64_t p0, int64_t p1) {
-    fp8_range<T>(v, x, M, ldx, K2, w, N, s, bias, res, out, p0, p1);
+  const int64_t P = (N + F8_NR - 1) / F8_NR;
+  auto range = [&](int64_t p0, int64_t p1, int64_t q) {
+    fp8_range<T>(v, x, M, ldx, K2, w, N, s, bias, res, out, p0, p1, false, q);
+  };
+  if (M == 1) return at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { range(p0, p1, -1); });
+  int64_t chunks = 1;
+#if F8_X86
+  if (v == 2 && M >= F8_WIDE_ROWS) chunks = panel_src::chunks_of(M, ldx);
+#endif
+  panel_src::claimed_for(chunks * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0, q; i < i1; i = (q + 1) * P) {
+      q = i / P;
+      range(i - q * P, std::min(i1 - q * P, P), chunks > 1 ? q : -1);
+    }
   });
 }
 

@@ -233,12 +233,14 @@ void blocked_swiglu(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t 
   using panel_src::NR, panel_src::MR_AVX2;  // (local constexpr copies of these in the lambda's array bound: a GCC 12 ICE)
   constexpr int64_t XW = std::is_same_v<T, float> ? 1 : 2, KS = panel_src::slice_of<T>();
   const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MR_AVX2 - 1) / MR_AVX2, half = ffn / NR;
-  const int64_t chunk = std::clamp<int64_t>(panel_src::CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, panel_src::CHUNK_MAX);
-  at::parallel_for(0, half, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t chunk = panel_src::chunk_blocks(ldx);
+  // (chunk, pair) items claimed chunk by chunk, as run_blocked's
+  panel_src::claimed_for(panel_src::chunks_of(M, ldx) * half, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[2][panel_src::CHUNK_MAX * MR_AVX2 * NR], wide[panel_src::KC * NR];
-    for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+    for (int64_t i = i0, c0, q; i < i1; i = (q + 1) * half) {
+      q = i / half, c0 = q * chunk;
       const int64_t c1 = std::min(nb, c0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t p = i - q * half; p < std::min(i1 - q * half, half); ++p) {
         for (int h = 0; h < 2; ++h) {  // gate panel p, then up panel p + half
           const T* wp = w + (p + h * half) * panel;
           for (int64_t k0 = 0; k0 < Kp; k0 += KS)

@@ -215,27 +215,6 @@ inline void widen_rows(const c10::BFloat16* src, int64_t M, int64_t K, float* ds
   }
 }
 
-// Several rows on AVX2 (variant 2): fp32 from 2 rows, bf16 from BLOCKED_ROWS (prefill chunks, the fused step's
-// decode batches). The decode layout (K, M) puts a 6-row block's inputs M * 4 bytes apart (2,048 rows: a page a
-// step, 6 values of each 64-byte line), and laying it out costs a pass over x; so these blocks read the rows as they
-// are (RM, fp32; bf16 widened to fp32, an odd K's missing input zero). A thread takes a chunk of blocks whose rows
-// fit in L2 (CHUNK_BYTES) through each of its panels, a slice of the panel at a time (16 KB of fp32 weights, kept in
-// L1 for all the chunk's blocks, where the decode layout reads a panel of more than 512 inputs from L2 once a block);
-// each output's sums go on from where they were (carry): the same chain of multiply-adds as one pass, the same bits
-// as the portable code. 2-core Zen 2, 2 threads, the GPT-2 and SmolLM2 Linears (K 576-3,072), median of 7, both ways
-// in one process: fp32 1.03-1.69x the decode layout at every row count from 2 to 47 (1.26-1.61x at 47), and the
-// offline mixes' decode steps (the fused team's Linears) GPT-2 fp32 1.05x, SmolLM2 fp32 1.04x; bf16 (slice_sums:
-// widened once a slice) 0.67-0.99x at 2-8 rows, 0.99-1.12x at 16, 1.13-1.31x at 24-47, the SmolLM2 bf16 mix 1.02x
-// from 16 rows against 48.
-constexpr int64_t BLOCKED_ROWS = 16, CHUNK_BYTES = 256 << 10, KC = 256, CHUNK_MAX = 64;
-#if PANEL_X86
-inline bool blocked_rows(int64_t variant, int64_t M, bool bf16) {
-  return variant == 2 && M >= (bf16 ? BLOCKED_ROWS : 2);
-}
-#else
-inline bool blocked_rows(int64_t, int64_t, bool) { return false; }
-#endif
-
 // x (M, K) fp32 or bf16 -> the rows run_blocked reads: fp32 (M, K), or bf16 widened to fp32 (M, 2 * ceil(K / 2))
 torch::Tensor blocked_inputs(const torch::Tensor& x) {
   if (x.scalar_type() == torch::kFloat) return x.contiguous();
@@ -307,14 +286,14 @@ void slice_sums(const float* xb, int64_t M, int64_t nb, int64_t ldx, int64_t c0,
 }
 
 // The blocked rows (M, ldx apart) through panels [p0, p1) of Kp inputs (pairs), KS a slice, a chunk of row blocks at a
-// time: slice(p, k0, kc, nb, c0, c1, acc) sums the chunk over a slice, store(p, m0, r, sums) a block's outputs of p
+// time (only chunk q where q >= 0): slice(p, k0, kc, nb, c0, c1, acc) sums the chunk over a slice, store(p, m0, r, sums)
+// a block's outputs of p
 template <typename Slice, typename Store>
 void blocked_walk(int64_t M, int64_t ldx, int64_t Kp, int64_t KS, int64_t p0, int64_t p1, const Slice& slice,
-                  const Store& store) {
-  const int64_t nb = (M + MR_AVX2 - 1) / MR_AVX2;
-  const int64_t chunk = std::clamp<int64_t>(CHUNK_BYTES / (ldx * MR_AVX2 * 4), 1, CHUNK_MAX);
+                  const Store& store, int64_t q = -1) {
+  const int64_t nb = (M + MR_AVX2 - 1) / MR_AVX2, chunk = chunk_blocks(ldx);
   alignas(64) float acc[CHUNK_MAX * MR_AVX2 * NR];
-  for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+  for (int64_t c0 = q < 0 ? 0 : q * chunk; c0 < (q < 0 ? nb : std::min(nb, (q + 1) * chunk)); c0 += chunk) {
     const int64_t c1 = std::min(nb, c0 + chunk);
     for (int64_t p = p0; p < p1; ++p) {
       for (int64_t k0 = 0; k0 < Kp; k0 += KS) slice(p, k0, std::min(KS, Kp - k0), nb, c0, c1, acc);
@@ -326,10 +305,11 @@ void blocked_walk(int64_t M, int64_t ldx, int64_t Kp, int64_t KS, int64_t p0, in
   }
 }
 
-// panels [p0, p1) of run_blocked below (one thread's share; the fused step's team claims groups of them)
+// panels [p0, p1) of run_blocked below over every chunk of rows, or chunk q (the fused step's team claims groups of
+// panels; run_blocked, panels of a chunk)
 template <typename T, typename O, typename Then = Stored>
 void blocked_range(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res,
-                   O* out, int64_t p0, int64_t p1, const Then& then = Then{}) {
+                   O* out, int64_t p0, int64_t p1, const Then& then = Then{}, int64_t q = -1) {
 #if PANEL_X86
   constexpr int64_t XW = std::is_same_v<T, float> ? 1 : 2;
   const int64_t panel = Kp * NR * XW, ldx = Kp * XW;
@@ -342,29 +322,36 @@ void blocked_range(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N
       [&](int64_t p, int64_t m0, int r, const float* acc) {
         store_sums(p, m0, r, acc, N, bias, res, out);
         then(p, m0, r);
-      });
+      },
+      q);
 #else
   TORCH_CHECK(false, "panel kernel: the blocked rows need the avx2 variant");
 #endif
 }
 
 // xb (blocked_inputs) through the panels of w (fp32 (P, Kp, NR), or bf16 pairs (P, Kp, NR, 2)) -> out (M, N); then(p,
-// m0, r) after a block's outputs of panel p are stored (rows m0 .. m0 + r - 1, still in L1: panel_gelu's activation)
+// m0, r) after a block's outputs of panel p are stored (rows m0 .. m0 + r - 1, still in L1: panel_gelu's activation).
+// The threads claim (chunk, panel) items, chunk by chunk (claimed_for): the same bits as any split.
 template <typename T, typename O, typename Then = Stored>
 void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
                  const Then& then = Then{}) {
-  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
-    blocked_range(xb, M, Kp, w, N, bias, res, out, p0, p1, then);
+  const int64_t P = (N + NR - 1) / NR, ldx = Kp * (std::is_same_v<T, float> ? 1 : 2);
+  claimed_for(chunks_of(M, ldx) * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0, q; i < i1; i = (q + 1) * P) {
+      q = i / P;
+      blocked_range(xb, M, Kp, w, N, bias, res, out, i - q * P, std::min(i1 - q * P, P), then, q);
+    }
   });
 }
 
-// all panels of the Linear (run_range) over torch's intra-op threads
+// all panels of the Linear (run_range) over torch's intra-op threads: one row, a static share each (its passes of
+// several panels); more rows, claims of panel pairs (claimed_for; AMX's blocks take two at a time)
 template <typename X, typename T, typename O = T>
 void run(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
          int64_t variant) {
-  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
-    run_range(xt, M, Kp, w, N, bias, res, out, variant, p0, p1);
-  });
+  auto range = [&](int64_t p0, int64_t p1) { run_range(xt, M, Kp, w, N, bias, res, out, variant, p0, p1); };
+  if (M == 1) at::parallel_for(0, (N + NR - 1) / NR, 1, range);
+  else claimed_for((N + NR - 1) / NR, 2, range);
 }
 
 }  // namespace
