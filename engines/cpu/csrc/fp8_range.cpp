@@ -166,12 +166,7 @@ void run_fp8(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, cons
 #if F8_X86
   if (v == 2 && M >= F8_WIDE_ROWS) chunks = panel_src::chunks_of(M, ldx);
 #endif
-  panel_src::claimed_for(chunks * P, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0, q; i < i1; i = (q + 1) * P) {
-      q = i / P;
-      range(i - q * P, std::min(i1 - q * P, P), chunks > 1 ? q : -1);
-    }
-  });
+  panel_src::claimed_chunks(chunks, P, [&](int64_t q, int64_t p0, int64_t p1) { range(p0, p1, chunks > 1 ? q : -1); });
 }
 
 }  // namespace

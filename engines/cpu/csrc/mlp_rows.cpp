@@ -235,27 +235,24 @@ void blocked_swiglu(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t 
   const int64_t panel = Kp * NR * XW, ldx = Kp * XW, nb = (M + MR_AVX2 - 1) / MR_AVX2, half = ffn / NR;
   const int64_t chunk = panel_src::chunk_blocks(ldx);
   // (chunk, pair) items claimed chunk by chunk, as run_blocked's
-  panel_src::claimed_for(panel_src::chunks_of(M, ldx) * half, 1, [&](int64_t i0, int64_t i1) {
+  panel_src::claimed_chunks(panel_src::chunks_of(M, ldx), half, [&](int64_t q, int64_t p0, int64_t p1) {
     alignas(64) float acc[2][panel_src::CHUNK_MAX * MR_AVX2 * NR], wide[panel_src::KC * NR];
-    for (int64_t i = i0, c0, q; i < i1; i = (q + 1) * half) {
-      q = i / half, c0 = q * chunk;
-      const int64_t c1 = std::min(nb, c0 + chunk);
-      for (int64_t p = i - q * half; p < std::min(i1 - q * half, half); ++p) {
-        for (int h = 0; h < 2; ++h) {  // gate panel p, then up panel p + half
-          const T* wp = w + (p + h * half) * panel;
-          for (int64_t k0 = 0; k0 < Kp; k0 += KS)
-            panel_src::slice_sums(xb, M, nb, ldx, c0, c1, wp + k0 * NR * XW, k0, std::min(KS, Kp - k0), acc[h], wide);
-        }
-        for (int64_t b = c0, m0, r; b < c1; ++b) {
-          panel_src::row_block(b, M, nb, m0, r);
-          for (int64_t m = 0; m < r; ++m) {
-            T t[2 * NR];  // the gate's and the up's 16 outputs, rounded as panel_linear stores them (+ 0.f: -0 -> 0)
-            for (int64_t c = 0; c < NR; ++c) {
-              t[c] = static_cast<T>(acc[0][((b - c0) * MR_AVX2 + m) * NR + c] + 0.f);
-              t[NR + c] = static_cast<T>(acc[1][((b - c0) * MR_AVX2 + m) * NR + c] + 0.f);
-            }
-            swiglu_rows(t, 2 * NR, NR, out + (m0 + m) * ffn + p * NR, 1);
+    const int64_t c0 = q * chunk, c1 = std::min(nb, c0 + chunk);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int h = 0; h < 2; ++h) {  // gate panel p, then up panel p + half
+        const T* wp = w + (p + h * half) * panel;
+        for (int64_t k0 = 0; k0 < Kp; k0 += KS)
+          panel_src::slice_sums(xb, M, nb, ldx, c0, c1, wp + k0 * NR * XW, k0, std::min(KS, Kp - k0), acc[h], wide);
+      }
+      for (int64_t b = c0, m0, r; b < c1; ++b) {
+        panel_src::row_block(b, M, nb, m0, r);
+        for (int64_t m = 0; m < r; ++m) {
+          T t[2 * NR];  // the gate's and the up's 16 outputs, rounded as panel_linear stores them (+ 0.f: -0 -> 0)
+          for (int64_t c = 0; c < NR; ++c) {
+            t[c] = static_cast<T>(acc[0][((b - c0) * MR_AVX2 + m) * NR + c] + 0.f);
+            t[NR + c] = static_cast<T>(acc[1][((b - c0) * MR_AVX2 + m) * NR + c] + 0.f);
           }
+          swiglu_rows(t, 2 * NR, NR, out + (m0 + m) * ffn + p * NR, 1);
         }
       }
     }

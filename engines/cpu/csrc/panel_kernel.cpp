@@ -335,13 +335,10 @@ void blocked_range(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N
 template <typename T, typename O, typename Then = Stored>
 void run_blocked(const float* xb, int64_t M, int64_t Kp, const T* w, int64_t N, const float* bias, const O* res, O* out,
                  const Then& then = Then{}) {
-  const int64_t P = (N + NR - 1) / NR, ldx = Kp * (std::is_same_v<T, float> ? 1 : 2);
-  claimed_for(chunks_of(M, ldx) * P, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0, q; i < i1; i = (q + 1) * P) {
-      q = i / P;
-      blocked_range(xb, M, Kp, w, N, bias, res, out, i - q * P, std::min(i1 - q * P, P), then, q);
-    }
-  });
+  claimed_chunks(chunks_of(M, Kp * (std::is_same_v<T, float> ? 1 : 2)), (N + NR - 1) / NR,
+                 [&](int64_t q, int64_t p0, int64_t p1) {
+                   blocked_range(xb, M, Kp, w, N, bias, res, out, p0, p1, then, q);
+                 });
 }
 
 // all panels of the Linear (run_range) over torch's intra-op threads: one row, a static share each (its passes of

@@ -40,6 +40,18 @@ void claimed_for(int64_t n, int64_t least, const F& fn) {
     }
   });
 }
+
+// fn(q, p0, p1) over the (chunk q, panel p) items of nq chunks of rows x P panels, claimed (claimed_for) chunk by chunk:
+// a claim's items cut at each chunk's end
+template <typename F>
+void claimed_chunks(int64_t nq, int64_t P, const F& fn) {
+  claimed_for(nq * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0, q; i < i1; i = (q + 1) * P) {
+      q = i / P;
+      fn(q, i - q * P, std::min(i1 - q * P, P));
+    }
+  });
+}
 // whether variant `variant`'s M bf16 rows are laid out widened, each pair as two fp32 (K2, M, 2; widen_rows), not as
 // 32-bit pairs (K2, M): the AVX2 several-row blocks read them so (block_avx2 on xw)
 inline bool wide_rows(int64_t variant, int64_t M) { return variant == 2 && M > 1; }
