@@ -142,10 +142,12 @@ def _qwen3_as_ours(hf, cfg):
     return model
 
 
-def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch, seqs):
     """The optional inputs (Linear biases, per-head q / k RMSNorm before the rotation) against HF Qwen3 on a
-    tiny random config: two sequences decoded a token a step through the fused loop, every hidden state
-    equal to transformers' (fp32, 1e-5)."""
+    tiny random config: one or two sequences decoded a token a step through the fused loop on a team of 2 threads
+    (one sequence: each thread norms, rotates, caches and attends its own kv heads; two: each its sequence), every
+    hidden state equal to transformers' (fp32, 1e-5)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from engines.core.config import ModelConfig
@@ -169,14 +171,20 @@ def test_qk_norm_and_qkv_bias_match_transformers_qwen3(monkeypatch):
     assert fd.why_not(model, torch.device("cpu")) is None and fd.family(model).qk_norm
     cache = KVCache(cfg.n_layer, 8, 4, cfg.kv_heads, cfg.hd, torch.float32)
     fused = fd.FusedDecode(model, [cache.data[i, 0] for i in range(2)], [cache.data[i, 1] for i in range(2)])
-    ids = torch.randint(0, 96, (2, 11))
-    table = torch.tensor([[0, 1, 2], [5, 3, 4]])  # sequence 1's blocks out of order
+    ids = torch.randint(0, 96, (2, 11))[:seqs]
+    table = torch.tensor([[0, 1, 2], [5, 3, 4]])[:seqs]  # sequence 1's blocks out of order
     got = []
-    with torch.inference_mode():
-        for t in range(ids.shape[1]):
-            slots = table[:, t // 4] * 4 + t % 4
-            got.append(fused.run(ids[:, t][None], torch.tensor([[t, t]]), slots, table, torch.tensor([t + 1] * 2), 4))
-        expect = hf(ids, output_hidden_states=True).hidden_states[-1]  # (2, T, C) after the final norm
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            for t in range(ids.shape[1]):
+                slots = table[:, t // 4] * 4 + t % 4
+                got.append(fused.run(ids[:, t][None], torch.tensor([[t] * seqs]), slots, table,
+                                     torch.tensor([t + 1] * seqs), 4))
+            expect = hf(ids, output_hidden_states=True).hidden_states[-1]  # (seqs, T, C) after the final norm
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(torch.cat(got)[:, :, :].transpose(0, 1), expect, atol=1e-5, rtol=1e-5)
 
 

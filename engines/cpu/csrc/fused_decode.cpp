@@ -13,25 +13,26 @@ c10::optional<torch::Tensor> given(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-// cache[slots[m]] = src[m] for each of the step's M rows (what index_copy_ does): src (M, nkv * hd) or (M, nkv, hd),
-// rows any stride apart, a row's elements adjacent; one memcpy a row where the cache is a contiguous (slots, nkv, hd)
-// table of src's dtype, index_copy_ otherwise
+// cache[slots[m], g0:g0 + H] = src[m] for each of the step's M rows (what index_copy_ does): src (M, H * hd) or (M, H,
+// hd), H heads (all nkv unless g0 and src say fewer), rows any stride apart, a row's elements adjacent; one memcpy a
+// row where the cache is a contiguous (slots, nkv, hd) table of src's dtype, index_copy_ otherwise
 void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& src, int64_t nkv,
-                int64_t hd) {
-  const int64_t M = src.size(0), n = nkv * hd;
+                int64_t hd, int64_t g0 = 0) {
+  const int64_t M = src.size(0), H = src.dim() == 2 ? src.size(1) / hd : src.size(1), n = H * hd, row = nkv * hd;
   const bool packed = src.dim() == 2 ? src.stride(1) == 1 : src.dim() == 3 && src.stride(2) == 1 && src.stride(1) == hd;
+  TORCH_CHECK(g0 >= 0 && g0 + H <= nkv, "decode_blocks: kv heads [", g0, ", ", g0 + H, ") past the cache's ", nkv);
   if (!cache.is_contiguous() || cache.scalar_type() != src.scalar_type() || !packed ||
-      slots.scalar_type() != at::kLong || !slots.is_contiguous() || cache.numel() != cache.size(0) * n) {
-    cache.index_copy_(0, slots, src.reshape({M, nkv, hd}));
+      slots.scalar_type() != at::kLong || !slots.is_contiguous() || cache.numel() != cache.size(0) * row) {
+    cache.narrow(1, g0, H).index_copy_(0, slots, src.reshape({M, H, hd}));
     return;
   }
   const int64_t S = cache.size(0), ld = src.stride(0), es = src.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  char* dst = static_cast<char*>(cache.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr()) + g0 * hd * es;
   const char* from = static_cast<const char*>(src.data_ptr());
   for (int64_t m = 0; m < M; ++m) {
     TORCH_CHECK(sp[m] >= 0 && sp[m] < S, "decode_blocks: cache slot ", sp[m], " out of range [0, ", S, ")");
-    std::memcpy(dst + sp[m] * n * es, from + m * ld * es, n * es);
+    std::memcpy(dst + sp[m] * row * es, from + m * ld * es, n * es);
   }
 }
 
@@ -157,9 +158,15 @@ torch::Tensor block_linear(int64_t kind, const torch::Tensor& x, const torch::Te
   return residual.has_value() ? *residual + y : y;
 }
 
-// the tensors of one model's blocks, bound once (bind): a step passes a handle, not ~250 tensors
+struct TeamPlan;  // the fused team's description of a bound model's Linears (csrc/fused_team.cpp)
+
+// the tensors of one model's blocks, bound once (bind): a step passes a handle, not ~250 tensors. Their storage does
+// not change once bound (the engine sets the weights before it binds them), so the team's plan of them (the Linears'
+// pointers and shapes) holds from step to step
 struct Bound {
   std::vector<torch::Tensor> w, k_caches, v_caches;
+  std::mutex plan_mu;
+  std::shared_ptr<TeamPlan> plan;  // the last step's (rebuilt where a step's kernels or dtype differ)
 };
 std::mutex bound_mu;
 std::vector<std::shared_ptr<Bound>> bound;
@@ -182,7 +189,7 @@ struct StepArgs {
 bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, const StepArgs& a);
 torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
                           const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                          const StepArgs& a);
+                          const StepArgs& a, Bound* b);
 
 // Half 0 of layer l (norm1, the QKV Linear, q / k norms, rotary, KV writes, paged attention, the output
 // projection) or half 1 (norm2, the up Linear, the activation, the down projection) on x (M, C): with a
@@ -264,11 +271,12 @@ void rope_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // (M, max_blocks), lens (M) as paged_decode; cos / sin (M, hd / 2) float32 of the tokens' positions (empty:
 // no rotary embedding); n_head and ffn are this shard's (its query heads, its MLP width) -> (M, C) after the
 // blocks
-torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
-                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                            torch::Tensor slots, torch::Tensor table, torch::Tensor lens, int64_t block_size,
-                            int64_t n_head, int64_t ffn, double eps, int64_t act, bool rms, double qk_eps,
-                            torch::Tensor cos, torch::Tensor sin) {
+// (b: the Bound holding w and the caches, whose team plan the step reuses, or none)
+torch::Tensor decode_blocks_of(Bound* b, torch::Tensor x, const std::vector<torch::Tensor>& w,
+                               const std::vector<int64_t>& kinds, const std::vector<torch::Tensor>& k_caches,
+                               const std::vector<torch::Tensor>& v_caches, torch::Tensor slots, torch::Tensor table,
+                               torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn, double eps, int64_t act,
+                               bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && static_cast<int64_t>(w.size()) == PER_LAYER * L &&
               static_cast<int64_t>(kinds.size()) == 4 * L && static_cast<int64_t>(v_caches.size()) == L,
@@ -276,7 +284,7 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w
   TORCH_CHECK(act >= 0 && act <= 2, "decode_blocks: act 0 (gelu), 1 (gelu tanh) or 2 (swiglu), got ", act);
   const StepArgs a{slots, table, lens, cos, sin, block_size, n_head, ffn, eps, act, rms, qk_eps};
   x = x.contiguous();
-  if (team_applies(x, kinds, a)) return decode_team(x, w, kinds, k_caches, v_caches, a);
+  if (team_applies(x, kinds, a)) return decode_team(x, w, kinds, k_caches, v_caches, a, b);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* p = w.data() + PER_LAYER * l;
     const int64_t* kind = kinds.data() + 4 * l;
@@ -286,11 +294,22 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w
   return x;
 }
 
+torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                            torch::Tensor slots, torch::Tensor table, torch::Tensor lens, int64_t block_size,
+                            int64_t n_head, int64_t ffn, double eps, int64_t act, bool rms, double qk_eps,
+                            torch::Tensor cos, torch::Tensor sin) {
+  return decode_blocks_of(nullptr, x, w, kinds, k_caches, v_caches, slots, table, lens, block_size, n_head, ffn, eps,
+                          act, rms, qk_eps, cos, sin);
+}
+
 int64_t bind(std::vector<torch::Tensor> w, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
   TORCH_CHECK(!k_caches.empty() && static_cast<int64_t>(w.size()) == PER_LAYER * static_cast<int64_t>(k_caches.size()) &&
               v_caches.size() == k_caches.size(), "bind: ", PER_LAYER, " tensors and 2 caches a layer");
   std::lock_guard<std::mutex> g(bound_mu);
-  bound.push_back(std::make_shared<Bound>(Bound{std::move(w), std::move(k_caches), std::move(v_caches)}));
+  auto b = std::make_shared<Bound>();
+  b->w = std::move(w), b->k_caches = std::move(k_caches), b->v_caches = std::move(v_caches);
+  bound.push_back(std::move(b));
   return static_cast<int64_t>(bound.size()) - 1;
 }
 
@@ -312,8 +331,8 @@ torch::Tensor decode_bound(int64_t handle, torch::Tensor x, std::vector<int64_t>
                            torch::Tensor table, torch::Tensor lens, int64_t block_size, int64_t n_head, int64_t ffn,
                            double eps, int64_t act, bool rms, double qk_eps, torch::Tensor cos, torch::Tensor sin) {
   const auto b = bound_at(handle, "decode_bound");
-  return decode_blocks(x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps,
-                       act, rms, qk_eps, cos, sin);
+  return decode_blocks_of(b.get(), x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head,
+                          ffn, eps, act, rms, qk_eps, cos, sin);
 }
 
 // One half of layer `layer` of the blocks bound under `handle` for a tensor-parallel shard (half 0: norm1 ..

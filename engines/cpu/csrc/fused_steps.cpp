@@ -96,8 +96,8 @@ torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tenso
     auto x = at::embedding(around[0], x_ids);  // (M, C): nn.Embedding's lookup
     if (around[1].numel()) x = x + at::embedding(around[1], p);
     const auto cos = rope ? cos_table.index_select(0, p) : empty, sin = rope ? sin_table.index_select(0, p) : empty;
-    auto h = decode_blocks(x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head, ffn, eps,
-                           act, rms, qk_eps, cos, sin);
+    auto h = decode_blocks_of(b.get(), x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head,
+                              ffn, eps, act, rms, qk_eps, cos, sin);
     h = norm(h, around[2], around[3], rms, eps);
     torch::Tensor tok;  // (M)
     if (!screen.empty()) tok = screen_tokens(h, screen, screen_c, screen_variant, head_out, vocab);

@@ -13,11 +13,26 @@
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 namespace {
+
+// one probe of a spin wait: a pause, or after a while the core yielded (a preempted teammate on a shared host gets it back)
+inline void spin_pause(int spins) {
+  if (spins < 20000) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+  } else {
+    std::this_thread::yield();
+  }
+}
 
 // A sense-reversing spin barrier for one step's team: the last of n arrivals resets the count and flips the
 // shared sense; the others spin on it (a pause a probe), yielding the core after a while so a preempted
@@ -32,15 +47,7 @@ class SpinBarrier {
       sense_.store(local, std::memory_order_release);
       return;
     }
-    for (int spins = 0; sense_.load(std::memory_order_acquire) != local; ++spins) {
-      if (spins < 20000) {
-#if defined(__x86_64__)
-        _mm_pause();
-#endif
-      } else {
-        std::this_thread::yield();
-      }
-    }
+    for (int spins = 0; sense_.load(std::memory_order_acquire) != local; ++spins) spin_pause(spins);
   }
 
  private:
@@ -105,8 +112,8 @@ void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
 constexpr int64_t SPLIT_ROWS = 16;
 
 // Whether the team runs this step: every block Linear on the panel (either kind) or FP8 kernel, fp32 or bf16 rows. The
-// attention is shared too: several sequences split by sequence, one sequence by kv heads (as paged_decode
-// splits them entered outside a parallel region), at any context length
+// attention is shared too: several sequences split by sequence, one sequence by query heads, at any
+// context length
 bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, const StepArgs& a) {
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return false;
   for (const int64_t k : kinds)
@@ -115,10 +122,61 @@ bool team_applies(const torch::Tensor& x, const std::vector<int64_t>& kinds, con
   return true;
 }
 
+// A bound model's Linears as the team runs them (LinearDesc), for the step's kernels and dtype: built by the first step
+// of a kind, then reused (csrc/fused_decode.cpp Bound). Built each step, they cost thread 0 ~60 us of a 3.3 ms SmolLM2
+// FP8 token (120 Linears' tensors, their metadata out of every cache)
+struct TeamPlan {
+  std::vector<int64_t> kinds;
+  at::ScalarType dt;
+  int64_t panel_variant = 0, C = 0, qn = 0, kn = 0, up_n = 0, ffn = 0;
+  std::vector<LinearDesc> lin;  // 4 a layer: qkv, proj, up, down
+  // the caches' storage where every one is a contiguous (slots, nkv, hd) table of the step's dtype (plain): a layer's
+  // attention of one sequence then writes and reads them through these (own_heads below), else through the tensors
+  bool plain = false;
+  std::vector<void*> kc, vc;
+  bool qk_norms = false;  // whether a layer has q / k norms (Qwen3)
+};
+
+// the step's plan: b's where it matches the step, else a new one (kept in b where given)
+std::shared_ptr<const TeamPlan> plan_for(Bound* b, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+                                         const std::vector<torch::Tensor>& k_caches,
+                                         const std::vector<torch::Tensor>& v_caches, at::ScalarType dt,
+                                         int64_t panel_variant, int64_t C, int64_t qn, int64_t kn, int64_t up_n,
+                                         int64_t ffn) {
+  std::unique_lock<std::mutex> hold;
+  if (b) {
+    hold = std::unique_lock<std::mutex>(b->plan_mu);
+    const auto& p = b->plan;
+    if (p && p->kinds == kinds && p->dt == dt && p->panel_variant == panel_variant && p->C == C && p->qn == qn &&
+        p->kn == kn && p->up_n == up_n && p->ffn == ffn)
+      return p;
+  }
+  auto p = std::make_shared<TeamPlan>();
+  p->kinds = kinds, p->dt = dt, p->panel_variant = panel_variant, p->C = C, p->qn = qn, p->kn = kn, p->up_n = up_n;
+  p->ffn = ffn;
+  const int64_t L = static_cast<int64_t>(kinds.size()) / 4, n_out[4] = {qn + 2 * kn, C, up_n, C};
+  const int64_t n_in[4] = {C, qn, C, ffn};
+  p->lin.resize(4 * L);
+  for (int64_t l = 0; l < L; ++l)
+    for (int i = 0; i < 4; ++i)
+      p->lin[4 * l + i] = describe(kinds[4 * l + i], w.data() + PER_LAYER * l + 6 + 5 * i, n_out[i], n_in[i], dt,
+                                   panel_variant);
+  const int64_t nkv = k_caches[0].size(1), hd = k_caches[0].size(2);
+  for (int64_t l = 0; l < L; ++l) p->qk_norms = p->qk_norms || w[PER_LAYER * l + 4].numel() || w[PER_LAYER * l + 5].numel();
+  p->plain = true;
+  for (const auto* caches : {&k_caches, &v_caches})
+    for (const auto& c : *caches)
+      p->plain = p->plain && c.dim() == 3 && c.is_contiguous() && c.scalar_type() == dt && c.size(1) == nkv &&
+                 c.size(2) == hd && c.size(0) == k_caches[0].size(0);
+  for (int64_t l = 0; p->plain && l < L; ++l) p->kc.push_back(k_caches[l].data_ptr()), p->vc.push_back(v_caches[l].data_ptr());
+  if (b) b->plan = p;
+  return p;
+}
+
 // decode_blocks (csrc/fused_decode.cpp) as one parallel region: the same ops as run_half, in the same order
 torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
                           const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                          const StepArgs& a) {
+                          const StepArgs& a, Bound* b) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), M = x.size(0), C = x.size(1);
   const int64_t nkv = k_caches[0].size(1), hd = k_caches[0].size(2), qn = a.n_head * hd, kn = nkv * hd;
   const int64_t up_n = a.act == 2 ? 2 * a.ffn : a.ffn;
@@ -133,8 +191,11 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   const int64_t widest = std::max({C, qn, a.ffn});
   std::vector<float> buf(M * (widest + 1));
   const int64_t panel_variant = panel_src::row_variant(0);
-  TeamLinear job;
-  torch::Tensor h, q, kr, att, act, bias_keep;  // thread 0's tensors between phases
+  const auto plan = plan_for(b, w, kinds, k_caches, v_caches, x.scalar_type(), panel_variant, C, qn, kn, up_n, a.ffn);
+  const std::vector<LinearDesc>& lin = plan->lin;
+  TeamLinear job, proj_job;  // proj_job: the attention's projection where the threads lay out their heads (lay_heads)
+  std::vector<float> buf_proj;
+  torch::Tensor h, q, kr, att, act;  // thread 0's tensors between phases
   const bool split = at::get_num_threads() > 1 && M >= SPLIT_ROWS;  // (SPLIT_ROWS)
   if (split) {  // the split phases' outputs, before the threads write their rows
     h = torch::empty_like(x);
@@ -146,9 +207,25 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   std::atomic<int64_t> done{0};  // thread 0's phases ended (the others warm the next Linear until it moves)
   SpinBarrier bar;
   const int threads = at::get_num_threads();
-  // the attention over the team: several sequences split by sequence, one by kv heads (thread 0 the last
-  // share, the smaller where they are uneven: it also lays out the next Linear's input); a team of one: inline
+  // the attention over the team: several sequences split by sequence, one by query heads claimed one at a time (below);
+  // a team of one: inline
   const bool split_attention = M > 1, split_heads = M == 1 && threads > 1;
+  // one sequence through plain caches, no q / k norms (own_heads' lean path): the step's pointers, read once here
+  const bool lean = split_heads && plan->plain && !plan->qk_norms && a.slots.is_contiguous() &&
+                    a.slots.scalar_type() == at::kLong && a.table.scalar_type() == at::kLong && a.table.is_contiguous() &&
+                    a.lens.scalar_type() == at::kLong && hd % 2 == 0 &&
+                    (a.cos.numel() == 0 || (a.cos.scalar_type() == at::kFloat && a.sin.scalar_type() == at::kFloat &&
+                                            a.cos.is_contiguous() && a.sin.is_contiguous() &&
+                                            a.cos.numel() == hd / 2 && a.sin.numel() == hd / 2));
+  void *qkv_p = qkv.data_ptr(), *y_p = y.data_ptr();
+  const float* cos_p = lean && a.cos.numel() ? a.cos.data_ptr<float>() : nullptr;
+  const float* sin_p = cos_p ? a.sin.data_ptr<float>() : nullptr;
+  const int64_t slot0 = lean ? a.slots.data_ptr<int64_t>()[0] : 0, len0 = lean ? a.lens.data_ptr<int64_t>()[0] : 0;
+  const int64_t* tab_p = lean ? a.table.data_ptr<int64_t>() : nullptr;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  if (lean)
+    TORCH_CHECK(slot0 >= 0 && slot0 < k_caches[0].size(0) && len0 >= 1 && len0 <= a.table.size(1) * a.block_size,
+                "decode_blocks: cache slot ", slot0, " or length ", len0, " out of range");
   // split_attention: of nt threads, thread t takes the sequences [cut(t), cut(t + 1)), contiguous runs of about equal
   // work (each row's context length plus ROW_COST: pre holds the running sums), not of equal counts: a decode batch's
   // contexts differ several-fold (the peer mix: 20-500 positions) and the phase ends at its slowest thread's barrier
@@ -168,6 +245,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
     at::ThreadLocalStateGuard guard(tls);
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     bool sense = false;
+    std::vector<float> att_buf;  // own_heads' scores, scaled queries and sums (lean)
     // f on the thread(s) `who` says; an error stops the work (every thread still meets every barrier) and is
     // raised after the region
     auto guarded = [&](bool who, auto&& f) {
@@ -187,39 +265,44 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       bar.wait(nt, sense);
     };
     int64_t serials = 0;  // thread 0's phases this thread has passed
-    // thread 0 runs f (the small ops, then lays out the next Linear's input); the others warm their caches with
-    // the last bytes of that Linear's panels `next` meanwhile
-    auto serial = [&](const torch::Tensor& next, auto&& f) {
+    // thread 0 runs f (the small ops, then lays out the next Linear's input) and goes on into the next phase; the others
+    // warm their caches with the last bytes of that Linear's panels `next` meanwhile, then wait for f's end (not a
+    // barrier: thread 0 never waits for them here). Their requests fill the core's miss queue, so a warming thread
+    // notices f's end only once the queue has drained (~1.5 us at batch 1 on the 2-core Zen 4 EPYC: the warm took
+    // ~2.6 us a phase against thread 0's ~1.3); the next phase's claims absorb that lateness. SmolLM2 FP8 + FP8 head,
+    // batch 1: thread 0's waits after its serial phases ~150 us of a 3.1 ms token (rdtsc in the phases)
+    auto serial = [&](const LinearDesc& next, auto&& f) {
       if (tid == 0) {
         guarded(true, f);
-        done.fetch_add(1, std::memory_order_relaxed);
+        done.fetch_add(1, std::memory_order_release);
       } else {
         warm(next, tid - 1, nt - 1, done, serials);
+        for (int spins = 0; done.load(std::memory_order_acquire) <= serials; ++spins) spin_pause(spins);
       }
-      bar.wait(nt, sense);
       ++serials;
     };
-    auto linear = [&] { phase(true, [&] { job.run(tid); }); };
+    auto linear = [&](TeamLinear& j) { phase(true, [&] { j.run(tid); }); };
     const int64_t r0 = tid * M / nt, r1 = (tid + 1) * M / nt;  // this thread's rows in a split phase
-    // the norm before a Linear (weights n) and its layout: over the team's rows where split allows, else on thread 0
-    auto norm_then = [&](const torch::Tensor* n, int64_t kind, const torch::Tensor* t, int64_t N, torch::Tensor& o,
-                         const torch::Tensor& next) {
-      if (split && rms_direct(x, n[0], a.rms) && deferrable(kind, h, panel_variant)) {
-        phase(tid == 0, [&] { prepare(job, kind, h, t, N, nullptr, o, buf, bias_keep, panel_variant, false); });
+    // the norm before the Linear d (weights n) and its layout: over the team's rows where split allows, else on thread 0
+    // (then `also` too)
+    auto norm_then = [&](const torch::Tensor* n, const LinearDesc& d, torch::Tensor& o, auto&& also) {
+      if (split && rms_direct(x, n[0], a.rms) && deferrable(d, h)) {
+        phase(tid == 0, [&] { prepare(job, d, h, nullptr, o, buf, false); });
         phase(true, [&] {
           norm_range(x, n[0], a.eps, h, r0, r1);
           lay_out(job, h, r0, r1);
         });
         return;
       }
-      serial(next, [&] {
+      serial(d, [&] {
         norm_into(x, n[0], n[1], a.rms, a.eps, h);
-        prepare(job, kind, h, t, N, nullptr, o, buf, bias_keep, panel_variant);
+        prepare(job, d, h, nullptr, o, buf);
+        also();
       });
     };
     for (int64_t l = 0; l < L; ++l) {
       const torch::Tensor* p = w.data() + PER_LAYER * l;
-      const int64_t* kind = kinds.data() + 4 * l;
+      const LinearDesc* d = lin.data() + 4 * l;
       const torch::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
       // rows [s0, s0 + n): RoPE on their queries and keys (in place), their keys and values into the caches (all rows:
       // no views); a row depends on itself only, so any split of the rows over threads gives the same bits
@@ -237,34 +320,75 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         write_rows(k_cache, slots, ks, nkv, hd);
         write_rows(v_cache, slots, all ? v_all : v_all.narrow(0, s0, n), nkv, hd);
       };
-      norm_then(p, kind[0], p + 6, qn + 2 * kn, qkv, p[8]);
-      linear();  // qkv (M, qn + 2 kn)
+      // one sequence, an FP8 projection: each thread lays out its heads' columns of y after attending them (own_heads),
+      // into the projection's own job, readied with the QKV Linear's (SmolLM2 FP8 + FP8 head on the 2-core Zen 4 EPYC:
+      // a phase of thread 0 reading the other thread's heads took 1-2 us a layer)
+      const bool lay_heads = split_heads && d[1].kind >= 5;
+      norm_then(p, d[0], qkv, [&] {
+        if (lay_heads) prepare(proj_job, d[1], y, &x, x, buf_proj, false);
+      });
+      linear(job);  // qkv (M, qn + 2 kn)
       // the attention's rows laid out by the threads that computed them (split_attention, below)
-      const bool lay_y = split && split_attention && deferrable(kind[1], y, panel_variant);
-      // one sequence, an FP8 projection: each thread lays out its heads' columns of y after attending them, one phase
-      // and barrier fewer (SmolLM2 FP8 + FP8 head on the 2-core Zen 4 EPYC: the phase, thread 0 reading the other
-      // thread's heads, took 1-2 us a layer; the step 0.996x, 449 rounds alternating in one process)
-      const bool lay_heads = split_heads && kind[1] >= 5 && kind[1] != PANEL_AVX2;
-      serial(p[13], [&] {
+      const bool lay_y = split && split_attention && deferrable(d[1], y);
+      if (!split_heads) serial(d[1], [&] {
         q = q_all;  // (M, nh, hd)
         auto k = k_all;  // (M, nkv, hd)
         if (p[4].numel()) q = rms_norm(q, p[4], a.qk_eps);
         if (p[5].numel()) k = rms_norm(k, p[5], a.qk_eps);
         kr = k;
-        if (lay_y) prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant, false);
+        if (lay_y) prepare(job, d[1], y, &x, x, buf, false);
         if (split_attention) return;  // each thread rotates and caches its own rows, then attends them (below)
         rotate_and_cache(0, M);
-        if (lay_heads) prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant, false);
-        if (split_heads) return;
         att = paged_src::paged_decode(q, k_cache, v_cache, a.table, a.lens, a.block_size).view({M, qn});
-        prepare(job, kind[1], att, p + 11, C, &x, x, buf, bias_keep, panel_variant);
+        prepare(job, d[1], att, &x, x, buf);
       });
-      if (split_heads) {  // one sequence: thread t its share of the kv heads (none past the last)
+      // One sequence: thread t its share of the kv heads, start to end: its heads' q / k norms (Qwen3), their rotation,
+      // its keys and values into the caches, its attention, its columns of the projection's input (lay_heads); thread
+      // 0 the last share, the smaller where they are uneven. A head's ops do not depend on the others: the bits of the
+      // whole. (Was: thread 0 alone ran the norms, rotation and cache writes in a phase of their own, 2-3 us a layer of
+      // SmolLM2, the others warming the projection meanwhile)
+      if (split_heads) {
         phase(true, [&] {
           const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
           if (g0 >= g1) return;
-          paged_src::paged_decode_heads(q.contiguous(), k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
-          if (lay_heads) fp8_lay_cols(job, y, g0 * (a.n_head / nkv) * hd, g1 * (a.n_head / nkv) * hd);
+          const int64_t group = a.n_head / nkv, h0 = g0 * group, nq = (g1 - g0) * group;
+          if (lean) {  // the same ops on raw pointers (no tensor views: each ~1 us of ATen)
+            const auto run = [&](auto tag) {
+              using T = decltype(tag);
+              T* qh = static_cast<T*>(qkv_p) + h0 * hd;
+              T* kh = static_cast<T*>(qkv_p) + qn + g0 * hd;
+              const T* vh = static_cast<T*>(qkv_p) + qn + kn + g0 * hd;
+              if (cos_p) {
+                rope_rows<T>(qh, 1, nq, hd, 0, hd, cos_p, sin_p);
+                rope_rows<T>(kh, 1, g1 - g0, hd, 0, hd, cos_p, sin_p);
+              }
+              T* kc = static_cast<T*>(plan->kc[l]);
+              T* vc = static_cast<T*>(plan->vc[l]);
+              std::memcpy(kc + slot0 * kn + g0 * hd, kh, (g1 - g0) * hd * sizeof(T));
+              std::memcpy(vc + slot0 * kn + g0 * hd, vh, (g1 - g0) * hd * sizeof(T));
+              const int64_t lpad = len0 + 1;
+              if (static_cast<int64_t>(att_buf.size()) < nq * (lpad + 2 * hd)) att_buf.resize(nq * (lpad + 2 * hd));
+              float* sc = att_buf.data();
+              paged_src::attend<T>(qh, kc + g0 * hd, vc + g0 * hd, tab_p, len0, a.block_size, kn, hd, nq, group,
+                                   scale, sc + nq * lpad, sc, sc + nq * lpad + nq * hd, static_cast<T*>(y_p) + h0 * hd,
+                                   lpad);
+            };
+            if (x.scalar_type() == at::kFloat) run(float{});
+            else run(c10::BFloat16{});
+            if (lay_heads) fp8_lay_cols(proj_job, y, h0 * hd, (h0 + nq) * hd);
+            return;
+          }
+          auto qs = q_all.narrow(1, h0, nq), ks = k_all.narrow(1, g0, g1 - g0);
+          if (p[4].numel()) qs.copy_(rms_norm(qs, p[4], a.qk_eps));
+          if (p[5].numel()) ks.copy_(rms_norm(ks, p[5], a.qk_eps));
+          if (a.cos.numel() > 0) {
+            rope_(qs, a.cos, a.sin);
+            rope_(ks, a.cos, a.sin);
+          }
+          write_rows(k_cache, a.slots, ks, nkv, hd, g0);
+          write_rows(v_cache, a.slots, v_all.narrow(1, g0 * hd, (g1 - g0) * hd), nkv, hd, g0);
+          paged_src::paged_decode_heads(q_all, k_cache, v_cache, a.table, a.lens, a.block_size, h0, h0 + nq, y3);
+          if (lay_heads) fp8_lay_cols(proj_job, y, h0 * hd, (h0 + nq) * hd);
         });
       }
       if (split_attention) {  // each thread its sequences (none for a thread past the last)
@@ -281,24 +405,24 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       }
       // the team's attention in y: thread 0 lays out the projection's input
       if ((split_heads || split_attention) && !lay_y && !lay_heads)
-        serial(p[13], [&] { prepare(job, kind[1], y, p + 11, C, &x, x, buf, bias_keep, panel_variant); });
-      linear();  // x + proj(y)
-      norm_then(p + 2, kind[2], p + 16, up_n, u, p[18]);
-      linear();  // u (M, up_n)
-      if (split && a.act != 0 && deferrable(kind[3], act, panel_variant)) {  // the activation's rows, each thread its own
-        phase(tid == 0, [&] { prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant, false); });
+        serial(d[1], [&] { prepare(job, d[1], y, &x, x, buf); });
+      linear(lay_heads ? proj_job : job);  // x + proj(y)
+      norm_then(p + 2, d[2], u, [] {});
+      linear(job);  // u (M, up_n)
+      if (split && a.act != 0 && deferrable(d[3], act)) {  // the activation's rows, each thread its own
+        phase(tid == 0, [&] { prepare(job, d[3], act, &x, x, buf, false); });
         phase(true, [&] {
           if (a.act == 2) swiglu_range(u, a.ffn, act, r0, r1);
           else gelu_range(u, act, r0, r1);
           lay_out(job, act, r0, r1);
         });
-      } else serial(p[23], [&] {
+      } else serial(d[3], [&] {
         if (a.act == 0) act = at::gelu(u, "none").contiguous();
         else if (a.act == 1) gelu_into(u, act);
         else swiglu_into(u, a.ffn, act);
-        prepare(job, kind[3], act, p + 21, C, &x, x, buf, bias_keep, panel_variant);
+        prepare(job, d[3], act, &x, x, buf);
       });
-      linear();  // x + down(act)
+      linear(job);  // x + down(act)
     }
   }
   if (error) std::rethrow_exception(error);

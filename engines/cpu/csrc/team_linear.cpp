@@ -111,36 +111,6 @@ struct TeamLinear {
   }
 };
 
-// bytes of a Linear's panels (from its end) the threads other than 0 pull into their caches while thread 0 runs
-// the small ops before it: at batch 1 the weights are read from memory once a token, and those threads would
-// otherwise only wait
-constexpr int64_t WARM_BYTES = 256 << 10;
-
-// thread w of the nw others than 0: request its slice of the last WARM_BYTES of `panels` (the back end's first
-// claims), from the top down, until thread 0 ends the phase (done moves past k)
-void warm(const torch::Tensor& panels, int w, int nw, const std::atomic<int64_t>& done, int64_t k) {
-#if defined(__x86_64__)
-  const char* base = static_cast<const char*>(panels.data_ptr());
-  const int64_t bytes = static_cast<int64_t>(panels.nbytes()), region = std::min(bytes, WARM_BYTES);
-  const int64_t slice = (region / nw + 63) / 64 * 64, hi = bytes - w * slice, lo = std::max(bytes - region, hi - slice);
-  int64_t lines = 0;
-  for (int64_t o = hi - 64; o >= lo; o -= 64) {
-    if (++lines % 32 == 0 && done.load(std::memory_order_relaxed) != k) return;
-    _mm_prefetch(base + o, _MM_HINT_T1);
-  }
-#endif
-}
-
-// Whether prepare may leave the layout of x's rows to the team (lay_out below): a panel Linear's several rows, laid
-// out transposed (not AMX's row tiles, not an odd bf16 width's zero-padded pairs)
-bool deferrable(int64_t kind, const torch::Tensor& x, int64_t panel_variant) {
-  const int64_t M = x.size(0), K = x.size(1);
-  if ((kind != 0 && kind != PANEL_AVX2) || M < 2) return false;
-  panel_variant = panel_kind_variant(kind, panel_variant);
-  if (x.scalar_type() != at::kBFloat16) return true;
-  return K % 2 == 0 && !panel_src::amx_rows(panel_variant, M, K / 2);
-}
-
 // rows [r0, r1) of x (M, K) laid out for the Linear j that prepare(..., lay = false) readied (see deferrable)
 void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -176,48 +146,109 @@ void fp8_lay_cols(const TeamLinear& j, const torch::Tensor& x, int64_t k0, int64
     for (int64_t k = k0; k < k1; ++k) dst[m * ld + k] = up * (x16 ? static_cast<float>(x16[m * K + k]) : x32[m * K + k]);
 }
 
-// Thread 0: x (M, K) contiguous through the Linear t (as block_linear: weight or scales, bias, panels, ...) of
-// N outputs into out (M, N), plus res (M, N) where given (res may be out); panel_variant: what the panel kernel's
-// auto resolves to (kind PANEL_AVX2 runs its avx2 variant). The rows are laid out in buf as the
-// per-op kernels lay them out (panel: transposed, bf16 in pairs; FP8: fp32 rows of 2 K2, scaled by X_UP for the
-// vector variants); bias_keep holds a converted bias alive
-void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::Tensor* t, int64_t N,
-             const torch::Tensor* res, const torch::Tensor& out, std::vector<float>& buf, torch::Tensor& bias_keep,
-             int64_t panel_variant, bool lay = true) {
+// One block Linear as the team runs it, resolved once a step before the team's region (describe): its kernel and
+// variant, its shape, the pointers to its weights, scales and bias. The serial phases then read one struct a Linear,
+// not its tensors' metadata: by then the weights' stream has evicted those from every cache, and each tensor was a
+// chain of misses (its TensorImpl, then its storage) on thread 0's path while the others waited
+struct LinearDesc {
+  int64_t kind = 0;     // block_linear's code, PANEL_AVX2 folded into 0 (variant says which)
+  int64_t variant = 0;  // the kernel's variant, resolved
+  int64_t N = 0, Kp = 0, P = 0;  // Kp: the panel's inputs (fp32 panel: K; bf16 panel and FP8: K2)
+  int64_t bytes = 0;              // the panels' (warm)
+  const void* w = nullptr;
+  const float *bias = nullptr, *scales = nullptr;
+  torch::Tensor bias_keep;  // a bias of another dtype, converted to fp32
+};
+
+// The Linear t (as block_linear: weight or scales, bias, panels, ...) of N outputs on K inputs of dtype dt, kernel
+// `kind`; panel_variant: what the panel kernel's auto resolves to (kind PANEL_AVX2 runs its avx2 variant)
+LinearDesc describe(int64_t kind, const torch::Tensor* t, int64_t N, int64_t K, at::ScalarType dt,
+                    int64_t panel_variant) {
   if (kind == PANEL_AVX2) panel_variant = panel_kind_variant(kind, panel_variant), kind = 0;  // the panel kernel's avx2
+  const bool bf16 = dt == at::kBFloat16;
+  const int64_t K2 = (K + 1) / 2;
+  LinearDesc d;
+  d.kind = kind, d.N = N, d.P = (N + 15) / 16;
+  if (t[1].numel()) {
+    d.bias_keep = t[1].scalar_type() == at::kFloat ? t[1].contiguous() : t[1].to(at::kFloat).contiguous();
+    TORCH_CHECK(d.bias_keep.numel() == N, "decode_blocks: a bias of N outputs");
+    d.bias = d.bias_keep.data_ptr<float>();
+  }
+  const torch::Tensor& panels = t[2];
+  if (kind == 0) {
+    d.variant = panel_variant, d.Kp = bf16 ? K2 : K;
+    TORCH_CHECK(panels.scalar_type() == dt && panels.is_contiguous() && panels.dim() >= 2 && panels.size(0) == d.P &&
+                panels.size(1) == d.Kp, "decode_blocks: panels of the Linear's shape and the step's dtype");
+  } else {
+    d.variant = fp8_src::fp8_variant(kind - 5, bf16), d.Kp = K2;
+    TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 3 &&
+                panels.size(0) == d.P && panels.size(1) == K2 && t[0].scalar_type() == at::kFloat &&
+                t[0].is_contiguous() && t[0].numel() == N,
+                "decode_blocks: FP8 panels and float32 scales of the Linear's shape");
+    d.scales = t[0].data_ptr<float>();
+  }
+  d.w = panels.data_ptr(), d.bytes = static_cast<int64_t>(panels.nbytes());
+  return d;
+}
+
+// bytes of a Linear's panels (from its end) the threads other than 0 pull into their caches while thread 0 runs
+// the small ops before it: at batch 1 the weights are read from memory once a token, and those threads would
+// otherwise only wait
+constexpr int64_t WARM_BYTES = 256 << 10;
+
+// thread w of the nw others than 0: request its slice of the last WARM_BYTES of the Linear d's panels (the back end's
+// first claims), from the top down, until thread 0 ends the phase (done moves past k)
+void warm(const LinearDesc& d, int w, int nw, const std::atomic<int64_t>& done, int64_t k) {
+#if defined(__x86_64__)
+  const char* base = static_cast<const char*>(d.w);
+  const int64_t bytes = d.bytes, region = std::min(bytes, WARM_BYTES);
+  const int64_t slice = (region / nw + 63) / 64 * 64, hi = bytes - w * slice, lo = std::max(bytes - region, hi - slice);
+  int64_t lines = 0;
+  for (int64_t o = hi - 64; o >= lo; o -= 64) {
+    if (++lines % 4 == 0 && done.load(std::memory_order_relaxed) != k) return;
+    _mm_prefetch(base + o, _MM_HINT_T1);
+  }
+#endif
+}
+
+// Whether prepare may leave the layout of x's rows to the team (lay_out below): a panel Linear's several rows, laid
+// out transposed (not AMX's row tiles, not an odd bf16 width's zero-padded pairs)
+bool deferrable(const LinearDesc& d, const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (d.kind != 0 || M < 2) return false;
+  if (x.scalar_type() != at::kBFloat16) return true;
+  return K % 2 == 0 && !panel_src::amx_rows(d.variant, M, K / 2);
+}
+
+// Thread 0: x (M, K) contiguous through the Linear d into out (M, N), plus res (M, N) where given (res may be out).
+// The rows are laid out in buf as the per-op kernels lay them out (panel: transposed, bf16 in pairs; FP8: fp32 rows
+// of 2 K2, scaled by X_UP for the vector variants)
+void prepare(TeamLinear& j, const LinearDesc& d, const torch::Tensor& x, const torch::Tensor* res,
+             const torch::Tensor& out, std::vector<float>& buf, bool lay = true) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == out.scalar_type(),
               "decode_blocks: a Linear's input rows (M, K) contiguous, of the step's dtype");
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 1) / 2;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  j.kind = kind, j.group = 4, j.unit = 0, j.bf16 = bf16, j.M = M, j.N = N, j.out = out.data_ptr(), j.blocked = false;
+  j.kind = d.kind, j.variant = d.variant, j.group = 4, j.unit = 0, j.bf16 = bf16, j.M = M, j.N = d.N;
+  j.Kp = d.Kp, j.P = d.P, j.w = d.w, j.bias = d.bias, j.scales = d.scales, j.back_passes = false;
+  j.out = out.data_ptr(), j.blocked = false;
   j.res = res ? res->data_ptr() : nullptr;
-  j.bias = nullptr, j.scales = nullptr;
-  j.P = (N + 15) / 16;
   j.reset();
-  if (t[1].numel()) {
-    bias_keep = t[1].scalar_type() == at::kFloat ? t[1].contiguous() : t[1].to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_keep.numel() == N, "decode_blocks: a bias of N outputs");
-    j.bias = bias_keep.data_ptr<float>();
-  }
-  const torch::Tensor& panels = t[2];
-  if (kind == 0) {
-    j.variant = panel_variant, j.Kp = bf16 ? K2 : K, j.P = panels.size(0);
-    if (M == 1 && bf16) j.claim_up_to(panel_variant == 2 ? panel_src::ROW_G_AVX2_BF16 : panel_src::ROW_G_BF16);
-    TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
-                panels.size(1) == j.Kp, "decode_blocks: panels of the Linear's shape and the step's dtype");
-    j.w = panels.data_ptr();
+  if (d.kind == 0) {
+    const int64_t v = d.variant;
+    if (M == 1 && bf16) j.claim_up_to(v == 2 ? panel_src::ROW_G_AVX2_BF16 : panel_src::ROW_G_BF16);
     if (M == 1 && (!bf16 || K % 2 == 0)) {  // one row: already laid out (a bf16 pair is 32 bits)
       j.x = x.data_ptr();
       return;
     }
-    if (bf16 && panel_src::amx_rows(panel_variant, M, K2)) {  // (M rounded up to 16, K) rows, the rest zero
+    if (bf16 && panel_src::amx_rows(v, M, K2)) {  // (M rounded up to 16, K) rows, the rest zero
       buf.assign((M + 15) / 16 * 16 * K2, 0.f);
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(reinterpret_cast<uint32_t*>(buf.data()) + m * K2, x.data_ptr<c10::BFloat16>() + m * K, 2 * K);
       j.x = buf.data();
       return;
     }
-    if (panel_src::blocked_rows(panel_variant, M, bf16)) {  // the module path's blocks (run_blocked), its bits
+    if (panel_src::blocked_rows(v, M, bf16)) {  // the module path's blocks (run_blocked), its bits
       j.blocked = true;
       if (!bf16) {  // the rows as they are (x lives until the Linear has run: the step holds it)
         j.x = x.data_ptr();
@@ -227,12 +258,12 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     if (static_cast<int64_t>(buf.size()) < M * 2 * K2) buf.resize(M * 2 * K2);
     j.x = buf.data();
     if (j.blocked) {
-      if (!lay && deferrable(kind, x, panel_variant)) return;
+      if (!lay && deferrable(d, x)) return;
       lay_out(j, x, 0, M);
       return;
     }
-    if (!lay && deferrable(kind, x, panel_variant)) return;  // the team lays the rows out (lay_out)
-    if (bf16 && panel_src::wide_rows(panel_variant, M)) {  // (K2, M, 2) fp32, an odd K's missing input zero
+    if (!lay && deferrable(d, x)) return;  // the team lays the rows out (lay_out)
+    if (bf16 && panel_src::wide_rows(v, M)) {  // (K2, M, 2) fp32, an odd K's missing input zero
       panel_src::widen_rows(x.data_ptr<c10::BFloat16>(), M, K, buf.data());
     } else if (bf16 && K % 2) {  // (K2, M) pairs: input 2 k2 in the low half, the last pair's high half zero
       std::fill(buf.begin(), buf.begin() + M * K2, 0.f);
@@ -245,11 +276,6 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     }
     return;
   }
-  j.variant = fp8_src::fp8_variant(kind - 5, bf16), j.Kp = K2, j.P = panels.size(0);
-  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.size(0) == (N + 15) / 16 &&
-              panels.size(1) == K2 && t[0].scalar_type() == at::kFloat && t[0].is_contiguous() && t[0].numel() == N,
-              "decode_blocks: FP8 panels and float32 scales of the Linear's shape");
-  j.w = panels.data_ptr(), j.scales = t[0].data_ptr<float>();
   if (M == 1 && j.variant == 5) j.claim_up_to(fp8_src::F8_GW);
   // the 4-panel passes of variants 2-4 request the next pass's panels near their end (row_avx2 / row_wide: the group
   // after, F8_G panels on); for a thread taking its claims from the back, the group after is one it has already read,
@@ -269,7 +295,9 @@ void prepare(TeamLinear& j, int64_t kind, const torch::Tensor& x, const torch::T
     // claims of F8_BLOCK passes, each one block of passes (fp8_range: longer streams)
     j.taper(fp8_src::F8_G);
   }
-  buf.assign(M * 2 * K2, 0.f);  // (an odd K's pad input zero)
+  if (static_cast<int64_t>(buf.size()) < M * 2 * K2) buf.resize(M * 2 * K2);
+  if (K % 2)
+    for (int64_t m = 0; m < M; ++m) buf[m * 2 * K2 + K] = 0.f;  // an odd K's pad input (the columns are all laid out)
   j.x = buf.data();
   if (lay) fp8_lay_cols(j, x, 0, K);  // else the team lays the row out, each thread its columns
 }
