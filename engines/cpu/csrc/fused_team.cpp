@@ -1,13 +1,14 @@
 // The fused decode step as ONE parallel region a step (engines/cpu/fused_decode.py; compiled after
 // csrc/fused_decode.cpp, whose helpers it calls): a team of torch's intra-op thread count enters once and
-// walks the layers together, phase by phase, with a spin barrier between phases. Thread 0 runs the small ops
-// (the norms, q / k norms, rotary, KV writes, the attention of one sequence, the activation: the per-op loop's
-// ATen calls, or loops that round as they do, so the same bits) and lays out the next Linear's input rows,
-// while the others pull the back of that Linear's panels into their caches; then every thread claims groups
-// of its panels (the panel and FP8 kernels' run_range / blocked_range / fp8_range: a panel's sums do not depend
-// on the split, so the bits are the per-op loop's; csrc/team_linear.cpp). The per-op loop entered ~150 OpenMP
-// regions a token on SmolLM2 (4 Linears and the attention a layer, 30 layers), each a fork and a join of the
-// thread pool, with the weights' stream stopped in between.
+// walks the layers together, phase by phase, with a spin barrier after each shared phase. Thread 0 runs the small
+// ops (the norms, the activation; for several sequences also the q / k norms: the per-op loop's ATen calls, or loops
+// that round as they do, so the same bits) and lays out the next Linear's input rows, while the others pull the back
+// of that Linear's panels into their caches; then every thread claims groups of its panels (the panel and FP8
+// kernels' run_range / blocked_range / fp8_range: a panel's sums do not depend on the split, so the bits are the
+// per-op loop's; csrc/team_linear.cpp). The attention is shared: each thread its sequences, or for one sequence its
+// kv heads (their q / k norms, rotation, cache writes and attention). The per-op loop entered ~150 OpenMP regions a
+// token on SmolLM2 (4 Linears and the attention a layer, 30 layers), each a fork and a join of the thread pool, with
+// the weights' stream stopped in between.
 #include <torch/types.h>
 #include <ATen/ThreadLocalState.h>
 #include <omp.h>
