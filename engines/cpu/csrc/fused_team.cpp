@@ -139,7 +139,8 @@ struct TeamPlan {
 };
 
 // the step's plan: b's where it matches the step, else a new one (kept in b where given)
-std::shared_ptr<const TeamPlan> plan_for(Bound* b, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+std::shared_ptr<const TeamPlan> plan_for(Bound* b, const std::vector<torch::Tensor>& w,
+                                         const std::vector<int64_t>& kinds,
                                          const std::vector<torch::Tensor>& k_caches,
                                          const std::vector<torch::Tensor>& v_caches, at::ScalarType dt,
                                          int64_t panel_variant, int64_t C, int64_t qn, int64_t kn, int64_t up_n,
@@ -163,13 +164,15 @@ std::shared_ptr<const TeamPlan> plan_for(Bound* b, const std::vector<torch::Tens
       p->lin[4 * l + i] = describe(kinds[4 * l + i], w.data() + PER_LAYER * l + 6 + 5 * i, n_out[i], n_in[i], dt,
                                    panel_variant);
   const int64_t nkv = k_caches[0].size(1), hd = k_caches[0].size(2);
-  for (int64_t l = 0; l < L; ++l) p->qk_norms = p->qk_norms || w[PER_LAYER * l + 4].numel() || w[PER_LAYER * l + 5].numel();
+  for (int64_t l = 0; l < L; ++l)
+    p->qk_norms = p->qk_norms || w[PER_LAYER * l + 4].numel() || w[PER_LAYER * l + 5].numel();
   p->plain = true;
   for (const auto* caches : {&k_caches, &v_caches})
     for (const auto& c : *caches)
       p->plain = p->plain && c.dim() == 3 && c.is_contiguous() && c.scalar_type() == dt && c.size(1) == nkv &&
                  c.size(2) == hd && c.size(0) == k_caches[0].size(0);
-  for (int64_t l = 0; p->plain && l < L; ++l) p->kc.push_back(k_caches[l].data_ptr()), p->vc.push_back(v_caches[l].data_ptr());
+  for (int64_t l = 0; p->plain && l < L; ++l)
+    p->kc.push_back(k_caches[l].data_ptr()), p->vc.push_back(v_caches[l].data_ptr());
   if (b) b->plan = p;
   return p;
 }
@@ -221,7 +224,8 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   void *qkv_p = qkv.data_ptr(), *y_p = y.data_ptr();
   const float* cos_p = lean && a.cos.numel() ? a.cos.data_ptr<float>() : nullptr;
   const float* sin_p = cos_p ? a.sin.data_ptr<float>() : nullptr;
-  const int64_t slot0 = lean ? a.slots.data_ptr<int64_t>()[0] : 0, len0 = lean ? a.lens.data_ptr<int64_t>()[0] : 0;
+  const int64_t slot0 = lean ? a.slots.data_ptr<int64_t>()[0] : 0;
+  const int64_t len0 = lean ? a.lens.data_ptr<int64_t>()[0] : 0;
   const int64_t* tab_p = lean ? a.table.data_ptr<int64_t>() : nullptr;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   if (lean)
