@@ -392,7 +392,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           }
           write_rows(k_cache, a.slots, ks, nkv, hd, g0);
           write_rows(v_cache, a.slots, v_all.narrow(1, g0 * hd, (g1 - g0) * hd), nkv, hd, g0);
-          paged_src::paged_decode_heads(q_all, k_cache, v_cache, a.table, a.lens, a.block_size, h0, h0 + nq, y3);
+          paged_src::paged_decode_heads(q_all, k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
           if (lay_heads) fp8_lay_cols(proj_job, y, h0 * hd, (h0 + nq) * hd);
         });
       }

@@ -133,35 +133,29 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-// One sequence's query heads [h0, h1) of paged_decode into out (1, nh, hd) contiguous, q's dtype: attend() over each
-// kv head's run of them (a run of one kv head's group: its own task). A query head's arithmetic does not depend on the
-// others in its task, so any split of the heads gives paged_decode's bits (one sequence has no shared prefix to
-// cascade). The fused step's team splits a sequence's heads this way (csrc/fused_team.cpp); the caller checked the
-// shapes (paged_decode's checks, on the whole step)
+// One sequence's kv heads [g0, g1) of paged_decode into out (1, nh, hd) contiguous, q's dtype: attend() over those
+// heads, whose arithmetic a head does not depend on the others in its task, so any split of the heads gives
+// paged_decode's bits (one sequence has no shared prefix to cascade). The fused step's team splits a sequence's
+// heads this way (csrc/fused_team.cpp); the caller checked the shapes (paged_decode's checks, on the whole step)
 void paged_decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& table, const torch::Tensor& lens, int64_t block_size, int64_t h0,
-                        int64_t h1, torch::Tensor& out) {
+                        const torch::Tensor& table, const torch::Tensor& lens, int64_t block_size, int64_t g0,
+                        int64_t g1, torch::Tensor& out) {
   const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), group = nh / nkv, row = nkv * hd;
-  const int64_t len = lens.data_ptr<int64_t>()[0], lpad = len + 1;
+  const int64_t len = lens.data_ptr<int64_t>()[0], h0 = g0 * group, nq = (g1 - g0) * group, lpad = len + 1;
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
               q.scalar_type() == out.scalar_type() && table.scalar_type() == torch::kLong &&
               lens.scalar_type() == torch::kLong, "paged_decode_heads: q, the caches and out share a dtype; int64 "
               "table / lens");
   TORCH_CHECK(q.size(0) == 1 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes() &&
-              0 <= h0 && h0 < h1 && h1 <= nh && len >= 1 && len <= table.size(1) * block_size,
-              "paged_decode_heads: one sequence, query heads within [0, nh), a length within its block table");
+              0 <= g0 && g0 < g1 && g1 <= nkv && len >= 1 && len <= table.size(1) * block_size,
+              "paged_decode_heads: one sequence, kv heads within [0, nkv), a length within its block table");
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  const int64_t most = std::min(group, h1 - h0);
-  std::vector<float> buf(most * lpad + 2 * most * hd);  // scores, scaled queries, accumulators (as paged_decode)
+  std::vector<float> buf(nq * lpad + 2 * nq * hd);  // scores, scaled queries, accumulators (as paged_decode)
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t a = h0; a < h1;) {  // the run of kv head g's query heads [a, b)
-      const int64_t g = a / group, b = std::min(h1, (g + 1) * group), n = b - a;
-      attend<T>(q.data_ptr<T>() + a * hd, k_cache.data_ptr<T>() + g * hd, v_cache.data_ptr<T>() + g * hd,
-                table.data_ptr<int64_t>(), len, block_size, row, hd, n, n, scale, buf.data() + n * lpad, buf.data(),
-                buf.data() + n * lpad + n * hd, out.data_ptr<T>() + a * hd, lpad);
-      a = b;
-    }
+    attend<T>(q.data_ptr<T>() + h0 * hd, k_cache.data_ptr<T>() + g0 * hd, v_cache.data_ptr<T>() + g0 * hd,
+              table.data_ptr<int64_t>(), len, block_size, row, hd, nq, group, scale, buf.data() + nq * lpad,
+              buf.data(), buf.data() + nq * lpad + nq * hd, out.data_ptr<T>() + h0 * hd, lpad);
   };
   if (q.scalar_type() == torch::kFloat) run(float{});
   else if (q.scalar_type() == torch::kBFloat16) run(c10::BFloat16{});
