@@ -37,10 +37,11 @@ inline void spin_pause(int spins) {
 
 // A sense-reversing spin barrier for one step's team: the last of n arrivals resets the count and flips the
 // shared sense; the others spin on it (a pause a probe), yielding the core after a while so a preempted
-// teammate on a shared host gets it back
+// teammate on a shared host gets it back. An early arrival given a Warmer (csrc/team_linear.cpp) requests its lines
+// meanwhile, a few a probe: the next Linear's panels, from the end it claims from
 class SpinBarrier {
  public:
-  void wait(int n, bool& local) {
+  void wait(int n, bool& local, Warmer* warmer = nullptr) {
     if (n == 1) return;
     local = !local;
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
@@ -48,7 +49,10 @@ class SpinBarrier {
       sense_.store(local, std::memory_order_release);
       return;
     }
-    for (int spins = 0; sense_.load(std::memory_order_acquire) != local; ++spins) spin_pause(spins);
+    bool more = warmer != nullptr;
+    for (int spins = 0; sense_.load(std::memory_order_acquire) != local; ++spins)
+      if (more) more = warmer->step();
+      else spin_pause(spins);
   }
 
  private:
@@ -136,6 +140,8 @@ struct TeamPlan {
   bool plain = false;
   std::vector<void*> kc, vc;
   bool qk_norms = false;  // whether a layer has q / k norms (Qwen3)
+  std::vector<const void*> norm_w;  // a layer's two norms' weights (2 a layer; request_norm)
+  int64_t norm_bytes = 0;           // each one's
 };
 
 // the step's plan: b's where it matches the step, else a new one (kept in b where given)
@@ -173,6 +179,13 @@ std::shared_ptr<const TeamPlan> plan_for(Bound* b, const std::vector<torch::Tens
                  c.size(2) == hd && c.size(0) == k_caches[0].size(0);
   for (int64_t l = 0; p->plain && l < L; ++l)
     p->kc.push_back(k_caches[l].data_ptr()), p->vc.push_back(v_caches[l].data_ptr());
+  p->norm_bytes = w[0].nbytes();
+  for (int64_t l = 0; l < L; ++l)
+    for (int i = 0; i < 2; ++i) {
+      const auto& n = w[PER_LAYER * l + 2 * i];
+      p->norm_bytes = std::min<int64_t>(p->norm_bytes, n.nbytes());
+      p->norm_w.push_back(n.data_ptr());
+    }
   if (b) b->plan = p;
   return p;
 }
@@ -222,6 +235,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
                                             a.cos.is_contiguous() && a.sin.is_contiguous() &&
                                             a.cos.numel() == hd / 2 && a.sin.numel() == hd / 2));
   void *qkv_p = qkv.data_ptr(), *y_p = y.data_ptr();
+  const int64_t es = x.element_size();
   const float* cos_p = lean && a.cos.numel() ? a.cos.data_ptr<float>() : nullptr;
   const float* sin_p = cos_p ? a.sin.data_ptr<float>() : nullptr;
   const int64_t slot0 = lean ? a.slots.data_ptr<int64_t>()[0] : 0;
@@ -265,9 +279,12 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       }
     };
     // f on the thread(s) `who` says, then every thread waits for the phase to end
-    auto phase = [&](bool who, auto&& f) {
+    // next: the Linear after the phase, whose panels a thread done early requests while it waits (Warmer)
+    auto phase = [&](bool who, auto&& f, const LinearDesc* next = nullptr) {
       guarded(who, f);
-      bar.wait(nt, sense);
+      Warmer warmer;
+      if (next) warmer = Warmer(*next, tid, nt);
+      bar.wait(nt, sense, next ? &warmer : nullptr);
     };
     int64_t serials = 0;  // thread 0's phases this thread has passed
     // thread 0 runs f (the small ops, then lays out the next Linear's input) and goes on into the next phase; the others
@@ -286,8 +303,18 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       }
       ++serials;
     };
-    auto linear = [&](TeamLinear& j) { phase(true, [&] { j.run(tid); }); };
+    // thread 0 requests the norm weights `norm` (a plan->norm_w index) after its claims: the next serial phase reads
+    // them, by then evicted by the weights' stream (SmolLM2 FP8 + FP8 head, batch 1, 2-core Zen 4 EPYC: thread 0's
+    // norm-and-up phases 40-42 -> 25-26 us a token, rdtsc in the phases)
+    auto linear = [&](TeamLinear& j, const LinearDesc* next, int64_t norm = -1) {
+      phase(true, [&] {
+        j.run(tid);
+        if (tid == 0 && norm >= 0) request_bytes(plan->norm_w[norm], plan->norm_bytes);
+      }, next);
+    };
     const int64_t r0 = tid * M / nt, r1 = (tid + 1) * M / nt;  // this thread's rows in a split phase
+    // split_heads: this thread's kv heads [g0, g1), thread 0 the last share (the smaller where they are uneven)
+    const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
     // the norm before the Linear d (weights n) and its layout: over the team's rows where split allows, else on thread 0
     // (then `also` too)
     auto norm_then = [&](const torch::Tensor* n, const LinearDesc& d, torch::Tensor& o, auto&& also) {
@@ -332,7 +359,9 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       norm_then(p, d[0], qkv, [&] {
         if (lay_heads) prepare(proj_job, d[1], y, &x, x, buf_proj, false);
       });
-      linear(job);  // qkv (M, qn + 2 kn)
+      if (lean && g0 < g1)  // the keys and values this thread attends next (the new position's come from the Linear)
+        request_kv(plan->kc[l], plan->vc[l], tab_p, len0 - 1, a.block_size, kn * es, g0 * hd * es, (g1 - g0) * hd * es);
+      linear(job, d + 1);  // qkv (M, qn + 2 kn)
       // the attention's rows laid out by the threads that computed them (split_attention, below)
       const bool lay_y = split && split_attention && deferrable(d[1], y);
       if (!split_heads) serial(d[1], [&] {
@@ -349,12 +378,10 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       });
       // One sequence: thread t its share of the kv heads, start to end: its heads' q / k norms (Qwen3), their rotation,
       // its keys and values into the caches, its attention, its columns of the projection's input (lay_heads); thread
-      // 0 the last share, the smaller where they are uneven. A head's ops do not depend on the others: the bits of the
-      // whole. (Was: thread 0 alone ran the norms, rotation and cache writes in a phase of their own, 2-3 us a layer of
+      // 0 the last share (g0, g1 above). A head's ops do not depend on the others: the bits of the whole. (Was: thread 0 alone ran the norms, rotation and cache writes in a phase of their own, 2-3 us a layer of
       // SmolLM2, the others warming the projection meanwhile)
       if (split_heads) {
         phase(true, [&] {
-          const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
           if (g0 >= g1) return;
           const int64_t group = a.n_head / nkv, h0 = g0 * group, nq = (g1 - g0) * group;
           if (lean) {  // the same ops on raw pointers (no tensor views: each ~1 us of ATen)
@@ -394,7 +421,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           write_rows(v_cache, a.slots, v_all.narrow(1, g0 * hd, (g1 - g0) * hd), nkv, hd, g0);
           paged_src::paged_decode_heads(q_all, k_cache, v_cache, a.table, a.lens, a.block_size, g0, g1, y3);
           if (lay_heads) fp8_lay_cols(proj_job, y, h0 * hd, (h0 + nq) * hd);
-        });
+        }, d + 1);
       }
       if (split_attention) {  // each thread its sequences (none for a thread past the last)
         phase(true, [&] {
@@ -406,14 +433,14 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
           std::memcpy(static_cast<char*>(y.data_ptr()) + s0 * qn * y.element_size(), part.data_ptr(),
                       n * qn * y.element_size());
           if (lay_y) lay_out(job, y, s0, s0 + n);
-        });
+        }, d + 1);
       }
       // the team's attention in y: thread 0 lays out the projection's input
       if ((split_heads || split_attention) && !lay_y && !lay_heads)
         serial(d[1], [&] { prepare(job, d[1], y, &x, x, buf); });
-      linear(lay_heads ? proj_job : job);  // x + proj(y)
+      linear(lay_heads ? proj_job : job, d + 2, 2 * l + 1);  // x + proj(y)
       norm_then(p + 2, d[2], u, [] {});
-      linear(job);  // u (M, up_n)
+      linear(job, d + 3);  // u (M, up_n)
       if (split && a.act != 0 && deferrable(d[3], act)) {  // the activation's rows, each thread its own
         phase(tid == 0, [&] { prepare(job, d[3], act, &x, x, buf, false); });
         phase(true, [&] {
@@ -427,7 +454,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         else swiglu_into(u, a.ffn, act);
         prepare(job, d[3], act, &x, x, buf);
       });
-      linear(job);  // x + down(act)
+      linear(job, l + 1 < L ? d + 4 : nullptr, l + 1 < L ? 2 * l + 2 : -1);  // x + down(act)
     }
   }
   if (error) std::rethrow_exception(error);
