@@ -5,7 +5,9 @@
 // Here each step's embedding lookup, blocks, final norm, head and argmax run back to back in C++, the argmax
 // feeding the next step, with the same ops on the same inputs as the one-step path (so the same tokens: tests).
 #include <torch/types.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -83,8 +85,17 @@ torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tenso
   auto slots = torch::empty({M}, p.options()), lens = torch::empty({M}, p.options());
   auto out = torch::empty({steps, M}, p.options());
   const auto empty = torch::empty({0});
+  // the step's small ops on raw pointers where they apply (each ATen call ~2-5 us on a batch-1 SmolLM2 token's path,
+  // its code and data evicted by the weights' stream): the embedding's rows copied (no learned positions: nn.Embedding's
+  // lookup is a copy of the rows), one row's rotary angles a view of the table's row (index_select copies it)
+  const auto& wte = around[0];
+  const bool rows = around[1].numel() == 0 && wte.dim() == 2 && wte.is_contiguous();
+  const int64_t V = wte.size(0), C = wte.size(1), row_bytes = C * wte.element_size();
+  const auto x = rows ? torch::empty({M, C}, wte.options()) : empty;
+  int64_t* ids_p = x_ids.data_ptr<int64_t>();
+  int64_t* pp = p.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
   for (int64_t j = 0; j < steps; ++j) {
-    const int64_t* pp = p.data_ptr<int64_t>();
     int64_t* s = slots.data_ptr<int64_t>();
     int64_t* l = lens.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
@@ -93,10 +104,18 @@ torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tenso
       s[m] = tp[m * W + pp[m] / block_size] * block_size + pp[m] % block_size;
       l[m] = pp[m] + 1;
     }
-    auto x = at::embedding(around[0], x_ids);  // (M, C): nn.Embedding's lookup
-    if (around[1].numel()) x = x + at::embedding(around[1], p);
-    const auto cos = rope ? cos_table.index_select(0, p) : empty, sin = rope ? sin_table.index_select(0, p) : empty;
-    auto h = decode_blocks_of(b.get(), x, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head,
+    torch::Tensor e = x;  // (M, C): nn.Embedding's lookup (+ the learned positions')
+    if (rows)
+      for (int64_t m = 0; m < M; ++m) {
+        TORCH_CHECK(ids_p[m] >= 0 && ids_p[m] < V, "decode_steps_bound: token id ", ids_p[m], " outside [0, ", V, ")");
+        std::memcpy(static_cast<char*>(x.data_ptr()) + m * row_bytes,
+                    static_cast<const char*>(wte.data_ptr()) + ids_p[m] * row_bytes, row_bytes);
+      }
+    else e = at::embedding(wte, x_ids) + at::embedding(around[1], p);
+    torch::Tensor cos = empty, sin = empty;
+    if (rope && M == 1) cos = cos_table.narrow(0, pp[0], 1), sin = sin_table.narrow(0, pp[0], 1);
+    else if (rope) cos = cos_table.index_select(0, p), sin = sin_table.index_select(0, p);
+    auto h = decode_blocks_of(b.get(), e, b->w, kinds, b->k_caches, b->v_caches, slots, table, lens, block_size, n_head,
                               ffn, eps, act, rms, qk_eps, cos, sin);
     h = norm(h, around[2], around[3], rms, eps);
     torch::Tensor tok;  // (M)
@@ -106,14 +125,13 @@ torch::Tensor decode_steps_bound(int64_t handle, torch::Tensor ids, torch::Tenso
       if (vocab < head_out) logits = logits.narrow(1, 0, vocab);
       tok = argmax_rows(logits);
     }
-    out[j].copy_(tok);
     const int64_t* t = tok.data_ptr<int64_t>();
+    std::copy(t, t + M, op + j * M);
     bool stopped = false;
     for (int64_t m = 0; m < M && !stopped; ++m)
       for (int64_t k = 0; k < S; ++k) stopped = stopped || (sp[m * S + k] >= 0 && sp[m * S + k] == t[m]);
     if (stopped) return out.narrow(0, 0, j + 1);
-    x_ids = tok;
-    p = p + 1;
+    for (int64_t m = 0; m < M; ++m) ids_p[m] = t[m], ++pp[m];
   }
   return out;
 }
