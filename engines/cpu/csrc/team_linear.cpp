@@ -250,13 +250,12 @@ void request_bytes(const void* p, int64_t n) {
 // the attention phase's slower thread 160-186 -> 131-140 us a token (rdtsc in the phases)
 void request_kv(const void* kc, const void* vc, const int64_t* table, int64_t n, int64_t bs, int64_t ld, int64_t off,
                 int64_t bytes) {
-#if defined(__x86_64__)
   const char *k = static_cast<const char*>(kc) + off, *v = static_cast<const char*>(vc) + off;
   for (int64_t pos = 0; pos < n; ++pos) {
     const int64_t row = (table[pos / bs] * bs + pos % bs) * ld;
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(k + row + o, _MM_HINT_T0), _mm_prefetch(v + row + o, _MM_HINT_T0);
+    request_bytes(k + row, bytes);
+    request_bytes(v + row, bytes);
   }
-#endif
 }
 
 // Whether prepare may leave the layout of x's rows to the team (lay_out below): a panel Linear's several rows, laid
