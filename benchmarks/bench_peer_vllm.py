@@ -129,6 +129,18 @@ def merge(before: dict | None, new: dict) -> dict:
     return new
 
 
+def beside(per_round: list[int], bws: list[float]) -> list[float]:
+    """The read ceiling beside each repetition (a worker's b1 reads: one before each repetition of its round and one
+    after the last): the larger of the reads just before and just after it; [] where the counts do not match."""
+    out, i = [], 0
+    for n in per_round:
+        if i + n >= len(bws):
+            return []
+        out += [max(bws[i + j], bws[i + j + 1]) for j in range(n)]
+        i += n + 1
+    return out if i == len(bws) else []
+
+
 def fig(xs: list[float], unit: str = "") -> str:
     """'median (min-max)' of the repetitions."""
     return f"{statistics.median(xs):.1f}{unit} ({min(xs):.1f}-{max(xs):.1f})"
@@ -192,6 +204,12 @@ def offline_rows(spec, args, vllm_py, binds, peak, bw, record, llama: tuple[Path
                 near = statistics.median(ok["ours"]["bw"]["b1"])
                 line += f" | ours {rate / near:.0%} of the memory roofline beside the run ({near / 1e9:.1f} GB/s), " \
                         f"{rate / bw:.0%} at the start's {bw / 1e9:.1f} GB/s"
+                # each run against the read beside it: whether a spread of the runs is ours or the host's memory
+                each = beside(rounds(args), ok["ours"]["bw"]["b1"])
+                if len(each) == len(ours):
+                    fr = [r * spec.decode_bytes(BYTES[dt]) / b for r, b in zip(ours, each)]
+                    line += (f"; each run of the roofline beside it {min(fr):.0%}-{max(fr):.0%} (max/min "
+                             f"{max(fr) / min(fr):.2f}; the reads {min(each) / 1e9:.1f}-{max(each) / 1e9:.1f} GB/s)")
                 if gguf is not None:
                     line += (f" | llama.cpp {LLAMA_LABEL[dt]} in the same rounds: {lb['error'][-300:]}" if "error" in lb
                              else f" | llama.cpp {LLAMA_LABEL[dt]} in the same rounds {fig(lb['samples'])}, ours / "
