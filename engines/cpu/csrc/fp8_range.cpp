@@ -14,7 +14,7 @@ void sums(int64_t v, const float* x, int64_t ldx, int64_t K2, int64_t m0, int r,
           float* acc, bool back = false) {
   const int64_t panel = K2 * 32;
 #if F8_X86
-  if (r == 1 && v == 5) return ROW_BF16[g - 1](x + m0 * ldx, wp, panel, K2, acc);
+  if (r == 1 && v == 5) return (back ? ROW_BF16_BACK : ROW_BF16)[g - 1](x + m0 * ldx, wp, panel, K2, acc);
   if (back && r == 1 && g == F8_G && v == 3) return row4_avx512_back(x + m0 * ldx, wp, panel, K2, acc);
   if (back && r == 1 && g == F8_G && v == 4) return row4_wide_avx2_back(x + m0 * ldx, wp, panel, K2, acc);
   if (r == 1 && g == F8_G && v == 3) return row4_avx512(x + m0 * ldx, wp, panel, K2, acc);
@@ -138,7 +138,7 @@ void fp8_range(int64_t v, const float* x, int64_t M, int64_t ldx, int64_t K2, co
   for (int64_t p = p0; p < p1;) {
     if (M == 1) {
       const int g = v == 5 ? static_cast<int>(std::min<int64_t>(F8_GW, p1 - p)) : p + F8_G <= p1 ? F8_G : 1;
-      sums(v, x, ldx, K2, 0, 1, g, w + p * K2 * 32, acc);
+      sums(v, x, ldx, K2, 0, 1, g, w + p * K2 * 32, acc, backward && v == 5);  // (5: requests the group before)
       for (int i = 0; i < g; ++i) store(p + i, 0, 1, acc + i * F8_NR);
       p += g;
       continue;

@@ -75,15 +75,23 @@ void rope_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
 
 // engines/model/transformer.py RMSNorm's steps in one pass a row: x (M, C) rows ldx apart, normalised in fp32
 // (the mean of the squares, 1 / sqrt(mean + eps)), the product rounded to T, then times the weight (torch's T * T:
-// the fp32 product rounded once). A row's arithmetic does not depend on the others (any split gives the same bits)
+// the fp32 product rounded once). A row's arithmetic does not depend on the others (any split gives the same bits),
+// nor on the call: the squares summed in 16 lanes (input c into lane c % 16), the lanes added in a fixed tree. (An
+// `omp simd` reduction left the order to the compiler, which vectorized two calls differently: the rows
+// fused_team.cpp own_rows computes differed from norm_range's in fp32's last bits)
 template <typename T>
 void rms_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t M, int64_t C, float eps) {
   for (int64_t m = 0; m < M; ++m) {
     const T* r = x + m * ldx;
     T* o = out + m * C;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t c = 0; c < C; ++c) ss += static_cast<float>(r[c]) * static_cast<float>(r[c]);
+    float lane[16] = {};
+    int64_t c = 0;
+    for (; c + 16 <= C; c += 16)
+      for (int j = 0; j < 16; ++j) lane[j] += static_cast<float>(r[c + j]) * static_cast<float>(r[c + j]);
+    for (; c < C; ++c) lane[c % 16] += static_cast<float>(r[c]) * static_cast<float>(r[c]);
+    for (int s = 8; s >= 1; s /= 2)
+      for (int j = 0; j < s; ++j) lane[j] += lane[j + s];
+    const float ss = lane[0];
     const float rstd = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
     for (int64_t c = 0; c < C; ++c)
       o[c] = static_cast<T>(static_cast<float>(w[c]) * static_cast<float>(static_cast<T>(static_cast<float>(r[c]) * rstd)));

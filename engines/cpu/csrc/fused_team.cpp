@@ -3,7 +3,8 @@
 // walks the layers together, phase by phase, with a spin barrier after each shared phase. Thread 0 runs the small
 // ops (the norms, the activation; for several sequences also the q / k norms: the per-op loop's ATen calls, or loops
 // that round as they do, so the same bits) and lays out the next Linear's input rows, while the others pull the back
-// of that Linear's panels into their caches; then every thread claims groups of its panels (the panel and FP8
+// of that Linear's panels into their caches (one sequence of RMSNorm and SwiGLU: every thread runs them on its own
+// copy of the row instead, `own` below); then every thread claims groups of its panels (the panel and FP8
 // kernels' run_range / blocked_range / fp8_range: a panel's sums do not depend on the split, so the bits are the
 // per-op loop's; csrc/team_linear.cpp). The attention is shared: each thread its sequences, or for one sequence its
 // kv heads (their q / k norms, rotation, cache writes and attention). The per-op loop entered ~150 OpenMP regions a
@@ -20,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <functional>
 #include <vector>
 
 namespace {
@@ -61,54 +63,6 @@ class SpinBarrier {
   alignas(64) std::atomic<int> count_{0};
   alignas(64) std::atomic<bool> sense_{false};
 };
-
-// Whether norm_into runs rms_rows on x (so that rows of it may run apart: norm_range)
-bool rms_direct(const torch::Tensor& x, const torch::Tensor& weight, bool rms) {
-  return rms && weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1) &&
-         x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
-}
-
-// rows [r0, r1) of norm_into's RMSNorm (rms_direct), into out (M, C) allocated
-void norm_range(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out, int64_t r0,
-                int64_t r1) {
-  const int64_t C = x.size(1), ld = x.stride(0);
-  if (r0 >= r1) return;
-  if (x.scalar_type() == at::kFloat)
-    rms_rows(x.data_ptr<float>() + r0 * ld, ld, weight.data_ptr<float>(), out.data_ptr<float>() + r0 * C, r1 - r0, C, eps);
-  else
-    rms_rows(x.data_ptr<c10::BFloat16>() + r0 * ld, ld, weight.data_ptr<c10::BFloat16>(),
-             out.data_ptr<c10::BFloat16>() + r0 * C, r1 - r0, C, eps);
-}
-
-// rows [r0, r1) of swiglu_into, into out (M, ffn) allocated
-void swiglu_range(const torch::Tensor& u, int64_t ffn, torch::Tensor& out, int64_t r0, int64_t r1) {
-  if (r0 >= r1) return;
-  const int64_t ld = u.stride(0);
-  if (u.scalar_type() == at::kFloat)
-    swiglu_rows(u.data_ptr<float>() + r0 * ld, ld, ffn, out.data_ptr<float>() + r0 * ffn, r1 - r0);
-  else
-    swiglu_rows(u.data_ptr<c10::BFloat16>() + r0 * ld, ld, ffn, out.data_ptr<c10::BFloat16>() + r0 * ffn, r1 - r0);
-}
-
-// The block's norm of x (M, C) into out (M, C), as norm() computes it, without an allocation for RMSNorm (rms_rows
-// of csrc/fused_decode.cpp, one pass a row); LayerNorm, or a weight of another dtype: norm()
-void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
-               torch::Tensor& out) {
-  if (!rms_direct(x, weight, rms)) {
-    out = norm(x, weight, bias, rms, eps).contiguous();
-    return;
-  }
-  if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
-  norm_range(x, weight, eps, out, 0, x.size(0));
-}
-
-// SwiGLU's silu(gate) * up into out (M, ffn) without an allocation: swiglu_rows (csrc/fused_decode.cpp), as the
-// per-op loop; u (M, 2 ffn) the up Linear's rows, gate first
-void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
-  const int64_t M = u.size(0);
-  if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
-  swiglu_range(u, ffn, out, 0, M);
-}
 
 // Rows a step needs for the team to split thread 0's row-wise small ops (the norms, the activation) and the next
 // Linear's layout over its threads, each its rows (a row's ops do not depend on the others: the same bits). Below
@@ -212,7 +166,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   const int64_t panel_variant = panel_src::row_variant(0);
   const auto plan = plan_for(b, w, kinds, k_caches, v_caches, x.scalar_type(), panel_variant, C, qn, kn, up_n, a.ffn);
   const std::vector<LinearDesc>& lin = plan->lin;
-  TeamLinear job, proj_job;  // proj_job: the attention's projection where the threads lay out their heads (lay_heads)
+  TeamLinear job, proj_job, job2;  // proj_job: the attention's projection; job2: the down Linear's (own below)
   std::vector<float> buf_proj;
   torch::Tensor h, q, kr, att, act;  // thread 0's tensors between phases
   const bool split = at::get_num_threads() > 1 && M >= SPLIT_ROWS;  // (SPLIT_ROWS)
@@ -244,6 +198,26 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   const int64_t len0 = lean ? a.lens.data_ptr<int64_t>()[0] : 0;
   const int64_t* tab_p = lean ? a.table.data_ptr<int64_t>() : nullptr;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  // One sequence (lean), RMSNorm and SwiGLU, every Linear an FP8 one or a panel one reading its row as it is (own):
+  // each thread computes the small ops' row itself into its own buffer (own_rows below), no serial phase,
+  // and thread 0 readies each Linear's claims while the one before runs (QKV and up in job, the projection in
+  // proj_job, down in job2: each readied once the claims of its last use have ended). The small ops read a few KB,
+  // but each hand-off of thread 0's output cost the others a miss a line and a flag's round trip, the more so when
+  // the two vCPUs are far apart. SmolLM2 FP8 + FP8 head, batch 1, 2-core Zen 4 EPYC, one process, rounds alternating
+  // with the build before (runs/s97/abcont.py; medians, by the read of 256 MB before each round): the step 1.03-1.05x
+  // where the read was >= 45 GB/s (86 and 124 rounds in two runs), 1.00-1.02x below 35 (its memory the bound)
+  bool own = lean && a.act == 2 && a.rms;
+  for (int64_t l = 0; own && l < L; ++l)
+    for (int i = 0; own && i < 4; ++i) {
+      const int64_t k_in[4] = {C, qn, C, a.ffn}, kind = lin[4 * l + i].kind;
+      own = (i % 2 || rms_direct(x, w[PER_LAYER * l + i], true)) &&
+            (kind >= 5 || (kind == 0 && (x.scalar_type() == at::kFloat || k_in[i] % 2 == 0)));
+    }
+  // own: the Linears' input shapes for prepare (the threads' rows are their own): x's, and the down Linear's (u's gate)
+  const torch::Tensor gate = own ? u.narrow(1, 0, a.ffn) : torch::Tensor();
+  if (own) prepare(job, lin[0], x, nullptr, qkv, buf, false);
+  void* const x_p = x.data_ptr();
+  const void* const u_p = u.data_ptr();
   if (lean)
     TORCH_CHECK(slot0 >= 0 && slot0 < k_caches[0].size(0) && len0 >= 1 && len0 <= a.table.size(1) * a.block_size,
                 "decode_blocks: cache slot ", slot0, " or length ", len0, " out of range");
@@ -308,12 +282,35 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
     // thread 0 requests the norm weights `norm` (a plan->norm_w index) after its claims: the next serial phase reads
     // them, by then evicted by the weights' stream (SmolLM2 FP8 + FP8 head, batch 1, 2-core Zen 4 EPYC: thread 0's
     // norm-and-up phases 40-42 -> 25-26 us a token, rdtsc in the phases)
-    auto linear = [&](TeamLinear& j, const LinearDesc* next, int64_t norm = -1) {
+    // (own: every thread its own input row xo, and every thread requests the norm weights; thread 0 then readies the
+    // next Linear's claims: `then`)
+    auto linear = [&](TeamLinear& j, const LinearDesc* next, int64_t norm = -1, const void* xo = nullptr,
+                      const std::function<void()>& then = {}) {
       phase(true, [&] {
-        j.run(tid);
-        if (tid == 0 && norm >= 0) request_bytes(plan->norm_w[norm], plan->norm_bytes);
+        j.run(tid, xo);
+        if ((tid == 0 || own) && norm >= 0) request_bytes(plan->norm_w[norm], plan->norm_bytes);
+        if (tid == 0 && then) then();
       }, next);
     };
+    // own: this thread's norm n (a plan->norm_w index) of x, or with n < 0 SwiGLU of u, into its own row (64-byte
+    // aligned, as a tensor's), laid out for the Linear j (lay_row): norm_range's / swiglu_range's ops, the same bits
+    std::vector<float> row_buf, mine;
+    if (own) row_buf.resize(widest + 16), mine.resize(widest + 2);
+    float* const row = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(row_buf.data()) + 63) & ~uintptr_t{63});
+    auto own_row = [&](auto tag, int64_t n, const TeamLinear& j) -> const void* {
+      using T = decltype(tag);
+      T* r = reinterpret_cast<T*>(row);
+      if (n < 0) {
+        swiglu_rows(static_cast<const T*>(u_p), up_n, a.ffn, r, 1);
+        return lay_row(j, r, a.ffn, mine.data());
+      }
+      rms_rows(static_cast<const T*>(x_p), C, static_cast<const T*>(plan->norm_w[n]), r, 1, C, a.eps);
+      return lay_row(j, r, C, mine.data());
+    };
+    auto own_rows = [&](int64_t n, const TeamLinear& j) {
+      return x.scalar_type() == at::kFloat ? own_row(float{}, n, j) : own_row(c10::BFloat16{}, n, j);
+    };
+    const void* xo = nullptr;  // own: the row the next Linear reads
     const int64_t r0 = tid * M / nt, r1 = (tid + 1) * M / nt;  // this thread's rows in a split phase
     // split_heads: this thread's kv heads [g0, g1), thread 0 the last share (the smaller where they are uneven)
     const int64_t per = (nkv + nt - 1) / nt, g0 = std::min(nkv, (nt - 1 - tid) * per), g1 = std::min(nkv, g0 + per);
@@ -358,12 +355,16 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       // into the projection's own job, readied with the QKV Linear's (SmolLM2 FP8 + FP8 head on the 2-core Zen 4 EPYC:
       // a phase of thread 0 reading the other thread's heads took 1-2 us a layer)
       const bool lay_heads = split_heads && d[1].kind >= 5;
-      norm_then(p, d[0], qkv, [&] {
+      if (own) guarded(true, [&] {
+        xo = own_rows(2 * l, job);
+        if (tid == 0) prepare(proj_job, d[1], y, &x, x, buf_proj, false);  // (a panel's one row: y itself)
+      });
+      else norm_then(p, d[0], qkv, [&] {
         if (lay_heads) prepare(proj_job, d[1], y, &x, x, buf_proj, false);
       });
       if (lean && g0 < g1)  // the keys and values this thread attends next (the new position's come from the Linear)
         request_kv(plan->kc[l], plan->vc[l], tab_p, len0 - 1, a.block_size, kn * es, g0 * hd * es, (g1 - g0) * hd * es);
-      linear(job, d + 1);  // qkv (M, qn + 2 kn)
+      linear(job, d + 1, -1, xo);  // qkv (M, qn + 2 kn)
       // the attention's rows laid out by the threads that computed them (split_attention, below)
       const bool lay_y = split && split_attention && deferrable(d[1], y);
       if (!split_heads) serial(d[1], [&] {
@@ -439,6 +440,16 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
         }, d + 1);
       }
       // the team's attention in y: thread 0 lays out the projection's input
+      if (own) {  // x + proj(y); u (M, up_n) of this thread's norm; act's rows, each thread its own; x + down(act)
+        linear(proj_job, d + 2, 2 * l + 1, nullptr, [&] { prepare(job, d[2], x, nullptr, u, buf, false); });
+        guarded(true, [&] { xo = own_rows(2 * l + 1, job); });
+        linear(job, d + 3, -1, xo, [&] { prepare(job2, d[3], gate, &x, x, buf, false); });
+        guarded(true, [&] { xo = own_rows(-1, job2); });
+        linear(job2, l + 1 < L ? d + 4 : nullptr, l + 1 < L ? 2 * l + 2 : -1, xo, [&] {
+          if (l + 1 < L) prepare(job, d[4], x, nullptr, qkv, buf, false);
+        });
+        continue;
+      }
       if ((split_heads || split_attention) && !lay_y && !lay_heads)
         serial(d[1], [&] { prepare(job, d[1], y, &x, x, buf); });
       linear(lay_heads ? proj_job : job, d + 2, 2 * l + 1);  // x + proj(y)

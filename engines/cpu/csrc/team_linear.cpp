@@ -1,6 +1,7 @@
 // The fused decode step's Linears (csrc/fused_team.cpp, compiled just after this file): one block Linear readied by
 // thread 0 for the team (its input rows laid out as its kernel reads them), the panels handed out in claims, and the
-// warming of the next Linear's panels while thread 0 runs the small ops before it.
+// warming of the next Linear's panels while thread 0 runs the small ops before it; and those small ops' rows (the
+// norms, SwiGLU) over a range of rows.
 #include <torch/types.h>
 #include <omp.h>
 #include <algorithm>
@@ -9,6 +10,54 @@
 #include <vector>
 
 namespace {
+// Whether norm_into runs rms_rows on x (so that rows of it may run apart: norm_range)
+bool rms_direct(const torch::Tensor& x, const torch::Tensor& weight, bool rms) {
+  return rms && weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+         x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+// rows [r0, r1) of norm_into's RMSNorm (rms_direct), into out (M, C) allocated
+void norm_range(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out, int64_t r0,
+                int64_t r1) {
+  const int64_t C = x.size(1), ld = x.stride(0);
+  if (r0 >= r1) return;
+  if (x.scalar_type() == at::kFloat)
+    rms_rows(x.data_ptr<float>() + r0 * ld, ld, weight.data_ptr<float>(), out.data_ptr<float>() + r0 * C, r1 - r0, C, eps);
+  else
+    rms_rows(x.data_ptr<c10::BFloat16>() + r0 * ld, ld, weight.data_ptr<c10::BFloat16>(),
+             out.data_ptr<c10::BFloat16>() + r0 * C, r1 - r0, C, eps);
+}
+
+// rows [r0, r1) of swiglu_into, into out (M, ffn) allocated
+void swiglu_range(const torch::Tensor& u, int64_t ffn, torch::Tensor& out, int64_t r0, int64_t r1) {
+  if (r0 >= r1) return;
+  const int64_t ld = u.stride(0);
+  if (u.scalar_type() == at::kFloat)
+    swiglu_rows(u.data_ptr<float>() + r0 * ld, ld, ffn, out.data_ptr<float>() + r0 * ffn, r1 - r0);
+  else
+    swiglu_rows(u.data_ptr<c10::BFloat16>() + r0 * ld, ld, ffn, out.data_ptr<c10::BFloat16>() + r0 * ffn, r1 - r0);
+}
+
+// The block's norm of x (M, C) into out (M, C), as norm() computes it, without an allocation for RMSNorm (rms_rows
+// of csrc/fused_decode.cpp, one pass a row); LayerNorm, or a weight of another dtype: norm()
+void norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool rms, double eps,
+               torch::Tensor& out) {
+  if (!rms_direct(x, weight, rms)) {
+    out = norm(x, weight, bias, rms, eps).contiguous();
+    return;
+  }
+  if (!out.defined() || !out.is_contiguous() || out.sizes() != x.sizes()) out = torch::empty_like(x);
+  norm_range(x, weight, eps, out, 0, x.size(0));
+}
+
+// SwiGLU's silu(gate) * up into out (M, ffn) without an allocation: swiglu_rows (csrc/fused_decode.cpp), as the
+// per-op loop; u (M, 2 ffn) the up Linear's rows, gate first
+void swiglu_into(const torch::Tensor& u, int64_t ffn, torch::Tensor& out) {
+  const int64_t M = u.size(0);
+  if (!out.defined() || out.size(0) != M || out.size(1) != ffn) out = torch::empty({M, ffn}, u.options());
+  swiglu_range(u, ffn, out, 0, M);
+}
+
 // One block Linear prepared by thread 0 for the team: its input rows laid out as its kernel reads them, its
 // panels, bias, scales, residual and output (raw pointers into tensors the step keeps alive). Its panels are
 // handed out in claims of `group` from both ends: thread 0 takes them from the front, the others from the back,
@@ -60,8 +109,9 @@ struct TeamLinear {
   }
   int64_t unit = 0;  // > 0: taper's claims
 
-  // claim groups until none is left: a claim first takes one of `left`, so the two ends never meet twice
-  void run(int tid) {
+  // claim groups until none is left: a claim first takes one of `left`, so the two ends never meet twice; xo: this
+  // thread's own copy of the laid-out input rows (fused_team.cpp own_rows), else x
+  void run(int tid, const void* xo = nullptr) {
     if (unit > 0) {  // taper: a claim first takes its units from `left`, as above
       const int64_t big = std::max<int64_t>(1, group / unit), nt = omp_get_num_threads();
       for (int64_t have = left.load(std::memory_order_relaxed), take;;) {
@@ -71,22 +121,25 @@ struct TeamLinear {
         } while (!left.compare_exchange_weak(have, have - take, std::memory_order_relaxed));
         const int64_t u0 = tid == 0 ? front.fetch_add(take, std::memory_order_relaxed)
                                     : back.fetch_sub(take, std::memory_order_relaxed) - take;
-        range(u0 * unit, std::min(P, (u0 + take) * unit), back_passes && tid != 0);
+        range(u0 * unit, std::min(P, (u0 + take) * unit), back_passes && tid != 0, xo);
         have = left.load(std::memory_order_relaxed);
       }
     }
     while (left.fetch_sub(1, std::memory_order_relaxed) > 0) {
       const int64_t g = tid == 0 ? front.fetch_add(1, std::memory_order_relaxed)
                                  : back.fetch_sub(1, std::memory_order_relaxed) - 1;
-      range(g * group, std::min(P, (g + 1) * group), back_passes && tid != 0);
+      range(g * group, std::min(P, (g + 1) * group), back_passes && tid != 0, xo);
     }
   }
 
-  bool back_passes = false;  // whether the threads claiming from the back run their claims' passes backwards (prepare)
+  // whether the threads claiming from the back run their claims' passes backwards (variants 2-4) or request the group
+  // before theirs (5: one pass a claim) (prepare)
+  bool back_passes = false;
 
-  // panels [p0, p1); backward: a one-row FP8 claim's passes from the last (fp8_range)
-  void range(int64_t p0, int64_t p1, bool backward = false) const {
+  // panels [p0, p1); backward: a one-row FP8 claim's passes from the last (fp8_range); xo: the input rows, else x
+  void range(int64_t p0, int64_t p1, bool backward = false, const void* xo = nullptr) const {
     using BF = c10::BFloat16;
+    const void* x = xo ? xo : this->x;
     if (blocked && bf16)
       panel_src::blocked_range(static_cast<const float*>(x), M, Kp, static_cast<const BF*>(w), N, bias,
                                static_cast<const BF*>(res), static_cast<BF*>(out), p0, p1);
@@ -144,6 +197,19 @@ void fp8_lay_cols(const TeamLinear& j, const torch::Tensor& x, int64_t k0, int64
   const float* x32 = x16 ? nullptr : x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = k0; k < k1; ++k) dst[m * ld + k] = up * (x16 ? static_cast<float>(x16[m * K + k]) : x32[m * K + k]);
+}
+
+// One row h of K inputs laid out for the Linear j as prepare lays out one row into buf: an FP8 Linear's fp32 row
+// (scaled by X_UP for the vector variants; fp8_lay_cols' arithmetic, an odd K's pad input zero), else the row itself
+// (the one-row panel kernels read it as it is: prepare). A thread's own copy where every thread computes the row
+// (fused_team.cpp own_rows); -> the pointer the Linear's kernels then read
+template <typename T>
+const void* lay_row(const TeamLinear& j, const T* h, int64_t K, float* dst) {
+  if (j.kind == 0) return h;
+  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  for (int64_t k = 0; k < K; ++k) dst[k] = up * static_cast<float>(h[k]);
+  if (K % 2) dst[K] = 0.f;
+  return dst;
 }
 
 // One block Linear as the team runs it, resolved once a step before the team's region (describe): its kernel and
@@ -323,7 +389,10 @@ void prepare(TeamLinear& j, const LinearDesc& d, const torch::Tensor& x, const t
     }
     return;
   }
-  if (M == 1 && j.variant == 5) j.claim_up_to(fp8_src::F8_GW);
+  if (M == 1 && j.variant == 5) {  // one pass a claim; the threads claiming from the back request the group before
+    j.claim_up_to(fp8_src::F8_GW);
+    j.back_passes = true;
+  }
   // the 4-panel passes of variants 2-4 request the next pass's panels near their end (row_avx2 / row_wide: the group
   // after, F8_G panels on); for a thread taking its claims from the back, the group after is one it has already read,
   // so those threads run each claim's passes from its last to its first and request the group before (BACK), which
