@@ -21,7 +21,6 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <functional>
 #include <vector>
 
 namespace {
@@ -284,13 +283,15 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
     // norm-and-up phases 40-42 -> 25-26 us a token, rdtsc in the phases)
     // (own: every thread its own input row xo, and every thread requests the norm weights; thread 0 then readies the
     // next Linear's claims: `then`)
-    auto linear = [&](TeamLinear& j, const LinearDesc* next, int64_t norm = -1, const void* xo = nullptr,
-                      const std::function<void()>& then = {}) {
+    auto own_linear = [&](TeamLinear& j, const LinearDesc* next, int64_t norm, const void* xo, auto&& then) {
       phase(true, [&] {
         j.run(tid, xo);
         if ((tid == 0 || own) && norm >= 0) request_bytes(plan->norm_w[norm], plan->norm_bytes);
-        if (tid == 0 && then) then();
+        if (tid == 0) then();
       }, next);
+    };
+    auto linear = [&](TeamLinear& j, const LinearDesc* next, int64_t norm = -1) {
+      own_linear(j, next, norm, nullptr, [] {});
     };
     // own: this thread's norm n (a plan->norm_w index) of x, or with n < 0 SwiGLU of u, into its own row (64-byte
     // aligned, as a tensor's), laid out for the Linear j (lay_row): norm_range's / swiglu_range's ops, the same bits
@@ -364,7 +365,7 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       });
       if (lean && g0 < g1)  // the keys and values this thread attends next (the new position's come from the Linear)
         request_kv(plan->kc[l], plan->vc[l], tab_p, len0 - 1, a.block_size, kn * es, g0 * hd * es, (g1 - g0) * hd * es);
-      linear(job, d + 1, -1, xo);  // qkv (M, qn + 2 kn)
+      own_linear(job, d + 1, -1, xo, [] {});  // qkv (M, qn + 2 kn)
       // the attention's rows laid out by the threads that computed them (split_attention, below)
       const bool lay_y = split && split_attention && deferrable(d[1], y);
       if (!split_heads) serial(d[1], [&] {
@@ -441,11 +442,11 @@ torch::Tensor decode_team(torch::Tensor x, const std::vector<torch::Tensor>& w, 
       }
       // the team's attention in y: thread 0 lays out the projection's input
       if (own) {  // x + proj(y); u (M, up_n) of this thread's norm; act's rows, each thread its own; x + down(act)
-        linear(proj_job, d + 2, 2 * l + 1, nullptr, [&] { prepare(job, d[2], x, nullptr, u, buf, false); });
+        own_linear(proj_job, d + 2, 2 * l + 1, nullptr, [&] { prepare(job, d[2], x, nullptr, u, buf, false); });
         guarded(true, [&] { xo = own_rows(2 * l + 1, job); });
-        linear(job, d + 3, -1, xo, [&] { prepare(job2, d[3], gate, &x, x, buf, false); });
+        own_linear(job, d + 3, -1, xo, [&] { prepare(job2, d[3], gate, &x, x, buf, false); });
         guarded(true, [&] { xo = own_rows(-1, job2); });
-        linear(job2, l + 1 < L ? d + 4 : nullptr, l + 1 < L ? 2 * l + 2 : -1, xo, [&] {
+        own_linear(job2, l + 1 < L ? d + 4 : nullptr, l + 1 < L ? 2 * l + 2 : -1, xo, [&] {
           if (l + 1 < L) prepare(job, d[4], x, nullptr, qkv, buf, false);
         });
         continue;
