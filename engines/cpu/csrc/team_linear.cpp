@@ -185,12 +185,15 @@ void lay_out(const TeamLinear& j, const torch::Tensor& x, int64_t r0, int64_t r1
     panel_src::transpose_rows(x.data_ptr<float>(), M, K, static_cast<float*>(const_cast<void*>(j.x)), r0, r1);
 }
 
+// The factor an FP8 Linear's input rows are laid out with: X_UP for the vector variants, 1 for the portable one
+inline float fp8_row_up(const TeamLinear& j) { return j.variant == 1 ? 1.f : fp8_src::X_UP; }
+
 // Columns [k0, k1) of an FP8 Linear's input rows x (M, K) into its prepared rows (M, 2 K2) at j.x, scaled by X_UP
 // for the vector variants: prepare lays out every column; with prepare's lay false the threads that computed a row's
 // columns lay them out (fused_team.cpp lay_heads), so no phase waits for thread 0 to read them. The pointers are taken
 // once (not a data_ptr call an element: 3 % of SmolLM2's batch-1 FP8 decode)
 void fp8_lay_cols(const TeamLinear& j, const torch::Tensor& x, int64_t k0, int64_t k1) {
-  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  const float up = fp8_row_up(j);
   const int64_t M = x.size(0), K = x.size(1), ld = 2 * ((K + 1) / 2);
   float* dst = static_cast<float*>(const_cast<void*>(j.x));
   const c10::BFloat16* x16 = x.scalar_type() == at::kBFloat16 ? x.data_ptr<c10::BFloat16>() : nullptr;
@@ -206,7 +209,7 @@ void fp8_lay_cols(const TeamLinear& j, const torch::Tensor& x, int64_t k0, int64
 template <typename T>
 const void* lay_row(const TeamLinear& j, const T* h, int64_t K, float* dst) {
   if (j.kind == 0) return h;
-  const float up = j.variant == 1 ? 1.f : fp8_src::X_UP;
+  const float up = fp8_row_up(j);
   for (int64_t k = 0; k < K; ++k) dst[k] = up * static_cast<float>(h[k]);
   if (K % 2) dst[K] = 0.f;
   return dst;
