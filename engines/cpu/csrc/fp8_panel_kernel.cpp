@@ -396,16 +396,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const float
 }
 
 using RowFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
-template <int... I>
+template <bool BACK, int... I>
 constexpr std::array<RowFn, sizeof...(I)> row_bf16_table(std::integer_sequence<int, I...>) {
-  return {&row_bf16<I + 1>...};
+  return {&row_bf16<I + 1, BACK>...};
 }
-template <int... I>
-constexpr std::array<RowFn, sizeof...(I)> row_bf16_back_table(std::integer_sequence<int, I...>) {
-  return {&row_bf16<I + 1, true>...};
-}
-const auto ROW_BF16 = row_bf16_table(std::make_integer_sequence<int, F8_GW>());  // [g - 1]: g panels
-const auto ROW_BF16_BACK = row_bf16_back_table(std::make_integer_sequence<int, F8_GW>());  // ... BACK
+const auto ROW_BF16 = row_bf16_table<false>(std::make_integer_sequence<int, F8_GW>());  // [g - 1]: g panels
+const auto ROW_BF16_BACK = row_bf16_table<true>(std::make_integer_sequence<int, F8_GW>());  // ... BACK
 
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
