@@ -318,7 +318,8 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
         if (static_cast<int64_t>(acc.size()) < nq16 * hd) acc.resize(nq16 * hd);
         const auto head = [&](int64_t i) { return (r0 + i0 + i / group) * nh + g * group + i % group; };
         const auto query = [&](int64_t i) { return qp + (r0 + i0 + i / group) * qs + (g * group + i % group) * hd; };
-        for (int64_t i = 0; i < nq; ++i) std::memcpy(x.data() + i * hd, query(i), hd * sizeof(BF));
+        for (int64_t r = 0; r < R; ++r)  // a token's group of query heads lies together: one copy a token
+          std::memcpy(x.data() + r * group * hd, query(r * group), group * hd * sizeof(BF));
         panel_src::run_range<uint32_t, BF, float>(rows_for(variant, x.data(), nq, hd / 2, xt), nq, hd / 2, kd.data(),
                                                   lp16, nullptr, nullptr, sc.data(), variant, 0, lp16 / 16);
         for (int64_t i = 0; i < nq; ++i)
@@ -328,10 +329,14 @@ void causal_chunk(const T* qp, const T* kc, const T* vc, const int64_t* table, i
           panel_src::run_range<uint32_t, BF, float>(e, nq, lpp / 2,
                                                     vd.data() + p * (L2 - lpp / 2) * 32, hd, nullptr, nullptr,
                                                     acc.data(), variant, p, p + 1);
-        for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t i = 0; i < nq; ++i) {  // 16 at a time (hd a multiple of 32), rounded as c10 rounds
           T* o = out + head(i) * hd;
           const float inv = 1.f / sums[i];
-          for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<T>(acc[i * hd + d] * inv);
+          for (int64_t d = 0; d < hd; d += W) {
+            const vf y = panel_src::round_bf16(load16(acc.data() + i * hd + d) * inv);
+            const vh h = __builtin_convertvector(panel_src::as_u(y) >> 16, vh);
+            std::memcpy(o + d, &h, sizeof(vh));
+          }
         }
       }
       return;
