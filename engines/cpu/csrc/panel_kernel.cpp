@@ -186,37 +186,6 @@ void run_range(const X* xt, int64_t M, int64_t Kp, const T* w, int64_t N, const 
     }
 }
 
-#if defined(__AVX512F__)
-// a 16 x 16 block of 32-bit elements, rows ls apart, to dst's rows ld apart, transposed in registers: 32-bit then
-// 64-bit interleaves within 128-bit lanes (after which r[4 i + s]'s lane j holds column 4 j + s of rows 4 i .. 4 i + 3),
-// then the lanes gathered. The element-by-element loop took ~2 cycles an element: laying out each piece's queries and
-// exponentials so (with the queries' copy) was 17 % of SmolLM2's bf16 causal prefill attention on Zen 4
-template <typename E>
-inline void transpose16(const E* src, int64_t ls, E* dst, int64_t ld) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ls);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int s = 0; s < 4; ++s) {  // column 4 j + s: lane j of r[s], r[4 + s], r[8 + s], r[12 + s]
-    const __m512i v0 = _mm512_shuffle_i32x4(r[s], r[4 + s], 0x44), v1 = _mm512_shuffle_i32x4(r[s], r[4 + s], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0xEE);
-    _mm512_storeu_si512(dst + s * ld, _mm512_shuffle_i32x4(v0, w0, 0x88));
-    _mm512_storeu_si512(dst + (4 + s) * ld, _mm512_shuffle_i32x4(v0, w0, 0xDD));
-    _mm512_storeu_si512(dst + (8 + s) * ld, _mm512_shuffle_i32x4(v1, w1, 0x88));
-    _mm512_storeu_si512(dst + (12 + s) * ld, _mm512_shuffle_i32x4(v1, w1, 0xDD));
-  }
-}
-#endif
-
 // src (M, K) -> dst (K, M): 16 rows at a time, so their 16 source lines stay in L1 while each destination line is
 // written whole (the element-wise scatter of bf16 pairs into a zeroed buffer: prepare 2.4 % of the perf samples of a
 // SmolLM2 bf16 mix's decode steps (34 rows on average, 2-core EPYC Zen 4), and the others' spin waits 9.0 %; now 1.2 and 6.3)
