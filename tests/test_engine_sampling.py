@@ -258,6 +258,43 @@ def test_inverse_transform_draws_match_probabilities_and_skip_cut_tokens():
     assert a == c
 
 
+def test_min_tokens_suppression_after_the_argmax_equals_masking_first():
+    """A greedy row with min_tokens (no penalties, no grammar) takes its argmax first and masks only its own row when
+    that argmax is a suppressed id: the same tokens as masking every row first (the reference), beside penalised,
+    sampled and finished-suppression rows, and the caller's logits left as the model gave them."""
+    from engines.core.plan import SeqInit
+    from engines.runner.sampler import Sampler
+
+    g = torch.Generator().manual_seed(3)
+    V = 50
+    logits = torch.randn(6, V, generator=g)
+    logits[0, 7] = logits[1, 7] = logits[3, 7] = 9.0  # an EOS id on top
+    logits[2, 11] = 9.0  # a stop token id on top
+    logits[0, 4] = logits[0, 5] = 8.0  # the best allowed: a tie, the lower id
+    rows = [SamplingParams(temperature=0, max_tokens=8, min_tokens=3),  # EOS on top, suppressed
+            SamplingParams(temperature=0, max_tokens=8, min_tokens=1),  # its min_tokens reached: EOS stays
+            SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=[11]),
+            SamplingParams(temperature=0, max_tokens=8, min_tokens=3, repetition_penalty=1.3),  # masked first
+            SamplingParams(temperature=0, max_tokens=8, min_tokens=3),  # its argmax allowed: untouched
+            SamplingParams(temperature=0.8, seed=5, max_tokens=8, min_tokens=3)]
+
+    def run(after_pick: bool) -> list[int]:
+        sampler = Sampler(V, seed=0, device=torch.device("cpu"))
+        if not after_pick:
+            sampler._suppress_after_pick = lambda st: False  # the reference: every row masked first
+        for i, p in enumerate(rows):
+            sampler.add(SeqInit(i, 0, p, [1, 2], (7,)))
+        sampler.states[1].num_output = 1
+        given = logits.clone()
+        tokens = [t for t, _ in sampler.sample(list(range(len(rows))), given)]
+        assert torch.equal(given, logits)
+        return tokens
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert got[0] == 4 and got[1] == 7 and got[2] != 11 and got[4] == int(logits[4].argmax())
+
+
 def test_degenerate_temperature_and_top_p_sample_the_argmax():
     """logits / 1e-300 overflows to inf and the softmax to NaN: the row takes the T -> 0 limit
     (the argmax); top_p=1e-300 is 0.0 in float32 and keeps just the top token. An ordinary row

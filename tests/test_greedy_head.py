@@ -71,6 +71,26 @@ def test_screen_equals_the_fp32_argmax(variant):
     assert screen.tokens(bad) is None  # the caller takes the full logits
 
 
+@pytest.mark.parametrize("variant", ["auto", "portable"])
+def test_screen_with_suppressed_ids_equals_the_masked_argmax(variant):
+    """min_tokens' EOS / stop ids ruled out per row: the argmax of each row's allowed fp32 logits."""
+    g = torch.Generator().manual_seed(4)
+    V, C = 300, 64
+    w = torch.randn(V, C, generator=g) * 0.2
+    w[9] = w[20]  # a tie: 9 suppressed in row 0, so 20
+    h = torch.randn(6, C, generator=g) * 3
+    h[0] = w[9] * 5
+    logits = h @ w.T
+    best = logits.argmax(dim=-1)
+    rows, cols = [0, 0, 1, 1, 2, 5], [9, 3, int(best[1]), 250, 3, int(best[5])]
+    masked = logits.clone()
+    masked[rows, cols] = float("-inf")
+    screen = GreedyScreen(w, V, variant=variant)
+    got = screen.tokens(h, (rows, cols))
+    assert got is not None and torch.equal(got, masked.argmax(dim=-1))
+    assert got[0] == 20 and got[1] != best[1] and got[5] != best[5] and torch.equal(screen.tokens(h), best)
+
+
 def test_the_bound_holds_where_bf16_rounding_is_worst():
     """Entries rounded by almost 2^-9 each way: the screen's error against the fp32 logits stays within c |h| |w_j|."""
     g = torch.Generator().manual_seed(2)
@@ -99,7 +119,7 @@ def test_engine_greedy_streams_equal_with_the_screen_on_and_off(llama_dir):
     screen = GreedyScreen(weight, runner.model_config.vocab_size)
     calls = []
     tokens = screen.tokens
-    screen.tokens = lambda h: calls.append(h.shape[0]) or tokens(h)
+    screen.tokens = lambda h, *a: calls.append(h.shape[0]) or tokens(h, *a)
     head.screen = screen  # forced on, whatever the timing says here
     want = [r.outputs[0].token_ids for r in off.generate(prompts, params)]
     got = [r.outputs[0].token_ids for r in on.generate(prompts, params)]
@@ -109,6 +129,14 @@ def test_engine_greedy_streams_equal_with_the_screen_on_and_off(llama_dir):
     res = on.generate(prompts[:2], mixed)
     assert [r.outputs[0].token_ids for r in res] == want[:2]
     assert res[1].outputs[0].logprobs is not None and len(res[1].outputs[0].logprobs) == 12
+    # min_tokens rows are screened too, their EOS and stop ids ruled out until min_tokens: the tokens with it off
+    stop = [SamplingParams(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[w[2]], ignore_eos=True)
+            for w in want]
+    calls.clear()
+    got = [r.outputs[0] for r in on.generate(prompts, stop)]
+    assert [o.token_ids for o in got] == [r.outputs[0].token_ids for r in off.generate(prompts, stop)]
+    assert sum(calls) >= len(prompts) * 5 and all(len(o.token_ids) >= 6 for o in got)
+    assert all(w[2] not in o.token_ids[:6] for w, o in zip(want, got))
 
 
 def test_config_names_the_field():

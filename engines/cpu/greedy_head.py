@@ -66,13 +66,17 @@ class GreedyScreen:
     def applies(self, rows: int) -> bool:
         return self.rows_one if rows == 1 else self.rows_many
 
-    def tokens(self, h: torch.Tensor) -> torch.Tensor | None:
+    def tokens(self, h: torch.Tensor, suppressed: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
         """(S) int64 greedy tokens of the hidden rows h (S, C) fp32; None where a row is NaN / infinite or too flat (the
-        caller takes the full logits)."""
+        caller takes the full logits). suppressed: (rows, token ids) pairs ruled out (min_tokens' EOS and stop ids):
+        their screened logits become -inf, so they are never candidates and each row's token is the argmax of its
+        allowed entries (the bound holds for any subset of the columns)."""
         h = h.contiguous()
         a = panel_kernel.panel_linear_f32(h.bfloat16(), self.panels, self.weight.shape[0], self.variant)  # (S, out)
         if a.shape[1] != self.vocab:
             a = a[:, : self.vocab].contiguous()
+        if suppressed is not None:
+            a[torch.tensor(suppressed[0]), torch.tensor(suppressed[1])] = float("-inf")
         k = (h.norm(dim=1) * self.c).float()  # (S,): entry j's error is at most k |w_j|
         pairs = self._near(a, k, self.norms)  # (N, 2) (row, column), columns ascending a row
         if pairs.shape[0] == 0 or bool((pairs[:, 1] < 0).any()) or pairs.shape[0] > MAX_CANDIDATES_PER_ROW * h.shape[0]:
