@@ -169,7 +169,7 @@ class Sampler:
             apply_bitmask(logits, *masks)
         tok_list = self._pick(states, logits).tolist()
         for i, st in enumerate(states):  # greedy rows whose suppression waited for their argmax
-            if self._suppress_after_pick(st):
+            if params[i].min_tokens and self._suppress_after_pick(st):
                 banned = self.suppressed_ids(st)
                 if banned and tok_list[i] in banned:
                     row = logits[i:i + 1].float().clone()
