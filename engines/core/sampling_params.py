@@ -128,11 +128,16 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def greedy_argmax(self) -> bool:
+        """Greedy whose token is the argmax of the logits with at most a few ids ruled out (min_tokens' EOS and stop
+        ids): no logprobs, penalties or grammar."""
+        return self.greedy and not self.has_penalties and self.logprobs is None and self.structured is None
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the full vocabulary row (logprobs, penalties, suppression, a grammar): the
         token is the argmax of the logits alone."""
-        return (self.greedy and not self.has_penalties and self.logprobs is None and self.min_tokens == 0
-                and self.structured is None)
+        return self.greedy_argmax and self.min_tokens == 0
 
     @property
     def has_penalties(self) -> bool:
