@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from parallel_fixtures import (
     PROMPTS,
     LogitsRecorder,
+    ThreadComm,
+    ThreadGroup,
     ThreadTPExecutor,
     make_own_checkpoint,
     max_logit_error,
@@ -20,7 +23,7 @@ from parallel_fixtures import (
 
 from engines.core.config import ConfigError, EngineConfig, ModelConfig
 from engines.core.executor import InProcessExecutor
-from engines.core.plan import SeqWork
+from engines.core.plan import SeqInit, SeqWork, StepPlan
 from engines.core.sampling_params import SamplingParams
 from engines.loading.checkpoint import load_model
 from engines.parallel import check_parallel_config, make_executor_factory
@@ -29,6 +32,8 @@ from engines.parallel.layout import ParallelLayout, stage_layer_ranges
 from engines.parallel.pp import ideal_bubble, measured_bubble, split_microbatches, split_stage
 from engines.parallel.sharded_loading import expected_shard_bytes, load_shard, meta_device, shard_bytes
 from engines.parallel.tp import apply_tp
+from engines.runner.sampler import Sampler
+from engines.runner.step_head import StepHead
 
 MEDIUM = ModelConfig(model_type="gpt2", vocab_size=50257, n_layer=24, n_head=16, n_embd=1024)
 GQA = ModelConfig(model_type="llama", vocab_size=1000, n_layer=3, n_head=8, n_embd=64, n_kv_head=2,
@@ -178,3 +183,68 @@ def test_tp_threads_sampling_paths(llama_dir):
     outs, _ = run_engine(llama_dir, ThreadTPExecutor(llama_dir, cfg.replace(tensor_parallel_size=2)), cfg,
                          params=params)
     assert outs == ref
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_combined_argmax_rules_out_min_tokens_ids_and_the_padded_tail(tp):
+    """The TP greedy argmax from vocabulary shards (two numbers a row, two more a row with min_tokens) equals the
+    argmax of the full row with the row's suppressed ids masked: EOS and stop ids while it is short of min_tokens,
+    none after; ties to the lowest id within a shard and across shards; the last shard's zero padding (a logit of 0
+    above every real one here) is no token."""
+    V = 11
+    per = -(-V // tp)
+    full = -1 - torch.rand(6, V, generator=torch.Generator().manual_seed(tp))  # below the padding's zeros
+    full[1, 2] = 5.0  # EOS (2) on top of a row short of min_tokens
+    full[2, 7] = 5.0  # a stop id on top of a row that has its min_tokens: kept
+    full[3, 9], full[3, 4], full[3, 8] = 5.0, 3.0, 3.0  # a stop id on top, the next tied across shards
+    full[4, 0], full[4, V - 1] = 5.0, 4.0  # a stop id in the first shard, the next best in the last
+    full[5, 2], full[5, 3], full[5, 5] = 4.0, 2.0, 2.0  # EOS on top, the next tied inside one shard
+    params = [SamplingParams(temperature=0, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=3),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=[7]),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[9]),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=1, stop_token_ids=[0]),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=5)]
+    inits = [SeqInit(i, 0, p, [1], (2,)) for i, p in enumerate(params)]
+    group = ThreadGroup(tp)
+    heads = [StepHead(None, ThreadComm(group, r), Sampler(V, 0, torch.device("cpu")) if r == 0 else None, V, r)
+             for r in range(tp)]
+    for h in heads:
+        h.update(StepPlan(0, new_seqs=inits))
+    states = heads[0].sampler.states
+    for i, n in enumerate([0, 0, 3, 1, 0, 0]):
+        states[i].num_output = n
+    padded = torch.cat([full, torch.zeros(6, tp * per - V)], 1)
+    with ThreadPoolExecutor(tp) as pool:
+        outs = list(pool.map(lambda r: heads[r]._combined_argmax(padded[:, r * per:(r + 1) * per], list(range(6))),
+                             range(tp)))
+    got = outs[0]  # the sampling rank's; the others return []
+    want = []
+    for i in range(6):
+        row = full[i].clone()
+        row[heads[0].sampler.suppressed_ids(states[i])] = float("-inf")
+        want.append(int(row.argmax()))
+    assert got == want and got[1] != 2 and got[2:] == [7, 4, V - 1, 3] and got[0] < V
+    assert outs[1:] == [[]] * (tp - 1)
+    assert heads[1].comm.bytes["tp_logits"] == (6 + 5) * 2 * 8  # five rows with min_tokens send their masked best
+
+
+def test_tp_threads_greedy_min_tokens_take_the_combined_argmax(llama_dir):
+    """Greedy rows with min_tokens (a load test holding outputs at max_tokens sends them) give the single-device
+    tokens on TP shards with a few numbers a row through the gather, not the full logits."""
+    cfg = EngineConfig(num_kv_blocks=64)
+    plain = [SamplingParams(temperature=0, max_tokens=6)] * len(PROMPTS)
+    free, _ = run_engine(llama_dir, InProcessExecutor(llama_dir, cfg), cfg, params=plain)
+    # each row's own first greedy token as a stop id, ruled out for its first 4 tokens
+    params = [SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=[free[i][0][0]])
+              for i in range(len(PROMPTS))]
+    params[0] = plain[0]
+    ref, _ = run_engine(llama_dir, InProcessExecutor(llama_dir, cfg), cfg, params=params)
+    assert all(ref[i][0][0] != free[i][0][0] for i in range(1, len(PROMPTS)))  # the suppression bit
+    for tp in (2, 4):
+        ex = ThreadTPExecutor(llama_dir, cfg.replace(tensor_parallel_size=tp))
+        outs, _ = run_engine(llama_dir, ex, cfg, params=params)
+        ex.shutdown()
+        assert outs == ref, tp
+        comm = ex.runners[1].comm
+        assert comm.bytes["tp_logits"] <= comm.calls["tp_logits"] * 2 * len(PROMPTS) * 2 * 8, comm.bytes

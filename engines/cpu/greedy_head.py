@@ -1,10 +1,11 @@
 """Greedy tokens of an fp32 vocabulary head at about half its multiply-adds: a bf16 pass, then fp32 for the few near-best.
 
-A greedy row (temperature 0, nothing that needs its whole logit row: runner/step_head.plain_greedy) wants only the
-index of its largest logit. The screen computes every logit of the row from bf16 roundings of the hidden state and
-of the head (the panel kernel's bf16 path: vdpbf16ps on AVX512-BF16, AMX tiles, or widened on AVX2 hosts; products
-exact, fp32 sums), keeps the vocabulary entries within a proven error bound of the row's best, and computes those
-few in fp32 from the head's own rows; the largest of them (the lowest id on a tie, as torch.argmax) is the token.
+A greedy row (temperature 0, nothing that needs its whole logit row: SamplingParams.greedy_argmax) wants only the
+index of its largest logit (with min_tokens: its largest allowed one, GreedyScreen.tokens' `suppressed`). The screen
+computes every logit of the row from bf16 roundings of the hidden state and of the head (the panel kernel's bf16
+path: vdpbf16ps on AVX512-BF16, AMX tiles, or widened on AVX2 hosts; products exact, fp32 sums), keeps the
+vocabulary entries within a proven error bound of the row's best, and computes those few in fp32 from the head's own
+rows; the largest of them (the lowest id on a tie, as torch.argmax) is the token.
 
 The bound. For a hidden row h and a head row w of C entries, let D be their exact dot product. Any fp32 evaluation
 L of it (the full head's kernel, whatever its summation order) has |L - D| <= g S, S = sum |h_i w_i|, g = C u / (1 - C

@@ -55,6 +55,12 @@ class SeqSamplerState:
     """xgrammar.GrammarMatcher of a structured request (advanced on each sampled token); else None."""
 
 
+def min_tokens_ids(init: SeqInit, vocab_size: int) -> list[int]:
+    """The ids a sequence with min_tokens may not draw before it has that many outputs: its EOS and stop token ids
+    inside the vocabulary (every last-stage rank knows them from the SeqInit, not only the sampling rank)."""
+    return [t for t in (*init.eos_token_ids, *init.params.stop_token_ids) if t < vocab_size]
+
+
 _M64 = 2**64 - 1
 
 
@@ -253,7 +259,7 @@ class Sampler:
         p = st.init.params
         if not p.min_tokens or st.num_output >= p.min_tokens:
             return []
-        return [t for t in (*st.init.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
+        return min_tokens_ids(st.init, self.vocab_size)
 
     @staticmethod
     def _suppress_after_pick(st: SeqSamplerState) -> bool:

@@ -3,8 +3,8 @@
 Every rank of the last pipeline stage turns its micro-batches' sampled rows (and prompt-logprob rows)
 into logits: the full vocabulary on one device, its vocabulary shard on a tensor-parallel rank. TP
 rank 0 samples, after either an argmax combined across shards (a greedy TP batch: two numbers per row
-move) or a gather of the full logits (anything else; on one device the gather is the identity), and is
-the only rank that fills a StepResult.
+move, two more for a row with min_tokens) or a gather of the full logits (anything else; on one device the
+gather is the identity), and is the only rank that fills a StepResult.
 """
 
 from __future__ import annotations
@@ -14,12 +14,7 @@ import torch
 from engines.core.plan import SeqResult, SeqWork, StepPlan, StepResult
 from engines.core.sampling_params import SamplingParams
 from engines.parallel.comm import Comm
-from engines.runner.sampler import Sampler
-
-
-def plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing that needs the full vocabulary row (SamplingParams.plain_greedy)."""
-    return p.plain_greedy
+from engines.runner.sampler import Sampler, min_tokens_ids
 
 
 def screen_greedy(p: SamplingParams) -> bool:
@@ -44,6 +39,8 @@ class StepHead:
         self.params: dict[int, SamplingParams] = {}
         """Sampling options of the live sequences, kept by every last-stage rank so that all of
         them take the same (combined-argmax or gathered) path."""
+        self._ruled_out: dict[int, list[int]] = {}
+        """Sequences with min_tokens: the ids they may not draw until they have that many outputs (every rank)."""
         self._sample_ids: list[int] = []
         self._sample_logits: list[torch.Tensor] = []  # (rows, Vp) per micro-batch
         self._lp_logits: list[tuple[int, list[int], torch.Tensor]] = []
@@ -52,10 +49,13 @@ class StepHead:
         """Forget released sequences, learn new ones (before the step's rows arrive)."""
         for seq_id in plan.released_seq_ids:
             self.params.pop(seq_id, None)
+            self._ruled_out.pop(seq_id, None)
             if self.sampler is not None:
                 self.sampler.release(seq_id)
         for init in plan.new_seqs:
             self.params[init.seq_id] = init.params
+            if init.params.min_tokens:
+                self._ruled_out[init.seq_id] = min_tokens_ids(init, self.vocab_size)
             if self.sampler is not None:
                 self.sampler.add(init)
 
@@ -98,8 +98,8 @@ class StepHead:
         if sample_ids:
             local = torch.cat(sample_logits, 0) if len(sample_logits) > 1 else sample_logits[0]  # (S, Vp)
             if (self.comm.tp_size > 1 and not want_logits
-                    and all(plain_greedy(self.params[s]) for s in sample_ids)):
-                tokens = self._combined_argmax(local)
+                    and all(self.params[s].greedy_argmax for s in sample_ids)):
+                tokens = self._combined_argmax(local, sample_ids)
                 if self.sampler is not None:
                     self._record_greedy(result, sample_ids, tokens)
             else:
@@ -143,15 +143,36 @@ class StepHead:
             return None
         return torch.cat(parts, -1)[:, :self.vocab_size]
 
-    def _combined_argmax(self, local: torch.Tensor) -> list[int]:
-        """Greedy tokens from vocabulary shards: each rank's best (value, id); the highest value
-        wins, ties going to the lowest id (as a single argmax over the full row would)."""
-        vals, idx = local.max(dim=-1)  # (S,)
+    def _combined_argmax(self, local: torch.Tensor, seq_ids: list[int]) -> list[int]:
+        """Greedy tokens from vocabulary shards: each rank's best (value, id); the highest value wins, ties going to
+        the lowest id (as a single argmax over the full row would). A row with min_tokens sends its best outside its
+        ruled-out ids as well (every rank knows them), and the sampling rank takes that one while the row is short
+        of min_tokens: its tokens are the masked row's argmax with two more numbers a row, where it gathered the
+        full logits before (a load test holding outputs at max_tokens sends min_tokens = max_tokens). The last
+        rank's zero-padded tail (ids >= vocab_size) is no token."""
         start = self.tp_rank * local.shape[-1]
-        packed = torch.stack([vals.double(), (idx + start).double()], -1)  # (S, 2)
+        own = local[:, :max(0, min(local.shape[-1], self.vocab_size - start))]
+        held = [i for i, s in enumerate(seq_ids) if s in self._ruled_out]
+        rows = own
+        if held:
+            rows = torch.cat([own, own[held]], 0)
+            for j, i in enumerate(held, len(seq_ids)):
+                cols = [t - start for t in self._ruled_out[seq_ids[i]] if start <= t < start + own.shape[-1]]
+                rows[j, cols] = float("-inf")
+        if rows.shape[-1]:
+            vals, idx = rows.max(dim=-1)
+        else:  # a shard of padding only: nothing to offer
+            vals = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
+            idx = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+        packed = torch.stack([vals.double(), (idx + start).double()], -1)  # (S + held, 2)
         parts = self.comm.gather(packed, "tp_logits")
         if parts is None:
             return []
-        allp = torch.stack(parts, 1)  # (S, tp, 2)
+        allp = torch.stack(parts, 1)  # (S + held, tp, 2)
         best = allp[:, :, 0].argmax(dim=1)  # first (lowest-rank) maximum
-        return allp[torch.arange(allp.shape[0]), best, 1].long().tolist()
+        tokens = allp[torch.arange(allp.shape[0]), best, 1].long().tolist()
+        out = tokens[:len(seq_ids)]
+        for j, i in enumerate(held, len(seq_ids)):
+            if self.sampler.suppressed_ids(self.sampler.states[seq_ids[i]]):
+                out[i] = tokens[j]
+        return out
