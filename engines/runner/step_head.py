@@ -156,9 +156,11 @@ class StepHead:
         rows = own
         if held:
             rows = torch.cat([own, own[held]], 0)
-            for j, i in enumerate(held, len(seq_ids)):
-                cols = [t - start for t in self._ruled_out[seq_ids[i]] if start <= t < start + own.shape[-1]]
-                rows[j, cols] = float("-inf")
+            at = [(j, t - start) for j, i in enumerate(held, len(seq_ids)) for t in self._ruled_out[seq_ids[i]]
+                  if start <= t < start + own.shape[-1]]
+            if at:
+                rr, cc = zip(*at)
+                rows[list(rr), list(cc)] = float("-inf")
         if rows.shape[-1]:
             vals, idx = rows.max(dim=-1)
         else:  # a shard of padding only: nothing to offer
