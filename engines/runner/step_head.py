@@ -17,14 +17,6 @@ from engines.parallel.comm import Comm
 from engines.runner.sampler import Sampler, min_tokens_ids
 
 
-def screen_greedy(p: SamplingParams) -> bool:
-    """Greedy whose token the screen can choose (SamplingParams.greedy_argmax: min_tokens' ids ruled out in it). A load
-    test that holds outputs at max_tokens sends min_tokens = max_tokens (`shardserve loadtest --ignore-eos`): such rows
-    took the full head before, and SmolLM2's fp32 64-stream mix ran 303 tok/s served against 315 with them screened
-    (2-core EPYC Zen 4, alternating runs)."""
-    return p.greedy_argmax
-
-
 class StepHead:
     """Logits and sampling of a last-stage rank; `sampler` only on the sampling rank (TP rank 0)."""
 
@@ -74,8 +66,11 @@ class StepHead:
             offset += len(w.token_ids)
         if rows:
             h = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            # greedy_argmax: rows with min_tokens too (their ids ruled out in the screen; `loadtest --ignore-eos` sends
+            # min_tokens = max_tokens, and SmolLM2's fp32 64-stream mix ran 303 tok/s served with them on the full
+            # head, 315 screened: 2-core EPYC Zen 4, alternating runs)
             if (self.screen is not None and self.screen.applies(len(rows))
-                    and all(screen_greedy(self.params[s]) for s in ids)):
+                    and all(self.params[s].greedy_argmax for s in ids)):
                 self._screen_rows.append((ids, h))  # logits later only if the step wants them (sample)
                 return
             self._sample_ids.extend(ids)
@@ -122,7 +117,7 @@ class StepHead:
         """(rows, token ids) that the rows of seq_ids may not draw now (min_tokens), or None."""
         rows, cols = [], []
         for i, s in enumerate(seq_ids):
-            if self.params[s].min_tokens:
+            if s in self._ruled_out:
                 banned = self.sampler.suppressed_ids(self.sampler.states[s])
                 rows.extend([i] * len(banned))
                 cols.extend(banned)
@@ -152,20 +147,23 @@ class StepHead:
         rank's zero-padded tail (ids >= vocab_size) is no token."""
         start = self.tp_rank * local.shape[-1]
         own = local[:, :max(0, min(local.shape[-1], self.vocab_size - start))]
-        held = [i for i, s in enumerate(seq_ids) if s in self._ruled_out]
-        rows = own
-        if held:
-            rows = torch.cat([own, own[held]], 0)
-            at = [(j, t - start) for j, i in enumerate(held, len(seq_ids)) for t in self._ruled_out[seq_ids[i]]
-                  if start <= t < start + own.shape[-1]]
-            if at:
-                rr, cc = zip(*at)
-                rows[list(rr), list(cc)] = float("-inf")
-        if rows.shape[-1]:
-            vals, idx = rows.max(dim=-1)
+        if own.shape[-1]:
+            vals, idx = own.max(dim=-1)  # (S,)
         else:  # a shard of padding only: nothing to offer
-            vals = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
-            idx = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+            vals = torch.full((own.shape[0],), float("-inf"), device=own.device)
+            idx = torch.zeros(own.shape[0], dtype=torch.long, device=own.device)
+        held = [i for i, s in enumerate(seq_ids) if s in self._ruled_out]
+        if held:
+            # a row's best outside its ruled-out ids is its best (the first maximum is allowed, so it is the first
+            # allowed one too) unless that best is ruled out: only such rows are copied, masked and searched again
+            hv, hi = vals[held].clone(), idx[held].clone()
+            for j, (i, best) in enumerate(zip(held, hi.tolist())):
+                ids = self._ruled_out[seq_ids[i]]
+                if best + start in ids:
+                    row = own[i].clone()
+                    row[[t - start for t in ids if start <= t < start + own.shape[-1]]] = float("-inf")
+                    hv[j], hi[j] = row.max(dim=-1)
+            vals, idx = torch.cat([vals, hv]), torch.cat([idx, hi])
         packed = torch.stack([vals.double(), (idx + start).double()], -1)  # (S + held, 2)
         parts = self.comm.gather(packed, "tp_logits")
         if parts is None:
