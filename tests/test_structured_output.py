@@ -269,3 +269,19 @@ def test_check_first_sampling_follows_the_masked_law(gpt2_dir):
     got = [counts[t] / n for t in allowed]
     assert max(abs(a - b) for a, b in zip(got, want)) < 0.04, (got, want)
     assert 0 < first.grammar_refused < first.grammar_checked == n
+
+
+def test_schema_properties_come_in_the_schemas_order(gpt2_dir):
+    """The output writes an object's properties in the order its schema lists them (as OpenAI's and vLLM's do:
+    a "reasoning" field before the "answer" it leads to), not sorted: both orders of one schema, each honoured."""
+    from engines import LLM, SamplingParams
+    from engines.runner.grammar import StructuredOutput
+
+    props = {"zeta": {"type": "integer", "minimum": 0, "maximum": 9}, "alpha": {"type": "boolean"}}
+    llm = LLM(gpt2_dir, cpu_linear_autotune=False, num_kv_blocks=64, max_model_len=200)
+    for order in (["zeta", "alpha"], ["alpha", "zeta"]):
+        schema = {"type": "object", "additionalProperties": False, "required": order,
+                  "properties": {k: props[k] for k in order}}
+        params = SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput.json_schema(schema, "x"))
+        text = llm.generate(["hello there"], params)[0].outputs[0].text
+        assert list(json.loads(text)) == order, text

@@ -40,7 +40,9 @@ def _xgr():
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must be: any JSON object (json_object), or JSON valid against
-    `schema` (json_schema; a JSON text, canonical: keys sorted, so equal schemas share a grammar)."""
+    `schema` (json_schema; a compact JSON text, so equal schemas share a grammar). Its keys keep the caller's order:
+    the grammar writes an object's properties in the order the schema lists them, as OpenAI's and vLLM's do, and
+    callers rely on it (a "reasoning" field before the "answer" it leads to)."""
 
     kind: str
     schema: str | None = None
@@ -49,7 +51,7 @@ class StructuredOutput:
 
     @staticmethod
     def json_schema(schema: dict[str, Any], param: str) -> StructuredOutput:
-        return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False), param)
+        return StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
 
     @property
     def key(self) -> tuple[str, str | None]:
