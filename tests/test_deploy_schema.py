@@ -57,6 +57,7 @@ def test_engine_options_ranges_match_engine_checks():
         default = getattr(EngineConfig(), field.name)
         EngineOptions(**{field.name: default})
     for bad in ({"block_size": 0}, {"max_num_seqs": -1}, {"kv_cache_bytes": -1}, {"kv_cache_memory_fraction": 0}, {"max_logprobs": 101},
+                {"max_logprobs": 21},
                 {"tensor_parallel_size": 0}, {"dtype": "int8"}, {"dist_timeout_s": 0},
                 {"dist_timeout_s": float("inf")}, {"step_record_len": 0}, {"step_record_len": 10**7},
                 {"compile_decode": "on", "static_decode": "off"}):

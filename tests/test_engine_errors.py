@@ -18,11 +18,19 @@ from engines.loading.checkpoint import CheckpointError
     ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -2, "top_k"), ("n", 0, "n"),
     ("logprobs", 21, "logprobs"), ("presence_penalty", 3.0, "presence_penalty"),
     ("repetition_penalty", 0.0, "repetition_penalty"), ("min_tokens", 50, "min_tokens"), ("stop", [""], "stop"),
+    ("temperature", float("inf"), "finite"), ("temperature", float("nan"), "finite"), ("stop", 5, "stop"),
+    ("stop_token_ids", 3, "stop_token_ids"),
 ])
 def test_sampling_params_are_validated(field, value, match):
     with pytest.raises(RequestError, match=match) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field
+
+
+def test_no_stop_given_as_none():
+    """None for stop and stop_token_ids is no stop (as an OpenAI request's null), not a TypeError naming nothing."""
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert p.stop == () and p.stop_token_ids == ()
 
 
 def test_missing_directory():
@@ -103,6 +111,15 @@ def test_bad_requests(llm, prompt, params, param, code):
     if code:
         assert err.value.code == code
     assert str(err.value).startswith(param)
+
+
+def test_a_request_the_cache_cannot_hold_says_what_max_tokens_would_fit(llm):
+    """20 blocks of 8 tokens: a 10-token prompt with no max_tokens (up to the 256-token context) is refused with the
+    max_tokens that would fit (150), and says that none was set, rather than telling the caller to lower one."""
+    with pytest.raises(RequestError, match=r"not set: up to the context window of 256.*max_tokens <= 150") as err:
+        llm.generate([[1] * 10], SamplingParams(max_tokens=None))
+    assert err.value.param == "max_tokens" and err.value.code == "kv_cache_too_small"
+    assert llm.generate([[1] * 10], SamplingParams(max_tokens=150, ignore_eos=True))[0].outputs[0].finish_reason == "length"
 
 
 def test_bad_request_leaves_others_untouched(gpt2_dir):

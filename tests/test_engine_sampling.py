@@ -167,6 +167,19 @@ def test_n_completions_seeded_and_reproducible(llm):
     assert one.outputs[0].token_ids == a.outputs[0].token_ids  # completion 0 draws with the seed itself
 
 
+def test_seeds_that_agree_in_their_low_32_bits_draw_apart(llm):
+    """The CPU generator keeps a seed's low 32 bits: 2**32 + 5 drew what 5 drew, and -1 what 2**32 - 1 drew, until
+    seeds outside [0, 2**32) were mixed into 32 bits; each of those still repeats itself."""
+
+    def draw(seed):
+        p = SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+        return llm.generate([PROMPT], p)[0].outputs[0].token_ids
+
+    for low, high in ((5, 2**32 + 5), (2**32 - 1, -1), (7, 2**63 - 2**32 + 7)):
+        assert draw(low) != draw(high), (low, high)
+        assert draw(high) == draw(high)
+
+
 def _reference_penalised_greedy(hf, prompt_ids, steps, frequency=0.0, presence=0.0):
     ids = list(prompt_ids)
     counts = torch.zeros(hf.config.vocab_size)

@@ -3,8 +3,9 @@
 One source of truth: the CLI, the deployment schema (deploy/, which derives its EngineOptions from
 EngineConfig's fields) and the tuner all build these objects; nothing changes them after
 construction. Derived values are properties or pure functions of the fields. At module level this
-imports the standard library and two modules of the same kind (engines.model.model_config,
-engines.core.step_record) only: deploy/ imports it without torch (tests/test_deploy_schema.py).
+imports the standard library and three modules of the same kind (engines.model.model_config,
+engines.core.step_record, engines.core.sampling_params) only: deploy/ imports it without torch
+(tests/test_deploy_schema.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engines.core.sampling_params import MAX_LOGPROBS
 from engines.core.step_record import STEP_RECORD_MAX
 from engines.model.model_config import MODEL_TYPES, ConfigError, ModelConfig, _require
 
@@ -201,7 +203,9 @@ class EngineConfig:
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 uses the model's limit)")
         _require(isinstance(self.admission_overtakes, int) and self.admission_overtakes >= 0, "admission_overtakes",
                  f"must be an integer >= 0 (0: arrival order), got {self.admission_overtakes!r}")
-        _require(0 <= self.max_logprobs <= 100, "max_logprobs", "must be in [0, 100]")
+        # no more than a request may ever ask for (SamplingParams' own bound): a larger one would promise nothing
+        _require(isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS, "max_logprobs",
+                 f"must be an integer in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         _require(self.static_decode in ("auto", "on", "off"), "static_decode",
                  f"must be auto, on or off, got {self.static_decode!r}")
         _require(self.decode_attention in ("auto", "kernel", "loop"), "decode_attention",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,10 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        # accept a bare string / list for stop and stop_token_ids, as the OpenAI API does
+        # accept a bare string / list for stop and stop_token_ids, as the OpenAI API does, and None for none
+        for name in ("stop", "stop_token_ids"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
@@ -88,17 +92,20 @@ class SamplingParams:
                f"must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be a number >= 0, got {self.temperature!r}")
+        # finite: at infinity a row's ruled-out tokens (-inf logits) would turn to NaN and the row fall back to greedy
+        _check(_is_num(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and -1 <= self.top_k <= 2**31 - 1, "top_k",
                f"must be an integer in [-1, 2**31 - 1] (0 or -1 disables), got {self.top_k!r}")
         _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63), "seed",
                f"must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
+               f"must be a non-empty string or a list of them, got {self.stop!r}")
         _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
-        _check(all(_is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids), "stop_token_ids",
-               "must be integers in [0, 2**31)")
+        _check(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and 0 <= t < 2**31
+                                                              for t in self.stop_token_ids), "stop_token_ids",
+               f"must be a list of integers in [0, 2**31), got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")

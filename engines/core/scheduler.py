@@ -99,9 +99,13 @@ class Scheduler:
         total = min(limit, prompt_len + (max_tokens if max_tokens is not None else limit))
         need = blocks_for(total, self.cfg.block_size)
         if need > self.cfg.num_blocks:
+            room = self.cfg.num_blocks * self.cfg.block_size - prompt_len
+            asked = (f"max_tokens ({max_tokens})" if max_tokens is not None else
+                     f"max_tokens (not set: up to the context window of {limit} tokens)")
+            fix = f"set max_tokens <= {room}" if room > 0 else "shorten the prompt"
             raise RequestError(
-                f"max_tokens: prompt + max_tokens need {need} KV blocks ({total} tokens) but the KV cache has only "
-                f"{self.cfg.num_blocks} blocks of {self.cfg.block_size} tokens; lower max_tokens or raise "
+                f"max_tokens: the prompt ({prompt_len} tokens) + {asked} need {need} KV blocks ({total} tokens) but "
+                f"the KV cache has only {self.cfg.num_blocks} blocks of {self.cfg.block_size} tokens; {fix} or raise "
                 "the KV-cache budget", param="max_tokens", code="kv_cache_too_small")
 
     def add(self, seq: Sequence) -> None:

@@ -70,10 +70,25 @@ def completion_seed(seed: int, index: int) -> int:
     seeds (7 with n=3, 8 with n=2) do not share completions, as `seed + index` made them."""
     if index == 0:
         return seed
-    x = (seed + index * 0x9E3779B97F4A7C15) & _M64
+    return _splitmix64(seed + index * 0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: int) -> int:
+    x &= _M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
     return x ^ (x >> 31)
+
+
+def generator_seed(seed: int, index: int, device: torch.device) -> int:
+    """completion_seed as the device's generator takes it. A CPU generator (mt19937) keeps only a seed's low 32 bits,
+    so 5 and 2**32 + 5 drew the same tokens: there a seed outside [0, 2**32) is mixed (splitmix64) and folded to 32
+    bits, a collision as likely as any two random seeds'. Seeds in [0, 2**32) are kept: their draws do not change."""
+    s = completion_seed(seed, index) & _M64
+    if device.type != "cpu" or s < 2**32:
+        return s
+    x = _splitmix64(s)
+    return (x ^ (x >> 32)) & 0xFFFFFFFF
 
 
 class Sampler:
@@ -102,7 +117,7 @@ class Sampler:
         gen = None
         if init.params.seed is not None:
             # one stream per completion of an n > 1 request
-            gen = torch.Generator(device=self.device).manual_seed(completion_seed(init.params.seed, init.index))
+            gen = torch.Generator(device=self.device).manual_seed(generator_seed(init.params.seed, init.index, self.device))
         st = SeqSamplerState(init, gen)
         if init.params.has_penalties:
             st.counts = torch.zeros(self.vocab_size, device=self.device)
