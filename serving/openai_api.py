@@ -7,7 +7,7 @@ may carry several tokens under load; see docs/serving.md), ending with `data: [D
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.core.plan import TokenLogprob
 from serving.chat import render_chat
+from serving.disconnect import unless_disconnected
 from serving.errors import APIError
 from serving.gateway import ServedModel, gateway_of, new_request_id, now_s, read_json, sampling_params
 from serving.protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -78,11 +79,8 @@ async def completions(request: Request):
     params = sampling_params(model.info.sampling_defaults, **set_max, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs(),
                              structured=body.response_format.structured() if body.response_format else None)
-    rid = request.state.request_id
-    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), ids, params, task=body.task,
-                                                       stream=bool(body.stream)))
-    view = _CompletionView(model, body, ids, texts, rid)
-    return await _respond(request, view, first, rest, bool(body.stream))
+    req = GenerateRequest(_engine_id(request), ids, params, task=body.task, stream=bool(body.stream))
+    return await _respond(request, _CompletionView(model, body, ids, texts, request.state.request_id), model, req)
 
 
 def usage_dict(prompt: int, completion: int, virtual: int) -> dict:
@@ -221,19 +219,32 @@ def _finish(reason: str | None) -> str | None:
     return None if reason == "abort" else reason
 
 
-async def _respond(request: Request, view, first, rest, stream: bool):
+async def _respond(request: Request, view: _CompletionView | _ChatView, model: ServedModel, req: GenerateRequest):
     """A generation's HTTP answer, completions and chat alike: server-sent events as the view renders
-    each chunk, or the whole response once the last chunk is in."""
-    if stream:
+    each chunk, or the whole response once the last chunk is in.
+
+    Until the first byte is sent nothing notices a client that leaves, so the wait for the first
+    chunk (the whole generation when not streaming) is cancelled on its disconnect: the cancel
+    reaches the model server's stream, which aborts the engine requests (serving/disconnect.py)."""
+    gw = gateway_of(request)
+    if req.stream:
+        first, rest = await unless_disconnected(request, gw.open(model, req))
         return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
+    await unless_disconnected(request, _gather(gw.open(model, req), view))
+    _record(request, view.usage)
+    return JSONResponse(view.response())
+
+
+async def _gather(opening: Awaitable[tuple[GenerateChunk, AsyncIterator[GenerateChunk]]],
+                  view: _CompletionView | _ChatView) -> None:
+    """Every chunk of a non-streaming request (`opening`: Gateway.open's) into `view`."""
+    first, rest = await opening
     try:
         async for chunk in _chunks(first, rest):
             view.add(chunk)
     finally:
         await rest.aclose()
-    _record(request, view.usage)
-    return JSONResponse(view.response())
 
 
 async def _stream(request: Request, view: _CompletionView | _ChatView, first: GenerateChunk,
@@ -290,10 +301,8 @@ async def chat_completions(request: Request):
     params = sampling_params(model.info.sampling_defaults, max_tokens=limit,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs(),
                              structured=structured)
-    first, rest = await gw.open(model, GenerateRequest(_engine_id(request), [ids], params, task=body.task,
-                                                       stream=bool(body.stream)))
-    view = _ChatView(model, body, request.state.request_id)
-    return await _respond(request, view, first, rest, bool(body.stream))
+    req = GenerateRequest(_engine_id(request), [ids], params, task=body.task, stream=bool(body.stream))
+    return await _respond(request, _ChatView(model, body, request.state.request_id), model, req)
 
 
 class _ChatView:
