@@ -8,6 +8,7 @@ engine loop never spends time on text it does not need. It imports no torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -24,7 +25,7 @@ from serving import errors
 from serving.auth import hash_key
 from serving.backends import ModelBackend
 from serving.errors import APIError
-from serving.limits import check_limits
+from serving.limits import apply_limits, cap_max_tokens
 from serving.metrics import GatewayMetrics, Metric, merge, render
 from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
@@ -151,17 +152,38 @@ class Gateway:
 
                     tk = Tokenizer(HFTokenizer.from_str(info.tokenizer_json), info.chat_template, info.bos_token,
                                    info.eos_token)
-                self._models[name] = ServedModel(name, backend, info, tk)
+                self._models[name] = ServedModel(name, backend, self._within_limits(info), tk)
         return self._models[name]
 
-    async def open(self, model: ServedModel, req: GenerateRequest
+    def _within_limits(self, info: ModelInfo) -> ModelInfo:
+        """`info` with generation_config.json's max_new_tokens at most server.limits.max_tokens, for
+        every API that fills unset fields from sampling_defaults (docs/serving.md promises the cap)."""
+        d = info.sampling_defaults
+        if d.get("max_tokens") is None:
+            return info
+        return dataclasses.replace(info, sampling_defaults={**d, "max_tokens": cap_max_tokens(d["max_tokens"],
+                                                                                              self.options.limits)})
+
+    async def open(self, model: ServedModel, req: GenerateRequest, default_max_tokens: int | None = None
                    ) -> tuple[GenerateChunk, AsyncIterator[GenerateChunk]]:
         """Send the request; return its first chunk and the stream of the rest (aclose it when done).
 
         The first chunk tells success from failure (admission, validation), so errors become
-        proper HTTP statuses before any streamed byte is sent.
+        proper HTTP statuses before any streamed byte is sent. A max_tokens left unset (None)
+        becomes `default_max_tokens` (None: up to the context) within server.limits.max_tokens.
         """
-        check_limits(req, self.options.limits)
+        limited = apply_limits(req, self.options.limits, model.info.max_model_len, default_max_tokens)
+        try:
+            return await self._open(model, limited)
+        except APIError as exc:
+            if limited.params.max_tokens == req.params.max_tokens or not _context_ends_first(exc.info):
+                raise
+            # the length was ours, not the client's, and it does not fit beside a p-tuned task's virtual
+            # tokens (which the gateway does not see): the context ends first, within that length
+            return await self._open(model, req)
+
+    async def _open(self, model: ServedModel, req: GenerateRequest
+                    ) -> tuple[GenerateChunk, AsyncIterator[GenerateChunk]]:
         stream = model.backend.generate(req)
         try:
             first = await stream.__anext__()
@@ -178,6 +200,10 @@ class Gateway:
         if self.remote_metrics is not None:
             sources.extend(await self.remote_metrics())
         return render(merge(sources))
+
+
+def _context_ends_first(info: ErrorInfo) -> bool:
+    return info.code == "context_length_exceeded" and info.param == "max_tokens"
 
 
 def sampling_params(defaults: dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:

@@ -1,14 +1,52 @@
-"""Per-request limits (server.limits in deploy/schema.py), checked at the gateway before a request
-reaches a model, for every API (OpenAI and KServe v2 alike): a 400 naming the field and the limit."""
+"""Per-request limits (server.limits in deploy/schema.py), applied at the gateway before a request
+reaches a model, for every API (OpenAI and KServe v2 alike): a 400 naming the field and the limit.
+
+A max_tokens the client did not set (None) is not refused but resolved to the default within the
+limit: None means "up to the context" to the engine, which would pass any cap (a null max_tokens
+generated to the end of the context past server.limits.max_tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from deploy.schema import RequestLimits
+from engines.core.sampling_params import RequestError
 from serving import errors
 from serving.wire import GenerateRequest
 
 
-def check_limits(req: GenerateRequest, limits: RequestLimits) -> None:
+def cap_max_tokens(default: int | None, limits: RequestLimits) -> int | None:
+    """A default output length (generation_config.json's max_new_tokens, the API's own default)
+    within server.limits.max_tokens: a default the server refuses would refuse every request that
+    relies on it, naming a field the client never sent."""
+    cap = limits.max_tokens
+    if cap is None:
+        return default
+    return cap if default is None else min(default, cap)
+
+
+def resolve_max_tokens(req: GenerateRequest, limits: RequestLimits, max_model_len: int,
+                       default: int | None = None) -> GenerateRequest:
+    """`req` with a max_tokens it left unset (None) resolved: `default` (None: up to the context)
+    within the limit, or None where the context ends first, since an explicit length that does not
+    fit beside the prompt is refused by the engine. A set max_tokens is left as it is."""
+    if req.params.max_tokens is not None:
+        return req
+    want = cap_max_tokens(default, limits)
+    if want is None or max_model_len - max(len(p) for p in req.prompts) <= want:
+        return req
+    try:
+        return dataclasses.replace(req, params=req.params.replace(max_tokens=want))
+    except RequestError as exc:  # min_tokens above the resolved length: the client's min_tokens is refused
+        raise errors.invalid(f"{exc} (max_tokens not set: {want}, the default within the server's limit)",
+                             exc.param) from None
+
+
+def apply_limits(req: GenerateRequest, limits: RequestLimits, max_model_len: int,
+                 default_max_tokens: int | None = None) -> GenerateRequest:
+    """`req` with an unset max_tokens resolved (resolve_max_tokens); raises a 400 for anything past
+    server.limits. Both in one call: a check of an unresolved request would let None through."""
+    req = resolve_max_tokens(req, limits, max_model_len, default_max_tokens)
     p = req.params
     where = "(server.limits.{} of this server)"
     if p.n > limits.max_n:
@@ -33,3 +71,4 @@ def check_limits(req: GenerateRequest, limits: RequestLimits) -> None:
                 param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
                 raise errors.invalid(f"{param}: {len(ids)} tokens; at most {limits.max_prompt_tokens} "
                                      f"{where.format('max_prompt_tokens')}", param)
+    return req

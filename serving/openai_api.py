@@ -23,6 +23,8 @@ from serving.wire import GenerateChunk, GenerateRequest
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+COMPLETION_MAX_TOKENS = 16
+"""/v1/completions' max_tokens when the request and generation_config.json leave it out (OpenAI's)."""
 
 
 @router.get("/v1/models")
@@ -74,13 +76,16 @@ async def completions(request: Request):
             texts.append(None)
             ids.append(list(p))
     echo_lp = body.echo and body.logprobs is not None
-    # max_tokens left out: the model's generation_config.json max_new_tokens, else the API's 16
-    set_max = {"max_tokens": body.max_tokens} if "max_tokens" in body.model_fields_set else {}
-    params = sampling_params(model.info.sampling_defaults, **set_max, logprobs=body.logprobs,
+    # max_tokens left out or null: the model's generation_config.json max_new_tokens, else the API's 16
+    # (within server.limits.max_tokens; Gateway.open resolves it)
+    default = model.info.sampling_defaults.get("max_tokens", COMPLETION_MAX_TOKENS)
+    sent = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    params = sampling_params(model.info.sampling_defaults, max_tokens=sent, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo_lp else None, **body.sampling_kwargs(),
                              structured=body.response_format.structured() if body.response_format else None)
     req = GenerateRequest(_engine_id(request), ids, params, task=body.task, stream=bool(body.stream))
-    return await _respond(request, _CompletionView(model, body, ids, texts, request.state.request_id), model, req)
+    return await _respond(request, _CompletionView(model, body, ids, texts, request.state.request_id), model, req,
+                          default)
 
 
 def usage_dict(prompt: int, completion: int, virtual: int) -> dict:
@@ -219,7 +224,8 @@ def _finish(reason: str | None) -> str | None:
     return None if reason == "abort" else reason
 
 
-async def _respond(request: Request, view: _CompletionView | _ChatView, model: ServedModel, req: GenerateRequest):
+async def _respond(request: Request, view: _CompletionView | _ChatView, model: ServedModel, req: GenerateRequest,
+                   default_max_tokens: int | None):
     """A generation's HTTP answer, completions and chat alike: server-sent events as the view renders
     each chunk, or the whole response once the last chunk is in.
 
@@ -228,10 +234,10 @@ async def _respond(request: Request, view: _CompletionView | _ChatView, model: S
     reaches the model server's stream, which aborts the engine requests (serving/disconnect.py)."""
     gw = gateway_of(request)
     if req.stream:
-        first, rest = await unless_disconnected(request, gw.open(model, req))
+        first, rest = await unless_disconnected(request, gw.open(model, req, default_max_tokens))
         return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    await unless_disconnected(request, _gather(gw.open(model, req), view))
+    await unless_disconnected(request, _gather(gw.open(model, req, default_max_tokens), view))
     _record(request, view.usage)
     return JSONResponse(view.response())
 
@@ -289,20 +295,14 @@ async def chat_completions(request: Request):
     text = render_chat(messages, info.chat_template, body.add_generation_prompt, info.bos_token, info.eos_token,
                        **{**(body.chat_template_kwargs or {}), **tools})
     ids = model.encode(text, "messages", add_special_tokens=False)
-    # no max_tokens / max_completion_tokens: generation_config.json's max_new_tokens, else the context
-    limit = body.output_limit if body.output_limit is not None else model.info.sampling_defaults.get("max_tokens")
-    cap = gw.options.limits.max_tokens
-    if limit is None and cap is not None and body.task is None and info.max_model_len - len(ids) > cap:
-        # "the context" within the served limit (server.limits.max_tokens, tokens generated per completion): a chat
-        # that names no length ran to the context past it (the fuzz test's server, limit 8 and a 96-token context:
-        # 155 such chats took 19 of its 37 s of requests). A p-tuned task's virtual tokens take context the gateway
-        # does not see: its chats keep the context, so that a prompt near the end is not refused for max_tokens
-        limit = cap
-    params = sampling_params(model.info.sampling_defaults, max_tokens=limit,
+    # no max_tokens / max_completion_tokens: generation_config.json's max_new_tokens, else the context, within
+    # server.limits.max_tokens (Gateway.open resolves it)
+    params = sampling_params(model.info.sampling_defaults, max_tokens=body.output_limit,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs(),
                              structured=structured)
     req = GenerateRequest(_engine_id(request), [ids], params, task=body.task, stream=bool(body.stream))
-    return await _respond(request, _ChatView(model, body, request.state.request_id), model, req)
+    return await _respond(request, _ChatView(model, body, request.state.request_id), model, req,
+                          info.sampling_defaults.get("max_tokens"))
 
 
 class _ChatView:

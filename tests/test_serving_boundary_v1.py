@@ -5,12 +5,18 @@ the chat renderer, and every error names a field the request has."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 
 import httpx
+import numpy as np
+import openai
 import pytest
 from test_serving_app import MODEL, metric
 from test_serving_faults import make_core, scrape, serve_http
+
+from engines.transforms.ptuning import write_task_dir
 
 LONG = {"model": MODEL, "prompt": "To be", "max_tokens": 240, "ignore_eos": True}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -60,3 +66,58 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(gpt2_dir, pat
 
     with serve_http(core) as (url, _):
         asyncio.run(main(url))
+
+
+# max_tokens left out or null: the default (generation_config.json's max_new_tokens, else 16 for
+# completions and the context for chats), at most server.limits.max_tokens; only a sent value is refused
+CAP = 6
+VIRTUAL = 20
+"""Virtual tokens of the p-tuned task "soft" (they take context the gateway does not see)."""
+
+
+@pytest.fixture(scope="module", params=["no_default", "default_over_cap"])
+def capped(request, gpt2_dir, tmp_path_factory):
+    """An openai client of a server with limits.max_tokens 6 (context 256), whose model has a p-tuned
+    task; with default_over_cap its generation_config.json says max_new_tokens 50."""
+    d = tmp_path_factory.mktemp(request.param) / "gpt2"
+    shutil.copytree(gpt2_dir, d)
+    gen = d / "generation_config.json"
+    if request.param == "default_over_cap":
+        gen.write_text(json.dumps({**json.loads(gen.read_text()), "max_new_tokens": 50}))
+    table = np.random.default_rng(0).normal(0, 1.0, (VIRTUAL, 64)).astype(np.float32)
+    write_task_dir(d / "ptuning" / "soft", "soft", table, base_model="x")
+    with serve_http(make_core(d), limits={"max_tokens": CAP}) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.mark.parametrize("sent", [{"max_tokens": None}, {}], ids=["null", "omitted"])
+def test_a_completion_without_max_tokens_stops_at_the_limit(capped, sent):
+    kw = {"model": MODEL, "prompt": "Once upon a time", "extra_body": {"ignore_eos": True}, **sent}
+    r = capped.completions.create(**kw)
+    assert r.usage.completion_tokens == CAP and r.choices[0].finish_reason == "length"
+    events = list(capped.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert events[-1].usage.completion_tokens == CAP
+    assert len([e for e in events if e.choices]) <= CAP
+
+
+@pytest.mark.parametrize("task", [None, "soft"])
+def test_a_chat_without_max_tokens_stops_at_the_limit(capped, task):
+    r = capped.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"ignore_eos": True, "task": task})
+    assert r.usage.completion_tokens == CAP and r.choices[0].finish_reason == "length"
+
+
+def test_a_task_prompt_near_the_context_end_runs_to_the_context(capped):
+    """The gateway cannot see the task's virtual tokens: the limit it picks for a prompt that leaves
+    room for it (232 + 6 <= 256) does not fit beside them (252 + 6), and the context ends first."""
+    r = capped.completions.create(model=MODEL, prompt=[5] * 232, extra_body={"ignore_eos": True, "task": "soft"})
+    assert r.usage.completion_tokens == 256 - 232 - VIRTUAL and r.choices[0].finish_reason == "length"
+
+
+def test_a_sent_max_tokens_over_the_limit_is_refused(capped):
+    for call in (lambda: capped.completions.create(model=MODEL, prompt="hi", max_tokens=CAP + 1),
+                 lambda: capped.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=CAP + 1)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == "max_tokens" and f"at most {CAP}" in e.value.body["message"]
