@@ -37,6 +37,13 @@ def as_route(window: dict[str, Any], limit: int) -> dict[str, Any]:
     return {**{k: v for k, v in window.items() if k != "rows"}, "steps": steps}
 
 
+def _count(text: str) -> int:
+    """An ASCII decimal count, else 0 (refused by the range check): str.isdigit() also holds for "²",
+    which int() refuses, and int() refuses more than 4300 digits."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0
+
+
 @router.get("/v1/admin/steps")
 async def steps(request: Request, model: str | None = None, limit: str | None = None) -> JSONResponse:
     gw = gateway_of(request)
@@ -46,7 +53,7 @@ async def steps(request: Request, model: str | None = None, limit: str | None = 
         raise errors.invalid(f"model: required (served: {', '.join(gw.names)})", "model", "missing_required_parameter")
     served = await gw.model(model)
     most = served.info.step_record_len  # what each replica's engine keeps (EngineConfig.step_record_len)
-    n = most if limit is None else int(limit) if limit.strip().isdigit() else 0
+    n = most if limit is None else _count(limit)
     if not 1 <= n <= most:
         raise errors.invalid(f"limit: must be an integer in [1, {most}], got {limit!r}", "limit")
     windows = [as_route(w, n) for w in await served.backend.step_windows()]

@@ -66,7 +66,8 @@ def test_steps_describe_what_the_engine_ran(gpt2_dir):
 
 def test_bad_arguments_are_named(gpt2_dir):
     with _client(gpt2_dir) as c:
-        for bad in ("0", str(STEP_LOG_LEN + 1), "x", "-3"):
+        # "²" and "٣" are str.isdigit(), and int() refuses 5000 digits: none may become a 500
+        for bad in ("0", str(STEP_LOG_LEN + 1), "x", "-3", "²", "٣", "9" * 5000, "1_0"):
             r = c.get("/v1/admin/steps", params={"limit": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "limit", (bad, r.text)
             assert str(STEP_LOG_LEN) in r.json()["error"]["message"]
