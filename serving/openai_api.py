@@ -292,8 +292,9 @@ async def chat_completions(request: Request):
     info = model.info
     structured = body.structured()
     tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} if body.tool_mode else {}
-    text = render_chat(messages, info.chat_template, body.add_generation_prompt, info.bos_token, info.eos_token,
-                       **{**(body.chat_template_kwargs or {}), **tools})
+    add_generation_prompt, variables = body.template_variables()
+    text = render_chat(messages, info.chat_template, add_generation_prompt, info.bos_token, info.eos_token,
+                       {**variables, **tools})
     ids = model.encode(text, "messages", add_special_tokens=False)
     # no max_tokens / max_completion_tokens: generation_config.json's max_new_tokens, else the context, within
     # server.limits.max_tokens (Gateway.open resolves it)

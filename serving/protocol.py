@@ -334,6 +334,24 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("max_tokens: give max_tokens or max_completion_tokens, not both")
         return self
 
+    def template_variables(self) -> tuple[bool, dict[str, Any]]:
+        """(add_generation_prompt, the other chat_template_kwargs): add_generation_prompt may be given
+        in either place (vLLM reads it from chat_template_kwargs too), not differently in both."""
+        from serving.chat import check_template_kwargs
+
+        extra = dict(self.chat_template_kwargs or {})
+        check_template_kwargs(extra)
+        add = self.add_generation_prompt
+        if "add_generation_prompt" in extra:
+            param = "chat_template_kwargs.add_generation_prompt"
+            value = extra.pop("add_generation_prompt")
+            if not isinstance(value, bool):
+                raise invalid(f"{param}: must be a boolean, got {value!r}", param, "invalid_type")
+            if "add_generation_prompt" in self.model_fields_set and value != add:
+                raise invalid(f"{param}: {value} contradicts add_generation_prompt {add}; give it once", param)
+            add = value
+        return add, extra
+
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -121,3 +121,43 @@ def test_a_sent_max_tokens_over_the_limit_is_refused(capped):
         with pytest.raises(openai.BadRequestError) as e:
             call()
         assert e.value.body["param"] == "max_tokens" and f"at most {CAP}" in e.value.body["message"]
+
+
+@pytest.fixture(scope="module")
+def plain(gpt2_dir):
+    """An openai client of a server without limits."""
+    with serve_http(make_core(gpt2_dir)) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _chat(client: openai.OpenAI, **extra):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body=extra)
+
+
+def _refused(call, param: str) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    assert e.value.body["param"] == param, e.value.body
+    return e.value.body
+
+
+def test_chat_template_kwargs_may_set_add_generation_prompt(plain):
+    """As vLLM: chat_template_kwargs reach the template after the request's own variables, so
+    add_generation_prompt may be given there too (it was a 500: two values for one argument)."""
+    asked = _chat(plain).usage.prompt_tokens
+    bare = _chat(plain, add_generation_prompt=False).usage.prompt_tokens
+    assert bare < asked
+    assert _chat(plain, chat_template_kwargs={"add_generation_prompt": False}).usage.prompt_tokens == bare
+    assert _chat(plain, chat_template_kwargs={"template": "x", "custom": [1]}).usage.prompt_tokens == asked
+    body = _refused(lambda: _chat(plain, add_generation_prompt=True, chat_template_kwargs={
+        "add_generation_prompt": False}), "chat_template_kwargs.add_generation_prompt")
+    assert "add_generation_prompt" in body["message"]
+    _refused(lambda: _chat(plain, chat_template_kwargs={"add_generation_prompt": "no"}),
+             "chat_template_kwargs.add_generation_prompt")
+
+
+@pytest.mark.parametrize("key", ["messages", "bos_token", "eos_token", "raise_exception"])
+def test_chat_template_kwargs_cannot_replace_what_the_server_sets(plain, key):
+    body = _refused(lambda: _chat(plain, chat_template_kwargs={key: "x"}), f"chat_template_kwargs.{key}")
+    assert f"chat_template_kwargs.{key}" in body["message"]
