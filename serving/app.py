@@ -80,7 +80,7 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.info)
+        return error_response(exc.info, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -92,7 +92,7 @@ def build_app(gateway: Gateway, on_shutdown: Callable[[], Awaitable[None]] | Non
                              f"{request.url.path}", None, "method_not_allowed")
         else:
             info = ErrorInfo(exc.status_code, "invalid_request_error", str(exc.detail), None, None)
-        resp = error_response(info)
+        resp = error_response(info, request.url.path)
         resp.headers.update(exc.headers or {})
         if exc.status_code == 405:  # Allow (RFC 9110): every route of the path, not only the first one matched
             methods = _methods_of(request.app.router.routes, request.url.path)
@@ -116,9 +116,10 @@ def _methods_of(routes, path: str) -> set[str]:
     return out
 
 
-def error_response(info: ErrorInfo) -> JSONResponse:
+def error_response(info: ErrorInfo, path: str = "") -> JSONResponse:
+    """The error as its API's clients parse it (serving/errors.py body_for): `path` is the request's."""
     headers = {"Retry-After": str(info.retry_after_s)} if info.retry_after_s else None
-    return JSONResponse(info.body(), status_code=info.status, headers=headers)
+    return JSONResponse(errors.body_for(info, path), status_code=info.status, headers=headers)
 
 
 class GatewayMiddleware:
@@ -153,7 +154,7 @@ class GatewayMiddleware:
                     and not self._authorized(scope):
                 await error_response(ErrorInfo(
                     401, "invalid_request_error", "a valid API key is required: send `Authorization: Bearer <key>`",
-                    None, "invalid_api_key"))(scope, receive, _with_auth_challenge(send_with_id))
+                    None, "invalid_api_key"), scope["path"])(scope, receive, _with_auth_challenge(send_with_id))
             elif self.limiter.enabled and scope["method"] == "POST" and GENERATE_PATH.search(scope["path"]):
                 await self._limited(scope, receive, send_with_id)
             else:
@@ -161,8 +162,8 @@ class GatewayMiddleware:
         except Exception as exc:  # the error boundary: answer 500 if nothing was sent yet
             if status["code"] == 0:
                 log.exception("request %s %s failed", rid, scope.get("path"))
-                await error_response(errors.internal(f"internal server error (request id {rid})"))(
-                    scope, receive, send_with_id)
+                await error_response(errors.internal(f"internal server error (request id {rid})"),
+                                     scope["path"])(scope, receive, send_with_id)
             else:  # the response had started: the connection broke (typically the client left)
                 log.info("request %s %s: response cut short: %r", rid, scope.get("path"), exc)
                 state["stream_error"] = "disconnected"
@@ -176,7 +177,7 @@ class GatewayMiddleware:
         if refused is not None:
             reason, retry = refused
             await error_response(ErrorInfo(429, "rate_limit_error", f"rate limit: {reason}; retry after {retry} s",
-                                           None, "rate_limit_exceeded", retry))(scope, receive, send)
+                                           None, "rate_limit_exceeded", retry), scope["path"])(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)

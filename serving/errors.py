@@ -1,10 +1,20 @@
-"""Errors are part of the interface: every failure the gateway returns has an OpenAI-style body
-`{"error": {"message", "type", "param", "code"}}` and the right status (4xx for client mistakes,
-429 when overloaded, 503 when the engine is gone)."""
+"""Errors are part of the interface: every failure the gateway returns has the right status (4xx
+for client mistakes, 429 when overloaded, 503 when the engine is gone) and the body its API's
+clients parse: OpenAI's `{"error": {"message", "type", "param", "code"}}`, except under /v2, where
+KServe v2 clients (tritonclient) read `{"error": "<message>"}` (type, param, code beside it)."""
 
 from __future__ import annotations
 
 from serving.wire import ErrorInfo
+
+
+def is_kserve_path(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def body_for(info: ErrorInfo, path: str) -> dict:
+    """The error body for a request to `path`: the KServe v2 shape under /v2, OpenAI's elsewhere."""
+    return info.kserve_body() if is_kserve_path(path) else info.body()
 
 
 class APIError(Exception):

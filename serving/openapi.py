@@ -38,6 +38,10 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+KSERVE_ERROR = {"type": "object", "required": ["error"], "properties": {
+    "error": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+    "code": {"type": ["string", "null"]}}}
+"""The /v2 routes' error body (serving/errors.py body_for): the KServe v2 protocol's message string."""
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
@@ -131,9 +135,10 @@ def build_openapi(app: FastAPI, models: list[str], limits: RequestLimits | None 
     if "ChatMessage" in defs:
         defs["ChatMessage"]["properties"]["content"] = CONTENT
     components.update(defs)
-    components["Error"] = ERROR
+    components["Error"], components["KServeError"] = ERROR, KSERVE_ERROR
     error = {"description": "An error (4xx client mistake, 429 overloaded, 5xx server)",
              "content": _json({"$ref": "#/components/schemas/Error"})}
+    kserve_error = {**error, "content": _json({"$ref": "#/components/schemas/KServeError"})}
     bodies = {
         "/v1/completions": ("CompletionRequest", {"200": {"description": "A completion, or an SSE stream when "
                                                   "stream is true", "content": {**_json(COMPLETION), **SSE}}}),
@@ -151,7 +156,7 @@ def build_openapi(app: FastAPI, models: list[str], limits: RequestLimits | None 
         for method, op in ops.items():
             op.setdefault("responses", {})
             op["responses"].pop("422", None)  # FastAPI's own validation error: our handlers answer 400
-            op["responses"]["default"] = error
+            op["responses"]["default"] = kserve_error if key.startswith("/v2") else error
             for param in op.get("parameters", []):
                 if param["in"] == "path" and param["name"] == "name":
                     param["schema"] = served

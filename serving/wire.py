@@ -29,6 +29,12 @@ class ErrorInfo:
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def kserve_body(self) -> dict:
+        """The KServe v2 error body: `error` is the message string, as the v2 protocol says and as
+        tritonclient reads it (its InferenceServerException concatenates it with text: an object there
+        made str(exc) raise TypeError). type, param and code ride along as extra top-level keys."""
+        return {"error": self.message, "type": self.type, "param": self.param, "code": self.code}
+
 
 @dataclass(frozen=True)
 class ModelInfo:
