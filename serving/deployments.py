@@ -251,11 +251,11 @@ def _answer_ray_errors_as_json(app) -> None:
     async def backpressure(request, exc):
         log.warning("request %s: %s", request.scope.get("state", {}).get("request_id"), exc)
         return error_response(ErrorInfo(429, "rate_limit_error", f"the model server's queue is full ({exc}); "
-                                        "retry later", None, "server_overloaded", 1))
+                                        "retry later", None, "server_overloaded", 1), request.url.path)
 
     async def unavailable(request, exc):
         return error_response(ErrorInfo(503, "service_unavailable", f"no model server replica is available: {exc}",
-                                        None, "engine_unavailable"))
+                                        None, "engine_unavailable"), request.url.path)
 
     app.add_exception_handler(BackPressureError, backpressure)
     app.add_exception_handler(DeploymentUnavailableError, unavailable)
