@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -200,6 +201,18 @@ class Gateway:
         if self.remote_metrics is not None:
             sources.extend(await self.remote_metrics())
         return render(merge(sources))
+
+
+def renamed(info: ErrorInfo, names: dict[str, str]) -> ErrorInfo:
+    """`info` in a route's own field names: the engine and the limits name SamplingParams fields
+    (prompt, max_tokens, logprobs), which a route may carry under another name (a chat's messages,
+    max_completion_tokens, top_logprobs). `names` maps the former to the latter."""
+    head = re.match(r"[A-Za-z_]\w*", info.param or "")
+    new = names.get(head.group(0)) if head else None
+    if new is None:
+        return info
+    message = re.sub(rf"\b{head.group(0)}\b", new, info.message)
+    return dataclasses.replace(info, param=new + info.param[head.end():], message=message)
 
 
 def _context_ends_first(info: ErrorInfo) -> bool:

@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.core.plan import TokenLogprob
+from serving import errors
 from serving.chat import render_chat
 from serving.disconnect import unless_disconnected
 from serving.errors import APIError
-from serving.gateway import ServedModel, gateway_of, new_request_id, now_s, read_json, sampling_params
+from serving.gateway import (
+    ServedModel,
+    gateway_of,
+    new_request_id,
+    now_s,
+    read_json,
+    renamed,
+    sampling_params,
+)
 from serving.protocol import ChatCompletionRequest, CompletionRequest, parse
 from serving.wire import GenerateChunk, GenerateRequest
 
 router = APIRouter()
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 COMPLETION_MAX_TOKENS = 16
 """/v1/completions' max_tokens when the request and generation_config.json leave it out (OpenAI's)."""
@@ -69,12 +79,8 @@ async def completions(request: Request):
     ids: list[list[int]] = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            texts.append(p)
-            ids.append(model.encode(p, param))
-        else:
-            texts.append(None)
-            ids.append(list(p))
+        texts.append(p if isinstance(p, str) else None)
+        ids.append(_checked(model.encode(p, param) if isinstance(p, str) else list(p), param, model))
     echo_lp = body.echo and body.logprobs is not None
     # max_tokens left out or null: the model's generation_config.json max_new_tokens, else the API's 16
     # (within server.limits.max_tokens; Gateway.open resolves it)
@@ -86,6 +92,20 @@ async def completions(request: Request):
     req = GenerateRequest(_engine_id(request), ids, params, task=body.task, stream=bool(body.stream))
     return await _respond(request, _CompletionView(model, body, ids, texts, request.state.request_id), model, req,
                           default)
+
+
+def _checked(ids: list[int], param: str, model: ServedModel) -> list[int]:
+    """A prompt's ids after the engine's own checks of one prompt, made here where the route knows
+    which of several prompts it is (`param`); the engine's error would say only "prompt"."""
+    vocab, context = model.info.vocab_size, model.info.max_model_len
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise errors.invalid(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})",
+                                 param, "invalid_token_id")
+    if len(ids) >= context:
+        raise errors.invalid(f"{param}: {len(ids)} tokens leave no room to generate within the context window of "
+                             f"{context} tokens", param, "context_length_exceeded")
+    return ids
 
 
 def usage_dict(prompt: int, completion: int, virtual: int) -> dict:
@@ -126,6 +146,8 @@ class _CompletionView:
         """Per choice: where its next token's text_offset starts (echo text + earlier tokens' text)."""
         self.usage: tuple[int, int] | None = None
         self.virtual = 0
+        self.names: dict[str, str] = {}
+        """Engine field -> this request's field (gateway.renamed): the same names here."""
 
     def _empty_lp(self) -> dict | None:
         if self.body.logprobs is None:
@@ -234,12 +256,20 @@ async def _respond(request: Request, view: _CompletionView | _ChatView, model: S
     reaches the model server's stream, which aborts the engine requests (serving/disconnect.py)."""
     gw = gateway_of(request)
     if req.stream:
-        first, rest = await unless_disconnected(request, gw.open(model, req, default_max_tokens))
+        first, rest = await unless_disconnected(request, _named(gw.open(model, req, default_max_tokens), view.names))
         return StreamingResponse(_stream(request, view, first, rest), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    await unless_disconnected(request, _gather(gw.open(model, req, default_max_tokens), view))
+    await unless_disconnected(request, _named(_gather(gw.open(model, req, default_max_tokens), view), view.names))
     _record(request, view.usage)
     return JSONResponse(view.response())
+
+
+async def _named(aw: Awaitable[T], names: dict[str, str]) -> T:
+    """`aw`'s result; its APIError in the route's field names (view.names, gateway.renamed)."""
+    try:
+        return await aw
+    except APIError as exc:
+        raise APIError(renamed(exc.info, names)) from None
 
 
 async def _gather(opening: Awaitable[tuple[GenerateChunk, AsyncIterator[GenerateChunk]]],
@@ -260,7 +290,7 @@ async def _stream(request: Request, view: _CompletionView | _ChatView, first: Ge
     try:
         async for chunk in _chunks(first, rest):
             if chunk.error is not None:
-                yield _sse(chunk.error.body())
+                yield _sse(renamed(chunk.error, view.names).body())
                 request.state.stream_error = chunk.error.code
                 break
             choices = view.delta_choices(chunk)
@@ -324,6 +354,9 @@ class _ChatView:
         self.usage: tuple[int, int] | None = None
         self.virtual = 0
         self.tool_mode = body.tool_mode
+        self.names = {"prompt": "messages", "logprobs": "top_logprobs",
+                      "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"}
+        """Engine field -> this request's field (gateway.renamed): a chat's prompt is its messages."""
         self.call_ids = [f"call_{new_request_id()[:24]}" for _ in range(self.n)]
 
     def _lp(self, token_ids: list[int], entries: list[TokenLogprob]) -> list[dict]:

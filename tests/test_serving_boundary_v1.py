@@ -77,7 +77,8 @@ VIRTUAL = 20
 
 @pytest.fixture(scope="module", params=["no_default", "default_over_cap"])
 def capped(request, gpt2_dir, tmp_path_factory):
-    """An openai client of a server with limits.max_tokens 6 (context 256), whose model has a p-tuned
+    """An openai client of a server with limits.max_tokens 6 (max_prompt_tokens 240, max_logprobs 1;
+    context 256), whose model has a p-tuned
     task; with default_over_cap its generation_config.json says max_new_tokens 50."""
     d = tmp_path_factory.mktemp(request.param) / "gpt2"
     shutil.copytree(gpt2_dir, d)
@@ -86,7 +87,7 @@ def capped(request, gpt2_dir, tmp_path_factory):
         gen.write_text(json.dumps({**json.loads(gen.read_text()), "max_new_tokens": 50}))
     table = np.random.default_rng(0).normal(0, 1.0, (VIRTUAL, 64)).astype(np.float32)
     write_task_dir(d / "ptuning" / "soft", "soft", table, base_model="x")
-    with serve_http(make_core(d), limits={"max_tokens": CAP}) as (url, _):
+    with serve_http(make_core(d), limits={"max_tokens": CAP, "max_prompt_tokens": 240, "max_logprobs": 1}) as (url, _):
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
@@ -161,3 +162,25 @@ def test_chat_template_kwargs_may_set_add_generation_prompt(plain):
 def test_chat_template_kwargs_cannot_replace_what_the_server_sets(plain, key):
     body = _refused(lambda: _chat(plain, chat_template_kwargs={key: "x"}), f"chat_template_kwargs.{key}")
     assert f"chat_template_kwargs.{key}" in body["message"]
+
+
+# errors name the field of the request that carries the refused value
+def test_chat_limit_errors_name_the_chats_fields(capped):
+    long = [{"role": "user", "content": "hi " * 300}]
+    body = _refused(lambda: capped.chat.completions.create(model=MODEL, messages=long, max_tokens=2), "messages")
+    assert body["message"].startswith("messages: ") and "max_prompt_tokens" in body["message"]
+    body = _refused(lambda: _chat(capped, max_tokens=None, max_completion_tokens=CAP + 1), "max_completion_tokens")
+    assert body["message"].startswith("max_completion_tokens: at most")
+    body = _refused(lambda: _chat(capped, logprobs=True, top_logprobs=2), "top_logprobs")
+    assert body["message"].startswith("top_logprobs: at most 1")
+
+
+def test_engine_errors_name_the_requests_fields(plain):
+    long = [{"role": "user", "content": "hi " * 400}]
+    body = _refused(lambda: plain.chat.completions.create(model=MODEL, messages=long, max_tokens=2), "messages")
+    assert body["message"].startswith("messages: ") and body["code"] == "context_length_exceeded"
+    body = _refused(lambda: _chat(plain, max_tokens=None, max_completion_tokens=250), "max_completion_tokens")
+    assert body["message"].startswith("max_completion_tokens: ") and body["code"] == "context_length_exceeded"
+    body = _refused(lambda: plain.completions.create(model=MODEL, prompt=[[1, 2], [3, 99999]], max_tokens=2),
+                    "prompt[1]")
+    assert body["message"].startswith("prompt[1]: token id 99999 at position 1") and body["code"] == "invalid_token_id"

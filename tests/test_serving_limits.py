@@ -38,7 +38,7 @@ def test_within_limits_is_served_and_other_apis_are_limited_too(client):
     assert r.status_code == 200, r.text
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                    "logprobs": True, "top_logprobs": 2, "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     r = client.post(f"/v2/models/{MODEL}/generate", json={"text_input": "hi", "parameters": {"max_tokens": 9}})
     assert r.status_code == 400 and r.json()["error"].startswith("parameters.max_tokens: at most 6")  # v2: a string
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
