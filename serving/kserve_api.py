@@ -74,7 +74,7 @@ class GenerateParams(_Body):
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
         """The fields the request left unset (or null) take the model's generation_config.json values,
         as /v1 does, so one model samples alike on both APIs; max_tokens then falls back to 16 (the
-        served limit is applied later, by check_limits in Gateway.open)."""
+        served limit is applied later, by apply_limits in Gateway.open)."""
         kw = {k: v for k, v in self.model_dump().items() if v is not None}
         if isinstance(kw.get("stop"), list):
             kw["stop"] = tuple(kw["stop"])
