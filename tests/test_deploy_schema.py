@@ -104,6 +104,11 @@ BAD = [
     ({"models": [{"name": "m", "path": "p"}], "server": {"port": 0}}, "server.port: Input should be greater than or equal to 1"),
     ({"models": [{"name": "m", "path": "p"}], "server": {"hots": "x"}}, "server.hots: unknown field"),
     ({"models": [{"name": "m", "path": "p", "engine": {"weight_dtype": "int3"}}]}, "models.0.engine.weight_dtype"),
+    ({"models": [{"name": "m", "path": "p", "engine": {"device": "tpu"}}]},
+     "models.0.engine.device: must be cpu, cuda or cuda:N, got 'tpu'"),
+    ({"models": [{"name": "m", "path": "p", "engine": {"device": "cuda:x"}}]},
+     "models.0.engine.device: must be cpu, cuda or cuda:N, got 'cuda:x'"),
+    ({"models": [{"name": "m", "path": "p", "engine": {"device": "CUDA"}}]}, "models.0.engine.device"),
     ({"models": [{"name": "m", "path": "p"}, {"name": "n", "path": "q"}], "server": {"ingress": "colocated"}},
      "server.ingress: colocated does not apply with 2 models"),
     ({"models": [{"name": "m", "path": "p", "replicas": 2}], "server": {"ingress": "colocated"}},
@@ -184,6 +189,9 @@ def test_engine_option_errors_are_the_engines_own():
     with pytest.raises(ConfigFileError, match=r"models\.0\.engine: compile_decode: 'on' .* static_decode is 'off'"):
         validate_config({"models": [{"name": "m", "path": "p",
                                      "engine": {"compile_decode": "on", "static_decode": "off"}}]})
+    for device in ("cpu", "cuda", "cuda:1"):  # the devices the engine runs on pass
+        opts = validate_config({"models": [{"name": "m", "path": "p", "engine": {"device": device}}]})
+        assert opts.models[0].engine.device == device
     opts = validate_config({"models": [{"name": "m", "path": "p", "engine": {"step_record_len": 5000}}]})
     assert EngineConfig(**opts.models[0].engine.engine_kwargs()).step_record_len == 5000
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_DTYPES = ("auto", *DTYPES)
 WEIGHT_DTYPES = ("auto", "fp8")
+DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+"""The torch devices the engine runs on; anything else would fail only once the engine is built
+(after Ray started, under `shardserve serve`), so a config refuses it where it is read."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class EngineConfig:
     (engines/core/hardware.py). The engine resolves it once, when it is built, into a new config with
     the concrete dtype, and logs why; `resolved_dtype` gives it for a config not yet resolved."""
     device: str = "cpu"
+    """cpu, cuda or cuda:N (DEVICE); shard workers take cuda:rank on a multi-GPU host."""
     weight_dtype: Literal["auto", "fp8"] = "auto"
     """Storage of the blocks' Linear weights. auto: what the checkpoint holds (FP8 for a
     compressed-tensors FP8 file, else `dtype`). fp8: FP8 e4m3 with per-channel scales, quantizing
@@ -185,6 +190,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in ENGINE_DTYPES, "dtype", f"must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
+        _require(isinstance(self.device, str) and DEVICE.match(self.device) is not None, "device",
+                 f"must be cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype",
                  f"must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         _require(self.lm_head_dtype in ("auto", "fp8"), "lm_head_dtype",
