@@ -13,6 +13,7 @@ import json
 import re
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,7 +238,8 @@ def now_s() -> int:
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, refusing more than max_bytes (413) whether or not Content-Length is honest."""
+    """The body, its Content-Encoding undone (decompressed), refusing more than max_bytes (413) whether or not
+    Content-Length is honest, before and after inflating."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -256,7 +258,39 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     except ClientDisconnect:
         raise errors.invalid("the client closed the connection while sending the body", None,
                              "client_disconnected") from None
-    return b"".join(chunks)
+    return decompressed(request, b"".join(chunks), max_bytes)
+
+
+def decompressed(request: Request, raw: bytes, max_bytes: int) -> bytes:
+    """The body with its Content-Encoding undone, for every route (tritonclient's
+    request_compression_algorithm sends gzip or deflate, and an HTTP client may compress a large
+    /v1 prompt; Inference-Header-Content-Length counts the decompressed bytes).
+
+    The decompressed size is capped at the body limit: a few KB of gzip can inflate to gigabytes,
+    so the cap is applied while inflating, not after.
+    """
+    enc = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if enc == "identity":
+        return raw
+    if enc not in ("gzip", "deflate"):
+        raise errors.invalid(f"Content-Encoding: {enc!r} is not supported; send gzip, deflate or identity", None,
+                             "unsupported_content_encoding", status=415)
+    # gzip: 16 + MAX_WBITS; deflate is a zlib stream (RFC 9110, and what tritonclient sends), though some
+    # clients send a raw deflate stream: told apart by the zlib header's check bits
+    zlib_header = len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
+    wbits = 16 + zlib.MAX_WBITS if enc == "gzip" else zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(raw, max_bytes + 1)
+    except zlib.error as exc:
+        raise errors.invalid(f"Content-Encoding: the body is not valid {enc} data ({exc})", None,
+                             "invalid_content_encoding") from None
+    if len(out) > max_bytes:
+        raise errors.invalid(f"request body decompresses ({enc}) to more than the limit of {max_bytes} bytes", None,
+                             "request_too_large", status=413)
+    if not d.eof:
+        raise errors.invalid(f"Content-Encoding: the {enc} body is truncated", None, "invalid_content_encoding")
+    return out
 
 
 def too_large(max_bytes: int) -> APIError:

@@ -40,7 +40,6 @@ from serving.gateway import (
 from serving.kserve_tensors import (  # noqa: F401 - openapi.py and tests import them here
     _NUMERIC,
     _decode_bytes,
-    decompressed,
     or_empty,
     scalar,
     split_binary,
@@ -117,10 +116,6 @@ def _named(names: dict[str, str]) -> Iterator[None]:
         yield
     except APIError as exc:
         raise APIError(_renamed(exc.info, names)) from None
-
-
-async def _v2_body(request: Request, gw: Gateway) -> bytes:
-    return decompressed(request, await read_body(request, gw.options.max_body_bytes), gw.options.max_body_bytes)
 
 
 def _metadata(m: str) -> dict:
@@ -207,7 +202,7 @@ async def model_ready(name: str, request: Request, version: str | None = None) -
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     gw: Gateway = gateway_of(request)
     m = await _model(request, name, version)
-    body, blob = split_binary(request, await _v2_body(request, gw))
+    body, blob = split_binary(request, await read_body(request, gw.options.max_body_bytes))
     unknown = set(body) - {"id", "inputs", "outputs", "parameters"}
     if unknown:
         raise errors.invalid(f"Unrecognized request argument supplied: {', '.join(sorted(unknown))}",
@@ -312,7 +307,7 @@ async def _generate_request(request: Request, m: ServedModel, stream: bool
     """(the request, its JSON body, its field names for errors: _field_names)."""
     gw = gateway_of(request)
     check_json_content_type(request)
-    body = decode_json(await _v2_body(request, gw))
+    body = decode_json(await read_body(request, gw.options.max_body_bytes))
     text = body.get("text_input")
     if not isinstance(text, str) or not text:
         raise errors.invalid("text_input: required, a non-empty string", "text_input",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import struct
-import zlib
 from typing import Any
 
 from fastapi import Request
@@ -23,37 +22,6 @@ _NUMERIC = {"BOOL": ("?", 1), "INT8": ("b", 1), "INT16": ("h", 2), "INT32": ("i"
             "UINT8": ("B", 1), "UINT16": ("H", 2), "UINT32": ("I", 4), "UINT64": ("Q", 8), "FP32": ("f", 4),
             "FP64": ("d", 8)}
 _FP_MAX = {"FP32": 3.4028234663852886e38, "FP64": 1.7976931348623157e308}
-
-
-def decompressed(request: Request, raw: bytes, max_bytes: int) -> bytes:
-    """The body with its Content-Encoding undone (tritonclient's request_compression_algorithm
-    sends gzip or deflate; Inference-Header-Content-Length counts the decompressed bytes).
-
-    The decompressed size is capped at the body limit: a few KB of gzip can inflate to gigabytes,
-    so the cap is applied while inflating, not after.
-    """
-    enc = (request.headers.get("content-encoding") or "identity").strip().lower()
-    if enc == "identity":
-        return raw
-    if enc not in ("gzip", "deflate"):
-        raise errors.invalid(f"Content-Encoding: {enc!r} is not supported; send gzip, deflate or identity", None,
-                             "unsupported_content_encoding", status=415)
-    # gzip: 16 + MAX_WBITS; deflate is a zlib stream (RFC 9110, and what tritonclient sends), though some
-    # clients send a raw deflate stream: told apart by the zlib header's check bits
-    zlib_header = len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
-    wbits = 16 + zlib.MAX_WBITS if enc == "gzip" else zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(raw, max_bytes + 1)
-    except zlib.error as exc:
-        raise errors.invalid(f"Content-Encoding: the body is not valid {enc} data ({exc})", None,
-                             "invalid_content_encoding") from None
-    if len(out) > max_bytes:
-        raise errors.invalid(f"request body decompresses ({enc}) to more than the limit of {max_bytes} bytes", None,
-                             "request_too_large", status=413)
-    if not d.eof:
-        raise errors.invalid(f"Content-Encoding: the {enc} body is truncated", None, "invalid_content_encoding")
-    return out
 
 
 def split_binary(request: Request, raw: bytes) -> tuple[dict, bytes]:

@@ -184,3 +184,18 @@ def test_engine_errors_name_the_requests_fields(plain):
     body = _refused(lambda: plain.completions.create(model=MODEL, prompt=[[1, 2], [3, 99999]], max_tokens=2),
                     "prompt[1]")
     assert body["message"].startswith("prompt[1]: token id 99999 at position 1") and body["code"] == "invalid_token_id"
+
+
+def test_a_compressed_v1_body_is_inflated(plain):
+    """Content-Encoding is undone for /v1 as for /v2 (a gzip body was 'not valid JSON'); an unknown one is a 415."""
+    import gzip
+    import zlib
+
+    url = str(plain.base_url).rstrip("/")
+    body = json.dumps({"model": MODEL, "prompt": "To be", "max_tokens": 2, "temperature": 0}).encode()
+    want = httpx.post(f"{url}/completions", content=body, timeout=30).json()["choices"][0]["text"]
+    for enc, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        r = httpx.post(f"{url}/completions", content=data, headers={"content-encoding": enc}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (enc, r.text)
+    r = httpx.post(f"{url}/completions", content=body, headers={"content-encoding": "br"}, timeout=30)
+    assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"], r.text
