@@ -22,6 +22,8 @@ SLO_STATS = ("mean", "p50", "p90", "p95", "p99")
 DEFAULT_SLO_STAT = "p99"  # the run-level check for a bare key such as `tpot_ms=50`
 DEFAULT_NUM_PROMPTS = 1000  # vLLM's default, used when neither a count nor a duration is given
 CLOSED_LOOP_POOL = 1000  # prompts prepared for a closed-loop run bounded only by duration
+MAX_LENGTH = 10**7  # tokens: no model's context comes near it; a larger length is a typo, and an
+# unbounded one overflows numpy's int64 samplers or builds a prompt that exhausts memory
 
 
 def _flag(name: str) -> str:
@@ -209,8 +211,8 @@ def _validate(c: LoadTestConfig) -> None:
     if c.warmup < 0:
         raise _fail("warmup", f"must be >= 0 requests, got {c.warmup}")
     for name in ("random_input_len", "random_output_len"):
-        if getattr(c, name) < 1:
-            raise _fail(name, f"must be >= 1 token, got {getattr(c, name)}")
+        if not 1 <= getattr(c, name) <= MAX_LENGTH:
+            raise _fail(name, f"must be 1 to {MAX_LENGTH} tokens, got {getattr(c, name)}")
     if not (c.timeout > 0 and math.isfinite(c.timeout)):
         raise _fail("timeout", f"must be a finite number of seconds > 0, got {c.timeout}")
     if not (c.time_scale > 0 and math.isfinite(c.time_scale)):
@@ -223,8 +225,7 @@ def _validate(c: LoadTestConfig) -> None:
         if c.input_dist is not None or c.output_dist is not None:
             raise _fail("length_mix", "replaces --input-dist/--output-dist; give one or the other")
         for pair in c.length_mix:
-            if pair.input_len < 1 or pair.output_len < 1 or not pair.weight > 0:
-                raise _fail("length_mix", f"needs lengths >= 1 and weight > 0, got {pair}")
+            _validate_pair(pair)
     if c.closed_loop_concurrency is not None:
         if c.max_concurrency is not None:
             raise _fail("max_concurrency", "does not apply to a closed loop (--closed-loop-concurrency)")
@@ -243,9 +244,21 @@ def _validate(c: LoadTestConfig) -> None:
         seen.add(slo.metric)
 
 
+def _validate_pair(pair: LengthPair) -> None:
+    lengths_ok = all(1 <= n <= MAX_LENGTH for n in (pair.input_len, pair.output_len))
+    if not (lengths_ok and pair.weight > 0 and math.isfinite(pair.weight)):
+        raise _fail("length_mix", f"needs lengths of 1 to {MAX_LENGTH} tokens and a finite weight > 0, "
+                                  f"got {pair.input_len}:{pair.output_len}:{pair.weight:g}")
+
+
 def _validate_dist(name: str, d: LengthDist) -> None:
     if d.kind not in DIST_KINDS:
         raise _fail(name, f"kind must be one of {', '.join(DIST_KINDS)}; got {d.kind!r}")
+    # the samplers draw int64 lengths and the prompt builder makes that many words: bound them here
+    if not all(n <= MAX_LENGTH for n in (d.value, d.low, d.high)):
+        raise _fail(name, f"lengths must be at most {MAX_LENGTH} tokens, got {d.describe()}")
+    if not math.isfinite(d.std):
+        raise _fail(name, f"std must be a finite number of tokens, got {d.std}")
     if d.kind == "fixed" and d.value < 1:
         raise _fail(name, f"fixed length must be >= 1 token, got {d.value}")
     if d.kind == "uniform" and not 1 <= d.low <= d.high:
@@ -271,13 +284,17 @@ def parse_length_dist(spec: str, default_len: int, name: str) -> LengthDist:
         nums = [float(p) for p in parts[1:]]
     except ValueError:
         raise _fail(name, f"cannot read numbers in {spec!r}; {usage}") from None
+    # inf, nan and huge values would crash int() or numpy's samplers: refuse them with the option's name
+    if not all(math.isfinite(x) and abs(x) <= MAX_LENGTH for x in nums):
+        raise _fail(name, f"numbers must be finite and at most {MAX_LENGTH} tokens, got {spec!r}")
     if kind == "fixed" and len(nums) in (0, 1):
         dist = LengthDist("fixed", value=int(nums[0]) if nums else default_len)
     elif kind == "uniform" and len(nums) == 2:
         dist = LengthDist("uniform", value=int((nums[0] + nums[1]) / 2), low=int(nums[0]), high=int(nums[1]))
     elif kind == "normal" and len(nums) in (2, 4):
         mean, std = int(nums[0]), nums[1]
-        low, high = (int(nums[2]), int(nums[3])) if len(nums) == 4 else (1, int(mean + 4 * std))
+        # the default upper bound is mean + 4 std, capped where every length is capped
+        low, high = (int(nums[2]), int(nums[3])) if len(nums) == 4 else (1, int(min(mean + 4 * std, MAX_LENGTH)))
         dist = LengthDist("normal", value=mean, std=std, low=low, high=high)
     else:
         raise _fail(name, f"wrong number of fields in {spec!r}; {usage}")
@@ -296,6 +313,7 @@ def parse_length_mix(spec: str) -> tuple[LengthPair, ...]:
             pair = LengthPair(int(parts[0]), int(parts[1]), float(parts[2]) if len(parts) == 3 else 1.0)
         except ValueError:
             raise _fail("length_mix", f"cannot read {item!r}; use IN:OUT:WEIGHT,IN:OUT:WEIGHT") from None
+        _validate_pair(pair)  # here, not only in LoadTestConfig: inf/nan weights crash numpy's sampler
         pairs.append(pair)
     if not pairs:
         raise _fail("length_mix", "is empty; use IN:OUT:WEIGHT,IN:OUT:WEIGHT")
@@ -351,6 +369,7 @@ __all__ = [
     "ARRIVALS",
     "BACKENDS",
     "DIST_KINDS",
+    "MAX_LENGTH",
     "SLO",
     "LengthDist",
     "LengthPair",

@@ -52,6 +52,7 @@ def sample_pairs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """n (input, output) length pairs drawn from a weighted mix."""
     weights = np.array([p.weight for p in mix], dtype=float)
+    weights /= weights.max()  # finite weights near float max would sum to inf (and p to NaN)
     pick = rng.choice(len(mix), size=n, p=weights / weights.sum())
     ins = np.array([p.input_len for p in mix], dtype=np.int64)[pick]
     outs = np.array([p.output_len for p in mix], dtype=np.int64)[pick]

@@ -1,0 +1,93 @@
+"""loadtest's input boundary: length specs, option combinations and workload files that used to
+crash with a traceback or were silently ignored now give one error naming the option (or the file
+and row). No server is needed: every case fails before the first request."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from loadtest import ConfigError, LoadTestConfig
+from loadtest.cli import loadtest
+from loadtest.config import MAX_LENGTH, LengthDist, LengthPair, parse_length_dist, parse_length_mix
+from loadtest.workload import sample_pairs
+
+URL = "http://127.0.0.1:9"  # nothing listens there; every case below fails before sending
+
+app = typer.Typer()
+app.command("loadtest")(loadtest)
+
+
+@app.command("version")
+def _version() -> None:  # a second command, so `loadtest` is a subcommand as in shardserve
+    typer.echo("0")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["loadtest", "--url", URL, "--model", "m", "--no-progress", *args])
+
+
+def cfg(**kw) -> LoadTestConfig:
+    return LoadTestConfig(**{"url": URL, "model": "m", **kw})
+
+
+# --- length specs: non-finite or unbounded numbers -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, spec",
+    [
+        ("--input-dist", "fixed:inf"),
+        ("--input-dist", "fixed:nan"),
+        ("--input-dist", "fixed:1e30"),
+        ("--output-dist", "normal:100:inf"),
+        ("--output-dist", "normal:100:nan"),
+        ("--input-dist", "uniform:1:1e30"),
+        ("--input-dist", "uniform:1:-inf"),
+        ("--input-dist", "normal:100:10:1:1e400"),
+        ("--length-mix", "10:10:inf"),
+        ("--length-mix", "10:10:1e400"),
+        ("--length-mix", "10:10:nan"),
+        ("--length-mix", "10:10:0"),
+        ("--length-mix", f"10:{MAX_LENGTH + 1}:1"),
+    ],
+)
+def test_unbounded_length_specs_are_usage_errors(flag, spec):
+    res = invoke("--num-prompts", "1", flag, spec)
+    assert res.exit_code == 2 and f"error: {flag[2:].replace('-', '_')} ({flag})" in res.output, res.output
+
+
+def test_length_bounds_are_named_in_the_message():
+    with pytest.raises(ConfigError, match=rf"--input-dist.*finite and at most {MAX_LENGTH}"):
+        parse_length_dist("fixed:inf", 7, "input_dist")
+    with pytest.raises(ConfigError, match=r"--length-mix.*finite weight > 0"):
+        parse_length_mix("10:10:inf")
+    with pytest.raises(ConfigError, match=rf"--random-input-len.*1 to {MAX_LENGTH}"):
+        cfg(random_input_len=MAX_LENGTH + 1)
+    with pytest.raises(ConfigError, match="--output-dist.*at most"):  # built in Python, not parsed
+        cfg(output_dist=LengthDist("uniform", value=5, low=1, high=10**30))
+    with pytest.raises(ConfigError, match="--input-dist.*std must be a finite"):
+        cfg(input_dist=LengthDist("normal", value=5, std=math.inf, low=1, high=10))
+    with pytest.raises(ConfigError, match="--length-mix"):
+        cfg(length_mix=(LengthPair(5, 5, math.nan),))
+
+
+def test_bounded_specs_still_parse():
+    assert parse_length_dist(f"fixed:{MAX_LENGTH}", 7, "input_dist").value == MAX_LENGTH
+    big = parse_length_dist("normal:100:1e7", 7, "input_dist")  # mean + 4 std is capped, not refused
+    assert big.high == MAX_LENGTH
+    assert parse_length_mix("10:20,30:40:1e300") == (LengthPair(10, 20, 1.0), LengthPair(30, 40, 1e300))
+
+
+def test_huge_finite_weights_sample_without_nan():
+    mix = (LengthPair(1, 2, 1.5e308), LengthPair(3, 4, 1.5e308))  # their sum overflows to inf
+    ins, outs = sample_pairs(mix, 200, np.random.default_rng(0))
+    assert set(ins.tolist()) == {1, 3} and set(outs.tolist()) == {2, 4}
