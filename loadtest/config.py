@@ -233,6 +233,7 @@ def _validate(c: LoadTestConfig) -> None:
             raise _fail("trace", "replays its own timestamps; it cannot run as a closed loop")
     if c.dataset is not None and c.trace is not None:
         raise _fail("dataset", "give either --dataset or --trace, not both")
+    _refuse_ignored(c)
     for name in ("dataset", "trace", "tokenizer"):
         path = getattr(c, name)
         if path is not None and not Path(path).is_file():
@@ -242,6 +243,24 @@ def _validate(c: LoadTestConfig) -> None:
         if slo.metric in seen:
             raise _fail("slos", f"{slo.metric} is given twice")
         seen.add(slo.metric)
+
+
+def _refuse_ignored(c: LoadTestConfig) -> None:
+    """An option the workload source would silently ignore is refused, so a run never measures
+    something other than what was asked. Only values that differ from the field's default count as
+    given: a default cannot be told from an explicit flag equal to it, and that one changes nothing."""
+    defaults = LoadTestConfig.__dataclass_fields__
+    if c.trace is not None:  # the trace gives every request's time and both lengths
+        # (--random-input-len/--random-output-len are left alone: a shared base config of a script
+        # or the tests sets them for every source)
+        for name in ("request_rate", "arrival", "burstiness", "input_dist", "output_dist", "length_mix"):
+            if getattr(c, name) != defaults[name].default:
+                raise _fail(name, "does not apply to --trace, which gives each request's time and lengths "
+                                  "(use --time-scale to replay faster)")
+    elif c.time_scale != defaults["time_scale"].default:
+        raise _fail("time_scale", "applies to --trace only")
+    if c.dataset is not None and c.input_dist is not None:  # the file's prompts set the input lengths
+        raise _fail("input_dist", "does not apply to --dataset, whose prompts set the input lengths")
 
 
 def _validate_pair(pair: LengthPair) -> None:
