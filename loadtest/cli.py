@@ -118,6 +118,11 @@ def loadtest(
     Open-loop arrivals by default (a slow server never delays a send); TTFT, TPOT, ITL and
     end-to-end latency as vLLM's benchmark defines them; goodput against --slo; --sweep finds the
     highest request rate that meets every SLO. See docs/loadtest.md.
+
+    Exit status (so CI sees the result; files are written first either way): 0 the run finished and
+    met every --slo; 1 an --slo was not met, no request completed, a sweep found no passing rate, or
+    the server could not be reached; 2 a usage error; 130 interrupted (Ctrl-C). The last line says
+    why a run failed.
     """
     from loadtest.config import parse_length_dist, parse_length_mix, parse_slo
     from loadtest.errors import ConfigError, LoadTestError
@@ -161,18 +166,33 @@ def loadtest(
         if sweep:
             sc = SweepConfig(start_rate=sweep_start_rate, max_rate=sweep_max_rate, tolerance=sweep_tolerance,
                              min_step_s=sweep_min_step_s)
-            _run_sweep(config, sc, plots)
+            failure = _run_sweep(config, sc, plots)
         else:
-            _run_once(config, plots)
+            failure = _run_once(config, plots)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     except LoadTestError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+    if failure is not None:  # last, after the results are printed and written
+        typer.echo(f"FAIL: {failure}", err=True)
+        raise typer.Exit(1)
 
 
-def _run_once(config: LoadTestConfig, plots: bool) -> None:
+def run_failure(summary) -> str | None:
+    """Why a finished run counts as failed for CI, or None: no request completed (a dead server
+    must not pass a job that gave no SLO), or an SLO given with --slo was not met."""
+    if summary.completed == 0:
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(summary.errors.items()))
+        return f"no request completed ({summary.requests} sent{'; ' + errors if errors else ''})"
+    if summary.meets_slo is False:
+        missed = [f"{r.key} {r.observed_ms:.2f} > {r.threshold_ms:g}" for r in summary.slo_results if not r.ok]
+        return "SLO not met: " + (", ".join(missed) or "the run was stopped early")
+    return None
+
+
+def _run_once(config: LoadTestConfig, plots: bool) -> str | None:
     from loadtest.report import format_summary, write_run
     from loadtest.runner import run
 
@@ -181,9 +201,10 @@ def _run_once(config: LoadTestConfig, plots: bool) -> None:
     if config.result_dir is not None:
         paths = write_run(report, config.result_dir, plots=plots)
         typer.echo(f"Wrote {', '.join(p.name for p in paths)} to {config.result_dir}")
+    return run_failure(report.summary)
 
 
-def _run_sweep(config: LoadTestConfig, sc: SweepConfig, plots: bool) -> None:
+def _run_sweep(config: LoadTestConfig, sc: SweepConfig, plots: bool) -> str | None:
     from loadtest.report import SWEEP_HEADER, format_sweep_row, format_sweep_table, write_sweep
     from loadtest.slo_sweep import sweep as run_sweep
 
@@ -195,3 +216,6 @@ def _run_sweep(config: LoadTestConfig, sc: SweepConfig, plots: bool) -> None:
         typer.echo(
             f"Wrote sweep.json, sweep.csv{', sweep.png' if plots else ''} and per-step files to {config.result_dir}"
         )
+    if result.best_rate is None:
+        return f"no rate met the SLO (the lowest tried: {min(s.rate for s in result.steps):.3g} req/s)"
+    return None

@@ -1,0 +1,85 @@
+"""`shardserve loadtest`'s exit status is its verdict for CI: a run whose --slo fails, a run in
+which no request completed and a sweep that finds no passing rate exit 1, after the results are
+printed and written, with the reason on the last line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from loadtest_support.launcher import FakeServer
+
+from loadtest.cli import loadtest
+
+DEAD = "http://127.0.0.1:9"  # nothing listens there: every request fails at once
+
+app = typer.Typer()
+app.command("loadtest")(loadtest)
+
+
+@app.command("version")
+def _version() -> None:  # a second command, so `loadtest` is a subcommand as in shardserve
+    typer.echo("0")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer() as s:
+        yield s
+
+
+def invoke(url: str, *args: str):
+    return CliRunner().invoke(app, ["loadtest", "--url", url, "--model", "m", "--no-progress", *args])
+
+
+def last_line(res) -> str:
+    return res.output.strip().splitlines()[-1]
+
+
+def test_no_request_completed_exits_1_after_writing(tmp_path):
+    out = tmp_path / "run"
+    res = invoke(DEAD, "--num-prompts", "5", "--no-preflight", "--result-dir", str(out))
+    assert res.exit_code == 1, res.output
+    assert last_line(res) == "FAIL: no request completed (5 sent; connection_error: 5)", res.output
+    assert json.loads((out / "summary.json").read_text())["summary"]["failed"] == 5
+
+
+def test_a_failed_slo_exits_1_and_a_met_one_exits_0(server, tmp_path):
+    server.configure(ttft=0.03)
+    out = tmp_path / "run"
+    res = invoke(server.url, "--num-prompts", "4", "--random-output-len", "2", "--slo", "ttft_ms=1",
+                 "--result-dir", str(out), "--no-plots")  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert last_line(res).startswith("FAIL: SLO not met: ttft_p99_ms "), res.output
+    assert last_line(res).endswith(" > 1"), res.output
+    assert json.loads((out / "summary.json").read_text())["summary"]["meets_slo"] is False
+    res = invoke(server.url, "--num-prompts", "4", "--random-output-len", "2", "--slo", "ttft_ms=5000")
+    assert res.exit_code == 0 and "FAIL" not in res.output, res.output
+
+
+def test_failed_requests_fail_the_slo_they_count_against(server):
+    server.configure(error_every=2)  # half the requests fail: infinitely slow for the p99
+    res = invoke(server.url, "--num-prompts", "4", "--random-output-len", "2", "--no-preflight",
+                 "--slo", "e2el_ms=60000")  # fmt: skip
+    assert res.exit_code == 1 and "FAIL: SLO not met: e2el_p99_ms inf > 60000" in last_line(res), res.output
+
+
+def test_a_sweep_with_no_passing_rate_exits_1_after_writing(tmp_path):
+    out = tmp_path / "sweep"
+    res = invoke(DEAD, "--sweep", "--num-prompts", "1", "--no-preflight", "--slo", "ttft_ms=100",
+                 "--sweep-start-rate", "0.1", "--result-dir", str(out), "--no-plots")  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert last_line(res).startswith("FAIL: no rate met the SLO (the lowest tried: "), res.output
+    assert json.loads((out / "sweep.json").read_text())["best_rate"] is None
+
+
+def test_help_documents_the_exit_status():
+    res = CliRunner().invoke(app, ["loadtest", "--help"])
+    assert res.exit_code == 0 and "Exit status" in res.output and "130" in res.output, res.output
