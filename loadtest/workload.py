@@ -7,6 +7,7 @@ pairs), a JSONL prompt file, and a JSONL trace replayed at its own timestamps.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,8 @@ def from_dataset(config: LoadTestConfig, n: int, builder: PromptBuilder) -> list
     parsed = []
     for k, (lineno, row) in enumerate(rows):
         prompt, messages = _prompt_of(config.dataset, lineno, row)
+        if not prompt:  # a server rejects it, or the run measures requests of no input at all
+            raise LoadTestError(f"{config.dataset}:{lineno}: the prompt is empty")
         out = next((row[key] for key in _OUTPUT_KEYS if key in row), int(default_outs[k]))
         if not isinstance(out, int) or out < 1:
             raise LoadTestError(
@@ -147,19 +150,20 @@ def from_trace(
     rng = np.random.default_rng(config.seed)
     items = []
     for lineno, row in rows:
-        if "timestamp" in row:
-            t = row["timestamp"]
-        elif "timestamp_ms" in row:
-            t = row["timestamp_ms"] / 1000.0 if isinstance(row["timestamp_ms"], (int, float)) else None
-        else:
-            t = None
-        if not isinstance(t, (int, float)):
-            raise LoadTestError(f"{config.trace}:{lineno}: needs a numeric timestamp (s) or timestamp_ms")
+        key = "timestamp" if "timestamp" in row else "timestamp_ms"
+        t = row.get(key)
+        # NaN would sort anywhere and schedule nonsense; bool is an int to Python but not a time
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+            raise LoadTestError(f"{config.trace}:{lineno}: needs a finite numeric timestamp (s) or timestamp_ms, "
+                                f"got {key} {t!r}")
+        t = t / 1000.0 if key == "timestamp_ms" else t
         in_len = row.get("input_length", row.get("input_len"))
         out_len = row.get("output_length", row.get("output_len"))
         if not (isinstance(out_len, int) and out_len >= 1):
             raise LoadTestError(f"{config.trace}:{lineno}: output_length must be an integer >= 1")
         if isinstance(row.get("prompt"), str):
+            if not row["prompt"]:
+                raise LoadTestError(f"{config.trace}:{lineno}: prompt is empty")
             items.append((float(t), lineno, row["prompt"], None, out_len))
         elif isinstance(in_len, int) and in_len >= 1:
             items.append((float(t), lineno, None, in_len, out_len))

@@ -16,10 +16,11 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from loadtest import ConfigError, LoadTestConfig
+from loadtest import ConfigError, LoadTestConfig, LoadTestError
 from loadtest.cli import loadtest
 from loadtest.config import MAX_LENGTH, LengthDist, LengthPair, parse_length_dist, parse_length_mix
-from loadtest.workload import sample_pairs
+from loadtest.prompts import PromptBuilder
+from loadtest.workload import from_dataset, from_trace, sample_pairs
 
 URL = "http://127.0.0.1:9"  # nothing listens there; every case below fails before sending
 
@@ -133,3 +134,35 @@ def test_defaults_and_honoured_options_are_not_refused(files):
     for source in ("trace", "dataset"):
         res = invoke("--num-prompts", "1", f"--{source}", files[source])
         assert res.exit_code == 1 and "cannot connect" in res.output, res.output
+
+
+# --- workload files: rows that would schedule nonsense or send nothing ---------------------------
+
+
+@pytest.mark.parametrize(
+    "row, words",
+    [
+        ('{"timestamp": NaN, "input_length": 4, "output_length": 2}', "finite numeric timestamp"),
+        ('{"timestamp_ms": Infinity, "input_length": 4, "output_length": 2}', "finite numeric timestamp"),
+        ('{"timestamp": true, "input_length": 4, "output_length": 2}', "finite numeric timestamp"),
+        ('{"timestamp": 1.0, "prompt": "", "output_length": 2}', "prompt is empty"),
+    ],
+)
+def test_bad_trace_rows_name_the_file_and_row(tmp_path, row, words):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0.5, "input_length": 4, "output_length": 2}\n' + row + "\n")
+    with pytest.raises(LoadTestError, match=rf"trace.jsonl:2: .*{words}"):
+        from_trace(cfg(trace=trace), PromptBuilder(None), None)
+
+
+@pytest.mark.parametrize(
+    "row",
+    ['{"prompt": ""}', '{"messages": [{"role": "user", "content": ""}]}', '{"text": ""}'],
+)
+def test_empty_dataset_prompts_name_the_row(tmp_path, row):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "fine"}\n' + row + "\n")
+    with pytest.raises(LoadTestError, match=r"prompts.jsonl:2: the prompt is empty"):
+        from_dataset(cfg(dataset=data), 2, PromptBuilder(None))
+    res = invoke("--num-prompts", "2", "--dataset", str(data))  # at the CLI: one line, exit 1
+    assert res.exit_code == 1 and "prompts.jsonl:2: the prompt is empty" in res.output, res.output
