@@ -7,6 +7,9 @@ Files written to a result directory by `write_run`:
   latency_cdf.png  CDFs of TTFT, ITL and E2EL
 and by `write_sweep`: sweep.json, sweep.csv (one row per step), sweep.png (throughput and latency
 against the offered rate) and a `step_NN_rate_R/` directory per step with that run's files.
+Files of the same name are overwritten. A sweep written where an earlier, longer one was also
+removes that one's leftover `step_NN_rate_R/` directories, so every step directory belongs to the
+sweep.json beside it; a directory holding anything this module did not write is left alone.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -68,6 +72,23 @@ def write_run(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
     return paths
 
 
+RUN_FILES = ("requests.jsonl", "summary.json", "summary.csv", "latency_cdf.png")  # write_run's
+_STEP_DIR = re.compile(r"step_\d{2,}_rate_.+")
+
+
+def _remove_stale_steps(out_dir: Path, keep: set[str]) -> None:
+    """Delete step directories of an earlier sweep into out_dir: only those named as write_sweep
+    names them and holding nothing but write_run's files (a user's own files are never lost)."""
+    for d in out_dir.iterdir():
+        if d.name in keep or not _STEP_DIR.fullmatch(d.name) or not d.is_dir() or d.is_symlink():
+            continue
+        files = list(d.iterdir())
+        if all(f.name in RUN_FILES and f.is_file() and not f.is_symlink() for f in files):
+            for f in files:
+                f.unlink()
+            d.rmdir()
+
+
 def write_sweep(result: SweepReport, out_dir: Path, plots: bool = True) -> list[Path]:
     """Write a sweep's table, plot and each step's run files; returns the paths written."""
     out_dir = Path(out_dir)
@@ -95,8 +116,10 @@ def write_sweep(result: SweepReport, out_dir: Path, plots: bool = True) -> list[
     }
     paths[0].write_text(json.dumps(json_safe(doc), indent=2) + "\n")
     _write_csv(paths[1], rows)
-    for i, (step, rep) in enumerate(zip(result.steps, result.reports)):
-        paths += write_run(rep, out_dir / f"step_{i:02d}_rate_{step.rate:.4g}", plots=False)
+    step_dirs = [f"step_{i:02d}_rate_{step.rate:.4g}" for i, step in enumerate(result.steps)]
+    _remove_stale_steps(out_dir, set(step_dirs))
+    for name, rep in zip(step_dirs, result.reports):
+        paths += write_run(rep, out_dir / name, plots=False)
     if plots and result.steps:
         paths.append(plot_sweep(result, out_dir / "sweep.png"))
     return paths

@@ -1,6 +1,7 @@
 """`shardserve loadtest`'s exit status is its verdict for CI: a run whose --slo fails, a run in
 which no request completed and a sweep that finds no passing rate exit 1, after the results are
-printed and written, with the reason on the last line."""
+printed and written, with the reason on the last line. The written results are the run's own:
+a sweep into a reused --result-dir leaves no stale step folders of an earlier one."""
 
 from __future__ import annotations
 
@@ -83,3 +84,20 @@ def test_a_sweep_with_no_passing_rate_exits_1_after_writing(tmp_path):
 def test_help_documents_the_exit_status():
     res = CliRunner().invoke(app, ["loadtest", "--help"])
     assert res.exit_code == 0 and "Exit status" in res.output and "130" in res.output, res.output
+
+
+def test_a_shorter_sweep_removes_only_its_own_stale_step_folders(tmp_path):
+    out = tmp_path / "sweep"
+    sweep = ("--sweep", "--num-prompts", "1", "--no-preflight", "--slo", "ttft_ms=100", "--result-dir", str(out),
+             "--no-plots")  # fmt: skip
+    invoke(DEAD, *sweep, "--sweep-start-rate", "0.1")  # 0.1 .. 0.0125: four failing steps
+    first = sorted(p.name for p in out.glob("step_*"))
+    assert len(first) == 4, first
+    mine = out / "step_07_rate_9"  # a user's folder of the same form, with a file of their own
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    invoke(DEAD, *sweep, "--sweep-start-rate", "0.02")  # 0.02, 0.01: two steps
+    steps = json.loads((out / "sweep.json").read_text())["steps"]
+    left = sorted(p.name for p in out.glob("step_*"))
+    assert left == sorted([f"step_{i:02d}_rate_{s['rate']:.4g}" for i, s in enumerate(steps)] + [mine.name])
+    assert (mine / "notes.txt").read_text() == "keep me"
