@@ -121,8 +121,8 @@ def loadtest(
 
     Exit status (so CI sees the result; files are written first either way): 0 the run finished and
     met every --slo; 1 an --slo was not met, no request completed, a sweep found no passing rate, or
-    the server could not be reached; 2 a usage error; 130 interrupted (Ctrl-C). The last line says
-    why a run failed.
+    the server could not be reached; 2 a usage error; 130 interrupted (Ctrl-C: what was measured is
+    still written; a second Ctrl-C stops at once). The last line says why a run failed.
     """
     from loadtest.config import parse_length_dist, parse_length_mix, parse_slo
     from loadtest.errors import ConfigError, LoadTestError
@@ -176,8 +176,9 @@ def loadtest(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     if failure is not None:  # last, after the results are printed and written
-        typer.echo(f"FAIL: {failure}", err=True)
-        raise typer.Exit(1)
+        code, reason = failure
+        typer.echo(f"{'FAIL' if code == 1 else 'INTERRUPTED'}: {reason}", err=True)
+        raise typer.Exit(code)
 
 
 def run_failure(summary) -> str | None:
@@ -192,30 +193,35 @@ def run_failure(summary) -> str | None:
     return None
 
 
-def _run_once(config: LoadTestConfig, plots: bool) -> str | None:
+def _run_once(config: LoadTestConfig, plots: bool) -> tuple[int, str] | None:
     from loadtest.report import format_summary, write_run
     from loadtest.runner import run
 
-    report = run(config)
+    report = run(config, stop_on_sigint=True)
     typer.echo(format_summary(report.summary))
     if config.result_dir is not None:
         paths = write_run(report, config.result_dir, plots=plots)
         typer.echo(f"Wrote {', '.join(p.name for p in paths)} to {config.result_dir}")
-    return run_failure(report.summary)
+    if report.interrupted:  # 130 as for any Ctrl-C, but with what was measured kept
+        return 130, "Ctrl-C stopped the run; the results above cover the requests sent until then"
+    failure = run_failure(report.summary)
+    return None if failure is None else (1, failure)
 
 
-def _run_sweep(config: LoadTestConfig, sc: SweepConfig, plots: bool) -> str | None:
+def _run_sweep(config: LoadTestConfig, sc: SweepConfig, plots: bool) -> tuple[int, str] | None:
     from loadtest.report import SWEEP_HEADER, format_sweep_row, format_sweep_table, write_sweep
     from loadtest.slo_sweep import sweep as run_sweep
 
     typer.echo(SWEEP_HEADER)
-    result = run_sweep(config, sc, on_step=lambda step: typer.echo(format_sweep_row(step)))
+    result = run_sweep(config, sc, on_step=lambda step: typer.echo(format_sweep_row(step)), stop_on_sigint=True)
     typer.echo("\nSorted by rate:\n" + format_sweep_table(result))
     if config.result_dir is not None:
         write_sweep(result, config.result_dir, plots=plots)
         typer.echo(
             f"Wrote sweep.json, sweep.csv{', sweep.png' if plots else ''} and per-step files to {config.result_dir}"
         )
+    if result.interrupted:
+        return 130, "Ctrl-C stopped the sweep; the results above cover the steps run until then"
     if result.best_rate is None:
-        return f"no rate met the SLO (the lowest tried: {min(s.rate for s in result.steps):.3g} req/s)"
+        return 1, f"no rate met the SLO (the lowest tried: {min(s.rate for s in result.steps):.3g} req/s)"
     return None

@@ -62,6 +62,7 @@ def write_run(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
     doc = {
         "started_at": report.started_at,
         "stop_reason": report.stop_reason,
+        "interrupted": report.interrupted,
         "config": config_to_json(report.config),
         "summary": report.summary.to_json(),
     }
@@ -101,6 +102,7 @@ def write_sweep(result: SweepReport, out_dir: Path, plots: bool = True) -> list[
     paths = [out_dir / "sweep.json", out_dir / "sweep.csv"]
     doc = {
         "best_rate": result.best_rate,
+        "interrupted": result.interrupted,
         "config": config_to_json(result.config),
         "sweep_config": asdict(result.sweep_config),
         "steps": [

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import itertools
 import math
+import signal
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from time import perf_counter
@@ -29,6 +30,7 @@ from loadtest.prompts import PromptBuilder
 from loadtest.workload import RequestSpec, from_dataset, from_trace, synthetic
 
 TICK_S = 0.1  # progress-bar and monitor period
+INTERRUPTED = "interrupted (Ctrl-C): the results cover the requests sent until then"
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class Report:
     summary: Summary
     records: list[RequestRecord]
     started_at: str  # ISO 8601 wall-clock time of the first send
-    stop_reason: str | None = None  # set when a monitor ended the run early
+    stop_reason: str | None = None  # set when a monitor (or Ctrl-C) ended the run early
+    interrupted: bool = False  # Ctrl-C ended it (run(..., stop_on_sigint=True))
 
 
 class RunMonitor(Protocol):
@@ -103,9 +106,12 @@ def _raise_fd_limit(need: int) -> None:
 
 class _Runner:
     def __init__(
-        self, config: LoadTestConfig, plan: Plan, builder: PromptBuilder, monitor: RunMonitor | None
+        self, config: LoadTestConfig, plan: Plan, builder: PromptBuilder, monitor: RunMonitor | None,
+        stop_on_sigint: bool = False,
     ) -> None:
         self.config, self.plan, self.builder, self.monitor = config, plan, builder, monitor
+        self.stop_on_sigint = stop_on_sigint
+        self.interrupted = False
         self.records: list[RequestRecord] = []
         self.in_flight: dict[int, RequestRecord] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -121,6 +127,25 @@ class _Runner:
             self.stop_reason = reason
             for task in list(self.tasks):
                 task.cancel()
+
+    def _on_sigint(self) -> None:
+        """First Ctrl-C: stop as a monitor would, so the caller can still write what was measured;
+        the handler is removed, so a second Ctrl-C interrupts at once."""
+        self.interrupted = True
+        self.stop(INTERRUPTED)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+
+    def _sigint_handler(self, install: bool) -> None:
+        if not self.stop_on_sigint:
+            return
+        loop = asyncio.get_running_loop()
+        try:  # only the main thread of a Unix process can take signals
+            if install:
+                loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+            else:
+                loop.remove_signal_handler(signal.SIGINT)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
 
     async def _one(self, rec: RequestRecord, spec: RequestSpec, sem: asyncio.Semaphore | None) -> None:
         try:
@@ -231,14 +256,18 @@ class _Runner:
             gc.freeze()
             self.t0 = perf_counter()
             ticker = asyncio.get_running_loop().create_task(self._ticker())
+            self._sigint_handler(install=True)
             try:
                 if self.plan.times is None:
                     await self._closed_loop()
-                else:
-                    await self._open_loop()
+                else:  # a task, so that a stop cancels its wait for the next due time
+                    dispatcher = self._spawn(self._open_loop())
                 while self.tasks:
                     await asyncio.gather(*list(self.tasks), return_exceptions=True)
+                if self.plan.times is not None and not dispatcher.cancelled() and dispatcher.exception():
+                    raise dispatcher.exception()  # a bug in the dispatcher must not pass as a short run
             finally:
+                self._sigint_handler(install=False)
                 ticker.cancel()
                 for task in list(self.tasks):
                     task.cancel()
@@ -253,7 +282,7 @@ class _Runner:
         )
         if self.stop_reason is not None:
             summary = _stopped(summary, self.stop_reason)
-        return Report(config, summary, self.records, started_at, self.stop_reason)
+        return Report(config, summary, self.records, started_at, self.stop_reason, self.interrupted)
 
 
 def _stopped(summary: Summary, reason: str) -> Summary:
@@ -278,11 +307,15 @@ async def wait_until_idle(config: LoadTestConfig) -> float:
         return perf_counter() - t0
 
 
-async def run_async(config: LoadTestConfig, monitor: RunMonitor | None = None) -> Report:
-    """Run one load test inside the caller's event loop."""
+async def run_async(
+    config: LoadTestConfig, monitor: RunMonitor | None = None, stop_on_sigint: bool = False
+) -> Report:
+    """Run one load test inside the caller's event loop. With `stop_on_sigint` (the CLI's), a first
+    Ctrl-C ends the run early and returns what was measured (Report.interrupted); without it Ctrl-C
+    interrupts as usual, so a caller running many tests (the tuner) stops as a whole."""
     builder = PromptBuilder(config.tokenizer)
     plan = build_plan(config, builder)
-    return await _Runner(config, plan, builder, monitor).run()
+    return await _Runner(config, plan, builder, monitor, stop_on_sigint).run()
 
 
 def run_in_new_loop(coro, use_uvloop: bool = True):
@@ -300,6 +333,6 @@ def run_in_new_loop(coro, use_uvloop: bool = True):
         return runner.run(coro)
 
 
-def run(config: LoadTestConfig, monitor: RunMonitor | None = None) -> Report:
+def run(config: LoadTestConfig, monitor: RunMonitor | None = None, stop_on_sigint: bool = False) -> Report:
     """Run one load test and return its Report (blocking; use run_async inside an event loop)."""
-    return run_in_new_loop(run_async(config, monitor))
+    return run_in_new_loop(run_async(config, monitor, stop_on_sigint))

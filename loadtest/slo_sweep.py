@@ -98,6 +98,7 @@ class SweepReport:
     steps: list[SweepStep]
     best_rate: float | None
     reports: list[Report]  # one per step, same order
+    interrupted: bool = False  # Ctrl-C ended the sweep (sweep(..., stop_on_sigint=True)); best of the steps run
 
     @property
     def best(self) -> SweepStep | None:
@@ -154,12 +155,18 @@ def _check(config: LoadTestConfig) -> None:
         raise ConfigError("trace (--trace): a sweep sets its own rates; use --time-scale to replay faster")
 
 
+class _Interrupted(Exception):
+    """Ctrl-C stopped a step: the search ends, and the steps run so far are the result."""
+
+
 async def sweep_async(
     config: LoadTestConfig,
     sc: SweepConfig,
     on_step: Callable[[SweepStep], None] | None = None,
+    stop_on_sigint: bool = False,
 ) -> SweepReport:
-    """Run the sweep in the caller's event loop; `on_step` sees each step as it finishes."""
+    """Run the sweep in the caller's event loop; `on_step` sees each step as it finishes. With
+    `stop_on_sigint`, a Ctrl-C during a step ends the sweep with the steps run so far."""
     _check(config)
     if config.num_prompts is None and config.duration is None:
         config = replace(config, duration=DEFAULT_STEP_DURATION_S)
@@ -176,8 +183,8 @@ async def sweep_async(
             else:
                 step_config = replace(step_config, duration=max(config.duration, sc.min_step_s))
         monitor = SloMonitor(config.slos) if sc.early_stop else None
-        report = await run_async(step_config, monitor)
-        if report.stop_reason is not None:
+        report = await run_async(step_config, monitor, stop_on_sigint)
+        if report.stop_reason is not None and not report.interrupted:
             await wait_until_idle(step_config)  # let the server drain what the stopped step queued
         passed = bool(report.summary.meets_slo) and report.stop_reason is None
         step = SweepStep(rate, phase, passed, report.summary, report.stop_reason)
@@ -185,14 +192,23 @@ async def sweep_async(
         reports.append(report)
         if on_step is not None:
             on_step(step)
+        if report.interrupted:
+            raise _Interrupted
         return passed
 
-    best = await search(evaluate, sc)
+    try:
+        best = await search(evaluate, sc)
+    except _Interrupted:
+        passing = [s.rate for s in steps if s.meets_slo]
+        return SweepReport(config, sc, steps, max(passing, default=None), reports, interrupted=True)
     return SweepReport(config, sc, steps, best, reports)
 
 
 def sweep(
-    config: LoadTestConfig, sc: SweepConfig | None = None, on_step: Callable[[SweepStep], None] | None = None
+    config: LoadTestConfig,
+    sc: SweepConfig | None = None,
+    on_step: Callable[[SweepStep], None] | None = None,
+    stop_on_sigint: bool = False,
 ) -> SweepReport:
     """Find the highest request rate meeting every SLO in config.slos (blocking)."""
-    return run_in_new_loop(sweep_async(config, sc or SweepConfig(), on_step))
+    return run_in_new_loop(sweep_async(config, sc or SweepConfig(), on_step, stop_on_sigint))

@@ -6,7 +6,11 @@ a sweep into a reused --result-dir leaves no stale step folders of an earlier on
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +105,46 @@ def test_a_shorter_sweep_removes_only_its_own_stale_step_folders(tmp_path):
     left = sorted(p.name for p in out.glob("step_*"))
     assert left == sorted([f"step_{i:02d}_rate_{s['rate']:.4g}" for i, s in enumerate(steps)] + [mine.name])
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def _interrupt(server, *args: str) -> subprocess.CompletedProcess:
+    """Run the CLI in a child process, wait until the server has seen 3 requests, send one SIGINT."""
+    cmd = [sys.executable, "-c", "import typer; from loadtest.cli import loadtest; typer.run(loadtest)",
+           "--url", server.url, "--model", "m", "--no-progress", "--no-preflight", "--random-output-len", "2",
+           "--no-plots", *args]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while server.stats()["arrivals"] < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_ctrl_c_writes_what_was_measured_and_exits_130(server, tmp_path):
+    server.configure(slow_every=2, slow_ttft=60.0)  # request 2 of 3 hangs until the interrupt
+    out = tmp_path / "run"
+    res = _interrupt(server, "--num-prompts", "3", "--result-dir", str(out))
+    assert res.returncode == 130, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines()[-1].startswith("INTERRUPTED: Ctrl-C stopped the run"), res.stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["interrupted"] is True and "Ctrl-C" in doc["stop_reason"]
+    assert (doc["summary"]["completed"], doc["summary"]["errors"]) == (2, {"cancelled": 1})
+    assert len((out / "requests.jsonl").read_text().splitlines()) == 3
+
+
+def test_ctrl_c_ends_a_sweep_with_the_steps_run(server, tmp_path):
+    server.configure(slow_every=3, slow_ttft=60.0)  # the first step's third request hangs
+    out = tmp_path / "sweep"
+    res = _interrupt(server, "--sweep", "--num-prompts", "3", "--slo", "e2el_ms=100000", "--result-dir", str(out))
+    assert res.returncode == 130, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines()[-1].startswith("INTERRUPTED: Ctrl-C stopped the sweep"), res.stderr
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["interrupted"] is True and len(doc["steps"]) == 1 and doc["best_rate"] is None
