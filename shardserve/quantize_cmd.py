@@ -62,6 +62,9 @@ def quantize(
         "and the last block, in a model of at least 8 blocks; fewer: none) or 'none'. Default: ends when "
         "rounding to nearest (SmolLM2-135M: +0.58 % perplexity against +1.16 % with none, for 4 % more weight "
         "bytes; docs/fp8.md), none with GPTQ (it compensates the error itself)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace --out when it already holds a checkpoint (its files only: a folder "
+        "holding anything else is refused either way)."),
 ) -> None:
     """Quantize MODEL's block Linear layers and write a checkpoint that vLLM and transformers read.
 
@@ -76,6 +79,11 @@ def quantize(
     same scales and file layout, smaller output error on text like the calibration's. With GPTQ the codes
     of the LM head (per-row scales) are written beside, in fp8_head/, for an engine run with
     lm_head_dtype fp8 (transformers and vLLM do not read that folder). Progress bars show both steps.
+    The source's generation_config.json and tokenizer files are copied.
+
+    --out must be a new or empty folder, or (with --overwrite) one holding a checkpoint and nothing else;
+    it may not be MODEL, contain it, or lie inside it (MODEL would then hold a second model that a later
+    replace of MODEL deletes). Nothing else is ever deleted.
     """
     import torch
 
@@ -93,8 +101,16 @@ def quantize(
 
     if format not in FORMATS:
         raise _fail(f"--format: {format!r} is not supported; supported: {', '.join(FORMATS)}")
-    if out.resolve() == model.resolve():
-        raise _fail("--out: must differ from --model (the source is read while the output is written)")
+    from engines.loading.output_dir import OutputDirError, check_output_dir
+
+    try:
+        check_output_dir(out, what="--out", overwrite=overwrite, sources=(model,),
+                         overwrite_hint="pass --overwrite")
+    except OutputDirError as exc:
+        raise _fail(str(exc)) from None
+    if model.resolve() in out.resolve().parents:
+        raise _fail(f"--out: {str(out)!r} lies inside --model {str(model)!r}; write the quantized model to a folder "
+                    "outside the source")
     if self_calibrate and calibration is not None:
         raise _fail("--self-calibrate: the model writes its own calibration text; give --self-calibrate or "
                     "--calibration, not both")
@@ -137,11 +153,13 @@ def quantize(
         before = _linear_bytes(reader, cfg)
         from engines.loading.checkpoint import save_checkpoint
 
-        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=not keep, tokenizer_dir=model)
+        save_checkpoint(net, cfg, out, dtype=src_dtype, fp8=not keep, tokenizer_dir=model, overwrite=overwrite,
+                        generation_config=model / "generation_config.json")
         if head is not None:  # GPTQ codes of the LM head, for lm_head_dtype fp8 (a sub-folder: HF / vLLM skip it)
-            from engines.transforms.fp8_format import save_fp8_head
+            from engines.transforms.fp8_format import HEAD_FILE, save_fp8_head
 
             save_fp8_head(out, *head)
+            (out / HEAD_FILE).chmod((out / "config.json").stat().st_mode & 0o666)  # safetensors writes 0600
     except (CheckpointError, ConfigError, Fp8FormatError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     after = _linear_bytes(TensorReader(out), cfg)
@@ -291,6 +309,8 @@ def perplexity(model_dir: Path, tokens: Path | None = None, window: int = 0, max
 
     path, tdtype = _token_file(tokens)
     data = np.memmap(path, dtype=np.dtype(tdtype), mode="r")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens: must be >= 0 (0 = the whole file), got {max_tokens}")
     if max_tokens:
         data = data[:max_tokens]
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -338,6 +358,8 @@ def ppl(
         raise _fail(f"--weight-dtype: must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise _fail(f"--dtype: must be float32, bfloat16 or float16, got {dtype!r}")
+    if max_tokens < 0:
+        raise _fail(f"--max-tokens: must be >= 1, or 0 for the whole file, got {max_tokens}")
     try:
         r = perplexity(model, tokens, window, max_tokens, weight_dtype, dtype)
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as exc:

@@ -75,11 +75,17 @@ def train(
     """
     from engines.core.config import ConfigError
     from training.data import DataError
+    from training.export import ExportError
     from training.recipe import load_recipe
     from training.state import ResumeError
 
     try:
         recipe = load_recipe(config, set_ or [], init)
+        if recipe.out.export_dir and not memory_report:  # before training: the export at its end never deletes
+            from training.export import check_export_dir
+
+            check_export_dir(recipe.out.export_dir, "out.export_dir", False, recipe.data.dir, recipe.init or None,
+                             recipe.out.dir)
         if memory_report:
             from training.parallel.memory import format_report
             from training.parallel.memory import memory_report as measure
@@ -129,7 +135,7 @@ def train(
                        storage_path=str(Path(d["out"]["dir"]) / "ray"), name="train")
         else:
             raise ConfigError(f"--launcher: must be ray or local, got {launcher!r}")
-    except (ConfigError, DataError, ResumeError) as exc:
+    except (ConfigError, DataError, ResumeError, ExportError) as exc:
         _fail(exc)
 
 
@@ -139,12 +145,16 @@ def export(
     tokenizer_dir: Path | None = typer.Option(
         None, help="Folder with tokenizer.json [default: the recipe's data.dir]."),
     dtype: str = typer.Option("float32", help="Weights dtype: float32, bfloat16 or float16."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out when it holds an earlier export "
+                                   "(checkpoint files only: a folder holding anything else is refused)."),
 ) -> None:
-    """Export a training checkpoint as the engine's HF-compatible model directory, tokenizer included."""
+    """Export a training checkpoint as the engine's HF-compatible model directory, tokenizer included.
+
+    --out must be a new or empty folder, or (with --overwrite) one holding a checkpoint and nothing else."""
     from training.export import ExportError, export_checkpoint
 
     try:
-        path = export_checkpoint(checkpoint, out, tokenizer_dir, dtype)
+        path = export_checkpoint(checkpoint, out, tokenizer_dir, dtype, overwrite)
     except ExportError as exc:
         _fail(exc)
     typer.echo(f"exported {checkpoint} -> {path}")

@@ -13,6 +13,7 @@ import torch
 
 from engines.core.config import ModelConfig
 from engines.loading.checkpoint import save_checkpoint
+from engines.loading.output_dir import OutputDirError, check_output_dir
 
 
 class ExportError(ValueError):
@@ -23,37 +24,55 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def export_model(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | Path,
-                 dtype: str = "float32", init_dir: str | Path | None = None) -> Path:
+                 dtype: str = "float32", init_dir: str | Path | None = None, overwrite: bool = False,
+                 what: str = "out.export_dir") -> Path:
     """Write `model` as an HF-compatible directory with the tokenizer files of `tokenizer_dir`
     (tokenizer_config.json and chat_template.jinja carry the chat template). A fine-tuned model
     (`init_dir`: the directory it started from) keeps that model's generation_config.json (extra
-    EOS ids, default sampling values) and any tokenizer file the data folder lacks."""
+    EOS ids, default sampling values) and any tokenizer file the data folder lacks.
+
+    `out_dir` (named `what` in errors: the option it came from) must be new or empty, or hold a
+    checkpoint of this project's files alone and `overwrite` be true; anything else raises
+    ExportError and nothing is written or deleted (engines/loading/output_dir.py)."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         raise ExportError(f"tokenizer: {str(tokenizer_dir)!r} has no tokenizer.json "
                           "(pass the data folder the model was trained on)")
-    out = save_checkpoint(model, cfg.replace(dropout=0.0), out_dir, dtype=DTYPES[dtype], tokenizer_dir=tokenizer_dir)
+    check_export_dir(out_dir, what, overwrite, tokenizer_dir, init_dir)
+    gen = Path(init_dir) / "generation_config.json" if init_dir else None
+    try:
+        out = save_checkpoint(model, cfg.replace(dropout=0.0), out_dir, dtype=DTYPES[dtype],
+                              tokenizer_dir=tokenizer_dir, overwrite=overwrite, generation_config=gen)
+    except OutputDirError as exc:  # changed since check_export_dir looked
+        raise ExportError(f"{what}: {str(exc).partition(': ')[2]}") from None
     from training.data import TOKENIZER_FILES
 
-    for name in TOKENIZER_FILES:  # save_checkpoint copies the first three; a template file too
-        for src_dir in (tokenizer_dir, init_dir):
-            src = Path(src_dir) / name if src_dir else None
-            if src is not None and src.is_file() and not (out / name).is_file():
-                shutil.copyfile(src, out / name)
-    if init_dir and (Path(init_dir) / "generation_config.json").is_file():
-        shutil.copyfile(Path(init_dir) / "generation_config.json", out / "generation_config.json")
-    # save_checkpoint's temporary directory (mkdtemp) and safetensors files are private (0700 / 0600);
-    # a model directory is meant to be read by servers running as other users
-    out.chmod(0o755)
-    for f in out.iterdir():
-        f.chmod(0o644)
+    for name in TOKENIZER_FILES:  # a tokenizer file the data folder lacks comes from the model fine-tuned
+        src = Path(init_dir) / name if init_dir else None
+        if src is not None and src.is_file() and not (out / name).is_file():
+            shutil.copyfile(src, out / name)
+            (out / name).chmod((out / "config.json").stat().st_mode & 0o666)
     return out
 
 
+def check_export_dir(out_dir: str | Path, what: str = "out.export_dir", overwrite: bool = False,
+                     *sources: str | Path | None) -> None:
+    """Raise ExportError naming `what` unless a model can be exported to `out_dir` without deleting
+    anything but an earlier export (with `overwrite`); `sources` (run, data, init folders) may be
+    neither `out_dir` nor inside it. Cheap: call it before the work that ends in the export."""
+    hint = "pass --overwrite" if what == "--out" else "remove it or choose another folder"
+    try:
+        check_output_dir(out_dir, what=what, overwrite=overwrite, sources=sources, overwrite_hint=hint)
+    except OutputDirError as exc:
+        raise ExportError(str(exc)) from None
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                      dtype: str = "float32") -> Path:
-    """Export the model of a training checkpoint (a run folder or its checkpoint.safetensors)."""
+                      dtype: str = "float32", overwrite: bool = False) -> Path:
+    """Export the model of a training checkpoint (a run folder or its checkpoint.safetensors) to
+    `out_dir` (`shardserve export --out`: checked before anything is read; see export_model)."""
+    check_export_dir(out_dir, "--out", overwrite, checkpoint, tokenizer_dir)
     from safetensors import safe_open
 
     from training.model_setup import build_model
@@ -62,9 +81,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir
 
     path = Path(checkpoint)
     if path.is_dir() and (path / "checkpoint" / "layout.json").is_file():  # a Megatron run: per-rank shards
-        return _export_shards(path / "checkpoint", out_dir, tokenizer_dir, dtype)
+        return _export_shards(path / "checkpoint", out_dir, tokenizer_dir, dtype, overwrite)
     if path.is_dir() and (path / "layout.json").is_file():
-        return _export_shards(path, out_dir, tokenizer_dir, dtype)
+        return _export_shards(path, out_dir, tokenizer_dir, dtype, overwrite)
     if path.is_dir():
         path = path / CHECKPOINT
     try:
@@ -79,10 +98,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_dir
             if f"model.{name}" not in keys:
                 raise ExportError(f"{path}: checkpoint lacks model tensor {name!r}")
             t.copy_(f.get_tensor(f"model.{name}"))
-    return export_model(model, recipe.model, out_dir, tokenizer_dir or recipe.data.dir, dtype, recipe.init or None)
+    return export_model(model, recipe.model, out_dir, tokenizer_dir or recipe.data.dir, dtype, recipe.init or None,
+                        overwrite, "--out")
 
 
-def _export_shards(shard_dir: Path, out_dir, tokenizer_dir, dtype: str) -> Path:
+def _export_shards(shard_dir: Path, out_dir, tokenizer_dir, dtype: str, overwrite: bool = False) -> Path:
     """One HF-compatible directory from a parallel run's shards (training/parallel/state.py)."""
     from engines.model.transformer import GPT
     from training.parallel.state import assemble_shards
@@ -97,4 +117,4 @@ def _export_shards(shard_dir: Path, out_dir, tokenizer_dir, dtype: str) -> Path:
         raise ExportError(f"{shard_dir}: shards do not make the model (missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]})")
     return export_model(model.eval(), recipe.model, out_dir, tokenizer_dir or recipe.data.dir, dtype,
-                        recipe.init or None)
+                        recipe.init or None, overwrite, "--out")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engines.core.config import ConfigError, ModelConfig
+from engines.loading.output_dir import check_output_dir
 from engines.model.model_config import model_config_to_hf
 from engines.transforms.fp8_format import (
     FP8_DTYPE,
@@ -400,18 +401,26 @@ def _hf_state(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | Non
 
 def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path,
                     dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30,
-                    tokenizer_dir: str | Path | None = None, fp8: bool = False) -> Path:
+                    tokenizer_dir: str | Path | None = None, fp8: bool = False, overwrite: bool = False,
+                    generation_config: str | Path | None = None) -> Path:
     """Write an HF-compatible directory that transformers' AutoModelForCausalLM can load.
 
     fp8 (or a model holding engines.transforms.fp8.Fp8Linear layers) writes the block Linears as FP8 in the
     compressed-tensors scheme (engines/transforms/fp8_format.py); everything else is written in `dtype`, and
     block Linears left in float next to FP8 ones are named in the config's `ignore` list.
     Files are written to a temporary directory beside `out_dir` and renamed into place, so a
-    crash never leaves a half-written checkpoint.
+    crash never leaves a half-written checkpoint. An existing `out_dir` is replaced only when it is
+    empty, or holds a checkpoint of this project's files alone and `overwrite` is true (else
+    engines.loading.output_dir.OutputDirError): nothing else in it is ever deleted. Folders and
+    files get the modes a plain mkdir / open would (0777 / 0666 less the umask), so a server running
+    as another user can read them. `generation_config`: a generation_config.json to copy (the source
+    model's: extra EOS ids, pad id, sampling defaults); without it one is built from bos/eos alone.
     """
     out = Path(out_dir)
+    check_output_dir(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.tmp"
+    tmp.mkdir()  # not mkdtemp: its 0700 would make the model private to this user
     tensors = dict(_hf_state(model, cfg, dtype, fp8))
     quantized = any(v.dtype == FP8_DTYPE for v in tensors.values())
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # the embedding's
@@ -444,17 +453,23 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pat
                        if ours.endswith(QUANTIZABLE) for src in sources if tensors[src.name].dtype != FP8_DTYPE})
         hf["quantization_config"] = quantization_config(ignore=("lm_head", *kept))
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-    gen = {k: v for k, v in (("bos_token_id", hf["bos_token_id"]), ("eos_token_id", hf["eos_token_id"]))
-           if v is not None}
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if generation_config is not None and Path(generation_config).is_file():
+        (tmp / "generation_config.json").write_bytes(Path(generation_config).read_bytes())
+    else:
+        gen = {k: v for k, v in (("bos_token_id", hf["bos_token_id"]), ("eos_token_id", hf["eos_token_id"]))
+               if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
     if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             src = Path(tokenizer_dir) / name
             if src.is_file():
                 (tmp / name).write_bytes(src.read_bytes())
-    old = out.with_name(f".{out.name}.old")
-    _rmtree(old)
+    file_mode = tmp.stat().st_mode & 0o666  # the umask's file mode (safetensors writes 0600)
+    for f in tmp.iterdir():
+        f.chmod(file_mode)
+    old = out.with_name(f".{out.name}.{secrets.token_hex(6)}.old")  # a fresh name: never someone else's folder
     if out.exists():
+        check_output_dir(out, overwrite=overwrite)  # again: it may have changed while the weights were written
         os.replace(out, old)
     os.replace(tmp, out)
     _rmtree(old)
