@@ -29,6 +29,7 @@ from engines.loading.tokenizer import Tokenizer
 from engines.transforms.ptuning import (
     DatasetError,
     ModelShape,
+    TaskError,
     base_model_hashes,
     check_task_name,
     read_dataset,
@@ -279,19 +280,55 @@ class Trainer:
         return out
 
 
+TASK_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors", "task.json", "metrics.jsonl",
+                        "loss_curve.png", "prompt_encoder.safetensors"})
+"""What train_task writes into a task folder: a folder holding anything else is not ours to replace."""
+
+
+def check_task_out(model_dir: str | Path, out: str | Path, replace: bool, what: str = "--out",
+                   hint: str = "pass --overwrite") -> None:
+    """Raise TaskError naming `what` unless a task can be written to `out` losing nothing: `out` is
+    new, an empty folder, or (with `replace`) an earlier task folder (task.json and train_task's
+    files alone). `out` may not be the model folder or contain it. Cheap: runs before training."""
+    p, model = Path(out), Path(model_dir).resolve()
+    param = "out" if what.startswith("--") else "task"
+    if p.resolve() == model or p.resolve() in model.parents:
+        raise TaskError(f"{what}: {str(p)!r} is or contains the model folder {str(model_dir)!r}; writing the task "
+                        "there would replace the model; choose a new folder (default: MODEL/ptuning/TASK)", param=param)
+    if p.exists() and not p.is_dir():
+        raise TaskError(f"{what}: {str(p)!r} is a file, not a folder", param=param)
+    names = {e.name for e in p.iterdir()} if p.is_dir() else set()
+    if not names:
+        return
+    if "task.json" not in names or not names <= TASK_FILES or any(e.is_dir() for e in p.iterdir()):
+        listing = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise TaskError(f"{what}: {str(p)!r} is not empty and is not a p-tuned task folder (it holds {listing}); "
+                        "choose a new or empty folder (nothing there was changed)", param=param)
+    if not replace:
+        raise TaskError(f"{what}: {str(p)!r} already holds a trained task; {hint} to replace it", param=param)
+
+
 def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: PtuneRecipe | None = None,
                out_dir: str | Path | None = None, progress: bool = True, resume: bool = False,
-               on_progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
+               on_progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
+               overwrite: bool = False) -> dict:
     """Train `task` on `data` (JSONL path or inline JSONL); returns the final metrics.
 
     on_progress gets {"step", "total", "loss", "elapsed_s", "eta_s"} after every step;
     should_stop() -> True cancels (nothing is written then). The task lands in out_dir,
     by default <model_dir>/ptuning/<task>/. metrics: train_seconds is the training clock (the
-    optimizer steps alone), eval_seconds the validation passes, wall_seconds both and the rest."""
+    optimizer steps alone), eval_seconds the validation passes, wall_seconds both and the rest.
+
+    Before any training, out_dir is checked (check_task_out): an earlier task there is replaced only
+    with `overwrite` or `resume` (which continues it); the default folder, the model's own slot for
+    `task`, is the REST job's to retrain (ARCHITECTURE.md, P-tuning), so an earlier task there is
+    replaced. Any other non-empty folder, a file, or the model folder is refused."""
     recipe = recipe or PtuneRecipe()
     check_task_name(task)
     model_dir = Path(model_dir)
-    out = Path(out_dir) if out_dir is not None else model_dir / "ptuning" / task
+    out = Path(out_dir).resolve() if out_dir is not None else model_dir / "ptuning" / task
+    check_task_out(model_dir, out, overwrite or resume or out_dir is None,
+                   "--out" if out_dir is not None else f"task {task!r}")
     td = prepare(model_dir, data, recipe)
     model, cfg, train, val, rng = td.model, td.cfg, td.train, td.val, td.rng
     tr = Trainer(td, recipe)
@@ -365,7 +402,8 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
                    meta={**base_model_hashes(model_dir), "template": recipe.template, "metrics": metrics,
                          "recipe": recipe.to_dict()})
     plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=f"p-tuning {task}")
-    if final.exists():
+    if final.exists():  # checked before training; again, in case it changed meanwhile (the staged task stays)
+        check_task_out(model_dir, final, True)
         shutil.rmtree(final)
     out.rename(final)
     return metrics
