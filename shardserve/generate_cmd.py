@@ -25,6 +25,11 @@ def generate(
     from engines import EngineConfig, RequestError, SamplingParams
     from engines.core.llm_engine import LLMEngine
 
+    try:  # argv bytes that are not UTF-8 arrive as lone surrogates (PEP 383), which no tokenizer takes
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        typer.echo("error: --prompt: not valid UTF-8", err=True)
+        raise typer.Exit(2) from None
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
