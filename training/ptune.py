@@ -326,9 +326,10 @@ def train_task(model_dir: str | Path, task: str, data: str | Path, recipe: Ptune
     recipe = recipe or PtuneRecipe()
     check_task_name(task)
     model_dir = Path(model_dir)
-    out = Path(out_dir).resolve() if out_dir is not None else model_dir / "ptuning" / task
+    out = Path(out_dir) if out_dir is not None else model_dir / "ptuning" / task
     check_task_out(model_dir, out, overwrite or resume or out_dir is None,
                    "--out" if out_dir is not None else f"task {task!r}")
+    out = out.resolve()  # "." has no name to put the staging folder beside
     td = prepare(model_dir, data, recipe)
     model, cfg, train, val, rng = td.model, td.cfg, td.train, td.val, td.rng
     tr = Trainer(td, recipe)
