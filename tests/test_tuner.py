@@ -203,7 +203,8 @@ def test_search_emits_valid_deployment_and_rejects_impossible_slo(tmp_path):
 
 
 def test_emitted_yaml_serves(tmp_path, gpt2_dir):
-    """The chosen config runs unchanged under `shardserve serve --config` (a short real run)."""
+    """The chosen config runs unchanged under `shardserve serve --config` (a short real run). The
+    profile is a CPU one (cores set): a GPU profile's config asks for cuda and a GPU."""
     import os
     import shlex
     import signal
@@ -214,8 +215,10 @@ def test_emitted_yaml_serves(tmp_path, gpt2_dir):
     from proc_output import ProcOutput
 
     root = Path(__file__).resolve().parents[1]
+    cpu = tmp_path / "cpu.yaml"
+    load_profile("a100-80gb").replace(name="unit-cpu", cores=1).save(cpu)
     run = CliRunner().invoke(app, ["tune", "search", "--model", str(gpt2_dir / "config.json"), "--hardware",
-                                   "a100-80gb", "--devices", "1", "--input-len", "16", "--output-len", "8",
+                                   str(cpu), "--devices", "1", "--input-len", "16", "--output-len", "8",
                                    "--num-prompts", "20", "--weight-dtype", "float32", "--model-path", str(gpt2_dir),
                                    "--out", str(tmp_path)])
     assert run.exit_code == 0, run.output

@@ -14,7 +14,11 @@ def deployment(cand, model_path: str, profile: HardwareProfile, name: str = "def
 
     On a CPU profile every shard gets cores // (tp * pp) threads, as the cost model assumes; a
     copy of one shard reserves every core and, where the profile keeps serving_cores for the
-    serving side, runs its engine on the rest (worker_threads), else leaves the count to the engine."""
+    serving side, runs its engine on the rest (worker_threads), else leaves the count to the engine.
+    On a device profile (cores 0: a GPU) the engine runs on cuda and every shard reserves one GPU,
+    as the layout was priced: the replica itself (num_gpus) when the model is one shard, else each
+    shard worker (shard_num_gpus) while the replica, which only drives them, reserves none.
+    Left at the engine's cpu default, the GPU-tuned layout would be served on the host's cores."""
     from deploy.schema import validate_config
 
     dtype = "bfloat16" if cand.weight_dtype == "fp8" else cand.weight_dtype
@@ -39,6 +43,12 @@ def deployment(cand, model_path: str, profile: HardwareProfile, name: str = "def
         if shards > 1:
             model["shard_num_cpus"] = per_shard
             model["engine"]["worker_threads"] = per_shard
+    else:
+        model["engine"]["device"] = "cuda"
+        if shards == 1:
+            model["num_gpus"] = 1
+        else:
+            model["shard_num_gpus"] = 1
     out = {"models": [model]}
     validate_config(out, "tuned")
     return out
