@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -16,21 +17,51 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+MODEL_HELP = "Checkpoint folder (its config.json is read) or an HF config.json of a supported model."
+
+
 def _model(path: Path):
+    """The ModelConfig of --model: a checkpoint folder, as every other command's --model takes, or its
+    config.json alone (the tuner needs the shape, not the weights)."""
     from engines.core.config import ConfigError, ModelConfig
 
+    source = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if Path(path).is_dir() and not source.is_file():
+        _fail(f"--model: the folder {str(path)!r} has no config.json; give a checkpoint folder or an HF config.json")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(source.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        _fail(f"--model: no such file {str(path)!r}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        _fail(f"--model: {path} is not valid JSON ({exc})")
+        _fail(f"--model: no such file or folder {str(path)!r}")
+    except UnicodeDecodeError as exc:
+        _fail(f"--model: {source}: not UTF-8 text ({exc.reason} at byte {exc.start}); give an HF config.json")
+    except json.JSONDecodeError as exc:
+        _fail(f"--model: {source} is not valid JSON ({exc})")
+    except OSError as exc:
+        _fail(f"--model: cannot read {source} ({exc.strerror or exc})")
     if not isinstance(data, dict):
-        _fail(f"--model: {path} must hold a JSON object (an HF config.json)")
+        _fail(f"--model: {source} must hold a JSON object (an HF config.json)")
     try:
         return ModelConfig.from_hf(data)
     except (ConfigError, KeyError, TypeError, ValueError) as exc:
-        _fail(f"--model: {path} is not a GPT-2 or Llama config.json ({exc})")
+        _fail(f"--model: {source} is not the config.json of a supported model ({exc})")
+
+
+def _at_least_one(**flags: int) -> None:
+    """Each count flag (--block-size=..., keyed block_size) >= 1: a 0 divides by zero or starves
+    the simulated scheduler further in."""
+    for name, value in flags.items():
+        if value < 1:
+            _fail(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value}")
+
+
+def _fits_context(model, input_len: int, output_len: int) -> None:
+    """A request of input_len + output_len tokens must fit the model's context: the engine refuses
+    a longer one, so a prediction for it would be of a request that cannot run."""
+    limit = model.max_position_embeddings
+    if input_len + output_len > limit:
+        _fail(f"--input-len: {input_len} prompt tokens + --output-len {output_len} exceed the model's context "
+              f"of {limit} tokens (max_position_embeddings); at most {max(limit - output_len, 0)} with this "
+              "--output-len")
 
 
 RECALIBRATE_HELP = ("Measured profiles: take the host reference now (~1 s) and scale the profile's CPU-bound "
@@ -49,11 +80,11 @@ def _recalibrated(profile, recalibrate: bool):
     return recalibrated(profile, host_reference(cache_mib=profile.cache_mib or 32.0))
 
 
-def _cost(model_json: Path, hardware: str, tp: int, pp: int, weight_dtype: str, recalibrate: bool = False):
+def _cost(model, hardware: str, tp: int, pp: int, weight_dtype: str, recalibrate: bool = False):
+    """The cost model of `model` (a ModelConfig read by _model) on --hardware."""
     from tuner.cost import CostModel, LayoutError
     from tuner.profiles import ProfileError, load_profile
 
-    model = _model(model_json)
     try:
         profile = _recalibrated(load_profile(hardware), recalibrate)
         return CostModel(model, profile, tp=tp, pp=pp, weight_dtype=weight_dtype)
@@ -63,7 +94,7 @@ def _cost(model_json: Path, hardware: str, tp: int, pp: int, weight_dtype: str, 
 
 @tune.command("predict")
 def predict(
-    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    model: Path = typer.Option(..., "--model", help=MODEL_HELP),
     hardware: str = typer.Option(..., "--hardware", help="Built-in profile name (a100-80gb, h100-sxm, h200) "
                                  "or the path of a profile YAML."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
@@ -78,10 +109,10 @@ def predict(
     FasterTransformer and NeMo report it) and print one JSON object."""
     from tuner.cost import static_batch
 
-    for name, v in (("--batch", batch), ("--input-len", input_len), ("--output-len", output_len)):
-        if v < 1:
-            _fail(f"{name}: must be >= 1, got {v}")
-    cost = _cost(model, hardware, tp, pp, weight_dtype, recalibrate)
+    _at_least_one(batch=batch, input_len=input_len, output_len=output_len)
+    m = _model(model)
+    _fits_context(m, input_len, output_len)
+    cost = _cost(m, hardware, tp, pp, weight_dtype, recalibrate)
     out = static_batch(cost, batch, input_len, output_len)
     out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
     if cost.profile.host_scale:
@@ -92,7 +123,7 @@ def predict(
 
 @tune.command("simulate")
 def simulate_cmd(
-    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    model: Path = typer.Option(..., "--model", help=MODEL_HELP),
     hardware: str = typer.Option(..., "--hardware", help="Built-in profile name or profile YAML path."),
     tp: int = typer.Option(1, "--tp"),
     pp: int = typer.Option(1, "--pp"),
@@ -119,9 +150,17 @@ def simulate_cmd(
 
     if arrival not in ("poisson", "gamma", "constant"):
         _fail(f"--arrival: must be poisson, gamma or constant, got {arrival!r}")
-    if not request_rate > 0 or num_prompts < 1 or input_len < 1 or output_len < 1:
-        _fail("--request-rate, --num-prompts, --input-len and --output-len must be > 0")
-    cost = _cost(model, hardware, tp, pp, weight_dtype)
+    if not request_rate > 0:
+        _fail(f"--request-rate: must be a number of requests/s > 0 (inf: all at once), got {request_rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        _fail(f"--burstiness: must be a finite number > 0 (1 = Poisson), got {burstiness}")
+    if arrival != "gamma" and burstiness != 1.0:  # as the load tester refuses it (loadtest/config.py)
+        _fail(f"--burstiness: applies to --arrival gamma only; got --arrival {arrival}")
+    _at_least_one(num_prompts=num_prompts, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+    m = _model(model)
+    _fits_context(m, input_len, output_len)
+    cost = _cost(m, hardware, tp, pp, weight_dtype)
     kv_budget = cost.kv_budget_bytes()
     if kv_budget <= 0:
         _fail(f"does not fit: weights need {cost.weight_bytes_per_device() / GIB:.1f} GiB per device of "
@@ -143,7 +182,7 @@ def simulate_cmd(
 
 @tune.command("search")
 def search_cmd(
-    model: Path = typer.Option(..., "--model", help="HF config.json of a GPT-2 or Llama model."),
+    model: Path = typer.Option(..., "--model", help=MODEL_HELP),
     hardware: str = typer.Option(..., "--hardware", help="Built-in profile name or profile YAML path."),
     devices: int = typer.Option(8, "--devices", help="Device budget; replicas fill it."),
     slo: list[str] = typer.Option([], "--slo", help="As in loadtest: ttft_p99_ms=500, tpot_ms=50 (repeatable)."),
@@ -209,6 +248,7 @@ def search_cmd(
     except LoadConfigError as exc:
         _fail(str(exc))
     m = _model(model)
+    _fits_context(m, input_len, output_len)
     try:
         profile = _recalibrated(load_profile(hardware), recalibrate)
     except ProfileError as exc:
