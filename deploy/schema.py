@@ -312,6 +312,12 @@ def validate_config(data: Any, source: str = "config") -> DeploymentConfig:
         raise ConfigFileError(f"{source}: invalid deployment config\n{format_validation_error(exc)}") from None
 
 
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """What a file that is not UTF-8 text gets: where its first bad byte is, so a binary file or
+    a file saved in another encoding is told from a typo."""
+    return f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+
+
 def load_config(path: str | Path) -> DeploymentConfig:
     """Read and validate a YAML (or JSON) deployment config. Relative model paths are relative to
     the working directory of `shardserve serve`, like --model."""
@@ -321,9 +327,13 @@ def load_config(path: str | Path) -> DeploymentConfig:
     if not p.is_file():
         raise ConfigFileError(f"{p}: no such config file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigFileError(f"{p}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(f"{p}: {not_utf8(exc)}") from None
+    except OSError as exc:
+        raise ConfigFileError(f"{p}: cannot read the config file ({exc.strerror or exc})") from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"{p}: must hold a mapping with a `models` list")
     return validate_config(data, source=str(p))
@@ -340,7 +350,13 @@ def read_api_keys(server: ServerSpec, environ: dict[str, str] | None = None, adm
         p = Path(file)
         if not p.is_file():
             raise ConfigFileError(f"server.{prefix}api_keys_file: {p} does not exist")
-        for line in p.read_text().splitlines():
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigFileError(f"server.{prefix}api_keys_file: {p}: {not_utf8(exc)}") from None
+        except OSError as exc:
+            raise ConfigFileError(f"server.{prefix}api_keys_file: {p}: cannot read it ({exc.strerror or exc})") from None
+        for line in text.splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 keys.append(line)

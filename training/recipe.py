@@ -377,9 +377,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, init: str 
     if not p.is_file():
         raise ConfigError(f"recipe: no such file {str(p)!r}")
     try:
-        d = yaml.safe_load(p.read_text())
+        d = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe: {p} is not valid YAML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe: {p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"recipe: {p}: cannot read it ({exc.strerror or exc})") from None
     d = apply_overrides(d if isinstance(d, dict) else {}, overrides or []) if overrides else d
     if init is not None:
         d = {**(d if isinstance(d, dict) else {}), "init": str(init)}

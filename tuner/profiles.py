@@ -352,7 +352,11 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         raise ProfileError(f"hardware: unknown profile {name_or_path!r}; use a built-in name "
                            f"({', '.join(builtin_names())}) or the path of a profile YAML")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ProfileError(f"hardware: {path} is not valid YAML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"hardware: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ProfileError(f"hardware: {path}: cannot read it ({exc.strerror or exc})") from None
     return profile_from_dict(data, str(path))
