@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from test_serving_faults import uvicorn_thread
 
 from serving.disconnect import unless_disconnected
 from serving.errors import APIError
@@ -41,35 +41,20 @@ def _app(events: dict[str, threading.Event], statuses: list[int]) -> Starlette:
     return Starlette(routes=[Route("/work", route, methods=["POST"])])
 
 
-def _serve(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-
 def test_work_is_cancelled_when_the_client_leaves_and_finishes_when_it_stays():
     events = {"started": threading.Event(), "cancelled": threading.Event()}
     statuses: list[int] = []
-    server, thread, url = _serve(_app(events, statuses))
-    try:
-        with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=0.5)) as c:
-            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-                c.post("/work?s=30", json={})
-            assert events["started"].is_set()
-            assert events["cancelled"].wait(5), "the work went on after its client left"
-            deadline = time.monotonic() + 5  # the route answers once the cancelled work has unwound
-            while not statuses and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert statuses == [499]
-            events["cancelled"].clear()
-            r = c.post("/work?s=0.05", json={})
-            assert r.status_code == 200 and r.json() == {"result": "done"}
-            assert not events["cancelled"].is_set()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with (uvicorn_thread(_app(events, statuses), log_level="critical") as (url, _),
+          httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=0.5)) as c):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            c.post("/work?s=30", json={})
+        assert events["started"].is_set()
+        assert events["cancelled"].wait(5), "the work went on after its client left"
+        deadline = time.monotonic() + 5  # the route answers once the cancelled work has unwound
+        while not statuses and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert statuses == [499]
+        events["cancelled"].clear()
+        r = c.post("/work?s=0.05", json={})
+        assert r.status_code == 200 and r.json() == {"result": "done"}
+        assert not events["cancelled"].is_set()

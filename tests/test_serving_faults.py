@@ -44,8 +44,14 @@ def serve_http(core: ModelCore, **server):
     """The in-process app on a real uvicorn server at 127.0.0.1:<ephemeral>, in a thread."""
     cfg = validate_config({"models": [{"name": MODEL, "path": "unused"}],
                            "server": {"log_requests": False, "drain_timeout_s": 5, **server}})
-    app = create_local_app(cfg, cores={MODEL: core})
-    server_ = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    with uvicorn_thread(create_local_app(cfg, cores={MODEL: core})) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app, log_level: str = "warning"):
+    """(url, server) of any ASGI app on a real uvicorn server at 127.0.0.1:<ephemeral>, in a thread, until exit."""
+    server_ = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, lifespan="on"))
     thread = threading.Thread(target=server_.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
