@@ -84,7 +84,8 @@ def train(
         if recipe.out.export_dir and not memory_report:  # before training: the export at its end never deletes
             from training.export import check_export_dir
 
-            check_export_dir(recipe.out.export_dir, "out.export_dir", False, recipe.data.dir, recipe.init or None,
+            # the recipe's own output: its earlier export (a run again, a resume) is replaced, nothing else
+            check_export_dir(recipe.out.export_dir, "out.export_dir", True, recipe.data.dir, recipe.init or None,
                              recipe.out.dir)
         if memory_report:
             from training.parallel.memory import format_report

@@ -248,7 +248,7 @@ def _train(recipe: Recipe, ctx: DistContext, resume: bool, show_progress: bool, 
         from training.export import export_model
 
         export_dir = export_model(model, recipe.model, recipe.out.export_dir, data.tokenizer_dir,
-                                  init_dir=recipe.init or None)
+                                  init_dir=recipe.init or None, overwrite=True)  # the recipe's own earlier export
     if not interrupted and ctx.is_main:
         write_summary(training_summary(recipe, state, val_loss, choice, ctx.device, ctx.world_size,
                                        state.tokens - tokens0, state.elapsed_s - elapsed0, load_start),

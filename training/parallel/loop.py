@@ -208,4 +208,4 @@ def export_full(full: dict[str, torch.Tensor], recipe: Recipe) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"gathered shards do not make the model: missing {missing}, unexpected {unexpected}")
     return export_model(model.eval(), recipe.model, recipe.out.export_dir, TokenData(recipe.data.dir).tokenizer_dir,
-                        init_dir=recipe.init or None)
+                        init_dir=recipe.init or None, overwrite=True)  # the recipe's own earlier export
