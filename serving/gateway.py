@@ -27,7 +27,7 @@ from serving import errors
 from serving.auth import hash_key
 from serving.backends import ModelBackend
 from serving.errors import APIError
-from serving.limits import apply_limits, cap_max_tokens
+from serving.limits import apply_limits
 from serving.metrics import GatewayMetrics, Metric, merge, render
 from serving.wire import ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
@@ -154,17 +154,8 @@ class Gateway:
 
                     tk = Tokenizer(HFTokenizer.from_str(info.tokenizer_json), info.chat_template, info.bos_token,
                                    info.eos_token)
-                self._models[name] = ServedModel(name, backend, self._within_limits(info), tk)
+                self._models[name] = ServedModel(name, backend, info, tk)
         return self._models[name]
-
-    def _within_limits(self, info: ModelInfo) -> ModelInfo:
-        """`info` with generation_config.json's max_new_tokens at most server.limits.max_tokens, for
-        every API that fills unset fields from sampling_defaults (docs/serving.md promises the cap)."""
-        d = info.sampling_defaults
-        if d.get("max_tokens") is None:
-            return info
-        return dataclasses.replace(info, sampling_defaults={**d, "max_tokens": cap_max_tokens(d["max_tokens"],
-                                                                                              self.options.limits)})
 
     async def open(self, model: ServedModel, req: GenerateRequest, default_max_tokens: int | None = None
                    ) -> tuple[GenerateChunk, AsyncIterator[GenerateChunk]]:
@@ -174,15 +165,7 @@ class Gateway:
         proper HTTP statuses before any streamed byte is sent. A max_tokens left unset (None)
         becomes `default_max_tokens` (None: up to the context) within server.limits.max_tokens.
         """
-        limited = apply_limits(req, self.options.limits, model.info.max_model_len, default_max_tokens)
-        try:
-            return await self._open(model, limited)
-        except APIError as exc:
-            if limited.params.max_tokens == req.params.max_tokens or not _context_ends_first(exc.info):
-                raise
-            # the length was ours, not the client's, and it does not fit beside a p-tuned task's virtual
-            # tokens (which the gateway does not see): the context ends first, within that length
-            return await self._open(model, req)
+        return await self._open(model, apply_limits(req, self.options.limits, default_max_tokens))
 
     async def _open(self, model: ServedModel, req: GenerateRequest
                     ) -> tuple[GenerateChunk, AsyncIterator[GenerateChunk]]:
@@ -214,10 +197,6 @@ def renamed(info: ErrorInfo, names: dict[str, str]) -> ErrorInfo:
         return info
     message = re.sub(rf"\b{head.group(0)}\b", new, info.message)
     return dataclasses.replace(info, param=new + info.param[head.end():], message=message)
-
-
-def _context_ends_first(info: ErrorInfo) -> bool:
-    return info.code == "context_length_exceeded" and info.param == "max_tokens"
 
 
 def sampling_params(defaults: dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:

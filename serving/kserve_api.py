@@ -55,6 +55,10 @@ TRITON_RESERVED = {"binary_data_output", "sequence_id", "sequence_start", "seque
                    "headers"}
 
 
+V2_MAX_TOKENS = 16
+"""A v2 request's max_tokens when neither it nor generation_config.json sets one."""
+
+
 class GenerateParams(_Body):
     """Generation parameters of the v2 routes (a subset of the OpenAI ones, same ranges)."""
 
@@ -72,12 +76,17 @@ class GenerateParams(_Body):
 
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
         """The fields the request left unset (or null) take the model's generation_config.json values,
-        as /v1 does, so one model samples alike on both APIs; max_tokens then falls back to 16 (the
-        served limit is applied later, by apply_limits in Gateway.open)."""
+        as /v1 does, so one model samples alike on both APIs; but max_tokens stays unset, for
+        Gateway.open to resolve (default_max_tokens) within server.limits.max_tokens."""
         kw = {k: v for k, v in self.model_dump().items() if v is not None}
         if isinstance(kw.get("stop"), list):
             kw["stop"] = tuple(kw["stop"])
-        return sampling_params(defaults, **kw)
+        return sampling_params(defaults, **{"max_tokens": None, **kw})
+
+
+def default_max_tokens(m: ServedModel) -> int:
+    """A v2 request's length when it sets none: generation_config.json's max_new_tokens, else 16."""
+    return m.info.sampling_defaults.get("max_tokens", V2_MAX_TOKENS)
 
 
 # error names: engine and limit errors name SamplingParams / OpenAI fields (prompt, n, max_tokens)
@@ -284,7 +293,7 @@ async def _collect(request: Request, gw: Gateway, m: ServedModel, req: GenerateR
     """(completion index, text, finish reason) of each completion, generated whole. Awaited under
     unless_disconnected: a client that leaves cancels it, and closing the stream aborts the engine's
     requests."""
-    first, rest = await gw.open(m, req)
+    first, rest = await gw.open(m, req, default_max_tokens(m))
     text: dict[int, str] = {}
     finish: dict[int, str | None] = {}
     try:
@@ -367,7 +376,7 @@ async def generate_stream(name: str, request: Request, version: str | None = Non
     request.state.stream = True
     req, body, names = await _generate_request(request, m, stream=True)
     with _named(names):
-        first, rest = await gw.open(m, req)
+        first, rest = await gw.open(m, req, default_max_tokens(m))
     base: dict[str, Any] = {"model_name": m.name, "model_version": VERSION}
     if isinstance(body.get("id"), str):
         base["id"] = body["id"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from deploy.schema import RequestLimits
-from engines.core.sampling_params import RequestError
 from serving import errors
 from serving.wire import GenerateRequest
 
@@ -25,28 +24,20 @@ def cap_max_tokens(default: int | None, limits: RequestLimits) -> int | None:
     return cap if default is None else min(default, cap)
 
 
-def resolve_max_tokens(req: GenerateRequest, limits: RequestLimits, max_model_len: int,
-                       default: int | None = None) -> GenerateRequest:
-    """`req` with a max_tokens it left unset (None) resolved: `default` (None: up to the context)
-    within the limit, or None where the context ends first, since an explicit length that does not
-    fit beside the prompt is refused by the engine. A set max_tokens is left as it is."""
+def resolve_max_tokens(req: GenerateRequest, limits: RequestLimits, default: int | None = None) -> GenerateRequest:
+    """`req` with the length of a max_tokens it left unset (None): `default` (None: up to the context)
+    within the limit, as GenerateRequest.max_tokens_cap, which the model server applies to each prompt.
+    A set max_tokens is left as it is (apply_limits refuses one past the limit)."""
     if req.params.max_tokens is not None:
         return req
-    want = cap_max_tokens(default, limits)
-    if want is None or max_model_len - max(len(p) for p in req.prompts) <= want:
-        return req
-    try:
-        return dataclasses.replace(req, params=req.params.replace(max_tokens=want))
-    except RequestError as exc:  # min_tokens above the resolved length: the client's min_tokens is refused
-        raise errors.invalid(f"{exc} (max_tokens not set: {want}, the default within the server's limit)",
-                             exc.param) from None
+    return dataclasses.replace(req, max_tokens_cap=cap_max_tokens(default, limits))
 
 
-def apply_limits(req: GenerateRequest, limits: RequestLimits, max_model_len: int,
-                 default_max_tokens: int | None = None) -> GenerateRequest:
+def apply_limits(req: GenerateRequest, limits: RequestLimits, default_max_tokens: int | None = None
+                 ) -> GenerateRequest:
     """`req` with an unset max_tokens resolved (resolve_max_tokens); raises a 400 for anything past
     server.limits. Both in one call: a check of an unresolved request would let None through."""
-    req = resolve_max_tokens(req, limits, max_model_len, default_max_tokens)
+    req = resolve_max_tokens(req, limits, default_max_tokens)
     p = req.params
     where = "(server.limits.{} of this server)"
     if p.n > limits.max_n:

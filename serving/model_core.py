@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from engines.core.sampling_params import RequestError
+from engines.core.sampling_params import RequestError, SamplingParams
 from serving import errors
 from serving.admission import EngineView, TtftAdmission
 from serving.metrics import ReplicaMetrics
@@ -101,12 +101,10 @@ class ModelCore:
         return await asyncio.to_thread(self.ptuning.run, op)
 
     def step_window(self) -> dict:
-        """This replica's window as it is published (serving/steps_api.py turns it into the route's
-        answer): its layout, its replica name, `clock_s` (now on the replica's monotonic clock, so that
-        a reader can tell how old each step is) and the engine's latest steps as tuples in
-        engines.core.step_record.STEP_FIELDS order (a replica publishes its window every metrics push: tuples pickle
-        several times faster than dicts, which matters for a window of thousands of steps): the
-        engine's step recorder (engines/core/step_record.py), sized by EngineConfig.step_record_len."""
+        """This replica's window as published (serving/steps_api.py answers with it): its layout, replica name,
+        `clock_s` (now on the replica's monotonic clock: how old each step is) and the engine's latest steps as
+        tuples in engines.core.step_record.STEP_FIELDS order (published every metrics push: tuples pickle several
+        times faster than dicts, for thousands of steps), from the step recorder (EngineConfig.step_record_len)."""
         c = self.engine.engine.config
         layout = {"tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size,
                   "worker_threads": c.worker_threads, "max_num_seqs": c.max_num_seqs,
@@ -204,7 +202,7 @@ class ModelCore:
                 self._watcher = asyncio.ensure_future(self._watch_waiting())
         self._awaiting_first[req.request_id] = _Waiting(t0, num_seqs, tokens, predicted)
         try:
-            err = self._validate(req)
+            err, params = self._validate(req)
             if err is not None:
                 self.metrics.rejected("invalid")
                 yield GenerateChunk(error=err, finished=True)
@@ -214,30 +212,46 @@ class ModelCore:
                 # admitted: the stream opens now; with a TTFT SLO it opens with the first token,
                 # since until then the request may still be given up with a 429
                 yield GenerateChunk()
-            async for chunk in self._stream(req, t0):
+            async for chunk in self._stream(req, params, t0):
                 yield chunk
         finally:
             self.admitted -= num_seqs
             self.active_requests -= 1
             self._awaiting_first.pop(req.request_id, None)
 
-    def _validate(self, req: GenerateRequest) -> ErrorInfo | None:
-        # all prompts before any starts: a request is admitted whole or not at all
+    def _validate(self, req: GenerateRequest) -> tuple[ErrorInfo | None, list[SamplingParams]]:
+        """(None, each prompt's SamplingParams) or (why it is refused, []): all prompts before any starts."""
         try:
-            for p in req.prompts:
-                self.engine.engine.validate(p, req.params, req.task)
+            params = self._prompt_params(req)
+            for p, sp in zip(req.prompts, params):
+                self.engine.engine.validate(p, sp, req.task)
         except RequestError as exc:
             if exc.code == "task_not_found":
-                return ErrorInfo(404, "invalid_request_error", str(exc), exc.param, exc.code)
-            return ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value")
-        return None
+                return ErrorInfo(404, "invalid_request_error", str(exc), exc.param, exc.code), []
+            return ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value"), []
+        return None, params
+
+    def _prompt_params(self, req: GenerateRequest) -> list[SamplingParams]:
+        """req.params per prompt, req.max_tokens_cap applied where the client set no length: the cap, or up to the
+        context where that ends first (the prompt's room less a task's virtual tokens, which only this side knows)."""
+        cap, p = req.max_tokens_cap, req.params
+        if cap is None or p.max_tokens is not None:
+            return [p] * len(req.prompts)
+        engine = self.engine.engine
+        virtual = engine.tasks.get(req.task).num_virtual_tokens if req.task is not None else 0
+        try:
+            capped = p.replace(max_tokens=cap)
+        except RequestError as exc:  # min_tokens above the server's length: the client's min_tokens is refused
+            raise RequestError(f"{exc} (max_tokens not set: {cap}, the server's default)", exc.param, exc.code) from None
+        return [capped if engine.max_model_len - virtual - len(ids) >= cap else p for ids in req.prompts]
 
     def _interval(self) -> float:
         if self.spec.stream_interval_ms > 0:
             return self.spec.stream_interval_ms / 1000.0
         return min(MAX_ADAPTIVE_INTERVAL_S, max(MIN_ADAPTIVE_INTERVAL_S, self.active_requests / ADAPTIVE_CHUNK_RATE))
 
-    async def _stream(self, req: GenerateRequest, t0: float) -> AsyncIterator[GenerateChunk]:
+    async def _stream(self, req: GenerateRequest, params: list[SamplingParams], t0: float
+                      ) -> AsyncIterator[GenerateChunk]:
         n, m = req.params.n, self.metrics
         ids = [f"{req.request_id}-{j}" for j in range(len(req.prompts))]
         state = _Progress(len(req.prompts), n)
@@ -249,7 +263,7 @@ class ModelCore:
         pending: GenerateChunk | None = None
         last_sent = 0.0
         try:
-            async with contextlib.aclosing(self._outputs(req, ids)) as outputs:
+            async with contextlib.aclosing(self._outputs(req, params, ids)) as outputs:
                 async for j, out in outputs:
                     if state.late:  # given up before its first token: nothing of it is sent
                         break
@@ -316,10 +330,11 @@ class ModelCore:
             m.finished(reason, count)
         yield final
 
-    async def _outputs(self, req: GenerateRequest, ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(self, req: GenerateRequest, params: list[SamplingParams], ids: list[str]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every engine request of `req`, in arrival order."""
         if len(ids) == 1:  # the common case: no extra task
-            async with contextlib.aclosing(self.engine.generate(ids[0], req.prompts[0], req.params,
+            async with contextlib.aclosing(self.engine.generate(ids[0], req.prompts[0], params[0],
                                                                 task=req.task)) as gen:
                 async for out in gen:
                     yield 0, out
@@ -328,7 +343,7 @@ class ModelCore:
 
         async def pump(j: int) -> None:
             try:
-                async with contextlib.aclosing(self.engine.generate(ids[j], req.prompts[j], req.params,
+                async with contextlib.aclosing(self.engine.generate(ids[j], req.prompts[j], params[j],
                                                                     task=req.task)) as gen:
                     async for out in gen:
                         queue.put_nowait((j, out))

@@ -74,6 +74,12 @@ class GenerateRequest:
     stream: bool = False
     """Send an empty chunk as soon as the request is admitted, so a streaming response can start
     (and notice a client that leaves) while the request still waits for the engine."""
+    max_tokens_cap: int | None = None
+    """A length the server chose because the client set none (params.max_tokens is None): each prompt
+    generates at most this many tokens, or up to the context where that ends first. The model server
+    applies it per prompt, as only it knows each prompt's room (a p-tuned task's virtual tokens take
+    context too): one length for a batch of prompts would refuse the long ones or let the short ones
+    run past the server's limit."""
 
 
 @dataclass

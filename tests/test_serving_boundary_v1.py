@@ -115,6 +115,27 @@ def test_a_task_prompt_near_the_context_end_runs_to_the_context(capped):
     assert r.usage.completion_tokens == 256 - 232 - VIRTUAL and r.choices[0].finish_reason == "length"
 
 
+def test_each_prompt_of_a_batch_takes_the_limit_or_its_own_context_end(capped):
+    """One unset max_tokens, prompts of 232 and 3 tokens after the task's 20 virtual ones: the long one runs to the
+    context (4 tokens), the short one stops at the limit (it ran on to the context while the longest prompt decided
+    for the batch)."""
+    r = capped.completions.create(model=MODEL, prompt=[[5] * 232, [5] * 3],
+                                  extra_body={"ignore_eos": True, "task": "soft"})
+    got = {c.index: c for c in r.choices}
+    assert r.usage.completion_tokens == (256 - 232 - VIRTUAL) + CAP, r.usage
+    assert got[0].finish_reason == got[1].finish_reason == "length"
+
+
+def test_a_v2_request_without_max_tokens_takes_the_limit(capped):
+    """/v2 takes the same resolved length: its fallback of 16 over a limit of 6 refused every request that set none."""
+    url = str(capped.base_url).removesuffix("/v1/").removesuffix("/v1")
+    r = httpx.post(f"{url}/v2/models/{MODEL}/generate", json={"text_input": "Once upon a time",
+                                                             "parameters": {"ignore_eos": True}}, timeout=30)
+    assert r.status_code == 200 and r.json()["finish_reason"] == "length", r.text
+    r = httpx.post(f"{url}/v2/models/{MODEL}/generate", json={"text_input": "hi", "max_tokens": CAP + 1}, timeout=30)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"], r.text
+
+
 def test_a_sent_max_tokens_over_the_limit_is_refused(capped):
     for call in (lambda: capped.completions.create(model=MODEL, prompt="hi", max_tokens=CAP + 1),
                  lambda: capped.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
