@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from deploy.schema import RequestLimits
+from engines.core.sampling_params import RequestError, SamplingParams
 from serving import errors
 from serving.wire import GenerateRequest
 
@@ -63,3 +64,17 @@ def apply_limits(req: GenerateRequest, limits: RequestLimits, default_max_tokens
                 raise errors.invalid(f"{param}: {len(ids)} tokens; at most {limits.max_prompt_tokens} "
                                      f"{where.format('max_prompt_tokens')}", param)
     return req
+
+
+def prompt_params(req: GenerateRequest, max_model_len: int, virtual_tokens: int) -> list[SamplingParams]:
+    """req.params for each prompt, req.max_tokens_cap applied where the client set no length: the cap, or up to
+    the context where that ends first (the prompt's room less a p-tuned task's `virtual_tokens`, which only the
+    model server knows). Raises RequestError for a min_tokens above the cap."""
+    cap, p = req.max_tokens_cap, req.params
+    if cap is None or p.max_tokens is not None:
+        return [p] * len(req.prompts)
+    try:
+        capped = p.replace(max_tokens=cap)
+    except RequestError as exc:  # min_tokens above the server's length: the client's min_tokens is refused
+        raise RequestError(f"{exc} (max_tokens not set: {cap}, the server's default)", exc.param, exc.code) from None
+    return [capped if max_model_len - virtual_tokens - len(ids) >= cap else p for ids in req.prompts]

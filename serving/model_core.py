@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from engines.core.sampling_params import RequestError, SamplingParams
 from serving import errors
 from serving.admission import EngineView, TtftAdmission
+from serving.limits import prompt_params
 from serving.metrics import ReplicaMetrics
 from serving.wire import Delta, ErrorInfo, GenerateChunk, GenerateRequest, ModelInfo
 
@@ -222,28 +223,22 @@ class ModelCore:
     def _validate(self, req: GenerateRequest) -> tuple[ErrorInfo | None, list[SamplingParams]]:
         """(None, each prompt's SamplingParams) or (why it is refused, []): all prompts before any starts."""
         try:
-            params = self._prompt_params(req)
-            for p, sp in zip(req.prompts, params):
-                self.engine.engine.validate(p, sp, req.task)
+            engine = self.engine.engine
+            virtual = engine.tasks.get(req.task).num_virtual_tokens if req.task is not None else 0
+            params = prompt_params(req, engine.max_model_len, virtual)
+            for i, (p, sp) in enumerate(zip(req.prompts, params)):
+                try:
+                    self.engine.engine.validate(p, sp, req.task)
+                except RequestError as exc:  # which of several prompts: prompt[i]
+                    if exc.param != "prompt" or len(req.prompts) == 1:
+                        raise
+                    raise RequestError(f"prompt[{i}]" + str(exc).removeprefix("prompt"), f"prompt[{i}]",
+                                       exc.code) from None
         except RequestError as exc:
             if exc.code == "task_not_found":
                 return ErrorInfo(404, "invalid_request_error", str(exc), exc.param, exc.code), []
             return ErrorInfo(400, "invalid_request_error", str(exc), exc.param, exc.code or "invalid_value"), []
         return None, params
-
-    def _prompt_params(self, req: GenerateRequest) -> list[SamplingParams]:
-        """req.params per prompt, req.max_tokens_cap applied where the client set no length: the cap, or up to the
-        context where that ends first (the prompt's room less a task's virtual tokens, which only this side knows)."""
-        cap, p = req.max_tokens_cap, req.params
-        if cap is None or p.max_tokens is not None:
-            return [p] * len(req.prompts)
-        engine = self.engine.engine
-        virtual = engine.tasks.get(req.task).num_virtual_tokens if req.task is not None else 0
-        try:
-            capped = p.replace(max_tokens=cap)
-        except RequestError as exc:  # min_tokens above the server's length: the client's min_tokens is refused
-            raise RequestError(f"{exc} (max_tokens not set: {cap}, the server's default)", exc.param, exc.code) from None
-        return [capped if engine.max_model_len - virtual - len(ids) >= cap else p for ids in req.prompts]
 
     def _interval(self) -> float:
         if self.spec.stream_interval_ms > 0:

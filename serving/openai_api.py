@@ -14,7 +14,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.core.plan import TokenLogprob
-from serving import errors
 from serving.chat import render_chat
 from serving.disconnect import unless_disconnected
 from serving.errors import APIError
@@ -80,7 +79,7 @@ async def completions(request: Request):
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         texts.append(p if isinstance(p, str) else None)
-        ids.append(_checked(model.encode(p, param) if isinstance(p, str) else list(p), param, model))
+        ids.append(model.encode(p, param) if isinstance(p, str) else list(p))
     echo_lp = body.echo and body.logprobs is not None
     # max_tokens left out or null: the model's generation_config.json max_new_tokens, else the API's 16
     # (within server.limits.max_tokens; Gateway.open resolves it)
@@ -92,20 +91,6 @@ async def completions(request: Request):
     req = GenerateRequest(_engine_id(request), ids, params, task=body.task, stream=bool(body.stream))
     return await _respond(request, _CompletionView(model, body, ids, texts, request.state.request_id), model, req,
                           default)
-
-
-def _checked(ids: list[int], param: str, model: ServedModel) -> list[int]:
-    """A prompt's ids after the engine's own checks of one prompt, made here where the route knows
-    which of several prompts it is (`param`); the engine's error would say only "prompt"."""
-    vocab, context = model.info.vocab_size, model.info.max_model_len
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab:
-            raise errors.invalid(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})",
-                                 param, "invalid_token_id")
-    if len(ids) >= context:
-        raise errors.invalid(f"{param}: {len(ids)} tokens leave no room to generate within the context window of "
-                             f"{context} tokens", param, "context_length_exceeded")
-    return ids
 
 
 def usage_dict(prompt: int, completion: int, virtual: int) -> dict:
