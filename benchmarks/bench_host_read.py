@@ -31,16 +31,6 @@ WINDOWS = (5, 10, 20, 60)
 """Repetition lengths (s) the summary looks at; a bench_peer batch-1 repetition of ours is ~4-6 s."""
 
 
-def read_rate(x: torch.Tensor) -> float:
-    """GB/s of the faster of two fp32 sums over x."""
-    best = float("inf")
-    for _ in range(2):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
-
-
 def windows(times: list[float], rates: list[float], w: float) -> list[float]:
     """The read of each back-to-back w-second window: its samples' harmonic mean (a fixed amount of reading takes
     the mean of their times), windows with no sample left out."""
@@ -88,7 +78,7 @@ def plot(path: Path, series: dict[str, tuple[list[float], list[float]]], cpu: st
 def main() -> None:
     from tqdm.auto import tqdm
 
-    from benchmarks.common import cpu_line
+    from benchmarks.common import cpu_line, read_bandwidth
     from engines.cpu.host_memory import huge_page_zeros
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,7 +105,7 @@ def main() -> None:
         while (now := time.perf_counter() - t0) < args.seconds:
             for label, x in bufs.items():
                 ts, rs = series[label]
-                rate = read_rate(x)
+                rate = read_bandwidth(repeats=2, x=x) / 1e9
                 ts.append(time.perf_counter() - t0)
                 rs.append(rate)
             bar.update(round(now) - bar.n)

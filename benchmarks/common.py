@@ -41,13 +41,17 @@ def cpu_line() -> str:
            f"(no {' '.join(f for f in CPU_FLAGS if f not in flags) or '-'})"
 
 
-def read_bandwidth(nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 5) -> float:
-    """Bytes/s of a streaming read: an fp32 sum over a buffer larger than the caches, best of N.
+def read_bandwidth(nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 5, x: torch.Tensor | None = None
+                   ) -> float:
+    """Bytes/s of a streaming read: an fp32 sum over a buffer larger than the caches, best of N; of `x` (fp32,
+    already written, no warm-up) where given, else of a fresh buffer of `nbytes`.
 
     fp32 is used because its reduction kernel is the fastest reader torch has here (the bf16 sum
     is compute-bound on this CPU and would understate the ceiling)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    x.sum()
+    if x is None:
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        x.sum()
+    nbytes = x.numel() * x.element_size()
     best = float("inf")
     for _ in range(repeats):
         if device == "cuda":

@@ -37,9 +37,7 @@ from serving.gateway import (
     read_body,
     sampling_params,
 )
-from serving.kserve_tensors import (  # noqa: F401 - openapi.py and tests import them here
-    _NUMERIC,
-    _decode_bytes,
+from serving.kserve_tensors import (
     or_empty,
     scalar,
     split_binary,

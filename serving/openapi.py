@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from deploy.schema import RequestLimits
-from serving.kserve_api import _NUMERIC, VERSION, GenerateParams
+from serving.kserve_api import VERSION, GenerateParams
+from serving.kserve_tensors import _NUMERIC
 from serving.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer"}}

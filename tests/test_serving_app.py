@@ -410,7 +410,7 @@ def test_gateway_modules_import_no_torch():
 
 
 def test_binary_bytes_tensor_roundtrip_helper():
-    from serving.kserve_api import _decode_bytes
+    from serving.kserve_tensors import _decode_bytes
 
     raw = b"".join(struct.pack("<I", len(s)) + s for s in (b"a", "é".encode(), b""))
     assert _decode_bytes(raw, "x") == ["a", "é", ""]
